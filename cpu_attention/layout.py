@@ -1,0 +1,145 @@
+"""The host KV block pool: its byte layout and the quantizing append.
+
+Layout (one pool holds every layer; a block id means the same tokens in every layer, so a
+sequence has one block table):
+
+    dtype  tensor            torch dtype  shape                        meaning
+    bf16   k, v              bfloat16     [L, NB, Hkv, BS, D]          bf16 bits; kernels read them as uint16
+    int8   k, v              int8         [L, NB, Hkv, BS, D]          round(x / scale)
+           k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|x| / 127 per token and head
+    int4   k, v              uint8        [L, NB, Hkv, BS, D // 2]     two 4-bit codes per byte, element 2i
+                                                                        in the low nibble, 2i+1 in the high
+           k_scale, v_scale  float16      [L, NB, Hkv, BS, D // 32]    (max - min) / 15 per group of 32
+           k_zero, v_zero    float16      [L, NB, Hkv, BS, D // 32]    the group's min: x ≈ code * scale + zero
+
+L layers, NB blocks, Hkv kv heads, BS tokens a block, D head dim. Token t of a sequence lives
+in block `block_table[t // BS]` at offset `t % BS`; its flat slot is `block * BS + offset`.
+Within a block one head's BS × D values are contiguous, so a decode kernel walking one
+(sequence, kv head) streams contiguous runs of BS × D elements.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+INT4_GROUP = 32
+
+
+class KVDtype(str, enum.Enum):
+    BF16 = "bf16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def bytes_per_value(self) -> float:
+        """Bytes per stored K or V element, scales and zero points included."""
+        return {KVDtype.BF16: 2.0, KVDtype.INT8: 1.0, KVDtype.INT4: 0.5}[self] + self.overhead_per_value
+
+    @property
+    def overhead_per_value(self) -> float:
+        if self is KVDtype.INT4:
+            return 4.0 / INT4_GROUP  # fp16 scale + fp16 zero per group
+        return 0.0  # int8's 4-byte scale per token-head is counted by the pool (depends on D)
+
+
+@dataclass
+class HostKVPool:
+    """Paged K/V storage for all layers in host memory (see the module docstring)."""
+
+    num_layers: int
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: KVDtype = KVDtype.BF16
+    pin: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype is KVDtype.INT4 and self.head_dim % INT4_GROUP:
+            raise ValueError(f"int4 KV needs head_dim divisible by {INT4_GROUP}, got {self.head_dim}")
+        L, NB, H, BS, D = self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim
+        mk = lambda shape, dt: torch.zeros(shape, dtype=dt, pin_memory=self.pin)  # noqa: E731
+        self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
+        if self.dtype is KVDtype.BF16:
+            self.k, self.v = mk((L, NB, H, BS, D), torch.bfloat16), mk((L, NB, H, BS, D), torch.bfloat16)
+        elif self.dtype is KVDtype.INT8:
+            self.k, self.v = mk((L, NB, H, BS, D), torch.int8), mk((L, NB, H, BS, D), torch.int8)
+            self.k_scale, self.v_scale = mk((L, NB, H, BS), torch.float32), mk((L, NB, H, BS), torch.float32)
+        else:
+            G = D // INT4_GROUP
+            self.k, self.v = mk((L, NB, H, BS, D // 2), torch.uint8), mk((L, NB, H, BS, D // 2), torch.uint8)
+            self.k_scale, self.v_scale = mk((L, NB, H, BS, G), torch.float16), mk((L, NB, H, BS, G), torch.float16)
+            self.k_zero, self.v_zero = mk((L, NB, H, BS, G), torch.float16), mk((L, NB, H, BS, G), torch.float16)
+
+    @property
+    def nbytes(self) -> int:
+        ts = [self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Host bytes one token's K and V take over all layers."""
+        return self.nbytes / (self.num_blocks * self.block_size)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in."""
+        blocks, offs = slots // self.block_size, slots % self.block_size
+        for name, x in (("k", k), ("v", v)):
+            data, scale, zero = quantize(x, self.dtype)
+            getattr(self, name)[layer, blocks, :, offs] = data
+            if scale is not None:
+                getattr(self, f"{name}_scale")[layer, blocks, :, offs] = scale
+            if zero is not None:
+                getattr(self, f"{name}_zero")[layer, blocks, :, offs] = zero
+
+    def gather(self, layer: int, block_table: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V of one sequence's first n_tokens: [Hkv, n_tokens, D] float32."""
+        out = []
+        for name in ("k", "v"):
+            data = getattr(self, name)[layer, block_table]  # [nb, Hkv, BS, ...]
+            scale = getattr(self, f"{name}_scale")
+            zero = getattr(self, f"{name}_zero")
+            x = dequantize(
+                data,
+                self.dtype,
+                None if scale is None else scale[layer, block_table],
+                None if zero is None else zero[layer, block_table],
+            )  # [nb, Hkv, BS, D]
+            out.append(x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :n_tokens])
+        return out[0], out[1]
+
+
+def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x [..., D] → (data, scale, zero) in the pool's layout for `dtype`."""
+    if dtype is KVDtype.BF16:
+        return x.to(torch.bfloat16), None, None
+    x = x.float()
+    if dtype is KVDtype.INT8:
+        scale = x.abs().amax(-1).clamp_min(1e-8) / 127.0
+        q = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
+        return q, scale, None
+    g = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-8).to(torch.float16)
+    zero = lo.to(torch.float16)
+    codes = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
+    codes = codes.reshape(*x.shape)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, scale, zero
+
+
+def dequantize(
+    data: torch.Tensor, dtype: KVDtype, scale: torch.Tensor | None, zero: torch.Tensor | None
+) -> torch.Tensor:
+    """Inverse of `quantize`, to float32."""
+    if dtype is KVDtype.BF16:
+        return data.float()
+    if dtype is KVDtype.INT8:
+        return data.float() * scale[..., None]
+    lo, hi = (data & 0xF), (data >> 4)
+    codes = torch.stack([lo, hi], dim=-1).reshape(*data.shape[:-1], data.shape[-1] * 2).float()
+    g = codes.reshape(*codes.shape[:-1], -1, INT4_GROUP)
+    x = g * scale.float()[..., None] + zero.float()[..., None]
+    return x.reshape(codes.shape)
