@@ -4,6 +4,7 @@ Layout (one pool holds every layer; a block id means the same tokens in every la
 sequence has one block table):
 
     dtype  tensor            torch dtype  shape                        meaning
+    f32    k, v              float32      [L, NB, Hkv, BS, D]          exact, for checks against float32 references
     bf16   k, v              bfloat16     [L, NB, Hkv, BS, D]          bf16 bits; kernels read them as uint16
     int8   k, v              int8         [L, NB, Hkv, BS, D]          round(x / scale)
            k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|x| / 127 per token and head
@@ -28,6 +29,7 @@ INT4_GROUP = 32
 
 
 class KVDtype(str, enum.Enum):
+    F32 = "f32"  # exact: for checking against a float32 reference, not for speed
     BF16 = "bf16"
     INT8 = "int8"
     INT4 = "int4"
@@ -35,7 +37,7 @@ class KVDtype(str, enum.Enum):
     @property
     def bytes_per_value(self) -> float:
         """Bytes per stored K or V element, scales and zero points included."""
-        return {KVDtype.BF16: 2.0, KVDtype.INT8: 1.0, KVDtype.INT4: 0.5}[self] + self.overhead_per_value
+        return {KVDtype.F32: 4.0, KVDtype.BF16: 2.0, KVDtype.INT8: 1.0, KVDtype.INT4: 0.5}[self] + self.overhead_per_value
 
     @property
     def overhead_per_value(self) -> float:
@@ -62,8 +64,9 @@ class HostKVPool:
         L, NB, H, BS, D = self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim
         mk = lambda shape, dt: torch.zeros(shape, dtype=dt, pin_memory=self.pin)  # noqa: E731
         self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
-        if self.dtype is KVDtype.BF16:
-            self.k, self.v = mk((L, NB, H, BS, D), torch.bfloat16), mk((L, NB, H, BS, D), torch.bfloat16)
+        if self.dtype in (KVDtype.F32, KVDtype.BF16):
+            dt = torch.float32 if self.dtype is KVDtype.F32 else torch.bfloat16
+            self.k, self.v = mk((L, NB, H, BS, D), dt), mk((L, NB, H, BS, D), dt)
         elif self.dtype is KVDtype.INT8:
             self.k, self.v = mk((L, NB, H, BS, D), torch.int8), mk((L, NB, H, BS, D), torch.int8)
             self.k_scale, self.v_scale = mk((L, NB, H, BS), torch.float32), mk((L, NB, H, BS), torch.float32)
@@ -113,6 +116,8 @@ class HostKVPool:
 
 def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [..., D] → (data, scale, zero) in the pool's layout for `dtype`."""
+    if dtype is KVDtype.F32:
+        return x.float(), None, None
     if dtype is KVDtype.BF16:
         return x.to(torch.bfloat16), None, None
     x = x.float()
@@ -134,7 +139,7 @@ def dequantize(
     data: torch.Tensor, dtype: KVDtype, scale: torch.Tensor | None, zero: torch.Tensor | None
 ) -> torch.Tensor:
     """Inverse of `quantize`, to float32."""
-    if dtype is KVDtype.BF16:
+    if dtype in (KVDtype.F32, KVDtype.BF16):
         return data.float()
     if dtype is KVDtype.INT8:
         return data.float() * scale[..., None]

@@ -1,0 +1,216 @@
+"""The Engine: sequences, a scheduler and the step loop over the model and the paged KV cache.
+
+One step is `schedule() → run(batch) → postprocess(outputs)`: a waiting sequence is
+prefilled (in chunks) and joins the running set; otherwise every running sequence decodes
+one token together. Finished sequences leave and free their KV blocks, so sequences join
+and leave between steps (continuous batching).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from hetero.errors import UserError
+from hetero.metrics import RequestStats
+from hetero.model import Model
+from hetero.sampling import Sampler, SamplingParams
+from hetero.tokenizer import StreamDecoder, Tokenizer
+from offload.kv_cache import PagedKVCache
+
+
+@dataclass
+class Sequence:
+    id: int
+    tokens: list[int]  # prompt and generated tokens
+    params: SamplingParams
+    index: int = 0  # position in the caller's list of prompts
+    prompt_len: int = 0
+    sampler: Sampler | None = None
+    decoder: StreamDecoder | None = None
+    finish_reason: str | None = None
+    generated: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.tokens)
+        self.sampler = Sampler(self.params)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed token of one sequence."""
+
+    index: int  # which prompt it answers
+    token: int
+    text: str
+    finish_reason: str | None = None  # "stop" (EOS / stop token) or "length" on the last chunk
+
+
+class Engine:
+    def __init__(self, model: Model, tokenizer: Tokenizer | None, cache: PagedKVCache, ctx_size: int,
+                 defaults: SamplingParams, prefill_chunk: int = 512, info: dict | None = None):
+        self.model, self.tok, self.cache = model, tokenizer, cache
+        self.cfg = model.cfg
+        self.ctx_size, self.defaults, self.prefill_chunk = ctx_size, defaults, prefill_chunk
+        self.info = info or {}
+        self._ids = itertools.count()
+        self.last_stats = RequestStats()
+        self._chat_seq: int | None = None  # the conversation whose KV stays between turns
+        self._chat_tokens: list[int] = []
+
+    # ------------------------------------------------------------------ model passes
+    @torch.inference_mode()
+    def _prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens[start:] of `seq` (tokens[:start] are cached) → logits of the last (or every) token."""
+        outs = []
+        for s in range(start, len(tokens), self.prefill_chunk):
+            ids = torch.tensor(tokens[s: s + self.prefill_chunk])
+            pos = torch.arange(s, s + len(ids))
+            slots = self.cache.reserve(seq, len(ids))
+            x = self.model.embed(ids)
+            for i in range(self.cfg.num_layers):
+                q, k, v = self.model.pre_attention(i, x, pos)
+                self.cache.write(i, slots, k, v)
+                o = self.cache.prefill(i, q, seq, s)
+                x = self.model.post_attention(i, x, o.to(x.dtype))
+            outs.append(self.model.logits(x if all_logits else x[-1:]))
+        return torch.cat(outs)
+
+    @torch.inference_mode()
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token for each sequence → logits [B, V]."""
+        ids = torch.tensor([s.tokens[-1] for s in seqs])
+        pos = torch.tensor([len(s.tokens) - 1 for s in seqs])
+        slots = torch.cat([self.cache.reserve(s.id, 1) for s in seqs])
+        sids = [s.id for s in seqs]
+        x = self.model.embed(ids)
+        for i in range(self.cfg.num_layers):
+            q, k, v = self.model.pre_attention(i, x, pos)
+            self.cache.write(i, slots, k, v)
+            o = self.cache.decode(i, q, sids)
+            x = self.model.post_attention(i, x, o.to(x.dtype))
+        return self.model.logits(x)
+
+    # ------------------------------------------------------------------ public API
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits [len(token_ids), vocab] of a fresh sequence, by the engine's own path."""
+        self._check_len(len(token_ids))
+        seq = next(self._ids)
+        try:
+            return self._prefill(seq, list(token_ids), 0, all_logits=True)
+        finally:
+            self.cache.free(seq)
+
+    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], **params) -> Iterator[Chunk]:
+        """Stream tokens for one prompt, or for many at once (each Chunk carries its prompt's index).
+
+        A prompt is text (tokenized as is) or token ids; params override the sampling defaults
+        (max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed).
+        """
+        p = self.defaults.update(**params)
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        seqs = [Sequence(next(self._ids), self._as_ids(x), p, index=i) for i, x in enumerate(prompts)]
+        for s in seqs:
+            self._check_len(len(s.tokens) + 1)
+        yield from self._run(seqs, cached={})
+
+    def chat(self, messages: list[dict], **params) -> Iterator[Chunk]:
+        """Answer the conversation; the KV of the previous turn is reused (only new tokens prefill)."""
+        if self.tok is None:
+            raise UserError("this engine has no tokenizer, so it cannot chat")
+        tokens = self.tok.apply_chat_template(messages)
+        self._check_len(len(tokens) + 1)
+        p = self.defaults.update(**params)
+        seq = Sequence(next(self._ids), tokens, p)
+        cached = 0
+        if self._chat_seq is not None:
+            cached = _common_prefix(self._chat_tokens, tokens)
+            cached = min(cached, len(tokens) - 1)  # the last prompt token must run to give logits
+            self.cache.tables[seq.id] = self.cache.tables.pop(self._chat_seq)
+            self.cache.truncate(seq.id, cached)
+        self._chat_seq = seq.id
+        yield from self._run([seq], cached={seq.id: cached}, keep=True)
+        self._chat_tokens = seq.tokens[:self.cache.num_tokens(seq.id)]
+
+    def reset_chat(self) -> None:
+        if self._chat_seq is not None:
+            self.cache.free(self._chat_seq)
+        self._chat_seq, self._chat_tokens = None, []
+
+    # ------------------------------------------------------------------ the step loop
+    def _run(self, seqs: list[Sequence], cached: dict[int, int], keep: bool = False) -> Iterator[Chunk]:
+        waiting, running = list(seqs), []
+        stats = self.last_stats = RequestStats()
+        try:
+            while waiting or running:
+                if waiting:  # schedule: prefill first, so new sequences join the decode batch
+                    s = waiting.pop(0)
+                    t0 = time.perf_counter()
+                    start = cached.get(s.id, 0)
+                    logits = self._prefill(s.id, s.tokens, start)
+                    stats.add_prefill(len(s.tokens) - start, time.perf_counter() - t0)
+                    batch = [s]
+                else:
+                    t0 = time.perf_counter()
+                    batch, logits = list(running), self._decode(running)
+                    stats.add_decode(len(running), time.perf_counter() - t0)
+                for s, row in zip(batch, logits):  # postprocess
+                    chunk = self._sample(s, row)
+                    if s.finish_reason is None and s not in running:
+                        running.append(s)
+                    elif s.finish_reason is not None:
+                        if s in running:
+                            running.remove(s)
+                        if not keep:
+                            self.cache.free(s.id)
+                    yield chunk
+        finally:
+            for s in seqs:  # an abandoned generator (Ctrl+C) frees what it held
+                if not keep:
+                    self.cache.free(s.id)
+            stats.kv_tokens = sum(t.num_tokens for t in self.cache.tables.values())
+
+    def _sample(self, s: Sequence, logits: torch.Tensor) -> Chunk:
+        tok = s.sampler(logits, s.tokens)
+        s.tokens.append(tok)
+        s.generated.append(tok)
+        stop = self.tok.stop_ids if self.tok else frozenset(self.cfg.eos_token_ids)
+        if tok in stop:
+            s.finish_reason = "stop"
+        elif len(s.generated) >= s.params.max_new_tokens or len(s.tokens) >= self.ctx_size:
+            s.finish_reason = "length"
+        text = ""
+        if self.tok is not None and tok not in stop:
+            s.decoder = s.decoder or StreamDecoder(self.tok)
+            text = s.decoder.push(tok)
+        return Chunk(s.index, tok, text, s.finish_reason)
+
+    # ------------------------------------------------------------------ helpers
+    def _as_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tok is None:
+                raise UserError("this engine has no tokenizer: pass token ids")
+            return self.tok.encode(prompt)
+        return list(prompt)
+
+    def _check_len(self, n: int) -> None:
+        if n > self.ctx_size:
+            raise UserError(
+                f"the prompt needs {n} tokens but the context is {self.ctx_size}: raise -c/--ctx-size "
+                f"(the model allows {self.cfg.max_position_embeddings}) or shorten the prompt"
+            )
+
+    def generate_text(self, prompt: str | list[int], **params) -> str:
+        return "".join(c.text for c in self.generate(prompt, **params))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,102 @@
+"""Build a `Model` from a checkpoint: read each tensor once, fuse, convert, place.
+
+Tensors are read one at a time from the lazily opened checkpoint and turned into their
+final form (fused QKV and gate/up, the chosen weight format, the chosen device) before the
+next is read, so peak memory stays near the final model size.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+
+import torch
+
+from hetero.checkpoint import Checkpoint
+from hetero.config import ModelConfig
+from hetero.cpu_linear import Int8Linear
+from hetero.errors import UserError
+from hetero.model import Dense, LayerWeights, Linear, Model
+
+log = logging.getLogger(__name__)
+
+
+class WeightFormat(str, enum.Enum):
+    F32 = "f32"
+    BF16 = "bf16"
+    INT8 = "int8"  # per-row int8, CPU kernel
+    NF4 = "4bit"  # bitsandbytes NF4, GPU
+
+    @classmethod
+    def parse(cls, value: "str | WeightFormat", device: torch.device) -> "WeightFormat":
+        if isinstance(value, WeightFormat):
+            return value
+        if value == "auto":
+            return cls.NF4 if device.type == "cuda" else cls.INT8
+        try:
+            return cls(value)
+        except ValueError:
+            raise UserError(f"--weights {value!r} is not one of auto, 4bit, int8, bf16, f32") from None
+
+
+def make_linear(w: torch.Tensor, b: torch.Tensor | None, fmt: WeightFormat, device: torch.device) -> Linear:
+    if fmt is WeightFormat.F32:
+        return Dense(w.float().to(device), None if b is None else b.float().to(device))
+    if fmt is WeightFormat.BF16:
+        return Dense(w.bfloat16().to(device), None if b is None else b.bfloat16().to(device))
+    if fmt is WeightFormat.INT8:
+        if device.type != "cpu":
+            raise UserError("--weights int8 runs on the CPU only; use --weights 4bit or bf16 with --device cuda")
+        return Int8Linear(w, b)
+    from gpu_ops.nf4 import nf4_linear  # bitsandbytes is needed only for this format
+
+    return nf4_linear(w, b, device)
+
+
+def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device) -> Model:
+    cfg: ModelConfig = ck.config
+    act = torch.float32 if fmt in (WeightFormat.F32, WeightFormat.INT8) or device.type == "cpu" else torch.bfloat16
+    keep = torch.float32 if act == torch.float32 else torch.bfloat16
+    get = ck.get
+    has = ck.tensors.__contains__
+    lin = lambda w, b=None: make_linear(w, b, fmt, device)  # noqa: E731
+    small = lambda name: get(name).to(device, keep)  # noqa: E731  norms, biases
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv_w = torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"])
+        qkv_b = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
+        lw = LayerWeights(
+            attn_norm=small(p + "input_layernorm.weight"),
+            qkv=lin(qkv_w, qkv_b),
+            o=lin(get(a + "o_proj.weight")),
+            mlp_norm=small(p + "post_attention_layernorm.weight"),
+        )
+        if cfg.qk_norm:
+            lw.q_norm, lw.k_norm = small(a + "q_norm.weight"), small(a + "k_norm.weight")
+        m = p + "mlp."
+        if cfg.moe_layers[i]:
+            lw.router = get(m + "gate.weight").to(device, torch.float32)
+            for e in range(cfg.num_experts):
+                x = f"{m}experts.{e}."
+                gu = torch.cat([get(x + "gate_proj.weight"), get(x + "up_proj.weight")])
+                lw.experts.append((lin(gu), lin(get(x + "down_proj.weight"))))
+        else:
+            lw.gate_up = lin(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
+            lw.down = lin(get(m + "down_proj.weight"))
+        layers.append(lw)
+
+    embed = get("model.embed_tokens.weight")
+    head_w = embed if cfg.tie_word_embeddings or not has("lm_head.weight") else get("lm_head.weight")
+    rope_freqs = get("rope_freqs") if has("rope_freqs") else None
+    return Model(
+        cfg,
+        embed=embed.to(device, keep),
+        norm=small("model.norm.weight"),
+        lm_head=lin(head_w),
+        layers=layers,
+        device=device,
+        act_dtype=act,
+        rope_freqs=rope_freqs,
+    )

@@ -1,0 +1,75 @@
+"""`hetero.load`: from a path and options to a ready Engine."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from cpu_attention import KVDtype
+from hetero.checkpoint import open_checkpoint
+from hetero.demo import demo_model_path
+from hetero.engine import Engine
+from hetero.errors import UserError
+from hetero.loader import WeightFormat, load_model
+from hetero.sampling import defaults_from_generation_config
+from hetero.tokenizer import Tokenizer
+from offload.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CTX = 4096
+
+
+def load(
+    model: str | Path | None = None,
+    *,
+    device: str = "auto",
+    weights: str = "auto",
+    kv_dtype: str = "bf16",
+    ctx_size: int = 0,
+    parallel: int = 4,
+    threads: int | None = None,
+    block_size: int = 32,
+    tokenizer: bool = True,
+    **sampling,
+) -> Engine:
+    """Load a HF folder or .gguf (default: the embedded demo model) into an Engine.
+
+    device: auto|cpu|cuda; weights: auto|4bit|int8|bf16|f32; kv_dtype: bf16|int8|int4|f32;
+    ctx_size: tokens per sequence (0: the model's, capped at 4096 unless asked);
+    parallel: sequences the KV cache holds at full context; sampling: default sampling
+    parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed, max_new_tokens).
+    """
+    path = Path(model) if model else demo_model_path()
+    ck = open_checkpoint(path)
+    cfg = ck.config
+    dev = _device(device)
+    fmt = WeightFormat.parse(weights, dev)
+    try:
+        kv = KVDtype(kv_dtype)
+    except ValueError:
+        raise UserError(f"--kv-dtype {kv_dtype!r} is not one of {', '.join(k.value for k in KVDtype)}") from None
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        limit = min(limit, cfg.sliding_window)
+    ctx = min(limit, DEFAULT_CTX) if ctx_size == 0 else ctx_size
+    if ctx > limit:
+        raise UserError(f"--ctx-size {ctx} exceeds what {path.name} supports ({limit} tokens)")
+    log.info("loading %s: %s weights on %s, %s KV, context %d", path, fmt.value, dev, kv.value, ctx)
+    m = load_model(ck, fmt, dev)
+    tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
+    cache = PagedKVCache(cfg, ctx * parallel, kv, block_size=block_size, threads=threads)
+    defaults = defaults_from_generation_config(path if path.is_dir() else None).update(**sampling)
+    info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx}
+    return Engine(m, tok, cache, ctx, defaults, info=info)
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cpu")  # the GPU path is chosen explicitly until the planner decides
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r} is not one of auto, cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but CUDA is not available; use --device cpu")
+    return torch.device(device)

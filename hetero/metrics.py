@@ -1,0 +1,39 @@
+"""Per-request counters the CLI prints after each answer (and the monitor will read)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    gen_tokens: int = 0
+    gen_seconds: float = 0.0
+    kv_tokens: int = 0
+
+    def add_prefill(self, tokens: int, seconds: float) -> None:
+        self.prompt_tokens += tokens
+        self.prompt_seconds += seconds
+        self.gen_tokens += 1  # a prefill's last logits give the first generated token
+
+    def add_decode(self, tokens: int, seconds: float) -> None:
+        self.gen_tokens += tokens
+        self.gen_seconds += seconds
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        # The first token came from the prefill; rate over the decode steps alone.
+        return (self.gen_tokens - 1) / self.gen_seconds if self.gen_seconds and self.gen_tokens > 1 else 0.0
+
+    def line(self) -> str:
+        return (f"[ prompt {self.prompt_tokens} tok, {self.prompt_tps:.0f} t/s | generation {self.gen_tokens} tok, "
+                f"{self.gen_tps:.1f} t/s | KV {_k(self.kv_tokens)} tok: {_k(self.kv_tokens)} CPU ]")
+
+
+def _k(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)

@@ -1,0 +1,171 @@
+"""The model's layer math in torch, split the way the runtime schedules it.
+
+Per layer: `pre_attention` (norm, fused QKV projection, q/k norm, RoPE) → attention, which
+the runtime computes over its paged KV tiers → `post_attention` (O projection, residual,
+norm, MLP or routed experts, residual). Weights are held as `Linear` objects so that the
+same math runs over dense, int8 or 4-bit weights on either device.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hetero.config import ModelConfig
+
+
+class Linear(Protocol):
+    """y = x @ W.T (+ b) for x [N, in]; implementations differ in how W is stored."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Dense:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias  # [out, in], [out]
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [H]
+    qkv: Linear  # rows: q (Hq*D), k (Hkv*D), v (Hkv*D)
+    o: Linear
+    mlp_norm: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None
+    gate_up: Linear | None = None  # dense MLP: rows gate (F), up (F)
+    down: Linear | None = None
+    router: torch.Tensor | None = None  # MoE: [E, H]
+    experts: list[tuple[Linear, Linear]] = field(default_factory=list)  # (gate_up, down) per expert
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+class Rope:
+    """cos/sin tables for rotate-half RoPE, grown on demand; llama3 / linear scaling applied."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, freq_factors: torch.Tensor | None = None):
+        d = cfg.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        sc = cfg.rope_scaling
+        if freq_factors is not None:  # GGUF carries llama3 scaling as per-frequency divisors
+            inv = inv / freq_factors.double()
+        elif sc is not None and sc.kind == "llama3":
+            inv = _llama3_inv_freq(inv, sc)
+        elif sc is not None and sc.kind == "linear":
+            inv = inv / sc.factor
+        self.inv_freq = inv
+        self.device = device
+        self.cos = self.sin = torch.empty(0, d, device=device)
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self.cos.shape[0], 256)
+        t = torch.arange(n, dtype=torch.float64)
+        f = torch.outer(t, self.inv_freq)
+        emb = torch.cat([f, f], dim=-1)
+        self.cos = emb.cos().float().to(self.device)
+        self.sin = emb.sin().float().to(self.device)
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, D], pos [N] → rotated x."""
+        if self.cos.shape[0] <= int(pos.max()):
+            self._grow(int(pos.max()) + 1)
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
+        h = x.shape[-1] // 2
+        rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+        return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+def _llama3_inv_freq(inv: torch.Tensor, sc) -> torch.Tensor:
+    low_wl = sc.original_max_position_embeddings / sc.low_freq_factor
+    high_wl = sc.original_max_position_embeddings / sc.high_freq_factor
+    wl = 2 * math.pi / inv
+    smooth = (sc.original_max_position_embeddings / wl - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    scaled = torch.where(wl > low_wl, inv / sc.factor, inv)
+    mid = (wl <= low_wl) & (wl >= high_wl)
+    return torch.where(mid, (1 - smooth) * inv / sc.factor + smooth * inv, scaled)
+
+
+class Model:
+    """Weights plus the per-layer math; attention itself belongs to the runtime."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: torch.Tensor,  # [V, H]
+        norm: torch.Tensor,
+        lm_head: Linear,
+        layers: list[LayerWeights],
+        device: torch.device,
+        act_dtype: torch.dtype = torch.float32,
+        rope_freqs: torch.Tensor | None = None,
+    ):
+        self.cfg, self.embed_w, self.norm, self.lm_head, self.layers = cfg, embed, norm, lm_head, layers
+        self.device, self.act_dtype = device, act_dtype
+        self.rope = Rope(cfg, device, rope_freqs)
+        self.scale = cfg.head_dim ** -0.5
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_w[ids.to(self.embed_w.device)].to(self.device, self.act_dtype)  # [N, H]
+
+    def pre_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor):
+        """x [N, H], pos [N] → q [N, Hq, D], k, v [N, Hkv, D]."""
+        c, lw = self.cfg, self.layers[i]
+        qkv = lw.qkv(rms_norm(x, lw.attn_norm, c.rms_norm_eps)).to(self.act_dtype)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.reshape(-1, c.num_heads, c.head_dim)
+        k = k.reshape(-1, c.num_kv_heads, c.head_dim)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        if lw.q_norm is not None:
+            q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
+        return self.rope(q, pos), self.rope(k, pos), v
+
+    def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [N, H] residual stream, attn [N, Hq, D] → the layer's output [N, H]."""
+        c, lw = self.cfg, self.layers[i]
+        x = x + lw.o(attn.reshape(attn.shape[0], -1)).to(self.act_dtype)
+        h = rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
+        return x + (self._moe(lw, h) if lw.router is not None else _swiglu(lw.gate_up, lw.down, h))
+
+    def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        probs = torch.softmax(F.linear(h.float(), lw.router.float()), dim=-1)  # [N, E]
+        w, idx = probs.topk(c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for e in idx.unique().tolist():
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            gate_up, down = lw.experts[e]
+            y = _swiglu(gate_up, down, h[tok])
+            out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
+        return out
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] → float32 logits [N, V]."""
+        return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+
+
+def _swiglu(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:
+    g, u = gate_up(h).chunk(2, dim=-1)
+    return down((F.silu(g.float()) * u.float()).to(h.dtype)).to(h.dtype)
+
+
+LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], Linear]

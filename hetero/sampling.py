@@ -1,0 +1,83 @@
+"""Sampling: repetition penalty, temperature, top-k, top-p, min-p, seeded; greedy at temperature 0."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from hetero.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.repeat_penalty <= 0:
+            raise UserError(
+                f"bad sampling parameters: temperature {self.temperature} (≥ 0), top_p {self.top_p} (0, 1], "
+                f"min_p {self.min_p} [0, 1), repeat_penalty {self.repeat_penalty} (> 0)"
+            )
+
+    def update(self, **changes) -> "SamplingParams":
+        known = {f.name for f in fields(self)}
+        bad = set(changes) - known
+        if bad:
+            raise UserError(f"unknown sampling parameter(s) {', '.join(sorted(bad))}; known: {', '.join(sorted(known))}")
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def defaults_from_generation_config(folder: Path | None) -> SamplingParams:
+    """The model's own defaults (generation_config.json), else greedy-free llama.cpp-like ones."""
+    p = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    gen = None if folder is None else folder / "generation_config.json"
+    if gen is None or not gen.is_file():
+        return p
+    g = json.loads(gen.read_text())
+    if g.get("do_sample") is False:
+        p = p.update(temperature=0.0)
+    return p.update(
+        temperature=g.get("temperature") if g.get("do_sample", True) else None,
+        top_k=g.get("top_k"),
+        top_p=g.get("top_p"),
+        min_p=g.get("min_p"),
+        repeat_penalty=g.get("repetition_penalty"),
+    )
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.p = params
+        self.gen = torch.Generator()
+        self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        """logits [V] float32 → the next token id."""
+        p = self.p
+        logits = logits.float().clone()
+        if p.repeat_penalty != 1.0 and history:
+            ids = torch.tensor(sorted(set(history)), dtype=torch.long)
+            v = logits[ids]
+            logits[ids] = torch.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+            logits[logits < kth] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        if p.min_p > 0:
+            probs[probs < p.min_p * probs.max()] = 0
+        if p.top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            drop = sp.cumsum(0) - sp > p.top_p  # keep the smallest prefix whose mass reaches top_p
+            probs[si[drop]] = 0
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
