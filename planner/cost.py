@@ -1,0 +1,186 @@
+"""The cost model: seconds per decode step and per prefill chunk for a placement.
+
+Every term is bytes (or flops) over a rate from the `HardwareProfile`. Each equation is
+written once, in the function that computes it; `decode_step` and `prefill` only combine
+them. Symbols: B batch, n sub-batches, T_g / T_c tokens a sequence has on the GPU / host
+tier, kvb(dt) KV bytes per token per layer, W bytes of a weight group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from cpu_attention.layout import KVDtype
+from hetero.config import ModelConfig
+from planner.plan import KVPlan, Mode, Placement
+from planner.profile import HardwareProfile
+from planner.tensors import Group, Kind, WDtype, experts_touched, kv_bytes_per_token_layer, weight_groups
+
+GB = 1e9
+PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    seconds: float
+    terms: dict[str, float]  # seconds on each resource over the step ("gpu weights", "cpu attention", ...)
+    nbytes: dict[str, float]  # bytes each resource reads or moves over the step
+
+
+def read_bytes(g: Group, p: Placement, tokens: int) -> float:
+    """Weight bytes `tokens` tokens read from a group: W, except the embedding (one bf16 row a
+    token) and experts (the router and the experts the tokens route to)."""
+    if g.kind is Kind.EMBED:
+        return tokens * WDtype.BF16.nbytes(g.active_params)
+    if g.kind is Kind.EXPERTS:
+        router = WDtype.BF16.nbytes(g.small_params)
+        E = g.params // g.expert_params
+        k = round((g.active_params - g.small_params) / g.expert_params)
+        return router + experts_touched(E, k, tokens) * (p.nbytes - router) / E
+    return p.nbytes
+
+
+def gemv_seconds(nbytes: float, flops: float, gbps: float, gflops: float) -> float:
+    """A matrix-vector product (or a thin GEMM) is bound by reading its weights or by its flops:
+    max(W / rate, 2·params·tokens / flop rate)."""
+    return max(nbytes / (gbps * GB), flops / (gflops * GB))
+
+
+def attention_seconds(batch: int, tokens: int, dtype: KVDtype, cfg: ModelConfig, gbps: float) -> float:
+    """Decode attention of one layer reads each cached token's K and V once: B · T · kvb(dt) / rate."""
+    if tokens <= 0 or batch <= 0:
+        return 0.0
+    return batch * tokens * kv_bytes_per_token_layer(cfg, dtype) / (gbps * GB)
+
+
+def hop_seconds(nbytes: float, hw: HardwareProfile) -> float:
+    """One small PCIe copy: latency + bytes / rate."""
+    return hw.pcie_latency_s + nbytes / (max(hw.pcie_h2d_gbps, 1e-9) * GB)
+
+
+def _pairs(cfg: ModelConfig, placements: Sequence[Placement]) -> dict[int, list[tuple[Group, Placement]]]:
+    by_key = {(p.layer, p.kind): p for p in placements}
+    out: dict[int, list[tuple[Group, Placement]]] = {}
+    for g in weight_groups(cfg):
+        out.setdefault(g.layer, []).append((g, by_key[(g.layer, g.kind)]))
+    return out
+
+
+def tier_tokens(kv: KVPlan, context: int) -> tuple[int, int]:
+    """A sequence's tokens fill the GPU tier first: (T_g, T_c) at `context` tokens."""
+    gpu = min(context, kv.gpu_tokens)
+    return gpu, min(context - gpu, kv.host_tokens)
+
+
+def decode_step(
+    cfg: ModelConfig, hw: HardwareProfile, placements: Sequence[Placement], kv: KVPlan,
+    batch: int, context: int, threads: int, sub_batches: int,
+) -> StepCost:
+    """One decode step of `batch` sequences at `context` tokens each.
+
+    Per layer, with n sub-batches of B/n sequences:
+      g = Σ_sub (GPU GEMVs of resident and streamed groups) + GPU attention over T_g
+      c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c
+      p = streamed W / PCIe                       (copy stream, prefetched a layer ahead)
+      x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
+      n = 1: t = max(g_lin + max(g_att, c_att + x_att), p) + c_w + x_w
+             (attention overlaps across devices; CPU-mode weights stall the GPU)
+      n = 2: t = max(g, c + x, p)   (sub-batch A's GPU work hides B's CPU work, NEO-style)
+      t += n · per-layer overhead
+    step = Σ_layers t + head (final norm, lm_head, embedding lookup) in the same way.
+    """
+    pairs = _pairs(cfg, placements)
+    T_g, T_c = tier_tokens(kv, context)
+    sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
+    gpu_gflops = hw.gpu_tflops * 1000 or 1e9
+    attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
+    terms = dict.fromkeys(("gpu weights", "gpu attention", "cpu attention", "cpu weights", "pcie weights",
+                           "transfers", "overhead"), 0.0)
+    nbytes = dict.fromkeys(terms, 0.0)
+    total = 0.0
+    for layer, groups in sorted(pairs.items(), key=lambda kv_: kv_[0] < 0):  # layers, then the head
+        g_lin = c_w = p = x_w = 0.0
+        for g, pl in groups:
+            for b in sub:
+                rb = read_bytes(g, pl, b)
+                flops = 2.0 * g.active_params * b
+                if pl.mode is Mode.CPU:
+                    c_w += gemv_seconds(rb, flops, hw.cpu_gemv_gbps, hw.cpu_gflops)
+                    nbytes["cpu weights"] += rb
+                    if g.kind is not Kind.EMBED and hw.has_gpu:
+                        x_w += 2 * hop_seconds(b * cfg.hidden_size * 2, hw)
+                else:
+                    g_lin += gemv_seconds(rb, flops, hw.gpu_gemv_gbps, gpu_gflops)
+                    nbytes["gpu weights"] += rb
+            if pl.mode is Mode.STREAM:
+                p += pl.nbytes / (hw.pcie_h2d_gbps * GB)
+                nbytes["pcie weights"] += pl.nbytes
+        g_att = c_att = x_att = 0.0
+        if layer >= 0:
+            for b in sub:
+                g_att += attention_seconds(b, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_gbps or 1.0)
+                c_att += attention_seconds(b, T_c, kv.host_dtype, cfg, attn_rate)
+                if T_c and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
+                    x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
+            nbytes["gpu attention"] += batch * T_g * kv_bytes_per_token_layer(cfg, kv.gpu_dtype)
+            nbytes["cpu attention"] += batch * T_c * kv_bytes_per_token_layer(cfg, kv.host_dtype)
+        over = sub_batches * hw.layer_overhead_s if layer >= 0 else 0.0
+        if sub_batches == 1:
+            t = max(g_lin + max(g_att, c_att + x_att), p) + c_w + x_w + over
+        else:
+            t = max(g_lin + g_att, c_att + c_w + x_att + x_w, p) + over
+        total += t
+        for k, v in (("gpu weights", g_lin), ("gpu attention", g_att), ("cpu attention", c_att),
+                     ("cpu weights", c_w), ("pcie weights", p), ("transfers", x_att + x_w), ("overhead", over)):
+            terms[k] += v
+    return StepCost(total, terms, nbytes)
+
+
+def prefill_seconds(
+    cfg: ModelConfig, hw: HardwareProfile, placements: Sequence[Placement], kv: KVPlan,
+    prompt: int, ubatch: int, threads: int,
+) -> float:
+    """Prefill of one sequence's `prompt` tokens in chunks of `ubatch`.
+
+    Chunk of u tokens at positions [s, s+u):
+      flops  = 2 · u · Σ active params  +  L · 4 · u · (s + u/2) · q_size      (GEMMs + causal attention)
+      gpu    = flops on GPU-computed groups / (MFU · bf16 matmul rate)
+      cpu    = CPU-mode groups: min(2·u·params / CPU flop rate, W_bf16 / PCIe)  (compute there or stream)
+      h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
+      d2h    = host-tier KV of the chunk / PCIe
+      t      = max(gpu, h2d, d2h) + cpu + L · overhead                           (copies double-buffered)
+    Without a GPU: t = all flops / CPU flop rate.
+    """
+    pairs = _pairs(cfg, placements)
+    L = cfg.num_layers
+    kv_bf16 = kv_bytes_per_token_layer(cfg, KVDtype.BF16)
+    active_gpu = active_cpu = streamed = cpu_bf16 = 0.0
+    for layer, groups in pairs.items():
+        for g, pl in groups:
+            if g.kind is Kind.EMBED:
+                continue
+            act = g.params + g.small_params if g.kind is not Kind.EXPERTS else g.active_params
+            if g.kind is Kind.LM_HEAD:
+                act = act / ubatch  # logits of the chunk's last token only
+            if pl.mode is Mode.CPU:
+                active_cpu += act
+                cpu_bf16 += WDtype.BF16.nbytes(g.params + g.small_params)
+            else:
+                active_gpu += act
+                streamed += pl.nbytes if pl.mode is Mode.STREAM else 0.0
+    total, s = 0.0, 0
+    while s < prompt:
+        u = min(ubatch, prompt - s)
+        attn_flops = L * 4.0 * u * (s + u / 2) * cfg.q_size
+        if all(p.mode is Mode.CPU for p in placements):
+            total += (2.0 * u * (active_gpu + active_cpu) + attn_flops) / (hw.cpu_gflops * GB)
+        else:
+            gpu = (2.0 * u * active_gpu + attn_flops) / (PREFILL_MFU * hw.gpu_tflops * 1e12)
+            cpu = min(2.0 * u * active_cpu / (hw.cpu_gflops * GB), cpu_bf16 / (hw.pcie_h2d_gbps * GB))
+            host_before = max(0, s - kv.gpu_tokens)
+            host_chunk = max(0, s + u - max(s, kv.gpu_tokens))
+            h2d = (streamed + L * host_before * kv_bf16) / (hw.pcie_h2d_gbps * GB)
+            d2h = L * host_chunk * kv_bf16 / (hw.pcie_d2h_gbps * GB)
+            total += max(gpu, h2d, d2h) + cpu + L * hw.layer_overhead_s
+        s += u
+    return total

@@ -1,0 +1,374 @@
+"""The hardware profile: what this machine can do, measured once and cached as JSON.
+
+`measure()` takes well under 30 s; `load_or_measure()` reuses the cached file (in
+`$XDG_CACHE_HOME/hetero/profile.json`, default `~/.cache/hetero/`) and only re-reads the
+figures that change from minute to minute (free memory).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from cpu_attention.layout import KVDtype
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when fields change meaning; an older cache is then re-measured
+GIB = 1024**3
+
+# Stated constants (not measured; bench/planner_accuracy.py checks them against the runtime).
+LAYER_OVERHEAD_S = 40e-6  # per layer per decode step: kernel launches, events, the CPU worker hand-off
+GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy rate, if unmeasured
+
+
+@dataclass(frozen=True)
+class AttnRate:
+    """CPU decode attention: KV bytes read per second for one KV dtype at a thread count."""
+
+    dtype: str
+    threads: int
+    gbps: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    created: str  # ISO date-time of the measurement
+    versions: dict[str, str]
+    host_total_bytes: int
+    host_available_bytes: int
+    physical_cores: int
+    logical_cpus: int
+    dram_read_gbps: float  # torch.sum over a large array, all physical cores
+    cpu_gemv_gbps: float  # bf16 matrix-vector on the CPU, weight bytes / s
+    cpu_gflops: float  # dense fp32 matmul on the CPU
+    cpu_attention: tuple[AttnRate, ...] = ()
+    gpu_name: str | None = None
+    gpu_total_bytes: int = 0
+    gpu_free_bytes: int = 0
+    pcie_h2d_gbps: float = 0.0  # pinned host → device
+    pcie_d2h_gbps: float = 0.0  # device → pinned host
+    pcie_latency_s: float = 0.0  # one small copy, launch to completion
+    hbm_gbps: float = 0.0  # device copy, (read + write bytes) / s
+    gpu_attention_gbps: float = 0.0  # decode attention over GPU-resident bf16 KV, KV bytes / s
+    gpu_gemv_gbps: float = 0.0  # 4-bit (or bf16, see gpu_gemv_dtype) matrix-vector, weight bytes / s
+    gpu_gemv_dtype: str = ""  # "nf4" when bitsandbytes measured it, else "bf16"
+    gpu_tflops: float = 0.0  # dense bf16 matmul
+    layer_overhead_s: float = LAYER_OVERHEAD_S
+    notes: tuple[str, ...] = ()
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu_name is not None
+
+    def cpu_attention_rate(self, dtype: KVDtype, threads: int) -> float:
+        """GB/s of `dtype` KV the CPU reads with `threads` threads.
+
+        Between measured thread counts the rate scales linearly from the nearest one below,
+        capped by the DRAM read rate; an unmeasured dtype falls back to half the DRAM rate.
+        """
+        rates = sorted((r for r in self.cpu_attention if r.dtype == dtype.value), key=lambda r: r.threads)
+        if not rates:
+            return 0.5 * self.dram_read_gbps * min(1.0, threads / max(1, self.physical_cores))
+        below = [r for r in rates if r.threads <= threads] or rates[:1]
+        r = below[-1]
+        return min(r.gbps * threads / r.threads, max(r.gbps, self.dram_read_gbps)) if threads > r.threads \
+            else r.gbps * threads / r.threads
+
+    def best_threads(self) -> int:
+        return self.physical_cores
+
+    # JSON --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cpu_attention"] = [asdict(r) for r in self.cpu_attention]
+        d["notes"] = list(self.notes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HardwareProfile":
+        d = dict(d)
+        d["cpu_attention"] = tuple(AttnRate(**r) for r in d.get("cpu_attention", ()))
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def synthetic(
+        cls, gpu_gib: float | None, pcie_gbps: float = 25.0, dram_gbps: float = 60.0,
+        host_gib: float = 64.0, cores: int = 8, hbm_gbps: float = 900.0, gpu_tflops: float = 80.0,
+    ) -> "HardwareProfile":
+        """A made-up machine for tests and what-if plans: the CPU attends at 80% of DRAM
+        (bf16), 70% (int8), 50% (int4, unpacking costs); 4-bit GEMV at 70% of HBM."""
+        attn = tuple(
+            AttnRate(dt.value, t, dram_gbps * share * t / cores)
+            for dt, share in ((KVDtype.BF16, 0.8), (KVDtype.INT8, 0.7), (KVDtype.INT4, 0.5))
+            for t in (cores // 2, cores)
+        )
+        gpu = gpu_gib is not None
+        return cls(
+            created="synthetic", versions={"format": str(FORMAT)},
+            host_total_bytes=int(host_gib * GIB), host_available_bytes=int(host_gib * 0.9 * GIB),
+            physical_cores=cores, logical_cpus=2 * cores, dram_read_gbps=dram_gbps,
+            cpu_gemv_gbps=0.5 * dram_gbps, cpu_gflops=50.0 * cores, cpu_attention=attn,
+            gpu_name=f"synthetic {gpu_gib:g} GiB GPU" if gpu else None,
+            gpu_total_bytes=int(gpu_gib * GIB) if gpu else 0,
+            gpu_free_bytes=int((gpu_gib - 0.4) * GIB) if gpu else 0,
+            pcie_h2d_gbps=pcie_gbps if gpu else 0.0, pcie_d2h_gbps=pcie_gbps if gpu else 0.0,
+            pcie_latency_s=10e-6 if gpu else 0.0, hbm_gbps=hbm_gbps if gpu else 0.0,
+            gpu_attention_gbps=GPU_ATTN_OF_HBM * hbm_gbps if gpu else 0.0,
+            gpu_gemv_gbps=0.7 * hbm_gbps if gpu else 0.0, gpu_gemv_dtype="nf4" if gpu else "",
+            gpu_tflops=gpu_tflops if gpu else 0.0,
+        )
+
+
+# ------------------------------------------------------------------------------- caching
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hetero" / "profile.json"
+
+
+def load_or_measure(refresh: bool = False, path: Path | None = None) -> HardwareProfile:
+    """The cached profile with current free memory, or a fresh measurement (then cached)."""
+    path = path or cache_path()
+    if not refresh and path.is_file():
+        try:
+            prof = HardwareProfile.from_json(path.read_text())
+            if prof.versions.get("format") == str(FORMAT):
+                return current_memory(prof)
+            log.info("profile %s is from an older format; measuring again", path)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            log.warning("cannot read the cached profile %s (%s); measuring again", path, e)
+    prof = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.to_json())
+    return prof
+
+
+def current_memory(prof: HardwareProfile) -> HardwareProfile:
+    """The same profile with free GPU and available host memory read now."""
+    total, avail = host_memory()
+    gpu_free = prof.gpu_free_bytes
+    if prof.has_gpu and torch.cuda.is_available():
+        gpu_free = torch.cuda.mem_get_info()[0]
+    return replace(prof, host_total_bytes=total, host_available_bytes=avail, gpu_free_bytes=gpu_free)
+
+
+# ------------------------------------------------------------------------------ measuring
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        kib = lambda k: int(info[k].split()[0]) * 1024  # noqa: E731
+        return kib("MemTotal"), kib("MemAvailable")
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total // 2
+
+
+def physical_cores() -> tuple[int, int]:
+    """(physical cores, logical CPUs) this process may run on."""
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        pairs, phys = set(), None
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("physical id"):
+                phys = line.split(":")[1].strip()
+            elif line.startswith("core id"):
+                pairs.add((phys, line.split(":")[1].strip()))
+        cores = len(pairs) or logical
+    except OSError:
+        cores = logical
+    return max(1, min(cores, logical)), logical
+
+
+def _best(fn: Callable[[], Any], reps: int = 3, sync: Callable[[], None] | None = None) -> float:
+    """Fastest of `reps` timed calls after one warm-up, in seconds."""
+    fn()
+    if sync:
+        sync()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure(quick: bool = False) -> HardwareProfile:
+    """Measure this machine (< 30 s; `quick` uses small arrays, for tests)."""
+    t0 = time.perf_counter()
+    cores, logical = physical_cores()
+    total, avail = host_memory()
+    notes: list[str] = []
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        host = _measure_host(cores, quick)
+        attn = _measure_cpu_attention(cores, quick)
+    finally:
+        torch.set_num_threads(threads_before)
+    gpu: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        gpu = _measure_gpu(notes, quick)
+    else:
+        notes.append("no CUDA device: host figures only")
+    notes.append(f"measured in {time.perf_counter() - t0:.1f} s")
+    return HardwareProfile(
+        created=_dt.datetime.now().isoformat(timespec="seconds"),
+        versions=_versions(), host_total_bytes=total, host_available_bytes=avail,
+        physical_cores=cores, logical_cpus=logical, cpu_attention=attn, notes=tuple(notes),
+        **host, **gpu,
+    )
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"format": str(FORMAT), "python": platform.python_version(), "torch": torch.__version__,
+           "cuda": str(torch.version.cuda), "cpu": platform.processor() or platform.machine()}
+    for pkg in ("hetero", "numba", "bitsandbytes"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _measure_host(cores: int, quick: bool) -> dict[str, float]:
+    n = (16 if quick else 512) * 2**20 // 4
+    a = torch.ones(n, dtype=torch.float32)
+    dram = n * 4 / _best(lambda: a.sum(), reps=3 if quick else 5) / 1e9
+    del a
+    rows, cols = (1024, 2048) if quick else (8192, 16384)  # 256 MiB: beyond any L3
+    w, x = torch.randn(rows, cols).to(torch.bfloat16), torch.randn(cols).to(torch.bfloat16)
+    gemv = rows * cols * 2 / _best(lambda: torch.mv(w, x)) / 1e9
+    del w
+    m = 256 if quick else 1024
+    a, b = torch.randn(m, m), torch.randn(m, m)
+    gflops = 2 * m**3 / _best(lambda: a @ b) / 1e9
+    return {"dram_read_gbps": dram, "cpu_gemv_gbps": gemv, "cpu_gflops": gflops}
+
+
+def _set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    try:
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
+
+
+def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
+    """Time `cpu_attention.decode_attention` on a pool larger than the caches (layers are
+    cycled so each call reads cold memory): B sequences × T tokens × 8 KV heads × D 128."""
+    import cpu_attention
+    from cpu_attention.layout import HostKVPool
+
+    L, B, T, H, D, BS = (2, 2, 512, 8, 128, 16) if quick else (4, 4, 4096, 8, 128, 16)
+    nb = B * T // BS
+    q = torch.randn(B, 4 * H, D)
+    tables = torch.arange(nb, dtype=torch.int32).reshape(B, -1)
+    lens = torch.full((B,), T, dtype=torch.int32)
+    threads = sorted({max(1, cores // 2), cores})
+    out = []
+    for dt in KVDtype:
+        pool = HostKVPool(L, nb, H, BS, D, dtype=dt)
+        for t in (pool.k, pool.v):
+            if t.dtype == torch.bfloat16:
+                t.normal_()
+            else:
+                t.random_(0, 100)
+        for t in (pool.k_scale, pool.v_scale, pool.k_zero, pool.v_zero):
+            if t is not None:
+                t.fill_(0.01)
+        layer = [0]
+
+        def call() -> None:
+            layer[0] = (layer[0] + 1) % L
+            cpu_attention.decode_attention(pool, layer[0], q, tables, lens, D**-0.5)
+
+        nbytes = pool.nbytes / L  # one layer's K and V (scales included)
+        for n in threads:
+            _set_threads(n)
+            out.append(AttnRate(dt.value, n, nbytes / _best(call, reps=2 if quick else 4) / 1e9))
+    _set_threads(cores)
+    return tuple(out)
+
+
+def _measure_gpu(notes: list[str], quick: bool) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    sync = torch.cuda.synchronize
+    mib = 2**20
+    out: dict[str, Any] = {"gpu_name": torch.cuda.get_device_name(dev)}
+    n = (32 if quick else 256) * mib
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dbuf = torch.empty(n, dtype=torch.uint8, device=dev)
+    out["pcie_h2d_gbps"] = n / _best(lambda: dbuf.copy_(host, non_blocking=True), 5, sync) / 1e9
+    out["pcie_d2h_gbps"] = n / _best(lambda: host.copy_(dbuf, non_blocking=True), 5, sync) / 1e9
+    small_h, small_d = host[:4096], dbuf[:4096]
+    reps = 50
+    out["pcie_latency_s"] = _best(lambda: [small_d.copy_(small_h, non_blocking=True) for _ in range(reps)],
+                                  3, sync) / reps
+    del host
+    m = (64 if quick else 1024) * mib
+    a, b = torch.empty(m, dtype=torch.uint8, device=dev), torch.empty(m, dtype=torch.uint8, device=dev)
+    out["hbm_gbps"] = 2 * m / _best(lambda: b.copy_(a), 5, sync) / 1e9
+    del a, b, dbuf
+    # decode attention over GPU-resident KV: 4 sequences × 32k tokens × 8 KV heads, 32 q heads
+    T = 4096 if quick else 32768
+    q = torch.randn(4, 32, 1, 128, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(4, 8, T, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    loops = 10
+    t = _best(lambda: [F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for _ in range(loops)], 3, sync)
+    out["gpu_attention_gbps"] = 2 * k.numel() * 2 * loops / t / 1e9
+    del k, v
+    out.update(_measure_gemv(dev, notes, quick))
+    s = 2048 if quick else 8192
+    a, b = torch.randn(s, s, device=dev, dtype=torch.bfloat16), torch.randn(s, s, device=dev, dtype=torch.bfloat16)
+    out["gpu_tflops"] = 2 * s**3 / _best(lambda: a @ b, 5, sync) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    out.update(gpu_total_bytes=total, gpu_free_bytes=free)
+    return out
+
+
+def _measure_gemv(dev: torch.device, notes: list[str], quick: bool) -> dict[str, Any]:
+    """One token through a 4096 × 14336-like projection (Llama-3-8B's MLP), many times."""
+    from planner.tensors import WDtype
+
+    sync = torch.cuda.synchronize
+    rows, cols = (4096, 4096) if quick else (14336, 4096)
+    x = torch.randn(1, cols, device=dev, dtype=torch.bfloat16)
+    loops = 20
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        notes.append("bitsandbytes is not installed: GPU GEMV rate measured in bf16, 4-bit assumed as fast per byte")
+        w = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
+        t = _best(lambda: [x @ w.T for _ in range(loops)], 3, sync)
+        return {"gpu_gemv_gbps": rows * cols * 2 * loops / t / 1e9, "gpu_gemv_dtype": "bf16"}
+    lin = bnb.nn.Linear4bit(cols, rows, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4").to(dev)
+    with torch.no_grad():
+        t = _best(lambda: [lin(x) for _ in range(loops)], 3, sync)
+    return {"gpu_gemv_gbps": WDtype.NF4.nbytes(rows * cols) * loops / t / 1e9, "gpu_gemv_dtype": "nf4"}

@@ -1,0 +1,354 @@
+"""Placement search: `plan(model_cfg, hardware, budget, workload, overrides) -> Plan`.
+
+GPU memory goes first to the norms and lm_head, then MLP or expert weights, then attention
+weights, then the embedding (a lookup reads one row a token, so it gains least), then GPU-tier
+KV. Weights that do not fit are streamed over PCIe or computed by the CPU, whichever the cost
+model predicts faster. Every candidate is scored by predicted decode tokens/s at the
+workload's context; a value the user set is never changed, only checked.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from cpu_attention.layout import KVDtype
+from hetero.config import ModelConfig
+from hetero.errors import UserError
+from planner.cost import StepCost, decode_step, prefill_seconds
+from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
+                          Prediction, Workload)
+from planner.profile import HardwareProfile
+from planner.tensors import Group, Kind, WDtype, kv_bytes_per_token_layer, weight_groups
+from planner.units import format_size as fs
+
+GIB = 1024**3
+BLOCK_SIZE = 16
+_PRIORITY = {Kind.NORMS: 0, Kind.FINAL_NORM: 0, Kind.LM_HEAD: 1, Kind.MLP: 2, Kind.EXPERTS: 2, Kind.ATTN: 3, Kind.EMBED: 4}
+_ATTN_FIRST = {**_PRIORITY, Kind.ATTN: 2, Kind.MLP: 3, Kind.EXPERTS: 3}
+
+
+def default_budget(hw: HardwareProfile) -> tuple[Budget, list[Choice]]:
+    """Free memory minus a margin: GPU max(512 MiB, 5%), host max(2 GiB, 10%)."""
+    gpu_margin = max(512 * 2**20, hw.gpu_total_bytes // 20)
+    host_margin = max(2 * GIB, hw.host_total_bytes // 10)
+    b = Budget(max(0, hw.gpu_free_bytes - gpu_margin), max(0, hw.host_available_bytes - host_margin))
+    ch = [Choice("--cpu-mem", fs(b.host_bytes), f"{fs(hw.host_available_bytes)} available minus a {fs(host_margin)} margin")]
+    if hw.has_gpu:
+        ch.insert(0, Choice("--gpu-mem", fs(b.gpu_bytes), f"{fs(hw.gpu_free_bytes)} free minus a {fs(gpu_margin)} margin"))
+    return b, ch
+
+
+def workspace_bytes(cfg: ModelConfig, wl: Workload) -> int:
+    """GPU memory besides weights and KV: a prefill chunk's activations (bf16: residual, norm,
+    q, k, v, attention out, gate, up), the largest dequantized matrix of a 4-bit prefill GEMM,
+    and the logits (f32) of a decode step."""
+    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * cfg.num_experts_per_tok)
+    acts = wl.ubatch * (4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 2 * inter) * 2
+    dequant = 2 * cfg.hidden_size * max(cfg.intermediate_size, cfg.q_size, cfg.moe_intermediate_size)
+    logits = max(wl.batch, 1) * cfg.vocab_size * 4
+    return acts + dequant + logits + 256 * 2**20  # + allocator slack, CUDA graphs' pools
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    placements: tuple[Placement, ...]
+    kv: KVPlan
+    sub_batches: int
+    memory: Memory
+    cost: StepCost
+    order: str
+    kv_reason: str = ""
+
+
+def plan(
+    model_cfg: ModelConfig, hardware: HardwareProfile, budget: Budget | None = None,
+    workload: Workload | None = None, overrides: Overrides | None = None,
+) -> Plan:
+    cfg, hw, ov = model_cfg, hardware, overrides or Overrides()
+    choices: list[Choice] = []
+    wl = workload or Workload(ctx_size=0)
+    if wl.ctx_size <= 0:
+        wl = Workload(cfg.max_position_embeddings, wl.batch, 0, wl.gen_tokens, wl.ubatch)
+        choices.append(Choice("--ctx-size", str(wl.ctx_size), "the model's max_position_embeddings"))
+    if budget is None:
+        budget, ch = default_budget(hw)
+        choices += ch
+    device = ov.device or (Device.CUDA if hw.has_gpu else Device.CPU)
+    if ov.device is None:
+        choices.append(Choice("--device", device.value, f"found {hw.gpu_name}" if hw.has_gpu else "no CUDA device found"))
+    if device is Device.CUDA and not hw.has_gpu:
+        raise UserError("--device cuda was given but the profile found no CUDA device: use --device cpu or auto")
+    weights = ov.weights or (WDtype.NF4 if device is Device.CUDA else WDtype.BF16)
+    if ov.weights is None:
+        why = "4-bit on the GPU: decode reads every weight each step" if device is Device.CUDA else "the CPU computes in bf16"
+        choices.append(Choice("--weights", "4bit" if weights is WDtype.NF4 else weights.value, why))
+    if device is Device.CPU and weights is WDtype.NF4:
+        raise UserError("4-bit weights need the GPU (bitsandbytes): with --device cpu use --weights bf16")
+    threads = ov.threads or hw.best_threads()
+    if ov.threads is None:
+        choices.append(Choice("--threads", str(threads), "physical cores (SMT siblings share the memory bus)"))
+    block = ov.block_size or BLOCK_SIZE
+    groups = weight_groups(cfg)
+    host_dtypes = [ov.kv_dtype] if ov.kv_dtype else [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4]
+    gpu_kv_dtype = ov.gpu_kv_dtype or KVDtype.BF16
+
+    def run(ov_: Overrides, host_dtype: KVDtype) -> _Candidate:
+        return _search(cfg, hw, budget, wl, ov_, device, weights, threads, block, groups, gpu_kv_dtype, host_dtype)
+
+    best: _Candidate | None = None
+    errors: list[UserError] = []
+    for host_dtype in host_dtypes:  # quality first: the first KV dtype that fits the host wins
+        try:
+            best = run(ov, host_dtype)
+            break
+        except UserError as e:
+            errors.append(e)
+    if best is None:
+        raise errors[-1]  # the last dtype tried needs the least memory: its shortfall is the one to fix
+    if ov.kv_dtype is None and best.kv.host_tokens:
+        why = "fits in host memory at full precision" if best.kv.host_dtype is KVDtype.BF16 else \
+            f"{host_dtypes[0].value} KV does not fit the host budget"
+        choices.append(Choice("--kv-dtype", best.kv.host_dtype.value, why))
+    choices += _explain(cfg, best, ov, wl, run)
+    return _finish(cfg, hw, best, wl, budget, device, weights, threads, choices)
+
+
+def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gpu_kv_dtype, host_dtype) -> _Candidate:
+    """The best candidate for one host KV dtype, or UserError if none fits."""
+    if device is Device.CPU:
+        pl = tuple(Placement(g.layer, g.kind, Device.CPU, g.dtype_for(weights), Mode.CPU, g.nbytes(g.dtype_for(weights)))
+                   for g in groups)
+        kv = _kv(cfg, wl, block, 0, gpu_kv_dtype, host_dtype)
+        mem = _memory(hw, budget, pl, kv, 0)
+        _check_host(mem, wl, host_dtype, ov)
+        cost = decode_step(cfg, hw, pl, kv, wl.batch, wl.decode_context, threads, 1)
+        return _Candidate(pl, kv, 1, mem, cost, "cpu")
+    modes = [ov.weight_mode] if ov.weight_mode else [Mode.STREAM, Mode.CPU]
+    subs = [ov.sub_batches] if ov.sub_batches else ([1, 2] if wl.batch >= 2 else [1])
+    orders = [("mlp first", _PRIORITY)] + ([("attention first", _ATTN_FIRST)] if cfg.is_moe else [])
+    work = workspace_bytes(cfg, wl)
+    # Prefill reads host-tier KV back a layer at a time, double-buffered: reserve that first
+    # whenever the whole batch's KV cannot sit on the GPU beside every weight.
+    readback = int(2 * wl.ctx_size * _kv_layer_bytes(cfg, KVDtype.BF16))
+    all_weights = sum(g.nbytes(g.dtype_for(weights)) for g in groups)
+    full_kv = wl.batch * wl.ctx_size * cfg.num_layers * _kv_layer_bytes(cfg, gpu_kv_dtype)
+    if budget.gpu_bytes - work - all_weights < full_kv or ov.gpu_kv_tokens is not None and ov.gpu_kv_tokens < wl.ctx_size:
+        work += readback
+        readback = 0
+    user_kv = int(wl.batch * (ov.gpu_kv_tokens or 0) * cfg.num_layers * _kv_layer_bytes(cfg, gpu_kv_dtype))
+    best, err = None, None
+    for mode, (order_name, order), embed_gpu in itertools.product(modes, orders, (True, False)):
+        pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv, order, embed_gpu)
+        left = budget.gpu_bytes - work - staging - sum(p.nbytes for p in pl if p.on_gpu)
+        if left < 0:
+            need = work + staging + sum(p.nbytes for p in pl if p.on_gpu)
+            raise UserError(
+                f"needs at least {fs(need)} on cuda:0 (activations and prefill buffers {fs(work)}, staging "
+                f"{fs(staging)}), budget {fs(budget.gpu_bytes)}: short by {fs(need - budget.gpu_bytes)}; lower "
+                f"--ubatch-size, --ctx-size or --parallel, raise --gpu-mem, or use --device cpu"
+            )
+        for gpu_tokens, extra, kv_reason in _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_kv_dtype,
+                                                               host_dtype, threads, readback):
+            kv = _kv(cfg, wl, block, gpu_tokens, gpu_kv_dtype, host_dtype)
+            mem = _memory(hw, budget, pl, kv, work + staging + extra)
+            try:
+                _check_host(mem, wl, host_dtype, ov)
+            except UserError as e:
+                err = err or e
+                continue
+            for n in subs:
+                cost = decode_step(cfg, hw, pl, kv, wl.batch, wl.decode_context, threads, n)
+                if best is None or cost.seconds < best.cost.seconds * (1 - 1e-9):
+                    best = _Candidate(pl, kv, n, mem, cost, order_name, kv_reason)
+    if best is None:
+        raise err
+    return best
+
+
+def _fill(
+    groups: list[Group], weights: WDtype, mode: Mode, cap: int, order: dict, embed_gpu: bool,
+) -> tuple[tuple[Placement, ...], int]:
+    """First fit in priority order; streamed groups need two GPU staging buffers (double
+    buffering) of the largest streamed group, so refill with that reserved until stable."""
+    staging = 0
+    for _ in range(4):
+        room = cap - staging
+        on: set[int] = set()
+        for i in sorted(range(len(groups)), key=lambda i: (order[groups[i].kind], groups[i].layer)):
+            n = groups[i].nbytes(groups[i].dtype_for(weights))
+            if n <= room and (embed_gpu or groups[i].kind is not Kind.EMBED):
+                on.add(i)
+                room -= n
+        off = [groups[i] for i in range(len(groups)) if i not in on and groups[i].kind is not Kind.EMBED]
+        need = 2 * max((g.nbytes(g.dtype_for(weights)) for g in off), default=0) if mode is Mode.STREAM else 0
+        if need <= staging:
+            break
+        staging = need
+    out = []
+    for i, g in enumerate(groups):
+        if i in on:
+            dt = g.dtype_for(weights)
+            out.append(Placement(g.layer, g.kind, Device.CUDA, dt, Mode.RESIDENT, g.nbytes(dt)))
+        elif g.kind is Kind.EMBED or mode is Mode.CPU:  # the CPU computes in bf16; a lookup needs no compute
+            out.append(Placement(g.layer, g.kind, Device.CPU, WDtype.BF16, Mode.CPU, g.nbytes(WDtype.BF16)))
+        else:
+            dt = g.dtype_for(weights)
+            out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.STREAM, g.nbytes(dt)))
+    return tuple(out), staging
+
+
+def _kv_layer_bytes(cfg: ModelConfig, dt: KVDtype) -> float:
+    return kv_bytes_per_token_layer(cfg, dt)
+
+
+def _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, readback):
+    """(GPU-tier tokens per sequence, extra GPU bytes, reason) to try: as many as fit, and the
+    split where GPU and CPU attention take equal time, if smaller. `readback` is the prefill
+    buffer a host tier needs when it was not reserved already."""
+    per_tok = wl.batch * cfg.num_layers * _kv_layer_bytes(cfg, gpu_dt)
+    fit = min(wl.ctx_size, int(left // per_tok) // block * block)
+    if ov.gpu_kv_tokens is not None:
+        if ov.gpu_kv_tokens > fit:
+            raise UserError(
+                f"--gpu-kv-tokens {ov.gpu_kv_tokens} needs {fs(ov.gpu_kv_tokens * per_tok)} on cuda:0, "
+                f"{fs(max(0, left))} is left after weights: lower --gpu-kv-tokens or raise --gpu-mem"
+            )
+        return [(ov.gpu_kv_tokens, 0, "set by the user")]
+    out = [(fit, 0, "the whole context fits" if fit == wl.ctx_size else "what fits after the weights")]
+    if hw.gpu_attention_gbps and fit:
+        a_g = _kv_layer_bytes(cfg, gpu_dt) / hw.gpu_attention_gbps
+        a_c = _kv_layer_bytes(cfg, host_dt) / max(hw.cpu_attention_rate(host_dt, threads), 1e-9)
+        balanced = int(wl.decode_context * a_c / (a_g + a_c)) // block * block
+        if 0 < balanced < fit and balanced * per_tok + readback <= left:
+            out.append((balanced, readback, "GPU and CPU attention finish together"))
+    return out
+
+
+def _kv(cfg, wl, block, gpu_tokens, gpu_dt, host_dt) -> KVPlan:
+    host_tokens = wl.ctx_size - gpu_tokens
+    host_tokens = -(-host_tokens // block) * block
+    L = cfg.num_layers
+    return KVPlan(block, gpu_tokens, host_tokens, gpu_dt, host_dt,
+                  int(wl.batch * gpu_tokens * L * _kv_layer_bytes(cfg, gpu_dt)),
+                  int(wl.batch * host_tokens * L * _kv_layer_bytes(cfg, host_dt)))
+
+
+def _memory(hw, budget, pl, kv, workspace) -> Memory:
+    return Memory(
+        gpu_budget=budget.gpu_bytes, gpu_free=hw.gpu_free_bytes,
+        gpu_weights=sum(p.nbytes for p in pl if p.on_gpu), gpu_kv=kv.gpu_bytes,
+        gpu_workspace=int(workspace) if hw.has_gpu else 0,
+        host_budget=budget.host_bytes, host_available=hw.host_available_bytes,
+        host_weights=sum(p.nbytes for p in pl if not p.on_gpu), host_kv=kv.host_bytes,
+    )
+
+
+def _check_host(mem: Memory, wl: Workload, host_dt: KVDtype, ov: Overrides) -> None:
+    if mem.host_used <= mem.host_budget:
+        return
+    knobs = [f"lower --ctx-size (now {wl.ctx_size})"]
+    if wl.batch > 1:
+        knobs.append(f"--parallel (now {wl.batch})")
+    if host_dt is not KVDtype.INT4:
+        knobs.append("use --kv-dtype " + ("int8" if host_dt is KVDtype.BF16 else "int4"))
+    knobs.append("raise --cpu-mem" + ("" if mem.host_budget < mem.host_available else " (needs more RAM)"))
+    raise UserError(
+        f"needs {fs(mem.host_used)} on the host (weights {fs(mem.host_weights)}, {host_dt.value} KV "
+        f"{fs(mem.host_kv)}), budget {fs(mem.host_budget)}: short by {fs(mem.host_used - mem.host_budget)}; "
+        + ", ".join(knobs)
+    )
+
+
+def _tok_s(c: _Candidate, batch: int) -> float:
+    return batch / c.cost.seconds
+
+
+def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Choice]:
+    """One line per automatic choice, with the alternative's prediction where one was scored."""
+    out: list[Choice] = []
+    pl = best.placements
+    off = [p for p in pl if not p.on_gpu and p.kind is not Kind.EMBED]
+    embed = next(p for p in pl if p.kind is Kind.EMBED)
+    me = _tok_s(best, wl.batch)
+
+    def alt(host_dtype: KVDtype | None = None, **kw) -> float | None:
+        try:
+            return _tok_s(run(replace(ov, **kw), host_dtype or best.kv.host_dtype), wl.batch)
+        except UserError:
+            return None
+
+    if best.order == "cpu":
+        return out
+    if off and ov.weight_mode is None:
+        mode = off[0].mode
+        other_mode = Mode.CPU if mode is Mode.STREAM else Mode.STREAM
+        other = alt(weight_mode=other_mode)
+        vs = f"{other:.1f} tok/s" if other else "does not fit the host budget"
+        what = "streamed over PCIe each step" if mode is Mode.STREAM else "computed by the CPU"
+        out.append(Choice("weights off the GPU", f"{len(off)} groups, {fs(sum(p.nbytes for p in off))}, {what}",
+                          f"predicts {me:.1f} tok/s; {other_mode.value} mode {vs}"))
+    elif not off:
+        out.append(Choice("weights", "all on cuda", f"{fs(best.memory.gpu_weights)} fit the GPU budget"))
+    if cfg.is_moe and off:
+        why = "attention weights are read whole each step, experts only as routed" if best.order == "attention first" \
+            else "experts and MLP before attention weights"
+        out.append(Choice("GPU priority", best.order, why + " (the faster prediction)"))
+    if not embed.on_gpu:
+        out.append(Choice("embedding", "cpu", f"a lookup reads one row a token; its {fs(embed.nbytes)} serve better on "
+                          "the GPU as weights or KV"))
+    if ov.gpu_kv_tokens is None:
+        out.append(Choice("GPU-tier KV", f"{best.kv.gpu_tokens} tokens a sequence", best.kv_reason))
+    if wl.batch >= 2 and ov.sub_batches is None:
+        other = alt(sub_batches=3 - best.sub_batches)
+        vs = f" vs {other:.1f} tok/s with {3 - best.sub_batches}" if other else ""
+        out.append(Choice("sub-batches", str(best.sub_batches), f"predicts {me:.1f} tok/s{vs}"))
+    if ov.kv_dtype is None and best.kv.host_dtype is KVDtype.BF16 and best.kv.host_tokens:
+        terms = best.cost.terms
+        if max(terms, key=terms.get) == "cpu attention":
+            faster = alt(KVDtype.INT8)
+            if faster and faster > me * 1.05:
+                out.append(Choice("hint", "--kv-dtype int8",
+                                  f"would predict {faster:.1f} tok/s (+{100 * (faster / me - 1):.0f}%) at a small accuracy cost"))
+    return out
+
+
+def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype) -> str:
+    t, b = c.cost.terms, c.cost.nbytes
+    key = max(t, key=t.get)
+    share = f" ({100 * t[key] / c.cost.seconds:.0f}% of the step)"
+    gb = lambda k: f"{b[k] / 1e9:.2f} GB"  # noqa: E731
+    if key == "gpu weights":
+        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_gemv_gbps:.0f} GB/s" + share
+    if key == "gpu attention":
+        return f"GPU attention: {gb(key)} of {c.kv.gpu_dtype.value} KV at {hw.gpu_attention_gbps:.0f} GB/s" + share
+    if key == "cpu attention":
+        rate = hw.cpu_attention_rate(c.kv.host_dtype, threads)
+        return f"CPU attention: {gb(key)} of {c.kv.host_dtype.value} KV at {rate:.0f} GB/s" + share
+    if key == "cpu weights":
+        return f"CPU weights: {gb(key)} of bf16 at {hw.cpu_gemv_gbps:.0f} GB/s" + share
+    if key == "pcie weights":
+        return f"PCIe weight streaming: {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
+    if key == "transfers":
+        return f"PCIe round trips: {cfg.num_layers * c.sub_batches} layers' q/o copies at {hw.pcie_latency_s * 1e6:.0f} µs each" + share
+    return f"per-layer overhead: {cfg.num_layers * c.sub_batches} × {hw.layer_overhead_s * 1e6:.0f} µs" + share
+
+
+def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choices) -> Plan:
+    b = c.cost.nbytes
+    cpu_b = b["cpu attention"] + b["cpu weights"]
+    gpu_b = b["gpu attention"] + b["gpu weights"]
+    prefill = prefill_seconds(cfg, hw, c.placements, c.kv, wl.prompt_tokens, wl.ubatch, threads)
+    pred = Prediction(
+        prefill_tok_s=wl.prompt_tokens / prefill if prefill else 0.0,
+        decode_tok_s=wl.batch / c.cost.seconds,
+        decode_step_ms=1e3 * c.cost.seconds,
+        bottleneck=_bottleneck(cfg, hw, c, threads, weights),
+        step_terms_ms={k: 1e3 * v for k, v in c.cost.terms.items()},
+        cpu_share=cpu_b / max(cpu_b + gpu_b, 1.0),
+        gpu_share=gpu_b / max(cpu_b + gpu_b, 1.0),
+    )
+    return Plan(
+        model=cfg.name, num_layers=cfg.num_layers, device=device, weights=weights, threads=threads,
+        sub_batches=c.sub_batches, placements=c.placements, kv=c.kv, workload=wl, budget=budget,
+        memory=c.memory, prediction=pred, choices=tuple(choices),
+    )

@@ -1,0 +1,101 @@
+"""The weight groups a placement decides about, with their sizes, derived from the config.
+
+A group is the unit the runtime moves as a whole: per layer its attention projections, its
+MLP (or router + experts), its norms; plus the embedding, the final norm and lm_head. Sizes
+come from the config alone, so a plan never needs tensor data.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from cpu_attention.layout import KVDtype
+from hetero.config import ModelConfig
+
+NF4_BLOCK = 64  # bitsandbytes NF4: one fp32 absmax per 64 weights
+
+
+class Kind(str, enum.Enum):
+    EMBED = "embed"
+    ATTN = "attn"  # q, k, v, o projections (+ biases, q/k norms)
+    MLP = "mlp"  # gate, up, down
+    EXPERTS = "experts"  # router + every expert's gate, up, down
+    NORMS = "norms"  # input and post-attention RMSNorm
+    FINAL_NORM = "final_norm"
+    LM_HEAD = "lm_head"
+
+
+class WDtype(str, enum.Enum):
+    NF4 = "nf4"
+    BF16 = "bf16"
+    F32 = "f32"
+
+    def nbytes(self, params: int) -> int:
+        if self is WDtype.NF4:
+            return params // 2 + 4 * (-(-params // NF4_BLOCK))
+        return params * (2 if self is WDtype.BF16 else 4)
+
+
+# Groups whose matrices a 4-bit linear can take; the rest (lookups, norms, biases) stay 16-bit.
+QUANTIZABLE = frozenset({Kind.ATTN, Kind.MLP, Kind.EXPERTS, Kind.LM_HEAD})
+
+
+@dataclass(frozen=True)
+class Group:
+    layer: int  # -1 for embed, final norm, lm_head
+    kind: Kind
+    params: int  # weights a 4-bit linear would take (matrices)
+    small_params: int  # weights always kept 16-bit (biases, norms, router)
+    active_params: int  # params one token reads (MoE: top-k experts + router)
+    expert_params: int = 0  # one expert's params (MoE only)
+
+    @property
+    def name(self) -> str:
+        return self.kind.value if self.layer < 0 else f"layers.{self.layer}.{self.kind.value}"
+
+    def nbytes(self, dtype: WDtype) -> int:
+        return dtype.nbytes(self.params) + WDtype.BF16.nbytes(self.small_params)
+
+    def dtype_for(self, weights: WDtype) -> WDtype:
+        return weights if self.kind in QUANTIZABLE else WDtype.BF16
+
+
+def weight_groups(cfg: ModelConfig) -> list[Group]:
+    """Embedding, per layer (attn, mlp|experts, norms), final norm, lm_head."""
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    attn = h * q + 2 * h * kv + q * h
+    attn_small = (q + 2 * kv if cfg.attention_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    mlp = 3 * h * cfg.intermediate_size
+    out = [Group(-1, Kind.EMBED, 0, cfg.vocab_size * h, h)]  # a lookup reads one row a token
+    for i in range(cfg.num_layers):
+        out.append(Group(i, Kind.ATTN, attn, attn_small, attn + attn_small))
+        if cfg.moe_layers[i]:
+            one = 3 * h * cfg.moe_intermediate_size
+            router = h * cfg.num_experts
+            out.append(Group(i, Kind.EXPERTS, one * cfg.num_experts, router,
+                             one * cfg.num_experts_per_tok + router, expert_params=one))
+        else:
+            out.append(Group(i, Kind.MLP, mlp, 0, mlp))
+        out.append(Group(i, Kind.NORMS, 0, 2 * h, 2 * h))
+    out.append(Group(-1, Kind.FINAL_NORM, 0, h, h))
+    # A tied lm_head shares the checkpoint's embedding, but its 4-bit copy is its own tensor.
+    out.append(Group(-1, Kind.LM_HEAD, cfg.vocab_size * h, 0, cfg.vocab_size * h))
+    return out
+
+
+def total_params(cfg: ModelConfig) -> int:
+    """Parameters as the checkpoint stores them (a tied lm_head counted once)."""
+    n = sum(g.params + g.small_params for g in weight_groups(cfg))
+    return n - (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
+
+
+def experts_touched(E: int, k: int, tokens: int) -> float:
+    """Expected distinct experts `tokens` tokens route to (top-k of E), routing taken as
+    uniform: E · (1 − (1 − k/E)^tokens)."""
+    return E * (1.0 - (1.0 - k / E) ** tokens) if E else 0.0
+
+
+def kv_bytes_per_token_layer(cfg: ModelConfig, dtype: KVDtype) -> float:
+    """K and V of one token in one layer, scales included (int8: a fp32 scale per token-head)."""
+    per_value = dtype.bytes_per_value + (4.0 / cfg.head_dim if dtype is KVDtype.INT8 else 0.0)
+    return 2 * cfg.kv_size * per_value

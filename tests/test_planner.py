@@ -1,0 +1,176 @@
+"""Planner: budgets, priorities, monotone predictions, JSON round trips, no-fit messages."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cpu_attention.layout import KVDtype
+from hetero.config import LLAMA3_8B, Arch, ModelConfig
+from hetero.errors import UserError
+from planner import Budget, HardwareProfile, Overrides, Plan, Workload, format_size, parse_size, plan
+from planner.cost import decode_step
+from planner.plan import Device, Mode
+from planner.tensors import Kind, WDtype, experts_touched, kv_bytes_per_token_layer, total_params, weight_groups
+
+GIB = 1024**3
+QWEN3_30B_A3B = ModelConfig(
+    arch=Arch.QWEN3_MOE, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+    num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, num_experts=128, num_experts_per_tok=8,
+    moe_intermediate_size=768, max_position_embeddings=40960, name="qwen3-30b-a3b-shape",
+)
+LLAMA3_70B = ModelConfig(
+    arch=Arch.LLAMA, vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+    num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=131072, name="llama-3-70b-shape",
+)
+CONFIGS = [LLAMA3_8B, QWEN3_30B_A3B, LLAMA3_70B]
+HOSTS = {g: HardwareProfile.synthetic(g, pcie_gbps=25, dram_gbps=60, host_gib=192) for g in (8, 12, 24, None)}
+WL = Workload(ctx_size=16384, batch=2, gen_tokens=256)
+
+
+def test_param_counts_match_the_published_sizes():
+    assert total_params(LLAMA3_8B) == pytest.approx(8.03e9, rel=0.01)
+    assert total_params(QWEN3_30B_A3B) == pytest.approx(30.5e9, rel=0.01)
+    assert total_params(LLAMA3_70B) == pytest.approx(70.6e9, rel=0.01)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("gpu", [8, 12, 24, None])
+def test_budgets_respected(cfg, gpu):
+    hw = HOSTS[gpu]
+    p = plan(cfg, hw, workload=WL)
+    m = p.memory
+    assert m.gpu_used <= m.gpu_budget < hw.gpu_free_bytes or not hw.has_gpu
+    assert m.host_used <= m.host_budget < hw.host_available_bytes
+    assert p.kv.gpu_tokens + p.kv.host_tokens >= WL.ctx_size
+    assert m.gpu_weights == sum(x.nbytes for x in p.placements if x.on_gpu)
+    assert p.prediction.decode_tok_s > 0 and p.prediction.prefill_tok_s > 0
+    assert p.prediction.bottleneck
+    if not hw.has_gpu:
+        assert p.device is Device.CPU and m.gpu_used == 0 and p.kv.gpu_tokens == 0
+        assert all(x.mode is Mode.CPU for x in p.placements)
+    else:
+        assert p.device is Device.CUDA
+
+
+def test_small_model_fills_gpu_with_weights_then_kv():
+    p = plan(LLAMA3_8B, HOSTS[8], workload=Workload(32768))
+    layer_groups = [x for x in p.placements if x.layer >= 0]
+    assert all(x.on_gpu and x.dtype in (WDtype.NF4, WDtype.BF16) for x in layer_groups)
+    assert p.placement(-1, Kind.LM_HEAD).on_gpu
+    assert 0 < p.kv.gpu_tokens < 32768 and p.kv.host_tokens > 0
+    assert p.gpu_layers == 32
+
+
+def test_dense_priority_mlp_before_attention_before_kv():
+    p = plan(LLAMA3_70B, HOSTS[24], workload=WL)
+    on = lambda k: [x.on_gpu for x in p.placements if x.kind is k]  # noqa: E731
+    assert p.placement(-1, Kind.LM_HEAD).on_gpu
+    assert sum(on(Kind.MLP)) > 0 and not all(on(Kind.ATTN))
+    # first fit in priority order: an attention group is on the GPU only if the MLP groups that
+    # are off it were too big for the room left
+    mlp_off = [x for x in p.placements if x.kind is Kind.MLP and not x.on_gpu]
+    attn_on = [x for x in p.placements if x.kind is Kind.ATTN and x.on_gpu]
+    if mlp_off and attn_on:
+        assert min(x.nbytes for x in attn_on) < min(x.nbytes for x in mlp_off)
+    # GPU-tier KV only gets what no weight group fits into
+    off = [x.nbytes for x in p.placements if not x.on_gpu and x.kind is not Kind.EMBED]
+    if off:
+        assert p.kv.gpu_bytes < min(off)
+
+
+def test_moe_counts_activated_experts():
+    assert experts_touched(128, 8, 1) == pytest.approx(8)
+    assert 8 < experts_touched(128, 8, 4) < 32
+    p = plan(QWEN3_30B_A3B, HOSTS[24], workload=Workload(4096, batch=1))
+    one = decode_step(QWEN3_30B_A3B, HOSTS[24], p.placements, p.kv, 1, 2048, 8, 1)
+    four = decode_step(QWEN3_30B_A3B, HOSTS[24], p.placements, p.kv, 4, 2048, 8, 1)
+    experts = sum(x.nbytes for x in p.placements if x.kind is Kind.EXPERTS)
+    assert one.nbytes["gpu weights"] < 0.2 * experts  # 8 of 128 experts a token
+    assert one.nbytes["gpu weights"] < four.nbytes["gpu weights"]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+def test_more_gpu_memory_never_predicts_slower(cfg):
+    hw = HardwareProfile.synthetic(80, host_gib=256)
+    last = 0.0
+    for gib in [2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64]:
+        try:
+            p = plan(cfg, hw, Budget(gib * GIB, 200 * GIB), WL)
+        except UserError:
+            continue
+        assert p.prediction.decode_tok_s >= last * (1 - 1e-9), f"{gib} GiB"
+        last = p.prediction.decode_tok_s
+    assert last > 0
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+def test_plan_json_round_trip(cfg):
+    for hw in HOSTS.values():
+        p = plan(cfg, hw, workload=WL)
+        q = Plan.from_json(p.to_json())
+        assert q == p
+
+
+def test_profile_json_round_trip():
+    for hw in HOSTS.values():
+        assert HardwareProfile.from_json(hw.to_json()) == hw
+
+
+def test_user_values_are_never_changed():
+    ov = Overrides(kv_dtype=KVDtype.INT4, threads=3, sub_batches=1, gpu_kv_tokens=1024, weight_mode=Mode.CPU)
+    p = plan(LLAMA3_70B, HOSTS[12], Budget(10 * GIB, 150 * GIB), WL, ov)
+    assert p.kv.host_dtype is KVDtype.INT4 and p.threads == 3 and p.sub_batches == 1 and p.kv.gpu_tokens == 1024
+    assert p.budget == Budget(10 * GIB, 150 * GIB)
+    assert all(x.mode is not Mode.STREAM for x in p.placements)
+    auto = {c.setting for c in p.choices}
+    assert not auto & {"--kv-dtype", "--threads", "sub-batches", "GPU-tier KV", "--gpu-mem", "--cpu-mem",
+                       "weights off the GPU"}
+    p = plan(LLAMA3_8B, HOSTS[24], workload=WL, overrides=Overrides(device=Device.CPU))
+    assert p.device is Device.CPU and p.memory.gpu_used == 0
+
+
+def test_no_fit_says_by_how_much_where_and_which_option():
+    with pytest.raises(UserError) as e:
+        plan(LLAMA3_70B, HOSTS[None], Budget(0, 48 * GIB), WL)
+    msg = str(e.value)
+    assert "host" in msg and "short by" in msg and "--ctx-size" in msg and "--cpu-mem" in msg
+    with pytest.raises(UserError) as e:
+        plan(LLAMA3_8B, HOSTS[8], Budget(200 * 2**20, 48 * GIB), WL)
+    msg = str(e.value)
+    assert "cuda:0" in msg and "short by" in msg and "--gpu-mem" in msg
+    with pytest.raises(UserError, match="--kv-dtype int8"):
+        plan(LLAMA3_8B, HOSTS[8], Budget(6 * GIB, 12 * GIB), Workload(131072), Overrides(kv_dtype=KVDtype.BF16))
+    with pytest.raises(UserError, match="--device cpu"):
+        plan(LLAMA3_8B, HOSTS[None], workload=WL, overrides=Overrides(device=Device.CUDA))
+
+
+def test_host_kv_dtype_falls_back_to_what_fits():
+    p = plan(LLAMA3_8B, HOSTS[8], Budget(6 * GIB, 12 * GIB), Workload(131072))
+    assert p.kv.host_dtype is KVDtype.INT8
+    assert any(c.setting == "--kv-dtype" and "does not fit" in c.reason for c in p.choices)
+
+
+def test_kv_bytes_match_the_host_pool_layout():
+    from cpu_attention.layout import HostKVPool
+
+    for dt in KVDtype:
+        pool = HostKVPool(2, 4, 8, 16, 128, dtype=dt)
+        cfg = dataclasses.replace(LLAMA3_8B, num_layers=2)
+        assert kv_bytes_per_token_layer(cfg, dt) * 2 == pytest.approx(pool.bytes_per_token)
+
+
+def test_weight_groups_cover_every_parameter():
+    gs = weight_groups(LLAMA3_8B)
+    assert [g.kind for g in gs[:4]] == [Kind.EMBED, Kind.ATTN, Kind.MLP, Kind.NORMS]
+    assert gs[-1].kind is Kind.LM_HEAD
+    assert WDtype.NF4.nbytes(64) == 32 + 4
+
+
+def test_sizes():
+    assert parse_size("8GiB") == 8 * GIB
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("24G") == 24 * GIB and parse_size("1.5GB") == 1_500_000_000 and parse_size("100") == 100
+    with pytest.raises(UserError, match="8GiB"):
+        parse_size("eight")
+    assert format_size(8 * GIB) == "8.00 GiB" and format_size(1002 * 2**20) == "1002 MiB" and format_size(12) == "12 B"
