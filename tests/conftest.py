@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random checkpoints written by transformers into temp folders."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _spec(arch: str):
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(**COMMON), tf.LlamaForCausalLM
+    if arch == "llama3":  # rope_scaling llama3 and tied embeddings
+        cfg = tf.LlamaConfig(**{**COMMON, "tie_word_embeddings": True},
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                             rope_theta=500000.0)
+        return cfg, tf.LlamaForCausalLM
+    if arch == "mistral":
+        return tf.MistralConfig(**COMMON, sliding_window=None), tf.MistralForCausalLM
+    if arch == "qwen2":
+        return tf.Qwen2Config(**COMMON), tf.Qwen2ForCausalLM
+    if arch == "qwen3":
+        return tf.Qwen3Config(**COMMON, head_dim=16), tf.Qwen3ForCausalLM
+    if arch == "mixtral":
+        return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2), tf.MixtralForCausalLM
+    if arch == "qwen3_moe":
+        return (tf.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1),
+                tf.Qwen3MoeForCausalLM)
+    raise KeyError(arch)
+
+
+ARCHES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+
+
+def make_tiny(path, arch: str, seed: int = 0):
+    """Write a tiny random `arch` checkpoint to `path`; returns the transformers model (float32)."""
+    cfg, cls = _spec(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    if arch == "qwen2":  # q/k/v biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(arch) → (folder, transformers model), built once per session."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            folder = tmp_path_factory.mktemp(arch)
+            made[arch] = (folder, make_tiny(folder, arch))
+        return made[arch]
+
+    return get
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
