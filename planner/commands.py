@@ -57,7 +57,7 @@ def plan_cmd(
     kv_dtype: Optional[str] = _opt(None, "--kv-dtype", help="host-tier KV: auto|bf16|int8|int4"),
     gpu_kv_dtype: Optional[str] = _opt(None, "--gpu-kv-dtype", help="GPU-tier KV: auto|bf16|int8|int4"),
     gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="GPU-tier KV tokens per sequence"),
-    weights: str = _opt("auto", "--weights", help="auto|4bit|bf16"),
+    weights: str = _opt("auto", "--weights", help="auto|4bit|int8|bf16|f32 (int8: CPU only)"),
     weight_mode: str = _opt("auto", "--weight-mode", help="weights that do not fit the GPU: auto|stream|cpu"),
     device: str = _opt("auto", "--device", help="auto|cpu|cuda"),
     sub_batches: Optional[int] = _opt(None, "--sub-batches", help="1 or 2 (default: the faster prediction)"),
@@ -79,7 +79,8 @@ def plan_cmd(
         kv = {d.value: d for d in KVDtype}
         ov = Overrides(
             device=_choice(device, "--device", {"cpu": Device.CPU, "cuda": Device.CUDA}),
-            weights=_choice(weights, "--weights", {"4bit": WDtype.NF4, "nf4": WDtype.NF4, "bf16": WDtype.BF16}),
+            weights=_choice(weights, "--weights", {"4bit": WDtype.NF4, "nf4": WDtype.NF4, "int8": WDtype.INT8,
+                                                   "bf16": WDtype.BF16, "f32": WDtype.F32}),
             kv_dtype=_choice(kv_dtype, "--kv-dtype", kv), gpu_kv_dtype=_choice(gpu_kv_dtype, "--gpu-kv-dtype", kv),
             threads=threads, sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens,
             weight_mode=_choice(weight_mode, "--weight-mode", {"stream": Mode.STREAM, "cpu": Mode.CPU}),
@@ -154,7 +155,7 @@ def render_profile(hw: HardwareProfile, console: Console) -> None:
         ("host memory (available / total)", f"{fs(hw.host_available_bytes)} / {fs(hw.host_total_bytes)}"),
         ("cores (physical / logical)", f"{hw.physical_cores} / {hw.logical_cpus}"),
         ("DRAM read", f"{hw.dram_read_gbps:.1f} GB/s"),
-        ("CPU bf16 GEMV", f"{hw.cpu_gemv_gbps:.1f} GB/s"),
+        (f"CPU GEMV ({hw.cpu_gemv_dtype})", f"{hw.cpu_gemv_gbps:.1f} GB/s of weights"),
         ("CPU fp32 matmul", f"{hw.cpu_gflops:.0f} GFLOP/s"),
     ]
     rows += [(f"CPU attention {r.dtype} × {r.threads} threads", f"{r.gbps:.1f} GB/s of KV") for r in hw.cpu_attention]

@@ -145,7 +145,7 @@ def prefill_seconds(
     Chunk of u tokens at positions [s, s+u):
       flops  = 2 · u · Σ active params  +  L · 4 · u · (s + u/2) · q_size      (GEMMs + causal attention)
       gpu    = flops on GPU-computed groups / (MFU · bf16 matmul rate)
-      cpu    = CPU-mode groups: min(2·u·params / CPU flop rate, W_bf16 / PCIe)  (compute there or stream)
+      cpu    = CPU-mode groups: min(2·u·params / CPU flop rate, W / PCIe)    (compute there or stream)
       h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
       d2h    = host-tier KV of the chunk / PCIe
       t      = max(gpu, h2d, d2h) + cpu + L · overhead                           (copies double-buffered)
@@ -154,7 +154,7 @@ def prefill_seconds(
     pairs = _pairs(cfg, placements)
     L = cfg.num_layers
     kv_bf16 = kv_bytes_per_token_layer(cfg, KVDtype.BF16)
-    active_gpu = active_cpu = streamed = cpu_bf16 = 0.0
+    active_gpu = active_cpu = streamed = cpu_bytes = 0.0
     for layer, groups in pairs.items():
         for g, pl in groups:
             if g.kind is Kind.EMBED:
@@ -164,7 +164,7 @@ def prefill_seconds(
                 act = act / ubatch  # logits of the chunk's last token only
             if pl.mode is Mode.CPU:
                 active_cpu += act
-                cpu_bf16 += WDtype.BF16.nbytes(g.params + g.small_params)
+                cpu_bytes += pl.nbytes
             else:
                 active_gpu += act
                 streamed += pl.nbytes if pl.mode is Mode.STREAM else 0.0
@@ -176,7 +176,7 @@ def prefill_seconds(
             total += (2.0 * u * (active_gpu + active_cpu) + attn_flops) / (hw.cpu_gflops * GB)
         else:
             gpu = (2.0 * u * active_gpu + attn_flops) / (PREFILL_MFU * hw.gpu_tflops * 1e12)
-            cpu = min(2.0 * u * active_cpu / (hw.cpu_gflops * GB), cpu_bf16 / (hw.pcie_h2d_gbps * GB))
+            cpu = min(2.0 * u * active_cpu / (hw.cpu_gflops * GB), cpu_bytes / (hw.pcie_h2d_gbps * GB))
             host_before = max(0, s - kv.gpu_tokens)
             host_chunk = max(0, s + u - max(s, kv.gpu_tokens))
             h2d = (streamed + L * host_before * kv_bf16) / (hw.pcie_h2d_gbps * GB)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from cpu_attention.layout import KVDtype
@@ -48,9 +49,10 @@ class HardwareProfile:
     physical_cores: int
     logical_cpus: int
     dram_read_gbps: float  # torch.sum over a large array, all physical cores
-    cpu_gemv_gbps: float  # bf16 matrix-vector on the CPU, weight bytes / s
+    cpu_gemv_gbps: float  # matrix-vector on the CPU (dtype: cpu_gemv_dtype), weight bytes / s
     cpu_gflops: float  # dense fp32 matmul on the CPU
     cpu_attention: tuple[AttnRate, ...] = ()
+    cpu_gemv_dtype: str = "int8"  # hetero.cpu_linear's kernel; "bf16" when torch.mv measured it
     gpu_name: str | None = None
     gpu_total_bytes: int = 0
     gpu_free_bytes: int = 0
@@ -196,13 +198,17 @@ def physical_cores() -> tuple[int, int]:
     return max(1, min(cores, logical)), logical
 
 
-def _best(fn: Callable[[], Any], reps: int = 3, sync: Callable[[], None] | None = None) -> float:
-    """Fastest of `reps` timed calls after one warm-up, in seconds."""
+def _best(fn: Callable[[], Any], reps: int = 3, sync: Callable[[], None] | None = None,
+          budget_s: float = 2.0) -> float:
+    """Fastest of `reps` timed calls after one warm-up, in seconds; stops early once the timed
+    calls have taken `budget_s` (slow kernels must not stretch the profile past 30 s)."""
     fn()
     if sync:
         sync()
-    best = float("inf")
+    best, start = float("inf"), time.perf_counter()
     for _ in range(reps):
+        if best < float("inf") and time.perf_counter() - start > budget_s:
+            break
         t = time.perf_counter()
         fn()
         if sync:
@@ -221,7 +227,9 @@ def measure(quick: bool = False) -> HardwareProfile:
     torch.set_num_threads(cores)
     try:
         host = _measure_host(cores, quick)
+        t1 = time.perf_counter()
         attn = _measure_cpu_attention(cores, quick)
+        t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads_before)
     gpu: dict[str, Any] = {}
@@ -229,7 +237,8 @@ def measure(quick: bool = False) -> HardwareProfile:
         gpu = _measure_gpu(notes, quick)
     else:
         notes.append("no CUDA device: host figures only")
-    notes.append(f"measured in {time.perf_counter() - t0:.1f} s")
+    t3 = time.perf_counter()
+    notes.append(f"measured in {t3 - t0:.1f} s (host {t1 - t0:.1f}, CPU attention {t2 - t1:.1f}, GPU {t3 - t2:.1f})")
     return HardwareProfile(
         created=_dt.datetime.now().isoformat(timespec="seconds"),
         versions=_versions(), host_total_bytes=total, host_available_bytes=avail,
@@ -256,14 +265,27 @@ def _measure_host(cores: int, quick: bool) -> dict[str, float]:
     a = torch.ones(n, dtype=torch.float32)
     dram = n * 4 / _best(lambda: a.sum(), reps=3 if quick else 5) / 1e9
     del a
-    rows, cols = (1024, 2048) if quick else (8192, 16384)  # 256 MiB: beyond any L3
-    w, x = torch.randn(rows, cols).to(torch.bfloat16), torch.randn(cols).to(torch.bfloat16)
-    gemv = rows * cols * 2 / _best(lambda: torch.mv(w, x)) / 1e9
-    del w
+    gemv, gemv_dtype = _measure_cpu_gemv(quick)
     m = 256 if quick else 1024
     a, b = torch.randn(m, m), torch.randn(m, m)
     gflops = 2 * m**3 / _best(lambda: a @ b) / 1e9
-    return {"dram_read_gbps": dram, "cpu_gemv_gbps": gemv, "cpu_gflops": gflops}
+    return {"dram_read_gbps": dram, "cpu_gemv_gbps": gemv, "cpu_gemv_dtype": gemv_dtype, "cpu_gflops": gflops}
+
+
+def _measure_cpu_gemv(quick: bool) -> tuple[float, str]:
+    """One token through a 256 MiB (beyond any L3) int8 matrix with hetero's CPU kernel; torch's
+    bf16 mv if that kernel is missing."""
+    rows, cols = (1024, 2048) if quick else (16384, 16384)
+    x = torch.randn(1, cols)
+    try:
+        from hetero.cpu_linear import _gemv_int8  # (w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32)
+    except ImportError:
+        w, xb = torch.ones(rows, cols, dtype=torch.bfloat16), x[0].to(torch.bfloat16)
+        return rows * cols * 2 / _best(lambda: torch.mv(w, xb)) / 1e9, "bf16"
+    # the values do not change the time: a constant matrix skips quantizing 256 MiB of noise
+    w, s, out = np.ones((rows, cols), np.int8), np.ones(rows, np.float32), np.empty((1, rows), np.float32)
+    xn = x.numpy()
+    return (rows * cols + 4 * rows) / _best(lambda: _gemv_int8(w, s, xn, out), reps=3 if quick else 5) / 1e9, "int8"
 
 
 def _set_threads(n: int) -> None:
@@ -282,14 +304,14 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     import cpu_attention
     from cpu_attention.layout import HostKVPool
 
-    L, B, T, H, D, BS = (2, 2, 512, 8, 128, 16) if quick else (4, 4, 4096, 8, 128, 16)
+    L, B, T, H, D, BS = (2, 2, 512, 8, 128, 16) if quick else (4, 4, 2048, 8, 128, 16)
     nb = B * T // BS
     q = torch.randn(B, 4 * H, D)
     tables = torch.arange(nb, dtype=torch.int32).reshape(B, -1)
     lens = torch.full((B,), T, dtype=torch.int32)
     threads = sorted({max(1, cores // 2), cores})
     out = []
-    for dt in KVDtype:
+    for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):  # the host tier's dtypes
         pool = HostKVPool(L, nb, H, BS, D, dtype=dt)
         for t in (pool.k, pool.v):
             if t.dtype == torch.bfloat16:
@@ -308,7 +330,7 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
         nbytes = pool.nbytes / L  # one layer's K and V (scales included)
         for n in threads:
             _set_threads(n)
-            out.append(AttnRate(dt.value, n, nbytes / _best(call, reps=2 if quick else 4) / 1e9))
+            out.append(AttnRate(dt.value, n, nbytes / _best(call, reps=2 if quick else 4, budget_s=1.0) / 1e9))
     _set_threads(cores)
     return tuple(out)
 

@@ -78,12 +78,15 @@ def plan(
         choices.append(Choice("--device", device.value, f"found {hw.gpu_name}" if hw.has_gpu else "no CUDA device found"))
     if device is Device.CUDA and not hw.has_gpu:
         raise UserError("--device cuda was given but the profile found no CUDA device: use --device cpu or auto")
-    weights = ov.weights or (WDtype.NF4 if device is Device.CUDA else WDtype.BF16)
+    weights = ov.weights or (WDtype.NF4 if device is Device.CUDA else WDtype.INT8)
     if ov.weights is None:
-        why = "4-bit on the GPU: decode reads every weight each step" if device is Device.CUDA else "the CPU computes in bf16"
+        why = "4-bit on the GPU: decode reads every weight each step" if device is Device.CUDA else \
+            "the CPU's int8 kernel reads a quarter of f32's bytes"
         choices.append(Choice("--weights", "4bit" if weights is WDtype.NF4 else weights.value, why))
     if device is Device.CPU and weights is WDtype.NF4:
-        raise UserError("4-bit weights need the GPU (bitsandbytes): with --device cpu use --weights bf16")
+        raise UserError("4-bit weights need the GPU (bitsandbytes): with --device cpu use --weights int8 or bf16")
+    if device is Device.CUDA and weights is WDtype.INT8:
+        raise UserError("--weights int8 runs on the CPU only; use --weights 4bit or bf16 with --device cuda")
     threads = ov.threads or hw.best_threads()
     if ov.threads is None:
         choices.append(Choice("--threads", str(threads), "physical cores (SMT siblings share the memory bus)"))
@@ -165,6 +168,11 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     return best
 
 
+def cpu_dtype(weights: WDtype) -> WDtype:
+    """What a host-computed matrix is stored as: the CPU has no 4-bit kernel, int8 instead."""
+    return WDtype.INT8 if weights is WDtype.NF4 else weights
+
+
 def _fill(
     groups: list[Group], weights: WDtype, mode: Mode, cap: int, order: dict, embed_gpu: bool,
 ) -> tuple[tuple[Placement, ...], int]:
@@ -189,8 +197,9 @@ def _fill(
         if i in on:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CUDA, dt, Mode.RESIDENT, g.nbytes(dt)))
-        elif g.kind is Kind.EMBED or mode is Mode.CPU:  # the CPU computes in bf16; a lookup needs no compute
-            out.append(Placement(g.layer, g.kind, Device.CPU, WDtype.BF16, Mode.CPU, g.nbytes(WDtype.BF16)))
+        elif g.kind is Kind.EMBED or mode is Mode.CPU:  # a lookup needs no compute: it stays where it is
+            dt = g.dtype_for(cpu_dtype(weights))
+            out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.CPU, g.nbytes(dt)))
         else:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.STREAM, g.nbytes(dt)))
@@ -325,7 +334,8 @@ def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype) -> str:
         rate = hw.cpu_attention_rate(c.kv.host_dtype, threads)
         return f"CPU attention: {gb(key)} of {c.kv.host_dtype.value} KV at {rate:.0f} GB/s" + share
     if key == "cpu weights":
-        return f"CPU weights: {gb(key)} of bf16 at {hw.cpu_gemv_gbps:.0f} GB/s" + share
+        dt = cpu_dtype(gpu_dtype).value
+        return f"CPU weights: {gb(key)} of {dt} at {hw.cpu_gemv_gbps:.0f} GB/s" + share
     if key == "pcie weights":
         return f"PCIe weight streaming: {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
     if key == "transfers":

@@ -26,13 +26,17 @@ class Kind(str, enum.Enum):
 
 
 class WDtype(str, enum.Enum):
-    NF4 = "nf4"
+    NF4 = "nf4"  # bitsandbytes, GPU
+    INT8 = "int8"  # per-row scale, the CPU kernel (hetero.cpu_linear)
     BF16 = "bf16"
     F32 = "f32"
 
-    def nbytes(self, params: int) -> int:
+    def nbytes(self, params: int, rows: int = 0) -> int:
+        """Bytes of `params` weights in `rows` output rows (int8 keeps a fp32 scale a row)."""
         if self is WDtype.NF4:
             return params // 2 + 4 * (-(-params // NF4_BLOCK))
+        if self is WDtype.INT8:
+            return params + 4 * rows
         return params * (2 if self is WDtype.BF16 else 4)
 
 
@@ -48,13 +52,14 @@ class Group:
     small_params: int  # weights always kept 16-bit (biases, norms, router)
     active_params: int  # params one token reads (MoE: top-k experts + router)
     expert_params: int = 0  # one expert's params (MoE only)
+    rows: int = 0  # output rows of the matrices (int8 stores a scale per row)
 
     @property
     def name(self) -> str:
         return self.kind.value if self.layer < 0 else f"layers.{self.layer}.{self.kind.value}"
 
     def nbytes(self, dtype: WDtype) -> int:
-        return dtype.nbytes(self.params) + WDtype.BF16.nbytes(self.small_params)
+        return dtype.nbytes(self.params, self.rows) + WDtype.BF16.nbytes(self.small_params)
 
     def dtype_for(self, weights: WDtype) -> WDtype:
         return weights if self.kind in QUANTIZABLE else WDtype.BF16
@@ -68,18 +73,18 @@ def weight_groups(cfg: ModelConfig) -> list[Group]:
     mlp = 3 * h * cfg.intermediate_size
     out = [Group(-1, Kind.EMBED, 0, cfg.vocab_size * h, h)]  # a lookup reads one row a token
     for i in range(cfg.num_layers):
-        out.append(Group(i, Kind.ATTN, attn, attn_small, attn + attn_small))
+        out.append(Group(i, Kind.ATTN, attn, attn_small, attn + attn_small, rows=q + 2 * kv + h))
         if cfg.moe_layers[i]:
             one = 3 * h * cfg.moe_intermediate_size
             router = h * cfg.num_experts
-            out.append(Group(i, Kind.EXPERTS, one * cfg.num_experts, router,
-                             one * cfg.num_experts_per_tok + router, expert_params=one))
+            out.append(Group(i, Kind.EXPERTS, one * cfg.num_experts, router, one * cfg.num_experts_per_tok + router,
+                             expert_params=one, rows=cfg.num_experts * (2 * cfg.moe_intermediate_size + h)))
         else:
-            out.append(Group(i, Kind.MLP, mlp, 0, mlp))
+            out.append(Group(i, Kind.MLP, mlp, 0, mlp, rows=2 * cfg.intermediate_size + h))
         out.append(Group(i, Kind.NORMS, 0, 2 * h, 2 * h))
     out.append(Group(-1, Kind.FINAL_NORM, 0, h, h))
     # A tied lm_head shares the checkpoint's embedding, but its 4-bit copy is its own tensor.
-    out.append(Group(-1, Kind.LM_HEAD, cfg.vocab_size * h, 0, cfg.vocab_size * h))
+    out.append(Group(-1, Kind.LM_HEAD, cfg.vocab_size * h, 0, cfg.vocab_size * h, rows=cfg.vocab_size))
     return out
 
 
