@@ -16,10 +16,13 @@ from planner.units import format_tokens
 
 
 def summary_line(p: Plan) -> str:
-    """`offloaded 32/32 layers' weights to GPU · KV 8k GPU / 24k CPU · 46%/54% CPU/GPU`
-    (the shares are of the bytes one decode step reads)."""
-    kv = p.kv
-    return (f"offloaded {p.gpu_layers}/{p.num_layers} layers' weights to GPU · "
+    """`offloaded 32/32 layers' weights to GPU (4.9 GiB of 5.9 GiB) · KV 8k GPU / 24k CPU · 46%/54% CPU/GPU`
+    (a layer counts when all its groups are on the GPU; the shares are of the bytes one decode
+    step reads)."""
+    kv, m = p.kv, p.memory
+    total = m.gpu_weights + m.host_weights
+    return (f"offloaded {p.gpu_layers}/{p.num_layers} layers' weights to GPU "
+            f"({fs(m.gpu_weights)} of {fs(total)}) · "
             f"KV {format_tokens(kv.gpu_tokens)} GPU / {format_tokens(kv.host_tokens)} CPU · "
             f"{100 * p.prediction.cpu_share:.0f}%/{100 * p.prediction.gpu_share:.0f}% CPU/GPU")
 
