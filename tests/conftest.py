@@ -14,6 +14,16 @@ COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_l
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where CUDA is."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def _spec(arch: str):
     import transformers as tf
 
