@@ -126,7 +126,10 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
         _check_host(mem, wl, host_dtype, ov)
         cost = decode_step(cfg, hw, pl, kv, wl.batch, wl.decode_context, threads, 1)
         return _Candidate(pl, kv, 1, mem, cost, "cpu")
-    modes = [ov.weight_mode] if ov.weight_mode else [Mode.STREAM, Mode.CPU]
+    # (mode for experts, mode for everything else) of the weights that miss the GPU; for MoE also
+    # the llama.cpp habit: experts on the CPU (only routed ones are read), the rest streamed
+    modes = [(ov.weight_mode, ov.weight_mode)] if ov.weight_mode else \
+        [(Mode.STREAM, Mode.STREAM), (Mode.CPU, Mode.CPU)] + ([(Mode.CPU, Mode.STREAM)] if cfg.is_moe else [])
     subs = [ov.sub_batches] if ov.sub_batches else ([1, 2] if wl.batch >= 2 else [1])
     orders = [("mlp first", _PRIORITY)] + ([("attention first", _ATTN_FIRST)] if cfg.is_moe else [])
     work = workspace_bytes(cfg, wl)
@@ -174,7 +177,7 @@ def cpu_dtype(weights: WDtype) -> WDtype:
 
 
 def _fill(
-    groups: list[Group], weights: WDtype, mode: Mode, cap: int, order: dict, embed_gpu: bool,
+    groups: list[Group], weights: WDtype, modes: tuple[Mode, Mode], cap: int, order: dict, embed_gpu: bool,
 ) -> tuple[tuple[Placement, ...], int]:
     """First fit in priority order; streamed groups need two GPU staging buffers (double
     buffering) of the largest streamed group, so refill with that reserved until stable."""
@@ -188,7 +191,8 @@ def _fill(
                 on.add(i)
                 room -= n
         off = [groups[i] for i in range(len(groups)) if i not in on and groups[i].kind is not Kind.EMBED]
-        need = 2 * max((g.nbytes(g.dtype_for(weights)) for g in off), default=0) if mode is Mode.STREAM else 0
+        streamed = [g for g in off if _mode(g, modes) is Mode.STREAM]
+        need = 2 * max((g.nbytes(g.dtype_for(weights)) for g in streamed), default=0)
         if need <= staging:
             break
         staging = need
@@ -197,13 +201,17 @@ def _fill(
         if i in on:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CUDA, dt, Mode.RESIDENT, g.nbytes(dt)))
-        elif g.kind is Kind.EMBED or mode is Mode.CPU:  # a lookup needs no compute: it stays where it is
+        elif g.kind is Kind.EMBED or _mode(g, modes) is Mode.CPU:  # a lookup needs no compute: it stays put
             dt = g.dtype_for(cpu_dtype(weights))
             out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.CPU, g.nbytes(dt)))
         else:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.STREAM, g.nbytes(dt)))
     return tuple(out), staging
+
+
+def _mode(g: Group, modes: tuple[Mode, Mode]) -> Mode:
+    return modes[0] if g.kind is Kind.EXPERTS else modes[1]
 
 
 def _kv_layer_bytes(cfg: ModelConfig, dt: KVDtype) -> float:
@@ -289,13 +297,17 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
     if best.order == "cpu":
         return out
     if off and ov.weight_mode is None:
-        mode = off[0].mode
-        other_mode = Mode.CPU if mode is Mode.STREAM else Mode.STREAM
-        other = alt(weight_mode=other_mode)
-        vs = f"{other:.1f} tok/s" if other else "does not fit the host budget"
-        what = "streamed over PCIe each step" if mode is Mode.STREAM else "computed by the CPU"
-        out.append(Choice("weights off the GPU", f"{len(off)} groups, {fs(sum(p.nbytes for p in off))}, {what}",
-                          f"predicts {me:.1f} tok/s; {other_mode.value} mode {vs}"))
+        what = []
+        for mode, verb in ((Mode.STREAM, "streamed over PCIe each step"), (Mode.CPU, "computed by the CPU")):
+            these = [p for p in off if p.mode is mode]
+            if these:
+                what.append(f"{len(these)} groups ({fs(sum(p.nbytes for p in these))}) {verb}")
+        others = []
+        for mode in (Mode.STREAM, Mode.CPU):
+            if any(p.mode is not mode for p in off):
+                other = alt(weight_mode=mode)
+                others.append(f"all {mode.value} " + (f"{other:.1f} tok/s" if other else "does not fit the host budget"))
+        out.append(Choice("weights off the GPU", "; ".join(what), f"predicts {me:.1f} tok/s; " + ", ".join(others)))
     elif not off:
         out.append(Choice("weights", "all on cuda", f"{fs(best.memory.gpu_weights)} fit the GPU budget"))
     if cfg.is_moe and off:
