@@ -91,8 +91,16 @@ class HostKVPool:
         return self.nbytes / (self.num_blocks * self.block_size)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in."""
+        """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in.
+
+        bf16/int8/int4 go through the Numba append (`append.py`, same numbers as `quantize`).
+        """
         blocks, offs = slots // self.block_size, slots % self.block_size
+        if self.dtype is not KVDtype.F32:
+            from cpu_attention.append import write_numba  # numba loads lazily
+
+            write_numba(self, layer, blocks, offs, k, v)
+            return
         for name, x in (("k", k), ("v", v)):
             data, scale, zero = quantize(x, self.dtype)
             getattr(self, name)[layer, blocks, :, offs] = data

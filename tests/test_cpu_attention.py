@@ -167,3 +167,24 @@ def test_kernel_releases_the_gil():
     t.join()
     # with the GIL held for a whole kernel the main thread could not count during it
     assert sum(during) > 1000, during
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4])
+def test_numba_append_equals_torch_quantize(dtype):
+    from cpu_attention.layout import quantize
+
+    gen = torch.Generator().manual_seed(11)
+    pool = HostKVPool(2, 5, 3, 16, 64, dtype)
+    x = torch.randn(13, 3, 64, generator=gen) * 3
+    x[0, 0, :32] = 0.5  # a constant int4 group
+    slots = torch.randperm(80, generator=gen)[:13]
+    pool.write(1, slots, x, -x)
+    blk, off = slots // 16, slots % 16
+    for name, src in (("k", x), ("v", -x)):
+        data, scale, zero = quantize(src, dtype)
+        assert torch.equal(getattr(pool, name)[1, blk, :, off], data)
+        if scale is not None:
+            assert torch.equal(getattr(pool, f"{name}_scale")[1, blk, :, off], scale)
+        if zero is not None:
+            assert torch.equal(getattr(pool, f"{name}_zero")[1, blk, :, off], zero)
+    assert torch.all(getattr(pool, "k")[0] == 0)  # other layer untouched
