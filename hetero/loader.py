@@ -58,19 +58,29 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device) -> Model
     keep = torch.float32 if act == torch.float32 else torch.bfloat16
     get = ck.get
     has = ck.tensors.__contains__
-    lin = lambda w, b=None: make_linear(w, b, fmt, device)  # noqa: E731
     small = lambda name: get(name).to(device, keep)  # noqa: E731  norms, biases
+    nf4 = None
+    if fmt is WeightFormat.NF4:  # quantized once, then read back from the disk cache
+        from gpu_ops.weight_cache import NF4Cache
+
+        nf4 = NF4Cache(ck.path)
+        log.info("NF4 weights %s %s", "from the cache" if nf4.hit else "quantized now, cached in", nf4.path)
+
+    def lin(name: str, weight, b: torch.Tensor | None = None) -> Linear:
+        """`weight()` reads (and fuses) the source tensor; a cache hit never calls it."""
+        if nf4 is not None:
+            return nf4.linear(name, weight, b, device)
+        return make_linear(weight(), b, fmt, device)
 
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        qkv_w = torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"])
         qkv_b = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
         lw = LayerWeights(
             attn_norm=small(p + "input_layernorm.weight"),
-            qkv=lin(qkv_w, qkv_b),
-            o=lin(get(a + "o_proj.weight")),
+            qkv=lin(a + "qkv", lambda: torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]), qkv_b),
+            o=lin(a + "o", lambda: get(a + "o_proj.weight")),
             mlp_norm=small(p + "post_attention_layernorm.weight"),
         )
         if cfg.qk_norm:
@@ -80,21 +90,24 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device) -> Model
             lw.router = get(m + "gate.weight").to(device, torch.float32)
             for e in range(cfg.num_experts):
                 x = f"{m}experts.{e}."
-                gu = torch.cat([get(x + "gate_proj.weight"), get(x + "up_proj.weight")])
-                lw.experts.append((lin(gu), lin(get(x + "down_proj.weight"))))
+                gu = lambda: torch.cat([get(x + "gate_proj.weight"), get(x + "up_proj.weight")])  # noqa: E731
+                lw.experts.append((lin(x + "gate_up", gu), lin(x + "down", lambda: get(x + "down_proj.weight"))))
         else:
-            lw.gate_up = lin(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
-            lw.down = lin(get(m + "down_proj.weight"))
+            lw.gate_up = lin(m + "gate_up", lambda: torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
+            lw.down = lin(m + "down", lambda: get(m + "down_proj.weight"))
         layers.append(lw)
 
     embed = get("model.embed_tokens.weight")
     head_w = embed if cfg.tie_word_embeddings or not has("lm_head.weight") else get("lm_head.weight")
     rope_freqs = get("rope_freqs") if has("rope_freqs") else None
+    lm_head = lin("lm_head", lambda: head_w)
+    if nf4 is not None:
+        nf4.save()
     return Model(
         cfg,
         embed=embed.to(device, keep),
         norm=small("model.norm.weight"),
-        lm_head=lin(head_w),
+        lm_head=lm_head,
         layers=layers,
         device=device,
         act_dtype=act,

@@ -1,0 +1,247 @@
+"""All-GPU decode and prefill of a random-weight Llama-3-8B-shaped model with NF4 weights.
+
+    python bench/gpu_decode.py --out DIR [--quick]
+
+Measures, in one run: HBM bandwidth (a large device copy, bytes read + written) and the bf16
+matmul rate; per linear shape and row count, each NF4 kernel's time beside its bound (bytes
+moved / HBM); then batch-1 decode at short context, batch 32 × 2k context, and a 512-token
+prefill, each in tokens/s beside its bound. Full log and JSON under DIR; a short table last.
+The model is built directly in GPU memory, layer by layer (no checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_ops.attention import AttnKernel  # noqa: E402
+from gpu_ops.decode_step import GpuDecoder, prefill  # noqa: E402
+from gpu_ops.kv_pool import GpuKVPool  # noqa: E402
+from gpu_ops.nf4 import NF4Linear, Nf4Kernel, nf4_linear  # noqa: E402
+from hetero.config import LLAMA3_8B, ModelConfig  # noqa: E402
+from hetero.model import LayerWeights, Model  # noqa: E402
+
+log = logging.getLogger("bench")
+DEV = torch.device("cuda")
+
+
+def cuda_ms(fn, warmup: int = 3, reps: int = 20) -> float:
+    """Median milliseconds of fn() by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graph_ms(fn, calls: int = 20, reps: int = 10) -> float:
+    """Median milliseconds of one fn() call, from replays of a graph of `calls` calls (no launch gaps)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return cuda_ms(g.replay, 2, reps) / calls
+
+
+def hbm_gbps() -> float:
+    x = torch.randn(1 << 29, device=DEV)  # 2 GiB
+    y = torch.empty_like(x)
+    ms = cuda_ms(lambda: y.copy_(x), 3, 20)
+    return 2 * x.numel() * 4 / ms / 1e6
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    ms = cuda_ms(lambda: a @ b, 3, 10)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def random_nf4(n: int, k: int) -> NF4Linear:
+    return nf4_linear(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02, None, DEV)
+
+
+def build_model(cfg: ModelConfig) -> Model:
+    H = cfg.hidden_size
+    layers = []
+    for _ in range(cfg.num_layers):
+        layers.append(LayerWeights(
+            attn_norm=torch.ones(H, device=DEV, dtype=torch.bfloat16),
+            qkv=random_nf4(cfg.q_size + 2 * cfg.kv_size, H),
+            o=random_nf4(H, cfg.q_size),
+            mlp_norm=torch.ones(H, device=DEV, dtype=torch.bfloat16),
+            gate_up=random_nf4(2 * cfg.intermediate_size, H),
+            down=random_nf4(H, cfg.intermediate_size),
+        ))
+    embed = torch.randn(cfg.vocab_size, H, device=DEV, dtype=torch.bfloat16)
+    return Model(cfg, embed, torch.ones(H, device=DEV, dtype=torch.bfloat16), random_nf4(cfg.vocab_size, H),
+                 layers, DEV, act_dtype=torch.bfloat16)
+
+
+def linears(model: Model) -> list[NF4Linear]:
+    out = [model.lm_head]
+    for lw in model.layers:
+        out += [lw.qkv, lw.o, lw.gate_up, lw.down]
+    return out
+
+
+def set_kernel(model: Model, kernel: Nf4Kernel) -> None:
+    for lin in linears(model):
+        lin.kernel = kernel
+
+
+def shape_table(cfg: ModelConfig, hbm: float, rows_list: list[int]) -> list[dict]:
+    """Each NF4 kernel per matrix shape: time vs bytes / HBM (copies rotate so L2 does not help)."""
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, H), "o": (H, cfg.q_size), "gate_up": (2 * F, H),
+              "down": (H, F), "lm_head": (cfg.vocab_size, H)}
+    rows_out = []
+    for name, (n, k) in shapes.items():
+        copies = [random_nf4(n, k) for _ in range(max(1, min(8, -(-200_000_000 // (n * k // 2)))))]
+        for m in rows_list:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            nbytes = copies[0].nbytes + 2 * m * (k + n)
+            row = {"shape": name, "N": n, "K": k, "rows": m, "bytes": nbytes, "bound_us": nbytes / hbm / 1e3}
+            for kern in (Nf4Kernel.BNB, Nf4Kernel.TRITON):
+                if kern is Nf4Kernel.TRITON and m > 64:
+                    continue
+                for c in copies:
+                    c.kernel = kern
+                it = iter(range(1 << 30))
+                us = 1e3 * graph_ms(lambda: copies[next(it) % len(copies)](x), calls=len(copies) * 4)
+                row[f"{kern.value}_us"] = us
+                row[f"{kern.value}_gbps"] = nbytes / us / 1e3
+            rows_out.append(row)
+            log.info("linear %s", json.dumps(row))
+        del copies
+    torch.cuda.empty_cache()
+    return rows_out
+
+
+def decode_case(model: Model, batch: int, ctx: int, block_size: int, attn: AttnKernel, hbm: float,
+                graphs: bool = True, steps: int = 30) -> dict:
+    cfg = model.cfg
+    mb = ctx // block_size + 1
+    pool = GpuKVPool(cfg.num_layers, batch * mb, cfg.num_kv_heads, block_size, cfg.head_dim)
+    for t in (pool.k, pool.v):  # random KV, filled layer by layer to bound the temporary
+        for i in range(cfg.num_layers):
+            t[i].normal_()
+    tables = torch.arange(batch * mb, dtype=torch.int32, device=DEV).view(batch, mb)
+    pos = torch.full((batch,), ctx, dtype=torch.int64, device=DEV)
+    slots = tables[:, ctx // block_size].long() * block_size + ctx % block_size
+    ids = torch.randint(0, cfg.vocab_size, (batch,), device=DEV)
+    dec = GpuDecoder(model, pool, max_batch=batch, max_blocks_per_seq=mb, graphs=graphs, attn=attn)
+    step = lambda: dec.step(ids, pos, slots, tables, pos + 1)  # noqa: E731  same token again: idempotent
+    ms = cuda_ms(step, 3, steps)
+    w_bytes = sum(lin.nbytes for lin in linears(model)) + batch * cfg.hidden_size * 2
+    kv_bytes = batch * (ctx + 1) * cfg.kv_bytes_per_token(2.0)
+    bound_ms = (w_bytes + kv_bytes) / hbm / 1e6
+    del dec, pool
+    torch.cuda.empty_cache()
+    return {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "step_ms": ms,
+            "tok_s": batch / ms * 1e3, "bound_tok_s": batch / bound_ms * 1e3, "weight_bytes": w_bytes,
+            "kv_bytes": kv_bytes}
+
+
+def prefill_case(model: Model, T: int, hbm: float, tflops: float, block_size: int = 32) -> dict:
+    cfg = model.cfg
+    nb = T // block_size + 1
+    pool = GpuKVPool(cfg.num_layers, nb, cfg.num_kv_heads, block_size, cfg.head_dim)
+    table = torch.arange(nb, dtype=torch.int32, device=DEV)
+    ids = torch.randint(0, cfg.vocab_size, (T,), device=DEV)
+    slots = torch.arange(T, device=DEV)
+    ms = cuda_ms(lambda: prefill(model, pool, ids, 0, slots, table), 2, 5)
+    params = sum(lin.out_features * lin.in_features for lin in linears(model))
+    flops = 2 * params * T
+    bytes_ = sum(lin.nbytes for lin in linears(model)) + T * cfg.kv_bytes_per_token(2.0)
+    bound_ms = max(flops / tflops / 1e9, bytes_ / hbm / 1e6)
+    del pool
+    torch.cuda.empty_cache()
+    return {"tokens": T, "ms": ms, "tok_s": T / ms * 1e3, "bound_tok_s": T / bound_ms * 1e3,
+            "flops": flops, "bytes": bytes_, "compute_bound_ms": flops / tflops / 1e9,
+            "memory_bound_ms": bytes_ / hbm / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="4 layers: a smoke run, figures not comparable")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        handlers=[logging.FileHandler(args.out / "gpu_decode.log"), logging.StreamHandler()])
+    cfg = LLAMA3_8B
+    if args.quick:
+        from dataclasses import replace
+        cfg = replace(cfg, num_layers=4)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": cfg.name,
+                 "layers": cfg.num_layers}
+    res["hbm_gbps"] = hbm = hbm_gbps()
+    res["matmul_tflops"] = tflops = matmul_tflops()
+    log.info("HBM copy %.0f GB/s, bf16 matmul %.0f TFLOP/s", hbm, tflops)
+    res["linears"] = shape_table(cfg, hbm, [1, 32, 512])
+    t0 = time.perf_counter()
+    model = build_model(cfg)
+    torch.cuda.synchronize()
+    res["build_s"] = time.perf_counter() - t0
+    res["weight_gib"] = sum(lin.nbytes for lin in linears(model)) / 2**30
+    log.info("model built in %.1f s: NF4 linears %.2f GiB", res["build_s"], res["weight_gib"])
+    cases = []
+    for kern in (Nf4Kernel.AUTO, Nf4Kernel.BNB):
+        set_kernel(model, kern)
+        for batch, ctx, attn, graphs in [(1, 128, AttnKernel.AUTO, True), (1, 128, AttnKernel.AUTO, False),
+                                         (32, 2048, AttnKernel.AUTO, True), (32, 2048, AttnKernel.TORCH, True)]:
+            if kern is Nf4Kernel.BNB and not graphs:
+                continue
+            try:
+                c = decode_case(model, batch, ctx, 32, attn, hbm, graphs)
+            except Exception as e:  # noqa: BLE001  a benchmark reports what failed and goes on
+                log.exception("decode case failed")
+                c = {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "error": repr(e)}
+            c["linear"] = kern.value
+            cases.append(c)
+            log.info("decode %s", json.dumps(c))
+    res["decode"] = cases
+    set_kernel(model, Nf4Kernel.AUTO)
+    res["prefill"] = prefill_case(model, 512, hbm, tflops)
+    log.info("prefill %s", json.dumps(res["prefill"]))
+    (args.out / "gpu_decode.json").write_text(json.dumps(res, indent=1))
+
+    print(f"\n{res['device']}: HBM {hbm:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s, NF4 weights {res['weight_gib']:.2f} GiB")
+    print(f"{'linear':8} {'N×K':>13} {'rows':>4} {'bound µs':>9} {'bnb µs':>8} {'triton µs':>9} {'bnb GB/s':>8} {'tri GB/s':>8}")
+    for r in res["linears"]:
+        print(f"{r['shape']:8} {r['N']:>6}×{r['K']:<6} {r['rows']:>4} {r['bound_us']:9.1f} {r.get('bnb_us', 0):8.1f} "
+              f"{r.get('triton_us', 0):9.1f} {r.get('bnb_gbps', 0):8.0f} {r.get('triton_gbps', 0):8.0f}")
+    print(f"{'case':34} {'tok/s':>8} {'bound':>8} {'% bound':>7}")
+    for c in cases:
+        name = f"decode b{c['batch']} ctx{c['ctx']} lin={c['linear']} attn={c['attn']}{'' if c['graphs'] else ' eager'}"
+        if "error" in c:
+            print(f"{name:34} FAILED {c['error'][:60]}")
+        else:
+            print(f"{name:34} {c['tok_s']:8.0f} {c['bound_tok_s']:8.0f} {100 * c['tok_s'] / c['bound_tok_s']:6.0f}%")
+    p = res["prefill"]
+    print(f"{'prefill 512':34} {p['tok_s']:8.0f} {p['bound_tok_s']:8.0f} {100 * p['tok_s'] / p['bound_tok_s']:6.0f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Triton paged decode attention over the GPU pool: each K/V byte read once, output + LSE.
+
+Why: the torch path gathers every block into a contiguous copy, converts it to float32 and
+then reads it again (about 4x the bytes); at batch 32 × 2k context that is most of the step.
+
+One program per (sequence, kv head, split): its G = Hq / Hkv query heads (padded to 16 rows for
+the tensor cores) walk the sequence's blocks of that split with an online softmax. Splits over
+the sequence keep the GPU busy at small batch; their partial (out, lse) are merged in torch.
+Shapes are static (max blocks per sequence), so a CUDA graph can hold it.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_ops.kv_pool import GpuKVPool
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    layer_off, head_stride, block_stride,  # element offset of the layer; strides of heads, blocks
+    MB, blocks_per_split, scale, B, Hq,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    t = tl.arange(0, BS)
+    row_ok = rows < G
+    q = tl.load(q_ptr + ((b * Hq + h * G + rows) * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    n = tl.load(len_ptr + b)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    first = sp * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
+    for i in range(first, last):
+        blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+        off = layer_off + blk * block_stride + h * head_stride + (t * D)[:, None] + d[None, :]  # [BS, D]
+        k = tl.load(k_ptr + off)
+        v = tl.load(v_ptr + off)
+        if DOT_F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale  # [GP, BS]
+        s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p if DOT_F32 else p.to(tl.bfloat16)
+        acc = acc * alpha[:, None] + tl.dot(pv, v)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    dst = (sp * B + b) * Hq + h * G + rows  # [GP]
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], out, mask=row_ok[:, None])
+    tl.store(lse_ptr + dst, lse, mask=row_ok)
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def paged_decode(
+    pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, dot_f32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D], lse [B, Hq]) float32."""
+    B, Hq, D = q.shape
+    Hkv, BS = pool.num_kv_heads, pool.block_size
+    G = Hq // Hkv
+    MB = block_tables.shape[1]
+    # splits: enough programs for two waves, but at least 4 blocks a split
+    S = max(1, min(-(-2 * _sms(q.device) // (B * Hkv)), MB // 4))
+    per = -(-MB // S)
+    o = torch.empty((S, B, Hq, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
+    k = pool.k
+    _decode_kernel[(B, Hkv, S)](
+        q.to(pool.dtype).contiguous(), k, pool.v, block_tables.contiguous(), seq_lens.to(torch.int32).contiguous(), o, lse,
+        layer * k.stride(0), k.stride(2), k.stride(1), MB, per, scale, B, Hq,
+        G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, num_warps=4, num_stages=2,
+    )
+    if S == 1:
+        return o[0], lse[0]
+    total = torch.logsumexp(lse, dim=0)  # [B, Hq]; -inf where every split was empty
+    w = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)).nan_to_num(0.0)  # [S, B, Hq]
+    return (o * w[..., None]).sum(0), total

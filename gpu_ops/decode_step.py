@@ -1,0 +1,165 @@
+"""The all-GPU decode step (and prefill) over a `Model` built on cuda and a `GpuKVPool`.
+
+    embed → per layer: pre_attention → pool.write → paged decode attention → post_attention → logits
+
+`GpuDecoder.step` captures that whole step as one CUDA graph per batch-size bucket: its inputs
+live in static buffers (block tables padded to `max_blocks_per_seq` columns, padding rows
+pointed at the pool's scratch block), so a replay costs one launch instead of ~15 a layer.
+Where a graph cannot hold the step (MoE routing reads expert ids back to the host; a CPU
+model) it runs eagerly, with the same arithmetic.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from gpu_ops.attention import AttnKernel, decode_attention, prefill_attention
+from gpu_ops.kv_pool import GpuKVPool
+from hetero.model import Model, Rope
+
+log = logging.getLogger(__name__)
+
+
+class NoSyncRope:
+    """`Model.rope` with its tables grown up front: a call never reads `pos` back to the host.
+
+    Same arithmetic as `hetero.model.Rope.__call__`; positions must stay below `max_pos`.
+    """
+
+    def __init__(self, rope: Rope, max_pos: int):
+        d = rope.cos.shape[-1]
+        if rope.cos.shape[0] < max_pos:
+            rope(torch.zeros(1, 1, d, device=rope.device), torch.tensor([max_pos - 1], device=rope.device))
+        self.cos, self.sin = rope.cos, rope.sin
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
+        h = x.shape[-1] // 2
+        rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+        return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    steps = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    return sorted({b for b in steps if b < max_batch} | {max_batch})
+
+
+class GpuDecoder:
+    """One decode token for each of B ≤ max_batch sequences, everything on the model's GPU."""
+
+    def __init__(
+        self,
+        model: Model,
+        pool: GpuKVPool,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        graphs: bool = True,
+        attn: AttnKernel = AttnKernel.AUTO,
+        buckets: list[int] | None = None,
+    ):
+        self.pool, self.max_batch, self.max_blocks, self.attn = pool, max_batch, max_blocks_per_seq, attn
+        self.model = copy.copy(model)  # shares the weights; only its RoPE differs
+        self.model.rope = NoSyncRope(model.rope, max_blocks_per_seq * pool.block_size)
+        self.device = model.device
+        self.graphs = graphs and self.device.type == "cuda" and not model.cfg.is_moe
+        self.buckets = buckets or default_buckets(max_batch)
+        dev, i64, i32 = self.device, torch.int64, torch.int32
+        self.ids = torch.zeros(max_batch, dtype=i64, device=dev)
+        self.pos = torch.zeros(max_batch, dtype=i64, device=dev)
+        self.slots = torch.zeros(max_batch, dtype=i64, device=dev)
+        self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=i32, device=dev)
+        self.lens = torch.ones(max_batch, dtype=i32, device=dev)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    @torch.inference_mode()
+    def step(
+        self,
+        token_ids: torch.Tensor,  # [B] the last token of each sequence
+        positions: torch.Tensor,  # [B] its position
+        slots: torch.Tensor,  # [B] its flat KV slot in the pool (block * BS + offset)
+        block_tables: torch.Tensor,  # [B, ≤ max_blocks_per_seq] int32
+        seq_lens: torch.Tensor,  # [B] tokens in the pool after this one is written
+    ) -> torch.Tensor:
+        """→ float32 logits [B, V]."""
+        B, W = block_tables.shape
+        if B > self.max_batch or W > self.max_blocks:
+            raise ValueError(
+                f"batch {B} × {W} blocks exceeds the decoder's {self.max_batch} × {self.max_blocks}: "
+                "build the GpuDecoder with a larger max_batch / max_blocks_per_seq"
+            )
+        if not self.graphs:
+            dev = self.device
+            return self._forward(token_ids.to(dev), positions.to(dev), slots.to(dev),
+                                 block_tables.to(dev, torch.int32), seq_lens.to(dev, torch.int32))
+        nb = next(b for b in self.buckets if b >= B)
+        self._load(B, nb, token_ids, positions, slots, block_tables, seq_lens)
+        if nb not in self._graphs:
+            self._graphs[nb] = self._capture(nb)
+        graph, logits = self._graphs[nb]
+        graph.replay()
+        return logits[:B].clone()
+
+    def _load(self, B, nb, token_ids, positions, slots, block_tables, seq_lens) -> None:
+        """Copy the inputs into the static buffers; rows B..nb and unused columns → the scratch block."""
+        scratch = self.pool.scratch_block
+        self.ids[:B].copy_(token_ids, non_blocking=True)
+        self.pos[:B].copy_(positions, non_blocking=True)
+        self.slots[:B].copy_(slots, non_blocking=True)
+        self.lens[:B].copy_(seq_lens, non_blocking=True)
+        self.tables[:nb].fill_(scratch)
+        self.tables[:B, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if nb > B:
+            self.ids[B:nb].zero_()
+            self.pos[B:nb].zero_()
+            self.slots[B:nb].fill_(scratch * self.pool.block_size)
+            self.lens[B:nb].fill_(1)
+
+    def _capture(self, nb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        log.debug("capturing the decode step for batch bucket %d", nb)
+        args = (self.ids[:nb], self.pos[:nb], self.slots[:nb], self.tables[:nb], self.lens[:nb])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compiles kernels, creates handles (idempotent KV writes)
+            self._forward(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            logits = self._forward(*args)
+        return graph, logits
+
+    def _forward(self, ids, pos, slots, tables, lens) -> torch.Tensor:
+        m = self.model
+        x = m.embed(ids)
+        for i in range(m.cfg.num_layers):
+            q, k, v = m.pre_attention(i, x, pos)
+            self.pool.write(i, slots, k, v)
+            o, _ = decode_attention(self.pool, i, q, tables, lens, m.scale, self.attn)
+            x = m.post_attention(i, x, o.to(x.dtype))
+        return m.logits(x)
+
+
+@torch.inference_mode()
+def prefill(
+    model: Model,
+    pool: GpuKVPool,
+    token_ids: torch.Tensor,  # [T] tokens at positions q_pos0 .. q_pos0 + T - 1 of one sequence
+    q_pos0: int,
+    slots: torch.Tensor,  # [T] their flat KV slots
+    block_table: torch.Tensor,  # [≥ ceil((q_pos0 + T) / BS)] int32: the sequence's blocks from position 0
+    all_logits: bool = False,
+) -> torch.Tensor:
+    """One chunk of prefill, eager, all on the GPU → float32 logits of the last token [1, V] (or all [T, V])."""
+    dev = model.device
+    T = token_ids.shape[0]
+    pos = torch.arange(q_pos0, q_pos0 + T, device=dev)
+    slots, block_table = slots.to(dev), block_table.to(dev)
+    x = model.embed(token_ids.to(dev))
+    for i in range(model.cfg.num_layers):
+        q, k, v = model.pre_attention(i, x, pos)
+        pool.write(i, slots, k, v)
+        o, _ = prefill_attention(pool, i, q, block_table, q_pos0 + T, q_pos0, model.scale)
+        x = model.post_attention(i, x, o.to(x.dtype))
+    return model.logits(x if all_logits else x[-1:])

@@ -1,0 +1,55 @@
+"""The GPU KV block pool: bf16 K/V in the host bf16 pool's layout, resident on a CUDA device.
+
+    k, v  bfloat16  [L, NB + 1, Hkv, BS, D]
+
+Same layout as `cpu_attention.layout.HostKVPool` with dtype bf16, so a block moves between the
+tiers as one contiguous copy per layer. One extra block (id NB, `scratch_block`) is never handed
+out: the static-shape decode step points its padding rows there, so they write and read only
+memory no sequence owns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GpuKVPool:
+    num_layers: int
+    num_blocks: int  # blocks a caller may allocate: ids 0 .. num_blocks - 1
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    device: torch.device = torch.device("cuda")
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        shape = (self.num_layers, self.num_blocks + 1, self.num_kv_heads, self.block_size, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at flat slots [T] (block * BS + offset). No host sync: capturable."""
+        slots = slots.to(self.device, torch.int64)
+        blocks, offs = slots // self.block_size, slots % self.block_size
+        self.k[layer, blocks, :, offs] = k.to(self.dtype)
+        self.v[layer, blocks, :, offs] = v.to(self.dtype)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of whole blocks: block_tables [B, MB] → [B, Hkv, MB * BS, D] each (a copy)."""
+        B, MB = block_tables.shape
+        idx = block_tables.to(self.device, torch.int64)
+        out = []
+        for t in (self.k, self.v):
+            x = t[layer][idx]  # [B, MB, Hkv, BS, D]
+            out.append(x.transpose(1, 2).reshape(B, self.num_kv_heads, MB * self.block_size, self.head_dim))
+        return out[0], out[1]

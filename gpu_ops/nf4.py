@@ -1,0 +1,161 @@
+"""4-bit NF4 weights in the bitsandbytes layout, and the linear layer over them.
+
+Format (one format, on disk and in memory, whatever kernel reads it):
+
+    packed  uint8    [ceil(N*K / 2)]   the row-major flattened weight [N, K], two codes a byte:
+                                       element 2i in the HIGH nibble, 2i+1 in the low one
+    absmax  float32  [ceil(N*K / 64)]  max |w| of each run of 64 consecutive elements
+    w ≈ NF4_CODE[code] * absmax[flat_index // 64]
+
+This is exactly what `bitsandbytes.functional.quantize_4bit(w, blocksize=64, quant_type="nf4",
+compress_statistics=False)` produces, so its CUDA kernels read our tensors unchanged; the pure
+torch quantize/dequantize below is the reference twin and the CPU fallback.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 64  # elements per absmax
+# The NF4 code book (bitsandbytes' `get_4bit_type("nf4")`): quantiles of N(0, 1) scaled to [-1, 1].
+NF4_CODE = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+], dtype=torch.float32)
+_MIDS = (NF4_CODE[1:] + NF4_CODE[:-1]) / 2  # decision thresholds: nearest code wins
+_CHUNK = 1 << 24  # elements quantized at a time, to bound the float32 temporaries
+
+
+@functools.cache
+def _on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(NF4_CODE, _MIDS) on `device`, copied once (a copy inside a CUDA graph capture would fail)."""
+    return NF4_CODE.to(device), _MIDS.to(device)
+
+
+def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (any float dtype, any device) → (packed uint8 [ceil(N*K/2)], absmax float32 [ceil(N*K/64)])."""
+    flat = w.reshape(-1)
+    n = flat.numel()
+    nblocks = math.ceil(n / BLOCK)
+    packed = torch.empty((nblocks * BLOCK) // 2, dtype=torch.uint8, device=w.device)
+    absmax = torch.empty(nblocks, dtype=torch.float32, device=w.device)
+    mids = _on(w.device)[1]
+    for s in range(0, nblocks * BLOCK, _CHUNK):
+        x = flat[s: s + _CHUNK].float()
+        if x.numel() % BLOCK:  # the last block is partial: pad with zeros (they do not move absmax)
+            x = F.pad(x, (0, BLOCK - x.numel() % BLOCK))
+        x = x.view(-1, BLOCK)
+        amax = x.abs().amax(1)
+        b0 = s // BLOCK
+        absmax[b0: b0 + x.shape[0]] = amax
+        codes = torch.bucketize(x / amax.clamp_min(1e-30)[:, None], mids).to(torch.uint8).view(-1)
+        packed[s // 2: s // 2 + codes.numel() // 2] = (codes[0::2] << 4) | codes[1::2]
+    return packed[: math.ceil(n / 2)], absmax
+
+
+def dequantize_nf4(
+    packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of `quantize_nf4` → w [N, K] in `dtype`."""
+    n = shape[0] * shape[1]
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1)[:n].long()
+    scale = absmax.repeat_interleave(BLOCK)[:n]
+    return (_on(packed.device)[0][codes] * scale).view(shape).to(dtype)
+
+
+class Nf4Kernel(str, enum.Enum):
+    AUTO = "auto"  # cuda: the Triton kernel for few rows (decode), bitsandbytes above; cpu: torch
+    BNB = "bnb"  # bitsandbytes' CUDA kernels (gemv for 1 row, gemm / dequant + cuBLAS above)
+    TRITON = "triton"  # gpu_ops.nf4_triton: fused dequant + matmul, split over K
+    TORCH = "torch"  # dequantize, then F.linear: the reference, and the CPU path
+
+
+TRITON_MAX_ROWS = 64  # AUTO uses the Triton kernel up to this many rows of x
+
+
+class NF4Linear:
+    """y = x @ W.T (+ b) with W [N, K] stored as NF4 (see the module docstring)."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        absmax: torch.Tensor,
+        shape: tuple[int, int],
+        bias: torch.Tensor | None = None,
+        kernel: Nf4Kernel = Nf4Kernel.AUTO,
+        compute_dtype: torch.dtype = torch.bfloat16,
+    ):
+        self.packed, self.absmax, self.bias = packed, absmax, bias
+        self.out_features, self.in_features = shape
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.compute_dtype = compute_dtype  # cuda only: the CPU path computes in x's dtype
+        self.kernel = kernel
+        self._bnb_state = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 4 * self.absmax.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _KERNELS[self.pick(x.shape[0])](self, x)
+
+    def pick(self, rows: int) -> Nf4Kernel:
+        if self.device.type != "cuda":
+            return Nf4Kernel.TORCH
+        if self.kernel is Nf4Kernel.AUTO:
+            return Nf4Kernel.TRITON if rows <= TRITON_MAX_ROWS and self.in_features % BLOCK == 0 else Nf4Kernel.BNB
+        return self.kernel
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_nf4(self.packed, self.absmax, self.shape, dtype)
+
+    def bnb_state(self):
+        if self._bnb_state is None:
+            from bitsandbytes.functional import QuantState
+
+            self._bnb_state = QuantState(
+                absmax=self.absmax, shape=torch.Size(self.shape), code=_on(self.device)[0],
+                blocksize=BLOCK, quant_type="nf4", dtype=self.compute_dtype,
+            )
+        return self._bnb_state
+
+
+def _torch_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
+    dt = x.dtype if lin.device.type == "cpu" else lin.compute_dtype
+    b = None if lin.bias is None else lin.bias.to(dt)
+    return F.linear(x.to(dt), lin.dequantize(dt), b)
+
+
+def _bnb_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
+    import bitsandbytes as bnb
+
+    b = None if lin.bias is None else lin.bias.to(lin.compute_dtype)
+    return bnb.matmul_4bit(x.to(lin.compute_dtype), lin.packed.view(-1, 1), quant_state=lin.bnb_state(), bias=b)
+
+
+def _triton_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
+    from gpu_ops.nf4_triton import nf4_matmul
+
+    y = nf4_matmul(x.to(lin.compute_dtype), lin.packed, lin.absmax, lin.shape)
+    return y if lin.bias is None else y + lin.bias.to(y.dtype)
+
+
+_KERNELS = {Nf4Kernel.TORCH: _torch_linear, Nf4Kernel.BNB: _bnb_linear, Nf4Kernel.TRITON: _triton_linear}
+
+
+def nf4_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device,
+               kernel: Nf4Kernel = Nf4Kernel.AUTO) -> NF4Linear:
+    """Quantize w [N, K] (on `device`, so a GPU does the work) into an NF4Linear living there."""
+    packed, absmax = quantize_nf4(w.to(device))
+    bias = None if b is None else b.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return NF4Linear(packed, absmax, tuple(w.shape), bias, kernel)

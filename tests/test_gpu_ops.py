@@ -1,0 +1,298 @@
+"""gpu_ops: NF4 format and linears, GPU-pool attention, the all-GPU decode step, the weight cache.
+
+CPU tests check every op against its reference (the ops run on CPU tensors too); tests marked
+`gpu` repeat them on CUDA with the fast kernels (bitsandbytes, Triton) and check CUDA-graph
+decode against eager and against the all-CPU float32 engine.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import hetero
+from conftest import COMMON, rel_err
+from cpu_attention.layout import HostKVPool, KVDtype
+from cpu_attention.merge import merge_attention
+from cpu_attention.reference import decode_attention_ref, prefill_attention_ref
+from gpu_ops.attention import AttnKernel, decode_attention, prefill_attention
+from gpu_ops.decode_step import GpuDecoder, prefill
+from gpu_ops.kv_pool import GpuKVPool
+from gpu_ops.nf4 import NF4_CODE, NF4Linear, Nf4Kernel, dequantize_nf4, quantize_nf4
+from hetero.checkpoint import open_checkpoint
+from hetero.loader import WeightFormat, load_model
+from hetero.model import Dense
+
+CUDA = torch.cuda.is_available()
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+PROMPT = [3, 17, 42, 99, 5, 150, 7, 8, 64, 33, 2, 11]
+# Measured on conftest's tiny random models (hidden 64, 2 layers, vocab 160; llama and qwen3,
+# seeds 0 and 1, CPU, float32 activations): NF4 weights alone are off by ‖Δw‖/‖w‖ ≈ 0.09 (the
+# code book's error on Gaussian weights); the 12-token prompt's logits then differ from the
+# bf16-weight logits by 0.33 to 0.40 relative (these models' logits are nearly flat, so the
+# error is large against them), while the same engine with each NF4 linear replaced by its
+# dequantized dense twin gives the NF4 logits exactly: the whole error is the format's.
+NF4_WEIGHT_ERR = 0.11
+NF4_LOGIT_ERR = 0.5
+
+
+# ---------------------------------------------------------------------------------- NF4 format
+@pytest.mark.parametrize("shape", [(7, 64), (33, 96), (5, 13)])  # (5, 13): a partial last block
+def test_nf4_codes_are_nearest_and_absmax_per_64(shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * 3
+    packed, absmax = quantize_nf4(w)
+    flat = w.reshape(-1)
+    n = flat.numel()
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 2)
+    ref_absmax = torch.nn.functional.pad(flat.abs(), (0, -n % 64)).view(-1, 64).amax(1)
+    torch.testing.assert_close(absmax, ref_absmax, rtol=0, atol=0)
+    codes = torch.stack([packed >> 4, packed & 15], -1).view(-1)[:n].long()
+    scaled = flat / absmax.repeat_interleave(64)[:n]
+    best = (scaled[:, None] - NF4_CODE[None, :]).abs().argmin(1)
+    assert torch.equal(codes, best)
+    back = dequantize_nf4(packed, absmax, shape)
+    assert back.shape == shape and rel_err(back, w) < NF4_WEIGHT_ERR
+
+
+@pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed")
+def test_nf4_format_is_bitsandbytes():
+    import bitsandbytes.functional as F
+
+    torch.manual_seed(1)
+    w = torch.randn(48, 192, dtype=torch.bfloat16)
+    q, state = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+    packed, absmax = quantize_nf4(w)
+    assert torch.equal(q.view(-1), packed)
+    assert torch.equal(state.absmax, absmax)
+    torch.testing.assert_close(state.code, NF4_CODE)
+
+
+def test_nf4_linear_cpu_matches_dequantized_reference():
+    torch.manual_seed(2)
+    w, b, x = torch.randn(40, 128), torch.randn(40), torch.randn(5, 128)
+    packed, absmax = quantize_nf4(w)
+    lin = NF4Linear(packed, absmax, (40, 128), b)
+    ref = x.double() @ dequantize_nf4(packed, absmax, (40, 128)).double().T + b.double()
+    assert lin.pick(5) is Nf4Kernel.TORCH
+    assert rel_err(lin(x), ref) < 1e-6
+
+
+# ---------------------------------------------------------------------------------- attention
+def _pool(device, L=2, NB=40, Hkv=2, BS=16, D=32, seed=0):
+    torch.manual_seed(seed)
+    pool = GpuKVPool(L, NB, Hkv, BS, D, device=torch.device(device))
+    pool.k.copy_(torch.randn(pool.k.shape))
+    pool.v.copy_(torch.randn(pool.v.shape))
+    host = HostKVPool(L, NB + 1, Hkv, BS, D, KVDtype.F32)  # the same values, for the references
+    host.k, host.v = pool.k.float().cpu(), pool.v.float().cpu()
+    return pool, host
+
+
+def _check_decode(device, kernel, tol):
+    pool, host = _pool(device)
+    B, MB, Hq = 4, 9, 6
+    tables = torch.stack([torch.randperm(pool.num_blocks)[:MB] for _ in range(B)]).int()
+    lens = torch.tensor([1, 77, MB * pool.block_size, 0], dtype=torch.int32)  # the last: no tokens
+    q = torch.randn(B, Hq, pool.head_dim).to(pool.dtype)
+    ref_o, ref_l = decode_attention_ref(host, 1, q.float(), tables, lens, 0.3)
+    o, lse = decode_attention(pool, 1, q.to(device), tables.to(device), lens.to(device), 0.3, kernel)
+    o, lse = o.cpu(), lse.cpu()
+    assert torch.isinf(lse[3]).all() and (o[3] == 0).all()
+    assert rel_err(o[:3], ref_o[:3]) < tol and rel_err(lse[:3], ref_l[:3]) < tol
+
+
+def test_decode_attention_torch_matches_reference():
+    _check_decode("cpu", AttnKernel.TORCH, 1e-6)
+
+
+@pytest.mark.parametrize("q_pos0,kv_pos0", [(30, 0), (30, 5), (2, 10)])  # (2, 10): early rows see nothing
+def test_prefill_attention_matches_reference(q_pos0, kv_pos0):
+    pool, host = _pool("cpu")
+    T, Hq, kv_len = 20, 6, 50
+    table = torch.randperm(pool.num_blocks)[:8].int()
+    q = torch.randn(T, Hq, pool.head_dim).bfloat16()
+    ref_o, ref_l = prefill_attention_ref(host, 0, q.float(), table, kv_len, q_pos0, 0.3, kv_pos0=kv_pos0)
+    o, lse = prefill_attention(pool, 0, q, table, kv_len, q_pos0, 0.3, kv_pos0=kv_pos0)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_l))
+    fin = torch.isfinite(ref_l)
+    assert rel_err(o, ref_o) < 1e-6 and rel_err(lse[fin], ref_l[fin]) < 1e-6
+
+
+def test_split_tiers_merge_to_the_whole():
+    """Attention over tokens split between two block sets, merged by LSE, equals attention over all."""
+    pool, _ = _pool("cpu")
+    q = torch.randn(1, 6, pool.head_dim).bfloat16()
+    blocks = torch.randperm(pool.num_blocks)[:6].int()
+    whole = decode_attention(pool, 0, q, blocks[None], torch.tensor([96], dtype=torch.int32), 0.3, AttnKernel.TORCH)
+    a = decode_attention(pool, 0, q, blocks[None, :2], torch.tensor([32], dtype=torch.int32), 0.3, AttnKernel.TORCH)
+    b = decode_attention(pool, 0, q, blocks[None, 2:], torch.tensor([64], dtype=torch.int32), 0.3, AttnKernel.TORCH)
+    o, lse = merge_attention(a[0], a[1], b[0], b[1])
+    assert rel_err(o, whole[0]) < 1e-6 and rel_err(lse, whole[1]) < 1e-6
+
+
+# ---------------------------------------------------------------------------------- the decode step
+def _tiny_separated(tmp_path, head_scale: float = 6.0):
+    """A tiny random llama whose logits are far apart (lm_head scaled), so bf16 vs float32 greedy agree."""
+    import transformers as tf
+
+    torch.manual_seed(3)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _greedy(model, n_new: int, graphs: bool, batch: int = 1, block_size: int = 16) -> list[list[int]]:
+    """Prefill PROMPT (shifted per sequence) then decode n_new tokens for `batch` sequences together."""
+    cfg, dev = model.cfg, model.device
+    mb = -(-(len(PROMPT) + n_new) // block_size)
+    pool = GpuKVPool(cfg.num_layers, batch * mb, cfg.num_kv_heads, block_size, cfg.head_dim, device=dev,
+                     dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    tables = torch.arange(batch * mb, dtype=torch.int32).view(batch, mb)
+    seqs = []
+    for s in range(batch):
+        p = [(t + 7 * s) % cfg.vocab_size for t in PROMPT]
+        slots = (tables[s].long()[:, None] * block_size + torch.arange(block_size)).view(-1)
+        logits = prefill(model, pool, torch.tensor(p), 0, slots[: len(p)], tables[s])
+        seqs.append((p + [int(logits[0].argmax())], slots))
+    dec = GpuDecoder(model, pool, max_batch=max(batch, 2), max_blocks_per_seq=mb + 1, graphs=graphs)
+    for _ in range(n_new - 1):
+        pos = torch.tensor([len(t) - 1 for t, _ in seqs])
+        slots = torch.stack([sl[len(t) - 1] for t, sl in seqs])
+        logits = dec.step(torch.tensor([t[-1] for t, _ in seqs]), pos, slots, tables, pos + 1)
+        for (t, _), row in zip(seqs, logits):
+            t.append(int(row.argmax()))
+    return [t[len(PROMPT):] for t, _ in seqs]
+
+
+def _engine_greedy(folder, n_new: int) -> list[int]:
+    engine = hetero.load(folder, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False)
+    return [c.token for c in engine.generate(PROMPT, max_new_tokens=n_new, temperature=0.0)]
+
+
+def test_decoder_eager_cpu_matches_engine(tmp_path):
+    """The decode step's plumbing (slots, tables, lengths, batching) on the CPU, float32."""
+    folder = _tiny_separated(tmp_path)
+    model = load_model(open_checkpoint(folder), WeightFormat.F32, torch.device("cpu"))
+    ours = _greedy(model, 24, graphs=False, batch=2)
+    assert ours[0] == _engine_greedy(folder, 24)
+    single = [(t + 7) % model.cfg.vocab_size for t in PROMPT]
+    engine = hetero.load(folder, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False)
+    assert ours[1] == [c.token for c in engine.generate(single, max_new_tokens=24, temperature=0.0)]
+
+
+def test_nf4_engine_logits_near_bf16(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder, _ = tiny("llama")
+    bf16 = hetero.load(folder, device="cpu", weights="bf16", kv_dtype="f32", tokenizer=False).logits(PROMPT)
+    engine = hetero.load(folder, device="cpu", weights="4bit", kv_dtype="f32", tokenizer=False)
+    nf4 = engine.logits(PROMPT)
+    err = rel_err(nf4, bf16)
+    assert 0 < err < NF4_LOGIT_ERR, err
+    m = engine.model  # the same engine over the dequantized weights: the error is all the format's
+    for lw in m.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(lw, name)
+            setattr(lw, name, Dense(lin.dequantize(), lin.bias))
+    m.lm_head = Dense(m.lm_head.dequantize())
+    assert rel_err(engine.logits(PROMPT), nf4) < 1e-6
+
+
+# ---------------------------------------------------------------------------------- weight cache
+def test_weight_cache_second_load_does_not_quantize(tiny, tmp_path, monkeypatch):
+    import gpu_ops.weight_cache as wc
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder, _ = tiny("qwen2")  # biases too
+    ck = open_checkpoint(folder)
+    first = load_model(ck, WeightFormat.NF4, torch.device("cpu"))
+    files = list((tmp_path / "hetero" / "weights").glob("*.safetensors"))
+    assert len(files) == 1
+
+    def boom(w):
+        raise AssertionError("quantized again despite the cache")
+
+    monkeypatch.setattr(wc, "quantize_nf4", boom)
+    second = load_model(open_checkpoint(folder), WeightFormat.NF4, torch.device("cpu"))
+    x = torch.randn(3, ck.config.hidden_size)
+    for a, b in [(first.layers[0].qkv, second.layers[0].qkv), (first.lm_head, second.lm_head)]:
+        assert torch.equal(a.packed, b.packed) and torch.equal(a(x), b(x))
+    from safetensors import safe_open
+
+    meta = safe_open(str(files[0]), "pt").metadata()
+    assert meta["quant_type"] == "nf4" and meta["blocksize"] == "64"
+
+
+def test_weight_cache_key_follows_the_source(tmp_path):
+    import os
+
+    from gpu_ops.weight_cache import source_key
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    k1 = source_key(tmp_path)
+    os.utime(tmp_path / "model.safetensors", ns=(1, 1))
+    assert source_key(tmp_path) != k1
+
+
+# ---------------------------------------------------------------------------------- on the GPU
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [Nf4Kernel.BNB, Nf4Kernel.TRITON, Nf4Kernel.AUTO])
+@pytest.mark.parametrize("rows", [1, 5, 32, 64, 100])
+def test_gpu_nf4_kernels_match_reference(kernel, rows):
+    torch.manual_seed(rows)
+    N, K = 384, 1024
+    w, b = torch.randn(N, K, device="cuda"), torch.randn(N, device="cuda")
+    packed, absmax = quantize_nf4(w)
+    cpu_packed, cpu_absmax = quantize_nf4(w.cpu())
+    assert torch.equal(packed.cpu(), cpu_packed) and torch.equal(absmax.cpu(), cpu_absmax)
+    lin = NF4Linear(packed, absmax, (N, K), b.bfloat16(), kernel)
+    x = torch.randn(rows, K, device="cuda").bfloat16()
+    ref = x.double() @ dequantize_nf4(packed, absmax, (N, K)).double().T + b.double()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, N)
+    assert rel_err(y, ref) < 1e-2
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_decode_attention_triton_matches_reference():
+    _check_decode("cuda", AttnKernel.TRITON, 1e-2)
+    _check_decode("cuda", AttnKernel.TORCH, 1e-5)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_graph_decode_same_tokens_as_eager(tmp_path):
+    folder = _tiny_separated(tmp_path)
+    model = load_model(open_checkpoint(folder), WeightFormat.BF16, torch.device("cuda"))
+    eager = _greedy(model, 64, graphs=False, batch=3)
+    graph = _greedy(model, 64, graphs=True, batch=3)
+    assert graph == eager
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_bf16_greedy_matches_cpu_float32(tmp_path):
+    folder = _tiny_separated(tmp_path)
+    model = load_model(open_checkpoint(folder), WeightFormat.BF16, torch.device("cuda"))
+    assert _greedy(model, 64, graphs=True)[0] == _engine_greedy(folder, 64)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_nf4_logits_near_bf16(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder, _ = tiny("llama")
+    ck = open_checkpoint(folder)
+    outs = {}
+    for fmt in (WeightFormat.BF16, WeightFormat.NF4):
+        model = load_model(ck, fmt, torch.device("cuda"))
+        pool = GpuKVPool(model.cfg.num_layers, 4, model.cfg.num_kv_heads, 16, model.cfg.head_dim)
+        table = torch.arange(4, dtype=torch.int32)
+        outs[fmt] = prefill(model, pool, torch.tensor(PROMPT), 0, torch.arange(len(PROMPT)), table, all_logits=True)
+    assert rel_err(outs[WeightFormat.NF4], outs[WeightFormat.BF16]) < NF4_LOGIT_ERR
