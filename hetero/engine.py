@@ -8,6 +8,7 @@ and leave between steps (continuous batching).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -19,7 +20,10 @@ from hetero.metrics import RequestStats
 from hetero.model import Model
 from hetero.sampling import Sampler, SamplingParams
 from hetero.tokenizer import StreamDecoder, Tokenizer
-from offload.kv_cache import PagedKVCache
+from offload.kv_cache import TieredKVCache
+from offload.runner import Runner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,11 +54,12 @@ class Chunk:
 
 
 class Engine:
-    def __init__(self, model: Model, tokenizer: Tokenizer | None, cache: PagedKVCache, ctx_size: int,
-                 defaults: SamplingParams, prefill_chunk: int = 512, info: dict | None = None):
-        self.model, self.tok, self.cache = model, tokenizer, cache
+    def __init__(self, model: Model, tokenizer: Tokenizer | None, runner: Runner, ctx_size: int,
+                 defaults: SamplingParams, info: dict | None = None):
+        self.model, self.tok, self.runner = model, tokenizer, runner
+        self.cache: TieredKVCache = runner.cache
         self.cfg = model.cfg
-        self.ctx_size, self.defaults, self.prefill_chunk = ctx_size, defaults, prefill_chunk
+        self.ctx_size, self.defaults = ctx_size, defaults
         self.info = info or {}
         self._ids = itertools.count()
         self.last_stats = RequestStats()
@@ -62,37 +67,18 @@ class Engine:
         self._chat_tokens: list[int] = []
 
     # ------------------------------------------------------------------ model passes
-    @torch.inference_mode()
     def _prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens[start:] of `seq` (tokens[:start] are cached) → logits of the last (or every) token."""
-        outs = []
-        for s in range(start, len(tokens), self.prefill_chunk):
-            ids = torch.tensor(tokens[s: s + self.prefill_chunk])
-            pos = torch.arange(s, s + len(ids))
-            slots = self.cache.reserve(seq, len(ids))
-            x = self.model.embed(ids)
-            for i in range(self.cfg.num_layers):
-                q, k, v = self.model.pre_attention(i, x, pos)
-                self.cache.write(i, slots, k, v)
-                o = self.cache.prefill(i, q, seq, s)
-                x = self.model.post_attention(i, x, o.to(x.dtype))
-            outs.append(self.model.logits(x if all_logits else x[-1:]))
-        return torch.cat(outs)
+        return self.runner.prefill(seq, tokens, start, all_logits)
 
-    @torch.inference_mode()
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for each sequence → logits [B, V]."""
-        ids = torch.tensor([s.tokens[-1] for s in seqs])
-        pos = torch.tensor([len(s.tokens) - 1 for s in seqs])
-        slots = torch.cat([self.cache.reserve(s.id, 1) for s in seqs])
-        sids = [s.id for s in seqs]
-        x = self.model.embed(ids)
-        for i in range(self.cfg.num_layers):
-            q, k, v = self.model.pre_attention(i, x, pos)
-            self.cache.write(i, slots, k, v)
-            o = self.cache.decode(i, q, sids)
-            x = self.model.post_attention(i, x, o.to(x.dtype))
-        return self.model.logits(x)
+        return self.runner.decode([s.id for s in seqs], [s.tokens[-1] for s in seqs],
+                                  [len(s.tokens) - 1 for s in seqs])
+
+    @property
+    def metrics(self):
+        """Step timers, tokens/s, KV tokens per tier, bytes moved, swaps (`offload.timers.Metrics`)."""
+        return self.runner.metrics
 
     # ------------------------------------------------------------------ public API
     def logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -129,8 +115,13 @@ class Engine:
         if self._chat_seq is not None:
             cached = _common_prefix(self._chat_tokens, tokens)
             cached = min(cached, len(tokens) - 1)  # the last prompt token must run to give logits
-            self.cache.tables[seq.id] = self.cache.tables.pop(self._chat_seq)
-            self.cache.truncate(seq.id, cached)
+            self.cache.rename(self._chat_seq, seq.id)
+            if cached < self.cache.num_tokens(seq.id) and not self.cache.seqs[seq.id].ordered:
+                log.info("the conversation changed inside swapped KV blocks: recomputing it")
+                self.cache.free(seq.id)
+                cached = 0
+            else:
+                self.cache.truncate(seq.id, cached)
         self._chat_seq = seq.id
         yield from self._run([seq], cached={seq.id: cached}, keep=True)
         self._chat_tokens = seq.tokens[:self.cache.num_tokens(seq.id)]
@@ -171,7 +162,7 @@ class Engine:
             for s in seqs:  # an abandoned generator (Ctrl+C) frees what it held
                 if not keep:
                     self.cache.free(s.id)
-            stats.kv_tokens = sum(t.num_tokens for t in self.cache.tables.values())
+            stats.kv_gpu_tokens, stats.kv_host_tokens = self.cache.tier_tokens()
 
     def _sample(self, s: Sequence, logits: torch.Tensor) -> Chunk:
         tok = s.sampler(logits, s.tokens)

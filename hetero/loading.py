@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_attention import KVDtype
+from cpu_attention import INT4_GROUP, KVDtype
 from hetero.checkpoint import open_checkpoint
 from hetero.demo import demo_model_path
 from hetero.engine import Engine
@@ -14,7 +14,8 @@ from hetero.errors import UserError
 from hetero.loader import WeightFormat, load_model
 from hetero.sampling import defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
-from offload.kv_cache import PagedKVCache
+from offload.kv_cache import TieredKVCache
+from offload.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ def load(
     parallel: int = 4,
     threads: int | None = None,
     block_size: int = 32,
+    gpu_kv_tokens: int = 0,
+    sub_batches: int | None = None,
     tokenizer: bool = True,
     **sampling,
 ) -> Engine:
@@ -38,8 +41,10 @@ def load(
 
     device: auto|cpu|cuda; weights: auto|4bit|int8|bf16|f32; kv_dtype: bf16|int8|int4|f32;
     ctx_size: tokens per sequence (0: the model's, capped at 4096 unless asked);
-    parallel: sequences the KV cache holds at full context; sampling: default sampling
-    parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed, max_new_tokens).
+    parallel: sequences the KV cache holds at full context; gpu_kv_tokens: each sequence's
+    first tokens kept on the device tier (the rest on the host tier; with device cpu the
+    device tier is a CPU stand-in); sub_batches: 1 or 2 (None: automatic); sampling: default
+    sampling parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed, max_new_tokens).
     """
     path = Path(model) if model else demo_model_path()
     ck = open_checkpoint(path)
@@ -50,6 +55,9 @@ def load(
         kv = KVDtype(kv_dtype)
     except ValueError:
         raise UserError(f"--kv-dtype {kv_dtype!r} is not one of {', '.join(k.value for k in KVDtype)}") from None
+    if kv is KVDtype.INT4 and cfg.head_dim % INT4_GROUP:
+        raise UserError(f"--kv-dtype int4 needs a head dim divisible by {INT4_GROUP} ({cfg.name} has "
+                        f"{cfg.head_dim}): use --kv-dtype int8")
     limit = cfg.max_position_embeddings
     if cfg.sliding_window:
         limit = min(limit, cfg.sliding_window)
@@ -59,10 +67,15 @@ def load(
     log.info("loading %s: %s weights on %s, %s KV, context %d", path, fmt.value, dev, kv.value, ctx)
     m = load_model(ck, fmt, dev)
     tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
-    cache = PagedKVCache(cfg, ctx * parallel, kv, block_size=block_size, threads=threads)
+    gpu_kv = min(gpu_kv_tokens, ctx)
+    cache = TieredKVCache(cfg, host_tokens=(ctx - gpu_kv) * parallel + block_size * parallel,
+                          gpu_tokens=gpu_kv * parallel, host_dtype=kv, gpu_tokens_per_seq=gpu_kv, device=dev,
+                          block_size=block_size, pin=False)
+    runner = Runner(m, cache, threads=threads, sub_batches=sub_batches)
     defaults = defaults_from_generation_config(path if path.is_dir() else None).update(**sampling)
-    info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx}
-    return Engine(m, tok, cache, ctx, defaults, info=info)
+    info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx,
+            "kv_tiers": f"{gpu_kv} tokens/seq on {dev.type} (bf16), the rest on the host ({kv.value})"}
+    return Engine(m, tok, runner, ctx, defaults, info=info)
 
 
 def _device(device: str) -> torch.device:

@@ -10,7 +10,9 @@ class RequestStats:
     prompt_seconds: float = 0.0
     gen_tokens: int = 0
     gen_seconds: float = 0.0
-    kv_tokens: int = 0
+    kv_gpu_tokens: int = 0
+    kv_host_tokens: int = 0
+    decode_tokens: int = 0
 
     def add_prefill(self, tokens: int, seconds: float) -> None:
         self.prompt_tokens += tokens
@@ -19,6 +21,7 @@ class RequestStats:
 
     def add_decode(self, tokens: int, seconds: float) -> None:
         self.gen_tokens += tokens
+        self.decode_tokens += tokens
         self.gen_seconds += seconds
 
     @property
@@ -27,12 +30,13 @@ class RequestStats:
 
     @property
     def gen_tps(self) -> float:
-        # The first token came from the prefill; rate over the decode steps alone.
-        return (self.gen_tokens - 1) / self.gen_seconds if self.gen_seconds and self.gen_tokens > 1 else 0.0
+        # The first token of each sequence comes from its prefill; the rate is over decode steps alone.
+        return self.decode_tokens / self.gen_seconds if self.gen_seconds else 0.0
 
     def line(self) -> str:
         return (f"[ prompt {self.prompt_tokens} tok, {self.prompt_tps:.0f} t/s | generation {self.gen_tokens} tok, "
-                f"{self.gen_tps:.1f} t/s | KV {_k(self.kv_tokens)} tok: {_k(self.kv_tokens)} CPU ]")
+                f"{self.gen_tps:.1f} t/s | KV {_k(self.kv_gpu_tokens + self.kv_host_tokens)} tok: "
+                f"{_k(self.kv_gpu_tokens)} GPU / {_k(self.kv_host_tokens)} CPU ]")
 
 
 def _k(n: int) -> str:

@@ -32,10 +32,9 @@ class BlockAllocator:
 
 @dataclass
 class TierTable:
-    """One sequence's tokens on one tier: positions [start, start + num_tokens)."""
+    """One sequence's tokens on one tier; every block is full but the last."""
 
     block_size: int
-    start: int = 0
     num_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
 
@@ -43,6 +42,21 @@ class TierTable:
         cap = len(self.blocks) * self.block_size
         need = self.num_tokens + extra_tokens - cap
         return max(0, -(-need // self.block_size))
+
+    def add_full_blocks(self, blocks: list[int]) -> None:
+        """Take whole blocks moved from another tier; the partly filled tail block stays last."""
+        if self.num_tokens % self.block_size:
+            self.blocks[-1:-1] = blocks
+        else:
+            self.blocks += blocks
+        self.num_tokens += len(blocks) * self.block_size
+
+    def take_full_blocks(self, n: int) -> list[int]:
+        """Give up to n whole blocks (never the partly filled tail)."""
+        n = min(n, self.num_tokens // self.block_size)
+        taken, self.blocks[:n] = self.blocks[:n], []
+        self.num_tokens -= n * self.block_size
+        return taken
 
     def slots(self, first: int, count: int) -> list[int]:
         """Flat slots of tier-relative token indices [first, first + count)."""

@@ -1,96 +1,248 @@
-"""The paged KV cache the engine attends over: block tables per sequence over a host pool.
+"""The two-tier paged KV cache: a device block pool and a host block pool, per-sequence tables.
 
-Each sequence owns a `TierTable` on the host tier; new tokens' K/V are appended to its tail
-blocks (quantized on the way in when the tier is int8/int4) and attention runs in the
-`cpu_attention` kernels over the block table, returning output and log-sum-exp.
+A sequence's tokens live on the device tier up to its planned share (`gpu_tokens`), the
+rest on the host tier (bf16, int8 or int4, quantized on the way in). Attention is order-free
+over the tokens it is given, so each tier holds a *set* of blocks: only a tier's last block
+may be partly filled, and a block can move between tiers whole (swap out / swap in) without
+renumbering anything. The device tier may be a CPU stand-in (same layout, on the host) so
+every path but the CUDA streams runs in CI.
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
 import torch
 
-import cpu_attention
 from cpu_attention import HostKVPool, KVDtype
+from gpu_ops.kv_pool import GpuKVPool
 from hetero.config import ModelConfig
 from hetero.errors import UserError
 from offload.blocks import BlockAllocator, OutOfBlocks, TierTable
 
+log = logging.getLogger(__name__)
 
-class PagedKVCache:
+
+@dataclass
+class SeqKV:
+    gpu: TierTable
+    host: TierTable
+    gpu_limit: int  # tokens this sequence may keep on the device tier
+    ordered: bool = True  # device tier holds positions [0, g), host the rest: no swap happened
+
+    @property
+    def num_tokens(self) -> int:
+        return self.gpu.num_tokens + self.host.num_tokens
+
+
+@dataclass
+class Slots:
+    """Where n new tokens go: rows of the new-token batch and their flat slots on each tier."""
+
+    gpu_rows: list[int] = field(default_factory=list)
+    gpu_slots: list[int] = field(default_factory=list)
+    host_rows: list[int] = field(default_factory=list)
+    host_slots: list[int] = field(default_factory=list)
+
+    def extend(self, other: "Slots", offset: int) -> None:
+        self.gpu_rows += [r + offset for r in other.gpu_rows]
+        self.gpu_slots += other.gpu_slots
+        self.host_rows += [r + offset for r in other.host_rows]
+        self.host_slots += other.host_slots
+
+
+class TieredKVCache:
     def __init__(
         self,
         cfg: ModelConfig,
-        num_tokens: int,
-        kv_dtype: KVDtype = KVDtype.BF16,
+        host_tokens: int,
+        gpu_tokens: int = 0,
+        host_dtype: KVDtype = KVDtype.BF16,
+        gpu_tokens_per_seq: int | None = None,
+        device: torch.device = torch.device("cpu"),
         block_size: int = 32,
-        threads: int | None = None,
+        pin: bool = False,
     ):
-        self.cfg, self.block_size, self.threads = cfg, block_size, threads
-        num_blocks = -(-num_tokens // block_size)
-        self.pool = HostKVPool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, kv_dtype)
-        self.alloc = BlockAllocator(num_blocks)
-        self.tables: dict[int, TierTable] = {}
+        """host_tokens / gpu_tokens: pool capacities; gpu_tokens_per_seq: each sequence's device share."""
+        self.cfg, self.block_size, self.device = cfg, block_size, device
+        nb = lambda n: -(-n // block_size)  # noqa: E731
+        self.host = HostKVPool(cfg.num_layers, nb(host_tokens), cfg.num_kv_heads, block_size, cfg.head_dim,
+                               host_dtype, pin=pin)
+        self.host_alloc = BlockAllocator(self.host.num_blocks)
+        self.gpu: GpuKVPool | None = None
+        self.gpu_alloc = BlockAllocator(0)
+        if gpu_tokens > 0:
+            dt = torch.float32 if host_dtype is KVDtype.F32 else torch.bfloat16
+            self.gpu = GpuKVPool(cfg.num_layers, nb(gpu_tokens), cfg.num_kv_heads, block_size, cfg.head_dim,
+                                 device=device, dtype=dt)
+            self.gpu_alloc = BlockAllocator(self.gpu.num_blocks)
+        self.gpu_tokens_per_seq = gpu_tokens if gpu_tokens_per_seq is None else gpu_tokens_per_seq
+        self.seqs: dict[int, SeqKV] = {}
         self.scale = cfg.head_dim ** -0.5
-        self._kw = {} if threads is None else {"threads": threads}  # TODO drop once kernels take threads
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
 
+    # ------------------------------------------------------------------ bookkeeping
     @property
     def capacity_tokens(self) -> int:
-        return self.alloc.num_blocks * self.block_size
+        return (self.host_alloc.num_blocks + self.gpu_alloc.num_blocks) * self.block_size
 
     def num_tokens(self, seq: int) -> int:
-        t = self.tables.get(seq)
-        return 0 if t is None else t.num_tokens
+        s = self.seqs.get(seq)
+        return 0 if s is None else s.num_tokens
 
-    def reserve(self, seq: int, n: int) -> torch.Tensor:
-        """Make room for n more tokens of `seq`; returns their flat slots [n] (int64)."""
-        t = self.tables.setdefault(seq, TierTable(self.block_size))
-        try:
-            t.blocks += self.alloc.allocate(t.blocks_needed(n))
-        except OutOfBlocks as e:
-            raise UserError(
-                f"the KV cache is full ({self.capacity_tokens} tokens): {e}; raise --ctx-size or "
-                "--cpu-mem, or use --kv-dtype int8"
-            ) from None
-        slots = torch.tensor(t.slots(t.num_tokens, n), dtype=torch.int64)
-        t.num_tokens += n
-        return slots
+    def tier_tokens(self) -> tuple[int, int]:
+        """(device-tier tokens, host-tier tokens) over all sequences."""
+        return (sum(s.gpu.num_tokens for s in self.seqs.values()), sum(s.host.num_tokens for s in self.seqs.values()))
+
+    def _seq(self, seq: int) -> SeqKV:
+        if seq not in self.seqs:
+            limit = self.gpu_tokens_per_seq if self.gpu is not None else 0
+            self.seqs[seq] = SeqKV(TierTable(self.block_size), TierTable(self.block_size), limit)
+        return self.seqs[seq]
+
+    def reserve(self, seq: int, n: int) -> Slots:
+        """Room for n more tokens of `seq`: the device tier first (up to its share), then the host."""
+        s = self._seq(seq)
+        to_gpu = max(0, min(n, s.gpu_limit - s.gpu.num_tokens))
+        out = Slots()
+        if to_gpu:
+            need = s.gpu.blocks_needed(to_gpu)
+            if need > self.gpu_alloc.num_free:
+                self._make_gpu_room(need - self.gpu_alloc.num_free, keep=seq)
+            if need <= self.gpu_alloc.num_free:
+                s.gpu.blocks += self.gpu_alloc.allocate(need)
+                out.gpu_rows, out.gpu_slots = list(range(to_gpu)), s.gpu.slots(s.gpu.num_tokens, to_gpu)
+                s.gpu.num_tokens += to_gpu
+            else:  # the device tier is full of the current sequence's own blocks: the rest goes to the host
+                s.gpu_limit = s.gpu.num_tokens
+                to_gpu = 0
+        rest = n - to_gpu
+        if rest:
+            try:
+                s.host.blocks += self.host_alloc.allocate(s.host.blocks_needed(rest))
+            except OutOfBlocks as e:
+                raise UserError(
+                    f"the KV cache is full ({self.capacity_tokens} tokens over both tiers): {e}; raise "
+                    "--cpu-mem or --ctx-size, lower --parallel, or use --kv-dtype int8/int4"
+                ) from None
+            out.host_rows = list(range(to_gpu, n))
+            out.host_slots = s.host.slots(s.host.num_tokens, rest)
+            s.host.num_tokens += rest
+        return out
 
     def truncate(self, seq: int, n: int) -> None:
-        """Keep the first n tokens of `seq` (a chat turn that diverges from the cached one)."""
-        t = self.tables[seq]
-        keep = -(-n // self.block_size)
-        self.alloc.free(t.blocks[keep:])
-        del t.blocks[keep:]
-        t.num_tokens = n
+        """Keep the first n tokens of `seq`. Tokens are dropped from the host tier first, then the device's.
+
+        Only valid while the tiers hold the positions in order (`SeqKV.ordered`): after a swap the
+        caller recomputes instead.
+        """
+        s = self.seqs[seq]
+        assert s.ordered or n == s.num_tokens, "truncating a swapped sequence"
+        drop = s.num_tokens - n
+        for tier, alloc in ((s.host, self.host_alloc), (s.gpu, self.gpu_alloc)):
+            d = min(drop, tier.num_tokens)
+            tier.num_tokens -= d
+            keep = -(-tier.num_tokens // self.block_size)
+            alloc.free(tier.blocks[keep:])
+            del tier.blocks[keep:]
+            drop -= d
 
     def free(self, seq: int) -> None:
-        t = self.tables.pop(seq, None)
-        if t is not None:
-            self.alloc.free(t.blocks)
+        s = self.seqs.pop(seq, None)
+        if s is not None:
+            self.gpu_alloc.free(s.gpu.blocks)
+            self.host_alloc.free(s.host.blocks)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.pool.write(layer, slots, k, v)
+    def rename(self, old: int, new: int) -> None:
+        self.seqs[new] = self.seqs.pop(old)
 
-    def _table(self, seqs: list[int]) -> torch.Tensor:
-        width = max(len(self.tables[s].blocks) for s in seqs)
-        bt = torch.zeros(len(seqs), max(width, 1), dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            b = self.tables[s].blocks
-            bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
-        return bt
+    # ------------------------------------------------------------------ writes
+    def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [N, Hkv, D] of the new tokens (on the compute device) into their tiers."""
+        if slots.gpu_rows:
+            r = _index(slots.gpu_rows, k.device)
+            self.gpu.write(layer, torch.tensor(slots.gpu_slots, device=self.gpu.k.device), k[r], v[r])
+        if slots.host_rows:
+            self.write_host(layer, slots, k[_index(slots.host_rows, k.device)].cpu(),
+                            v[_index(slots.host_rows, v.device)].cpu())
 
-    def decode(self, layer: int, q: torch.Tensor, seqs: list[int]) -> torch.Tensor:
-        """q [B, Hq, D], one new token per sequence (already written) → out [B, Hq, D]."""
-        lens = torch.tensor([self.tables[s].num_tokens for s in seqs], dtype=torch.int32)
-        out, _ = cpu_attention.decode_attention(
-            self.pool, layer, q.float(), self._table(seqs), lens, self.scale, **self._kw
-        )
-        return out
+    def write_host(self, layer: int, slots: Slots, k_host: torch.Tensor, v_host: torch.Tensor) -> None:
+        """Host-tier part only, k/v already in host memory [len(host_rows), Hkv, D]."""
+        self.host.write(layer, torch.tensor(slots.host_slots, dtype=torch.int64), k_host, v_host)
 
-    def prefill(self, layer: int, q: torch.Tensor, seq: int, q_pos0: int) -> torch.Tensor:
-        """q [T, Hq, D] at positions q_pos0.. (their K/V already written) → out [T, Hq, D]."""
-        t = self.tables[seq]
-        out, _ = cpu_attention.prefill_attention(
-            self.pool, layer, q.float(), self._table([seq])[0], t.num_tokens, q_pos0, self.scale,
-            **self._kw,
-        )
-        return out
+    # ------------------------------------------------------------------ attention inputs
+    def tables(self, seqs: list[int], tier: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables [B, max_blocks] int32 and token counts [B] int32 of one tier (host memory)."""
+        ts = [getattr(self.seqs[s], tier) for s in seqs]
+        width = max(1, max(len(t.blocks) for t in ts))
+        bt = torch.zeros(len(ts), width, dtype=torch.int32)
+        for i, t in enumerate(ts):
+            if t.blocks:
+                bt[i, : len(t.blocks)] = torch.tensor(t.blocks, dtype=torch.int32)
+        return bt, torch.tensor([t.num_tokens for t in ts], dtype=torch.int32)
+
+    # ------------------------------------------------------------------ swapping
+    def _make_gpu_room(self, blocks: int, keep: int) -> None:
+        """Swap out full device blocks of other sequences (largest first) until `blocks` are free."""
+        victims = sorted((s for s in self.seqs if s != keep), key=lambda s: -len(self.seqs[s].gpu.blocks))
+        for v in victims:
+            if blocks <= 0:
+                return
+            blocks -= self.swap_out(v, blocks)
+
+    def swap_out(self, seq: int, max_blocks: int) -> int:
+        """Move up to max_blocks full device blocks of `seq` to the host tier; returns how many moved."""
+        s = self.seqs[seq]
+        n = min(max_blocks, self.host_alloc.num_free)
+        move = s.gpu.take_full_blocks(n)
+        if not move:
+            return 0
+        dst = self.host_alloc.allocate(len(move))
+        src = torch.tensor(move, device=self.gpu.k.device)
+        slots = _block_slots(dst, self.block_size, torch.device("cpu"))
+        for layer in range(self.cfg.num_layers):
+            k = _flat(self.gpu.k[layer, src]).cpu()  # [n*BS, Hkv, D]
+            v = _flat(self.gpu.v[layer, src]).cpu()
+            self.host.write(layer, slots, k, v)
+        s.host.add_full_blocks(dst)
+        s.ordered = False
+        s.gpu_limit = s.gpu.num_tokens
+        self.gpu_alloc.free(move)
+        self.swapped_out_blocks += len(move)
+        return len(move)
+
+    def swap_in(self, seq: int, max_blocks: int) -> int:
+        """Move up to max_blocks full host blocks of `seq` to the device tier (dequantized to its dtype)."""
+        if self.gpu is None:
+            return 0
+        s = self.seqs[seq]
+        move = s.host.take_full_blocks(min(max_blocks, self.gpu_alloc.num_free))
+        if not move:
+            return 0
+        dst = self.gpu_alloc.allocate(len(move))
+        dev = self.gpu.k.device
+        slots = _block_slots(dst, self.block_size, dev)
+        for layer in range(self.cfg.num_layers):
+            k, v = self.host.gather(layer, torch.tensor(move), len(move) * self.block_size)  # [Hkv, n*BS, D]
+            self.gpu.write(layer, slots, k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev))
+        s.gpu.add_full_blocks(dst)
+        s.ordered = False
+        s.gpu_limit = max(s.gpu_limit, s.gpu.num_tokens)
+        self.host_alloc.free(move)
+        self.swapped_in_blocks += len(move)
+        return len(move)
+
+
+def _block_slots(blocks: list[int], bs: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([b * bs + o for b in blocks for o in range(bs)], device=device)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[n, Hkv, BS, D] blocks → [n*BS, Hkv, D] tokens."""
+    n, h, bs, d = x.shape
+    return x.transpose(1, 2).reshape(n * bs, h, d)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, device=device)

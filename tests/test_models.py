@@ -51,4 +51,4 @@ def test_batch_generation_matches_single(tiny):
         together[c.index].append(c.token)
     for i in range(len(prompts)):
         assert together[i][: len(alone[i])] == alone[i]
-    assert not engine.cache.tables  # every finished sequence freed its blocks
+    assert not engine.cache.seqs  # every finished sequence freed its blocks

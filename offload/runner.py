@@ -1,0 +1,278 @@
+"""The heterogeneous step: the model on its device, the KV split over a device tier and a host tier.
+
+Decode, per layer and sub-batch (DESIGN.md "one decode step"):
+  start:  pre_attention (device) → new k/v into their tiers → q (and host-tier k/v) down on the
+          copy stream → the CPU worker attends over the host blocks (Numba, off the GIL)
+          while the device attends over its own blocks
+  finish: wait for the CPU's (o, lse) → up → merge by log-sum-exp → post_attention (device)
+With two sub-batches the loop is skewed so the device runs one sub-batch's projections and MLP
+while the CPU attends for the other (NEO / APEX); with one, the device's share of attention
+overlaps the CPU's.
+
+Prefill runs layer by layer over the whole new chunk of a sequence: this layer's earlier KV
+(both tiers) is gathered to the device once, the new tokens attend to it and causally to
+themselves in one SDPA call, and the new k/v are written to their tiers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import cpu_attention
+from cpu_attention.merge import merge_attention
+from gpu_ops import attention as gpu_attention
+from hetero.model import Model
+from offload.kv_cache import Slots, TieredKVCache
+from offload.timers import GpuSpans, Metrics, StepTimes, now
+from offload.worker import CpuWorker
+
+PREFILL_CHUNK = 2048  # tokens per projection/MLP pass and per attention query block in prefill
+
+
+@dataclass
+class Part:
+    """One sub-batch in flight through the decode layer loop."""
+
+    seqs: list[int]
+    x: torch.Tensor  # [B, H] residual stream, on the model's device
+    pos: torch.Tensor  # [B]
+    slots: Slots
+    gpu_slots: torch.Tensor | None  # [n] on the pool's device
+    gpu_rows: torch.Tensor | None
+    host_rows: torch.Tensor | None
+    gpu_tables: tuple[torch.Tensor, torch.Tensor] | None  # (block tables, lens) on the pool's device
+    host_tables: tuple[torch.Tensor, torch.Tensor] | None  # on the host
+    buf: dict[str, torch.Tensor] | None = None  # pinned staging buffers (CUDA only)
+    gpu_out: tuple[torch.Tensor, torch.Tensor] | None = None
+    job: object = None
+
+
+class Runner:
+    def __init__(self, model: Model, cache: TieredKVCache, threads: int | None = None,
+                 sub_batches: int | None = None, detailed_timing: bool = False):
+        """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows)."""
+        self.model, self.cache, self.threads = model, cache, threads
+        self.cfg = model.cfg
+        self.dev = model.device
+        self.cuda = self.dev.type == "cuda"
+        self.sub_batches = sub_batches
+        self.worker = CpuWorker(inline=not self.cuda)
+        self.copy_stream = torch.cuda.Stream(self.dev) if self.cuda else None
+        self.metrics = Metrics()
+        self.spans = GpuSpans(detailed_timing and self.cuda)
+        self.xfer = GpuSpans(detailed_timing and self.cuda)
+        self._bufs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    # ================================================================== decode
+    @torch.inference_mode()
+    def decode(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One new token for each sequence (tokens at positions) → float32 logits [B, V]."""
+        t0, st = now(), StepTimes(tokens=len(seqs))
+        slots = [self.cache.reserve(s, 1) for s in seqs]
+        parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
+        L = self.cfg.num_layers
+        for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
+            for p in parts:
+                if i > 0:
+                    self._finish(i - 1, p, st)
+                if i < L:
+                    self._start(i, p, st)
+        logits = torch.cat([self.model.logits(p.x) for p in parts])
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+            st.gpu, st.transfer = self.spans.total_s(), self.xfer.total_s()
+        st.wall = now() - t0
+        self._record(st)
+        return logits
+
+    def _split(self, seqs: list[int]) -> list[tuple[int, int]]:
+        n = self.sub_batches
+        if n is None:
+            n = 2 if self.cuda and len(seqs) >= 2 and any(self.cache.seqs[s].host.num_tokens for s in seqs) else 1
+        n = max(1, min(n, len(seqs)))
+        cuts = [round(k * len(seqs) / n) for k in range(n + 1)]
+        return [(cuts[k], cuts[k + 1]) for k in range(n)]
+
+    def _part(self, seqs, tokens, positions, slots, a: int, b: int, k: int) -> Part:
+        c, dev = self.cache, self.dev
+        sl = Slots()
+        for j, s in enumerate(slots[a:b]):
+            sl.extend(s, j)
+        ids = torch.tensor(tokens[a:b])
+        ss = seqs[a:b]
+        gpu_tables = host_tables = None
+        if c.gpu is not None and any(c.seqs[s].gpu.num_tokens for s in ss):
+            bt, lens = c.tables(ss, "gpu")
+            gpu_tables = (bt.to(c.gpu.k.device), lens.to(c.gpu.k.device))
+        if any(c.seqs[s].host.num_tokens for s in ss):
+            host_tables = c.tables(ss, "host")
+        pdev = c.gpu.k.device if c.gpu is not None else dev
+        return Part(
+            seqs=ss,
+            x=self.model.embed(ids),
+            pos=torch.tensor(positions[a:b], device=dev),
+            slots=sl,
+            gpu_slots=torch.tensor(sl.gpu_slots, device=pdev) if sl.gpu_rows else None,
+            gpu_rows=torch.tensor(sl.gpu_rows, device=dev) if sl.gpu_rows else None,
+            host_rows=torch.tensor(sl.host_rows, device=dev) if sl.host_rows else None,
+            gpu_tables=gpu_tables,
+            host_tables=host_tables,
+            buf=self._buffers(k, b - a) if self.cuda and host_tables is not None else None,
+        )
+
+    def _start(self, i: int, p: Part, st: StepTimes) -> None:
+        span = self.spans.begin()
+        q, k, v = self.model.pre_attention(i, p.x, p.pos)
+        if p.gpu_rows is not None:
+            self.cache.gpu.write(i, p.gpu_slots, k[p.gpu_rows], v[p.gpu_rows])
+        if p.host_tables is not None:
+            p.job = self._submit_host(i, p, q, k, v, st)
+        if p.gpu_tables is not None:
+            p.gpu_out = gpu_attention.decode_attention(self.cache.gpu, i, q, *p.gpu_tables, self.model.scale)
+        self.spans.end(span)
+
+    def _finish(self, i: int, p: Part, st: StepTimes) -> None:
+        o = lse = None
+        if p.job is not None:
+            t = now()
+            o, lse, dt = p.job.wait()
+            st.wait += now() - t
+            st.cpu_attention += dt
+            if self.cuda:
+                xs = self.xfer.begin()
+                o, lse = o.to(self.dev, non_blocking=True), lse.to(self.dev, non_blocking=True)
+                self.xfer.end(xs)
+                st.h2d_bytes += o.numel() * 4 + lse.numel() * 4
+        span = self.spans.begin()
+        if p.gpu_out is not None:
+            o_g, lse_g = p.gpu_out
+            o, lse = (o_g, lse_g) if o is None else merge_attention(o_g, lse_g, o.to(o_g.device), lse.to(o_g.device))
+        p.job = p.gpu_out = None
+        p.x = self.model.post_attention(i, p.x, o.to(self.dev, p.x.dtype))
+        self.spans.end(span)
+
+    def _submit_host(self, i: int, p: Part, q, k, v, st: StepTimes):
+        """Send q and the host-tier k/v down, then queue the CPU's share of layer i."""
+        hr = p.host_rows
+        if not self.cuda:
+            kh = None if hr is None else k[hr]
+            vh = None if hr is None else v[hr]
+            return self.worker.submit(self._host_job, i, p, None, q, kh, vh)
+        B, n = q.shape[0], 0 if hr is None else hr.numel()
+        buf = p.buf
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(self.copy_stream):
+            xs = self.xfer.begin(self.copy_stream)
+            buf["q"][:B].copy_(q.float(), non_blocking=True)
+            if n:
+                buf["k"][:n].copy_(k[hr].float(), non_blocking=True)
+                buf["v"][:n].copy_(v[hr].float(), non_blocking=True)
+            self.xfer.end(xs, self.copy_stream)
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        st.d2h_bytes += (q.numel() + 2 * n * k.shape[1] * k.shape[2]) * 4
+        return self.worker.submit(self._host_job, i, p, ready, buf["q"][:B],
+                                  buf["k"][:n] if n else None, buf["v"][:n] if n else None)
+
+    def _host_job(self, i: int, p: Part, ready, q, kh, vh):
+        """Runs on the CPU worker: append the host-tier k/v, attend over the host blocks."""
+        if ready is not None:
+            ready.synchronize()
+        t = now()
+        if kh is not None:
+            self.cache.write_host(i, p.slots, kh, vh)
+        o, lse = cpu_attention.decode_attention(self.cache.host, i, q.float(), *p.host_tables, self.model.scale,
+                                                threads=self.threads)
+        dt = now() - t
+        if p.buf is not None:  # pinned, so the copy up is a true async DMA
+            B = o.shape[0]
+            p.buf["o"][:B].copy_(o)
+            p.buf["lse"][:B].copy_(lse)
+            o, lse = p.buf["o"][:B], p.buf["lse"][:B]
+        return o, lse, dt
+
+    def _buffers(self, k: int, B: int) -> dict[str, torch.Tensor]:
+        """Pinned staging buffers for sub-batch slot k, grown to at least B rows."""
+        c = self.cfg
+        have = self._bufs.get((k, 0))
+        if have is None or have["q"].shape[0] < B:
+            n = max(B, 8)
+            mk = lambda *s: torch.empty(*s, dtype=torch.float32, pin_memory=True)  # noqa: E731
+            have = dict(q=mk(n, c.num_heads, c.head_dim), o=mk(n, c.num_heads, c.head_dim),
+                        lse=mk(n, c.num_heads), k=mk(n, c.num_kv_heads, c.head_dim),
+                        v=mk(n, c.num_kv_heads, c.head_dim))
+            self._bufs[(k, 0)] = have
+        return have
+
+    def _record(self, st: StepTimes) -> None:
+        m = self.metrics
+        m.add(st)
+        m.kv_gpu_tokens, m.kv_host_tokens = self.cache.tier_tokens()
+        m.swapped_out_blocks, m.swapped_in_blocks = self.cache.swapped_out_blocks, self.cache.swapped_in_blocks
+
+    # ================================================================== prefill
+    @torch.inference_mode()
+    def prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens[start:] (tokens[:start] are cached) → float32 logits of the last token [1, V] (or all)."""
+        c, m, dev = self.cache, self.model, self.dev
+        T = len(tokens) - start
+        prior = c.seqs.get(seq)
+        prior_gpu = 0 if prior is None else prior.gpu.num_tokens
+        prior_host = 0 if prior is None else prior.host.num_tokens
+        slots = c.reserve(seq, T)
+        s = c.seqs[seq]
+        gpu_blocks = torch.tensor(s.gpu.blocks[: -(-prior_gpu // c.block_size)], dtype=torch.int64)
+        host_blocks = torch.tensor(s.host.blocks[: -(-prior_host // c.block_size)], dtype=torch.int64)
+        pos = torch.arange(start, len(tokens), device=dev)
+        x = m.embed(torch.tensor(tokens[start:]))
+        for i in range(self.cfg.num_layers):
+            q, k, v = self._chunked(lambda a, b: m.pre_attention(i, x[a:b], pos[a:b]), T)
+            kp, vp = self._prior_kv(i, gpu_blocks, prior_gpu, host_blocks, prior_host, q.dtype)
+            c.write(i, slots, k, v)
+            keys = torch.cat([kp, k.transpose(0, 1)], dim=1)  # [Hkv, P + T, D]
+            vals = torch.cat([vp, v.transpose(0, 1)], dim=1)
+            o = torch.cat([_causal_tail_attention(q[a:b], keys[:, : keys.shape[1] - T + b], vals[:, : keys.shape[1] - T + b],
+                                                  m.scale) for a, b in _blocks(T)])
+            x = self._chunked(lambda a, b: m.post_attention(i, x[a:b], o[a:b]), T)
+        return m.logits(x if all_logits else x[-1:])
+
+    def _prior_kv(self, i, gpu_blocks, n_gpu, host_blocks, n_host, dtype):
+        """This layer's cached K, V of the sequence from both tiers, on the device: [Hkv, P, D] each."""
+        c, dev = self.cache, self.dev
+        ks, vs = [], []
+        if n_gpu:
+            k, v = c.gpu.gather(i, gpu_blocks[None].to(c.gpu.k.device))
+            ks.append(k[0, :, :n_gpu].to(dev, dtype))
+            vs.append(v[0, :, :n_gpu].to(dev, dtype))
+        if n_host:
+            k, v = c.host.gather(i, host_blocks, n_host)
+            ks.append(k.to(dev, dtype, non_blocking=True))
+            vs.append(v.to(dev, dtype, non_blocking=True))
+        empty = torch.empty(self.cfg.num_kv_heads, 0, self.cfg.head_dim, device=dev, dtype=dtype)
+        return (torch.cat(ks, dim=1) if ks else empty), (torch.cat(vs, dim=1) if vs else empty)
+
+    @staticmethod
+    def _chunked(fn, T: int):
+        outs = [fn(a, b) for a, b in _blocks(T)]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(z) for z in zip(*outs))
+        return torch.cat(outs)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _blocks(T: int) -> list[tuple[int, int]]:
+    return [(a, min(a + PREFILL_CHUNK, T)) for a in range(0, T, PREFILL_CHUNK)]
+
+
+def _causal_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] are the last T of the keys' positions: key j is visible to query t iff
+    j ≤ (n_keys − T) + t (earlier tokens all, new ones causally). k, v [Hkv, n, D] → [T, Hq, D]."""
+    T, n = q.shape[0], k.shape[1]
+    mask = torch.ones(T, n, dtype=torch.bool, device=q.device).tril(diagonal=n - T)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[0])
+    return o.transpose(0, 1)

@@ -1,0 +1,81 @@
+"""Step timers and counters the engine exposes (and the monitor will draw).
+
+Per decode step: wall time, the GPU segments' time (CUDA events, when detailed timing is on),
+the CPU attention kernels' time (measured in the worker), the time the main thread waited
+for the CPU, transfer time, and bytes moved each way.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepTimes:
+    wall: float = 0.0
+    gpu: float = 0.0  # GPU segments (projections, MLP, GPU attention), from CUDA events
+    cpu_attention: float = 0.0  # host-tier attention kernels, in the worker thread
+    wait: float = 0.0  # main thread blocked on the CPU's share
+    transfer: float = 0.0  # q/k/v down and (o, lse) up, from CUDA events on the copy stream
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    tokens: int = 0
+
+    @property
+    def idle(self) -> float:
+        """Wall time neither device was known busy: wall − max(GPU, CPU) − transfers."""
+        return max(0.0, self.wall - max(self.gpu, self.cpu_attention) - self.transfer)
+
+
+@dataclass
+class Metrics:
+    last: StepTimes = field(default_factory=StepTimes)
+    steps: int = 0
+    total: StepTimes = field(default_factory=StepTimes)
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    kv_gpu_tokens: int = 0
+    kv_host_tokens: int = 0
+
+    def add(self, s: StepTimes) -> None:
+        self.last, self.steps = s, self.steps + 1
+        for f in ("wall", "gpu", "cpu_attention", "wait", "transfer", "d2h_bytes", "h2d_bytes", "tokens"):
+            setattr(self.total, f, getattr(self.total, f) + getattr(s, f))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total.tokens / self.total.wall if self.total.wall else 0.0
+
+
+class GpuSpans:
+    """Pairs of CUDA events around GPU segments; summed after the step's final sync."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def begin(self, stream: torch.cuda.Stream | None = None):
+        if not self.enabled:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
+
+    def end(self, start, stream: torch.cuda.Stream | None = None) -> None:
+        if start is None:
+            return
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        self.spans.append((start, e))
+
+    def total_s(self) -> float:
+        """Call after a synchronize."""
+        t = sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+        self.spans.clear()
+        return t
+
+
+def now() -> float:
+    return time.perf_counter()
