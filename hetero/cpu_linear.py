@@ -1,30 +1,107 @@
-"""Int8 weights for the CPU path: per-output-row scale, a Numba matrix-vector kernel.
+"""Int8 weights for the CPU path: per-output-row scale, Numba matrix-vector kernels.
 
 Decode on the CPU is bound by the bytes of weight read per token; int8 reads a quarter of
 float32 and keeps the error far below the 4-bit source formats the demo model ships in.
-Matrix-vector products (a few rows of x) run in the Numba kernel; larger x (prefill)
-dequantizes the weight and uses torch's GEMM, which is compute-bound there anyway.
+Matrix-vector products (a few rows of x) run in Numba; larger x (prefill) dequantizes the
+weight and uses torch's GEMM, which is compute-bound there anyway.
+
+A decode step of a small model is as much launch overhead as arithmetic (30 layers × ~60
+torch ops of a few µs each), so besides the plain `Int8Linear` there are two fused kernels
+that the model's decode path calls once per layer each:
+
+- `attn_in`: RMSNorm → QKV projection (+ bias) → RoPE on the q and k heads;
+- `mlp_block`: x + O·attn → RMSNorm → gate/up → SiLU(gate)·up → x + down.
+
+Every kernel has its torch twin here (`*_ref`), composed of the same float operations.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from numba import njit, prange
 
-# Rows of x up to which the GEMV kernel beats dequantize + GEMM (measured on 2 cores).
+# Rows of x up to which the GEMV kernels beat dequantize + GEMM (measured on 2 cores).
 GEMV_MAX_ROWS = 8
 
+# fastmath lets LLVM split each dot product over SIMD lanes (reassociation) and fuse the
+# int8→f32 multiply-add into FMAs; no kernel relies on inf/nan semantics.
+_FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
+_JIT = dict(nogil=True, cache=True, fastmath=_FAST)
+_NO_BIAS = np.zeros(0, np.float32)
 
-@njit(parallel=True, nogil=True, fastmath=True, cache=True)
+
+@njit(inline="always", **_JIT)
+def _dot(w, o, x, n):  # Σ_i w[o, i] · x[n, i]; one int8 row against one f32 row
+    acc = np.float32(0.0)
+    for i in range(w.shape[1]):
+        acc += np.float32(w[o, i]) * x[n, i]
+    return acc
+
+
+@njit(parallel=True, **_JIT)
 def _gemv_int8(w, scale, x, out):  # w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32
-    O, I = w.shape
+    for o in prange(w.shape[0]):
+        for n in range(x.shape[0]):
+            out[n, o] = _dot(w, o, x, n) * scale[o]
+
+
+@njit(inline="always", **_JIT)
+def _rms_norm_into(x, w, eps, out):  # x [N, H] → out [N, H] = x / rms(x) · w
+    for n in range(x.shape[0]):
+        ss = np.float32(0.0)
+        for i in range(x.shape[1]):
+            ss += x[n, i] * x[n, i]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[1]) + eps)
+        for i in range(x.shape[1]):
+            out[n, i] = x[n, i] * r * w[i]
+
+
+@njit(parallel=True, **_JIT)
+def _attn_in(x, norm_w, eps, w, scale, bias, cos, sin, n_rope, head_dim, h, out):
+    """x [N, H] → out [N, O] = RoPE(W·RMSNorm(x) + b) on the first n_rope heads (q then k).
+
+    cos, sin [N, D] are the rows of the tables at each token's position; h [N, H] scratch.
+    """
     N = x.shape[0]
-    for o in prange(O):
+    _rms_norm_into(x, norm_w, eps, h)
+    for o in prange(w.shape[0]):
         for n in range(N):
-            acc = np.float32(0.0)
-            for i in range(I):
-                acc += np.float32(w[o, i]) * x[n, i]
-            out[n, o] = acc * scale[o]
+            out[n, o] = _dot(w, o, h, n) * scale[o]
+    if bias.shape[0]:
+        for n in range(N):
+            for o in range(w.shape[0]):
+                out[n, o] += bias[o]
+    half = head_dim // 2
+    for n in range(N):  # rotate-half RoPE: (a, b) → (a·cos − b·sin, b·cos + a·sin)
+        for hd in range(n_rope):
+            base = hd * head_dim
+            for d in range(half):
+                a = out[n, base + d]
+                b = out[n, base + half + d]
+                out[n, base + d] = a * cos[n, d] - b * sin[n, d]
+                out[n, base + half + d] = b * cos[n, half + d] + a * sin[n, half + d]
+
+
+@njit(parallel=True, **_JIT)
+def _mlp_block(x, attn, wo, so, norm_w, eps, wgu, sgu, wd, sd, h, act, out):
+    """out [N, H] = y + down(SiLU(gate(RMSNorm(y))) · up(RMSNorm(y))) with y = x + O·attn.
+
+    wgu [2F, H] holds the gate rows then the up rows; h [N, H] and act [N, F] are scratch.
+    """
+    N, F_ = x.shape[0], wd.shape[1]
+    for o in prange(wo.shape[0]):
+        for n in range(N):
+            out[n, o] = x[n, o] + _dot(wo, o, attn, n) * so[o]
+    _rms_norm_into(out, norm_w, eps, h)
+    for j in prange(F_):
+        for n in range(N):
+            g = _dot(wgu, j, h, n) * sgu[j]
+            u = _dot(wgu, F_ + j, h, n) * sgu[F_ + j]
+            act[n, j] = g / (np.float32(1.0) + np.exp(-g)) * u
+    for o in prange(wd.shape[0]):
+        for n in range(N):
+            out[n, o] += _dot(wd, o, act, n) * sd[o]
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -50,26 +127,72 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The torch twin: dequantize, then an ordinary linear."""
-    return torch.nn.functional.linear(x.float(), q.float() * scale[:, None], bias)
-
-
 class Int8Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.q, self.scale = quantize_rows(weight)
         self.bias = None if bias is None else bias.float()
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self._qn, self._sn = self.q.numpy(), self.scale.numpy()
+        self._bn = _NO_BIAS if bias is None else self.bias.numpy()
 
     @property
     def nbytes(self) -> int:
         return self.q.numel() + 4 * self.scale.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float().contiguous()
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
         if x.shape[0] > GEMV_MAX_ROWS:
             return int8_linear_ref(x, self.q, self.scale, self.bias)
         out = torch.empty(x.shape[0], self.out_features)
         _gemv_int8(self._qn, self._sn, x.numpy(), out.numpy())
         return out if self.bias is None else out + self.bias
+
+
+def attn_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv: Int8Linear, cos: torch.Tensor,
+            sin: torch.Tensor, n_rope: int, head_dim: int) -> torch.Tensor:
+    """x [N, H] f32 → RoPE(qkv(RMSNorm(x))) [N, O], the first n_rope heads rotated; N ≤ GEMV_MAX_ROWS."""
+    N, H = x.shape
+    out = torch.empty(N, qkv.out_features)
+    _attn_in(x.numpy(), norm_w.numpy(), np.float32(eps), qkv._qn, qkv._sn, qkv._bn, cos.numpy(), sin.numpy(),
+             n_rope, head_dim, np.empty((N, H), np.float32), out.numpy())
+    return out
+
+
+def mlp_block(x: torch.Tensor, attn: torch.Tensor, o: Int8Linear, norm_w: torch.Tensor, eps: float,
+              gate_up: Int8Linear, down: Int8Linear) -> torch.Tensor:
+    """x [N, H], attn [N, Hq·D] f32 → the layer's output [N, H] (no biases); N ≤ GEMV_MAX_ROWS."""
+    N, H = x.shape
+    out = torch.empty(N, H)
+    _mlp_block(x.numpy(), attn.numpy(), o._qn, o._sn, norm_w.numpy(), np.float32(eps), gate_up._qn, gate_up._sn,
+               down._qn, down._sn, np.empty((N, H), np.float32), np.empty((N, down.in_features), np.float32),
+               out.numpy())
+    return out
+
+
+# ---------------------------------------------------------------------------- torch twins
+def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The torch twin: dequantize, then an ordinary linear (in x's dtype, float32 or float64)."""
+    dt = x.dtype if x.dtype == torch.float64 else torch.float32
+    return F.linear(x.to(dt), q.to(dt) * scale[:, None].to(dt), None if bias is None else bias.to(dt))
+
+
+def _rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.to(x.dtype)
+
+
+def attn_in_ref(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv: Int8Linear, cos: torch.Tensor,
+                sin: torch.Tensor, n_rope: int, head_dim: int) -> torch.Tensor:
+    y = int8_linear_ref(_rms_norm_ref(x, norm_w, eps), qkv.q, qkv.scale, qkv.bias)
+    r = y[:, : n_rope * head_dim].reshape(x.shape[0], n_rope, head_dim)
+    h = head_dim // 2
+    rot = torch.cat([-r[..., h:], r[..., :h]], dim=-1)
+    r = r * cos[:, None].to(y.dtype) + rot * sin[:, None].to(y.dtype)
+    return torch.cat([r.reshape(x.shape[0], -1), y[:, n_rope * head_dim:]], dim=-1)
+
+
+def mlp_block_ref(x: torch.Tensor, attn: torch.Tensor, o: Int8Linear, norm_w: torch.Tensor, eps: float,
+                  gate_up: Int8Linear, down: Int8Linear) -> torch.Tensor:
+    y = x + int8_linear_ref(attn, o.q, o.scale, None)
+    g, u = int8_linear_ref(_rms_norm_ref(y, norm_w, eps), gate_up.q, gate_up.scale, None).chunk(2, dim=-1)
+    return y + int8_linear_ref(F.silu(g) * u, down.q, down.scale, None)

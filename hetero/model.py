@@ -14,7 +14,9 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from hetero import cpu_linear
 from hetero.config import ModelConfig
+from hetero.cpu_linear import Int8Linear
 
 
 class Linear(Protocol):
@@ -82,11 +84,16 @@ class Rope:
         self.cos = emb.cos().float().to(self.device)
         self.sin = emb.sin().float().to(self.device)
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, D], pos [N] → rotated x."""
+    def rows(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [N] → cos, sin [N, D] at those positions."""
         if self.cos.shape[0] <= int(pos.max()):
             self._grow(int(pos.max()) + 1)
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
+        return self.cos[pos], self.sin[pos]
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, D], pos [N] → rotated x."""
+        cos, sin = self.rows(pos)
+        cos, sin = cos[:, None, :], sin[:, None, :]
         h = x.shape[-1] // 2
         rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
         return (x.float() * cos + rot.float() * sin).to(x.dtype)
@@ -127,6 +134,13 @@ class Model:
     def pre_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor):
         """x [N, H], pos [N] → q [N, Hq, D], k, v [N, Hkv, D]."""
         c, lw = self.cfg, self.layers[i]
+        if self._fused_decode(lw, x):  # one Numba call: norm, projection, RoPE
+            cos, sin = self.rope.rows(pos)
+            qkv = cpu_linear.attn_in(x, lw.attn_norm, c.rms_norm_eps, lw.qkv, cos, sin,
+                                     c.num_heads + c.num_kv_heads, c.head_dim)
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            n = x.shape[0]
+            return q.view(n, c.num_heads, c.head_dim), k.view(n, -1, c.head_dim), v.view(n, -1, c.head_dim)
         qkv = lw.qkv(rms_norm(x, lw.attn_norm, c.rms_norm_eps)).to(self.act_dtype)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.reshape(-1, c.num_heads, c.head_dim)
@@ -140,9 +154,18 @@ class Model:
     def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [N, H] residual stream, attn [N, Hq, D] → the layer's output [N, H]."""
         c, lw = self.cfg, self.layers[i]
+        if self._fused_decode(lw, x) and lw.router is None:  # one Numba call for the rest of the layer
+            return cpu_linear.mlp_block(x, attn.reshape(x.shape[0], -1).float().contiguous(), lw.o, lw.mlp_norm,
+                                        c.rms_norm_eps, lw.gate_up, lw.down)
         x = x + lw.o(attn.reshape(attn.shape[0], -1)).to(self.act_dtype)
         h = rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
         return x + (self._moe(lw, h) if lw.router is not None else _swiglu(lw.gate_up, lw.down, h))
+
+    def _fused_decode(self, lw: LayerWeights, x: torch.Tensor) -> bool:
+        """Whether this layer's decode step runs in the fused int8 kernels (CPU, few rows, no q/k norm)."""
+        return (x.shape[0] <= cpu_linear.GEMV_MAX_ROWS and x.dtype == torch.float32 and lw.q_norm is None
+                and isinstance(lw.qkv, Int8Linear) and isinstance(lw.o, Int8Linear) and lw.o.bias is None
+                and (lw.router is not None or isinstance(lw.gate_up, Int8Linear) and isinstance(lw.down, Int8Linear)))
 
     def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         c = self.cfg
