@@ -35,9 +35,13 @@ def chat(
     ctx_size: int = _opt(0, "-c", "--ctx-size", help="context length; 0 = the model's (capped at 4096)"),
     max_new_tokens: int = _opt(512, "-n", "--max-new-tokens", help="tokens to generate per answer"),
     threads: Optional[int] = _opt(None, "-t", "--threads", help="CPU threads for host attention"),
-    kv_dtype: str = _opt("bf16", "--kv-dtype", help="host KV precision: bf16|int8|int4|f32"),
+    kv_dtype: Optional[str] = _opt(None, "--kv-dtype", help="host KV precision: bf16|int8|int4|f32 (default: planner; bf16 on the CPU)"),
     weights: str = _opt("auto", "--weights", help="weight precision: auto|4bit|int8|bf16|f32"),
     device: str = _opt("auto", "--device", help="auto|cpu|cuda"),
+    gpu_mem: Optional[str] = _opt(None, "--gpu-mem", help="GPU budget, a hard limit (e.g. 6GiB; default: free minus a margin)"),
+    cpu_mem: Optional[str] = _opt(None, "--cpu-mem", help="host budget (e.g. 48GiB)"),
+    gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="KV tokens per sequence kept on the GPU"),
+    plan: Optional[str] = _opt(None, "--plan", help="run exactly this saved plan (hetero plan --json > plan.json)"),
     system: Optional[str] = _opt(None, "-s", "--system", help="system message"),
     temperature: Optional[float] = _opt(None, "--temp", "--temperature"),
     top_k: Optional[int] = _opt(None, "--top-k"),
@@ -59,7 +63,8 @@ def chat(
         if interactive:
             err.print("[dim]loading…[/dim]")
         engine = hetero.load(model or model_arg, device=device, weights=weights, kv_dtype=kv_dtype,
-                             ctx_size=ctx_size, threads=threads)
+                             ctx_size=ctx_size, threads=threads, gpu_mem=gpu_mem, cpu_mem=cpu_mem,
+                             gpu_kv_tokens=gpu_kv_tokens, plan=plan)
         if interactive:
             err.print(f"[dim]{' · '.join(f'{k} {v}' for k, v in engine.info.items())}[/dim]")
         session = ChatSession(engine, sys.stdout, err, system=system,
@@ -81,10 +86,6 @@ class _user_errors:
 
 
 def _register_planner() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("planner.commands") is None:  # TODO: remove once planner lands
-        return
     from planner.commands import plan_cmd, profile_cmd
 
     app.command("plan")(plan_cmd)

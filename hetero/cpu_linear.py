@@ -9,7 +9,7 @@ A decode step of a small model is as much launch overhead as arithmetic (30 laye
 torch ops of a few µs each), so besides the plain `Int8Linear` there are two fused kernels
 that the model's decode path calls once per layer each:
 
-- `attn_in`: RMSNorm → QKV projection (+ bias) → RoPE on the q and k heads;
+- `attn_in`: RMSNorm → QKV projection (+ bias) → q, k, v with RoPE on q and k;
 - `mlp_block`: x + O·attn → RMSNorm → gate/up → SiLU(gate)·up → x + down.
 
 Every kernel has its torch twin here (`*_ref`), composed of the same float operations.
@@ -58,29 +58,35 @@ def _rms_norm_into(x, w, eps, out):  # x [N, H] → out [N, H] = x / rms(x) · w
 
 
 @njit(parallel=True, **_JIT)
-def _attn_in(x, norm_w, eps, w, scale, bias, cos, sin, n_rope, head_dim, h, out):
-    """x [N, H] → out [N, O] = RoPE(W·RMSNorm(x) + b) on the first n_rope heads (q then k).
+def _attn_in(x, pos, norm_w, eps, w, scale, bias, cos, sin, h, q, k, v):
+    """x [N, H] → y = W·RMSNorm(x) + b split into q [N, Hq, D], k, v [N, Hkv, D]; RoPE on q and k.
 
-    cos, sin [N, D] are the rows of the tables at each token's position; h [N, H] scratch.
+    cos, sin [T, D] are the whole tables, pos [N] each token's row in them; h [N, H] scratch.
     """
-    N = x.shape[0]
+    N, Hq, D = q.shape
+    Hkv = k.shape[1]
     _rms_norm_into(x, norm_w, eps, h)
-    for o in prange(w.shape[0]):
+    for o in prange(w.shape[0]):  # rows: q heads, k heads, v heads
+        hd, d = o // D, o % D
         for n in range(N):
-            out[n, o] = _dot(w, o, h, n) * scale[o]
-    if bias.shape[0]:
-        for n in range(N):
-            for o in range(w.shape[0]):
-                out[n, o] += bias[o]
-    half = head_dim // 2
+            y = _dot(w, o, h, n) * scale[o]
+            if bias.shape[0]:
+                y += bias[o]
+            if hd < Hq:
+                q[n, hd, d] = y
+            elif hd < Hq + Hkv:
+                k[n, hd - Hq, d] = y
+            else:
+                v[n, hd - Hq - Hkv, d] = y
+    half = D // 2
     for n in range(N):  # rotate-half RoPE: (a, b) → (a·cos − b·sin, b·cos + a·sin)
-        for hd in range(n_rope):
-            base = hd * head_dim
-            for d in range(half):
-                a = out[n, base + d]
-                b = out[n, base + half + d]
-                out[n, base + d] = a * cos[n, d] - b * sin[n, d]
-                out[n, base + half + d] = b * cos[n, half + d] + a * sin[n, half + d]
+        p = pos[n]
+        for t in (q, k):
+            for hd in range(t.shape[1]):
+                for d in range(half):
+                    a, b = t[n, hd, d], t[n, hd, half + d]
+                    t[n, hd, d] = a * cos[p, d] - b * sin[p, d]
+                    t[n, hd, half + d] = b * cos[p, half + d] + a * sin[p, half + d]
 
 
 @njit(parallel=True, **_JIT)
@@ -149,22 +155,27 @@ class Int8Linear:
         return out if self.bias is None else out + self.bias
 
 
-def attn_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv: Int8Linear, cos: torch.Tensor,
-            sin: torch.Tensor, n_rope: int, head_dim: int) -> torch.Tensor:
-    """x [N, H] f32 → RoPE(qkv(RMSNorm(x))) [N, O], the first n_rope heads rotated; N ≤ GEMV_MAX_ROWS."""
+def attn_in(x: torch.Tensor, pos: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv: Int8Linear,
+            cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H] f32, pos [N] → q [N, Hq, D], k, v [N, Hkv, D] = split(qkv(RMSNorm(x))), q and k rotated.
+
+    cos, sin [T, D] are RoPE tables covering every position in pos; N ≤ GEMV_MAX_ROWS.
+    """
     N, H = x.shape
-    out = torch.empty(N, qkv.out_features)
-    _attn_in(x.numpy(), norm_w.numpy(), np.float32(eps), qkv._qn, qkv._sn, qkv._bn, cos.numpy(), sin.numpy(),
-             n_rope, head_dim, np.empty((N, H), np.float32), out.numpy())
-    return out
+    D = qkv.out_features // (num_heads + 2 * num_kv_heads)
+    q, k, v = torch.empty(N, num_heads, D), torch.empty(N, num_kv_heads, D), torch.empty(N, num_kv_heads, D)
+    _attn_in(x.numpy(), pos.numpy(), norm_w.numpy(), np.float32(eps), qkv._qn, qkv._sn, qkv._bn, cos.numpy(),
+             sin.numpy(), np.empty((N, H), np.float32), q.numpy(), k.numpy(), v.numpy())
+    return q, k, v
 
 
 def mlp_block(x: torch.Tensor, attn: torch.Tensor, o: Int8Linear, norm_w: torch.Tensor, eps: float,
               gate_up: Int8Linear, down: Int8Linear) -> torch.Tensor:
-    """x [N, H], attn [N, Hq·D] f32 → the layer's output [N, H] (no biases); N ≤ GEMV_MAX_ROWS."""
+    """x [N, H] f32, attn [N, Hq, D] or [N, Hq·D] → the layer's output [N, H] (no biases); N ≤ GEMV_MAX_ROWS."""
     N, H = x.shape
     out = torch.empty(N, H)
-    _mlp_block(x.numpy(), attn.numpy(), o._qn, o._sn, norm_w.numpy(), np.float32(eps), gate_up._qn, gate_up._sn,
+    _mlp_block(x.numpy(), attn.float().numpy().reshape(N, -1), o._qn, o._sn, norm_w.numpy(), np.float32(eps), gate_up._qn, gate_up._sn,
                down._qn, down._sn, np.empty((N, H), np.float32), np.empty((N, down.in_features), np.float32),
                out.numpy())
     return out
@@ -181,14 +192,17 @@ def _rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.to(x.dtype)
 
 
-def attn_in_ref(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv: Int8Linear, cos: torch.Tensor,
-                sin: torch.Tensor, n_rope: int, head_dim: int) -> torch.Tensor:
+def attn_in_ref(x: torch.Tensor, pos: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv: Int8Linear,
+                cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N = x.shape[0]
     y = int8_linear_ref(_rms_norm_ref(x, norm_w, eps), qkv.q, qkv.scale, qkv.bias)
-    r = y[:, : n_rope * head_dim].reshape(x.shape[0], n_rope, head_dim)
-    h = head_dim // 2
+    y = y.reshape(N, num_heads + 2 * num_kv_heads, -1)
+    r, v = y[:, : num_heads + num_kv_heads], y[:, num_heads + num_kv_heads:]
+    h = y.shape[-1] // 2
     rot = torch.cat([-r[..., h:], r[..., :h]], dim=-1)
-    r = r * cos[:, None].to(y.dtype) + rot * sin[:, None].to(y.dtype)
-    return torch.cat([r.reshape(x.shape[0], -1), y[:, n_rope * head_dim:]], dim=-1)
+    r = r * cos[pos][:, None].to(y.dtype) + rot * sin[pos][:, None].to(y.dtype)
+    return r[:, :num_heads], r[:, num_heads:], v
 
 
 def mlp_block_ref(x: torch.Tensor, attn: torch.Tensor, o: Int8Linear, norm_w: torch.Tensor, eps: float,

@@ -55,8 +55,9 @@ class Chunk:
 
 class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer | None, runner: Runner, ctx_size: int,
-                 defaults: SamplingParams, info: dict | None = None):
+                 defaults: SamplingParams, info: dict | None = None, plan=None):
         self.model, self.tok, self.runner = model, tokenizer, runner
+        self.plan = plan  # the planner.Plan this engine carries out (None on the CPU-only path)
         self.cache: TieredKVCache = runner.cache
         self.cfg = model.cfg
         self.ctx_size, self.defaults = ctx_size, defaults
@@ -86,7 +87,7 @@ class Engine:
         self._check_len(len(token_ids))
         seq = next(self._ids)
         try:
-            return self._prefill(seq, list(token_ids), 0, all_logits=True)
+            return self._prefill(seq, list(token_ids), 0, all_logits=True).cpu()
         finally:
             self.cache.free(seq)
 
@@ -148,6 +149,7 @@ class Engine:
                     t0 = time.perf_counter()
                     batch, logits = list(running), self._decode(running)
                     stats.add_decode(len(running), time.perf_counter() - t0)
+                logits = logits.cpu()  # sampling runs on the host (seeded generator, small vectors)
                 for s, row in zip(batch, logits):  # postprocess
                     chunk = self._sample(s, row)
                     if s.finish_reason is None and s not in running:

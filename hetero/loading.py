@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,8 +15,13 @@ from hetero.errors import UserError
 from hetero.loader import WeightFormat, load_model
 from hetero.sampling import defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
+from offload.build import check_weights_supported, fence_gpu_memory, runtime_from_plan
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
+from planner.report import summary_line
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +33,24 @@ def load(
     *,
     device: str = "auto",
     weights: str = "auto",
-    kv_dtype: str = "bf16",
+    kv_dtype: str | None = None,
     ctx_size: int = 0,
     parallel: int = 4,
     threads: int | None = None,
     block_size: int = 32,
-    gpu_kv_tokens: int = 0,
+    gpu_kv_tokens: int | None = None,
     sub_batches: int | None = None,
+    gpu_mem: str | int | None = None,
+    cpu_mem: str | int | None = None,
+    plan: "str | Path | Plan | None" = None,
     tokenizer: bool = True,
     **sampling,
 ) -> Engine:
     """Load a HF folder or .gguf (default: the embedded demo model) into an Engine.
 
+    With CUDA (device auto or cuda) the planner places weights and KV from the measured machine
+    and the budgets (gpu_mem / cpu_mem: bytes or "8GiB"), or `plan` (a Plan or its JSON file)
+    is carried out exactly; every option left None is the planner's choice.
     device: auto|cpu|cuda; weights: auto|4bit|int8|bf16|f32; kv_dtype: bf16|int8|int4|f32;
     ctx_size: tokens per sequence (0: the model's, capped at 4096 unless asked);
     parallel: sequences the KV cache holds at full context; gpu_kv_tokens: each sequence's
@@ -50,9 +62,8 @@ def load(
     ck = open_checkpoint(path)
     cfg = ck.config
     dev = _device(device)
-    fmt = WeightFormat.parse(weights, dev)
     try:
-        kv = KVDtype(kv_dtype)
+        kv = KVDtype(kv_dtype or "bf16")
     except ValueError:
         raise UserError(f"--kv-dtype {kv_dtype!r} is not one of {', '.join(k.value for k in KVDtype)}") from None
     if kv is KVDtype.INT4 and cfg.head_dim % INT4_GROUP:
@@ -64,23 +75,56 @@ def load(
     ctx = min(limit, DEFAULT_CTX) if ctx_size == 0 else ctx_size
     if ctx > limit:
         raise UserError(f"--ctx-size {ctx} exceeds what {path.name} supports ({limit} tokens)")
+    tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
+    defaults = defaults_from_generation_config(path if path.is_dir() else None).update(**sampling)
+    if dev.type == "cuda":
+        p = _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype, threads=threads,
+                  sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens, block_size=block_size)
+        check_weights_supported(p)
+        fence_gpu_memory(p.budget.gpu_bytes, dev)
+        fmt = {"nf4": WeightFormat.NF4, "bf16": WeightFormat.BF16, "f32": WeightFormat.F32}[p.weights.value]
+        log.info("loading %s: %s weights on %s; %s", path, fmt.value, dev, summary_line(p))
+        runner = runtime_from_plan(load_model(ck, fmt, dev), p)
+        info = {"model": str(path), "device": str(dev), "weights": fmt.value, "ctx_size": ctx,
+                "plan": summary_line(p), "predicted": f"{p.prediction.decode_tok_s:.1f} tok/s decode "
+                f"({p.prediction.bottleneck})"}
+        return Engine(runner.model, tok, runner, ctx, defaults, info=info, plan=p)
+    fmt = WeightFormat.parse(weights, dev)
     log.info("loading %s: %s weights on %s, %s KV, context %d", path, fmt.value, dev, kv.value, ctx)
     m = load_model(ck, fmt, dev)
-    tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
-    gpu_kv = min(gpu_kv_tokens, ctx)
+    gpu_kv = min(gpu_kv_tokens or 0, ctx)
     cache = TieredKVCache(cfg, host_tokens=(ctx - gpu_kv) * parallel + block_size * parallel,
                           gpu_tokens=gpu_kv * parallel, host_dtype=kv, gpu_tokens_per_seq=gpu_kv, device=dev,
                           block_size=block_size, pin=False)
-    runner = Runner(m, cache, threads=threads, sub_batches=sub_batches)
-    defaults = defaults_from_generation_config(path if path.is_dir() else None).update(**sampling)
+    runner = Runner(m, cache, threads=threads, sub_batches=sub_batches, max_batch=parallel)
     info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx,
             "kv_tiers": f"{gpu_kv} tokens/seq on {dev.type} (bf16), the rest on the host ({kv.value})"}
     return Engine(m, tok, runner, ctx, defaults, info=info)
 
 
+def _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, **options):
+    """The saved plan, exactly, or the planner's for this machine and these options."""
+    from planner.options import budget_from, overrides_from
+    from planner.plan import Plan, Workload
+    from planner.profile import load_or_measure
+    from planner.search import plan as make_plan
+
+    if isinstance(plan, Plan):
+        return plan
+    if plan is not None:
+        try:
+            return Plan.from_json(Path(plan).read_text())
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"cannot read the plan {plan}: {e}") from e
+    hw = load_or_measure()
+    wl = Workload(ctx_size=ctx, batch=parallel, prompt_tokens=max(1, ctx // 2), gen_tokens=max(1, ctx // 4))
+    ov = overrides_from(device="cuda", **options)
+    return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), wl, ov)
+
+
 def _device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cpu")  # the GPU path is chosen explicitly until the planner decides
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r} is not one of auto, cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():

@@ -84,16 +84,16 @@ class Rope:
         self.cos = emb.cos().float().to(self.device)
         self.sin = emb.sin().float().to(self.device)
 
-    def rows(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos [N] → cos, sin [N, D] at those positions."""
+    def tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D], grown to cover every position in pos [N]."""
         if self.cos.shape[0] <= int(pos.max()):
             self._grow(int(pos.max()) + 1)
-        return self.cos[pos], self.sin[pos]
+        return self.cos, self.sin
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [N, heads, D], pos [N] → rotated x."""
-        cos, sin = self.rows(pos)
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        cos, sin = self.tables(pos)
+        cos, sin = cos[pos][:, None, :], sin[pos][:, None, :]
         h = x.shape[-1] // 2
         rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
         return (x.float() * cos + rot.float() * sin).to(x.dtype)
@@ -135,12 +135,9 @@ class Model:
         """x [N, H], pos [N] → q [N, Hq, D], k, v [N, Hkv, D]."""
         c, lw = self.cfg, self.layers[i]
         if self._fused_decode(lw, x):  # one Numba call: norm, projection, RoPE
-            cos, sin = self.rope.rows(pos)
-            qkv = cpu_linear.attn_in(x, lw.attn_norm, c.rms_norm_eps, lw.qkv, cos, sin,
-                                     c.num_heads + c.num_kv_heads, c.head_dim)
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            n = x.shape[0]
-            return q.view(n, c.num_heads, c.head_dim), k.view(n, -1, c.head_dim), v.view(n, -1, c.head_dim)
+            cos, sin = self.rope.tables(pos)
+            return cpu_linear.attn_in(x, pos, lw.attn_norm, c.rms_norm_eps, lw.qkv, cos, sin, c.num_heads,
+                                      c.num_kv_heads)
         qkv = lw.qkv(rms_norm(x, lw.attn_norm, c.rms_norm_eps)).to(self.act_dtype)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.reshape(-1, c.num_heads, c.head_dim)
@@ -155,7 +152,7 @@ class Model:
         """x [N, H] residual stream, attn [N, Hq, D] → the layer's output [N, H]."""
         c, lw = self.cfg, self.layers[i]
         if self._fused_decode(lw, x) and lw.router is None:  # one Numba call for the rest of the layer
-            return cpu_linear.mlp_block(x, attn.reshape(x.shape[0], -1).float().contiguous(), lw.o, lw.mlp_norm,
+            return cpu_linear.mlp_block(x, attn, lw.o, lw.mlp_norm,
                                         c.rms_norm_eps, lw.gate_up, lw.down)
         x = x + lw.o(attn.reshape(attn.shape[0], -1)).to(self.act_dtype)
         h = rms_norm(x, lw.mlp_norm, c.rms_norm_eps)

@@ -17,7 +17,7 @@ from hetero.errors import UserError
 HELP = """Commands:
   /set system TEXT            set the system message (starts a new conversation)
   /set parameter NAME VALUE   temperature, top_k, top_p, min_p, repeat_penalty, seed, max_new_tokens
-  /show info|template|parameters
+  /show info|plan|template|parameters
   /clear                      start a new conversation
   /regen                      answer the last message again
   /bye, /exit                 leave (Ctrl+D too)
@@ -93,12 +93,19 @@ class ChatSession:
             if what == "info":
                 for k, v in self.engine.info.items():
                     self.console.print(f"  {k:12} {v}")
+            elif what == "plan":
+                if self.engine.plan is None:
+                    self.console.print("no plan: this engine runs on the CPU alone")
+                else:
+                    from planner.report import render
+
+                    render(self.engine.plan, self.console, None)
             elif what == "template":
                 self.console.print(self.engine.tok.chat_template if self.engine.tok else "(none)", markup=False)
             elif what == "parameters":
                 self.console.print(str(self.engine.defaults.update(**self.params)))
             else:
-                self.console.print("usage: /show info|template|parameters")
+                self.console.print("usage: /show info|plan|template|parameters")
         else:
             self.console.print(f"Unknown command '{line}'. Type /? for help")
         return True

@@ -51,8 +51,10 @@ class Part:
 
 class Runner:
     def __init__(self, model: Model, cache: TieredKVCache, threads: int | None = None,
-                 sub_batches: int | None = None, detailed_timing: bool = False):
-        """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows)."""
+                 sub_batches: int | None = None, detailed_timing: bool = False, max_batch: int = 1,
+                 graphs: bool = True):
+        """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows);
+        max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes)."""
         self.model, self.cache, self.threads = model, cache, threads
         self.cfg = model.cfg
         self.dev = model.device
@@ -64,6 +66,8 @@ class Runner:
         self.spans = GpuSpans(detailed_timing and self.cuda)
         self.xfer = GpuSpans(detailed_timing and self.cuda)
         self._bufs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.graphs, self.max_batch = graphs and self.cuda and cache.gpu is not None, max_batch
+        self._graph_decoder = None
 
     # ================================================================== decode
     @torch.inference_mode()
@@ -71,6 +75,11 @@ class Runner:
         """One new token for each sequence (tokens at positions) → float32 logits [B, V]."""
         t0, st = now(), StepTimes(tokens=len(seqs))
         slots = [self.cache.reserve(s, 1) for s in seqs]
+        if self.graphs and all(sl.gpu_rows and not self.cache.seqs[s].host.num_tokens for s, sl in zip(seqs, slots)):
+            logits = self._decode_on_gpu(seqs, tokens, positions, slots)  # everything on the GPU: one graph
+            st.wall = now() - t0
+            self._record(st)
+            return logits
         parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
         L = self.cfg.num_layers
         for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
@@ -86,6 +95,20 @@ class Runner:
         st.wall = now() - t0
         self._record(st)
         return logits
+
+    def _decode_on_gpu(self, seqs, tokens, positions, slots) -> torch.Tensor:
+        from gpu_ops.decode_step import GpuDecoder
+
+        c = self.cache
+        bt, lens = c.tables(seqs, "gpu")
+        need_blocks = -(-c.gpu_tokens_per_seq // c.block_size)
+        d = self._graph_decoder
+        if d is None or d.max_batch < len(seqs) or d.max_blocks < max(bt.shape[1], need_blocks):
+            d = self._graph_decoder = GpuDecoder(self.model, c.gpu, max(self.max_batch, len(seqs)),
+                                                 max(need_blocks, bt.shape[1]))
+        dev = self.dev
+        return d.step(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                      torch.tensor([sl.gpu_slots[0] for sl in slots], device=dev), bt.to(dev), lens.to(dev))
 
     def _split(self, seqs: list[int]) -> list[tuple[int, int]]:
         n = self.sub_batches
@@ -176,6 +199,7 @@ class Runner:
         return self.worker.submit(self._host_job, i, p, ready, buf["q"][:B],
                                   buf["k"][:n] if n else None, buf["v"][:n] if n else None)
 
+    @torch.inference_mode()  # thread-local: the worker needs its own
     def _host_job(self, i: int, p: Part, ready, q, kh, vh):
         """Runs on the CPU worker: append the host-tier k/v, attend over the host blocks."""
         if ready is not None:

@@ -8,34 +8,25 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from cpu_attention.layout import KVDtype
 from hetero.errors import UserError
-from planner.plan import Budget, Device, Mode, Overrides, Workload
+from planner.options import budget_from, overrides_from
+from planner.plan import Workload
 from planner.profile import HardwareProfile, cache_path, load_or_measure
 from planner.report import render, to_json
-from planner.search import default_budget, plan
-from planner.tensors import WDtype, total_params
+from planner.search import plan
+from planner.tensors import total_params
 from planner.units import format_size as fs
-from planner.units import parse_size
 
 
 def _opt(default, *names: str, help: str = ""):
     env = "HETERO_" + names[-1].lstrip("-").replace("-", "_").upper()
     return typer.Option(default, *names, envvar=env, help=help, show_default=True)
-
-
-def _choice(value: Optional[str], flag: str, allowed: dict[str, Any]) -> Any:
-    if value is None or value == "auto":
-        return None
-    if value not in allowed:
-        raise UserError(f"{flag} {value!r} is not one of: auto, {', '.join(allowed)}")
-    return allowed[value]
 
 
 def _fail(e: UserError) -> None:
@@ -71,22 +62,10 @@ def plan_cmd(
         wl = Workload(ctx_size, parallel, prompt_tokens, max_new_tokens, ubatch)
         if parallel < 1 or max_new_tokens < 1 or ubatch < 1 or ctx_size < 0:
             raise UserError("--parallel, --max-new-tokens and --ubatch-size must be ≥ 1, --ctx-size ≥ 0")
-        budget = None
-        if gpu_mem or cpu_mem:
-            default, _ = default_budget(hw)
-            budget = Budget(parse_size(gpu_mem) if gpu_mem else default.gpu_bytes,
-                            parse_size(cpu_mem) if cpu_mem else default.host_bytes)
-        kv = {d.value: d for d in KVDtype}
-        ov = Overrides(
-            device=_choice(device, "--device", {"cpu": Device.CPU, "cuda": Device.CUDA}),
-            weights=_choice(weights, "--weights", {"4bit": WDtype.NF4, "nf4": WDtype.NF4, "int8": WDtype.INT8,
-                                                   "bf16": WDtype.BF16, "f32": WDtype.F32}),
-            kv_dtype=_choice(kv_dtype, "--kv-dtype", kv), gpu_kv_dtype=_choice(gpu_kv_dtype, "--gpu-kv-dtype", kv),
-            threads=threads, sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens,
-            weight_mode=_choice(weight_mode, "--weight-mode", {"stream": Mode.STREAM, "cpu": Mode.CPU}),
-        )
-        if sub_batches not in (None, 1, 2):
-            raise UserError(f"--sub-batches {sub_batches}: use 1 or 2")
+        budget = budget_from(hw, gpu_mem, cpu_mem)
+        ov = overrides_from(device=device, weights=weights, kv_dtype=kv_dtype, gpu_kv_dtype=gpu_kv_dtype,
+                            threads=threads, sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens,
+                            weight_mode=weight_mode)
         p = plan(cfg, hw, budget, wl, ov)
     except UserError as e:
         _fail(e)

@@ -1,0 +1,166 @@
+"""Heterogeneous decode: 4-bit Llama-3-8B-shaped weights on the GPU, KV on the host (and split).
+
+    python bench/offload_decode.py --out DIR [--quick]
+
+One run measures the machine (planner.profile.measure: HBM, DRAM, PCIe, CPU attention), then
+for each workload of issue 5 builds the plan (planner) and the runtime from it (offload), fills
+the KV cache to the context (constant values: attention's speed does not depend on them; the
+prefill path has its own benchmark), times decode steps, and prints tokens/s beside the bound
+max(weight bytes / HBM, host KV bytes / DRAM) per step, the engine's own timers (GPU segments,
+CPU attention, transfers) for the overlap check, and the planner's prediction beside the
+measurement. GPU memory is fenced to each workload's --gpu-mem.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cpu_attention import KVDtype  # noqa: E402
+from hetero.config import LLAMA3_8B  # noqa: E402
+from offload.build import fence_gpu_memory, runtime_from_plan  # noqa: E402
+from planner.plan import Budget, Overrides, Workload  # noqa: E402
+from planner.profile import measure  # noqa: E402
+from planner.search import plan as make_plan  # noqa: E402
+
+GiB = 2**30
+
+
+def _gpu_decode_bench():
+    """bench/gpu_decode.py as a module (its random-model builder), without shadowing packages."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_decode", Path(__file__).with_name("gpu_decode.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+log = logging.getLogger("bench")
+
+# (name, context, batch, host KV dtype, --gpu-mem GiB, device-tier tokens per seq: 0 = all host, None = planner)
+WORKLOADS = [
+    ("8k bf16", 8192, 1, "bf16", 6, 0),
+    ("8k int8", 8192, 1, "int8", 6, 0),
+    ("32k bf16", 32768, 1, "bf16", 6, 0),
+    ("32k int8", 32768, 1, "int8", 6, 0),
+    ("32x2k bf16", 2048, 32, "bf16", 6, 0),
+    ("64k bf16 all-host", 65536, 1, "bf16", 12, 0),
+    ("64k bf16 split", 65536, 1, "bf16", 12, None),
+]
+
+
+def fill(cache, seqs: list[int], ctx: int) -> None:
+    """Reserve ctx tokens per sequence and fill both pools with constants (what values, does not matter)."""
+    for s in seqs:
+        cache.reserve(s, ctx)
+    for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
+        t = getattr(cache.host, name)
+        if t is not None:
+            t.fill_(1 if t.dtype in (torch.int8, torch.uint8) else 0.01)
+    if cache.gpu is not None:
+        cache.gpu.k.fill_(0.01)
+        cache.gpu.v.fill_(0.01)
+
+
+def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    budget = Budget(gpu_bytes=gpu_mem * GiB, host_bytes=int(prof.host_available_bytes * 0.8))
+    wl = Workload(ctx_size=ctx + steps + 8, batch=batch, prompt_tokens=ctx, gen_tokens=steps + 8)
+    ov = Overrides(kv_dtype=KVDtype(kv), gpu_kv_tokens=gpu_tokens, threads=prof.physical_cores)
+    plan = make_plan(LLAMA3_8B, prof, budget, wl, ov)
+    fence_gpu_memory(budget.gpu_bytes, model.device)
+    runner = runtime_from_plan(model, plan, detailed_timing=True)
+    cache = runner.cache
+    seqs = list(range(batch))
+    fill(cache, seqs, ctx)
+    toks, pos = [1] * batch, [ctx] * batch
+    for _ in range(3):  # warm-up: JIT, allocator, Triton autotune
+        runner.decode(seqs, toks, pos)
+        pos = [p + 1 for p in pos]
+    times, parts = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        runner.decode(seqs, toks, pos)
+        times.append(time.perf_counter() - t)
+        parts.append(runner.metrics.last)
+        pos = [p + 1 for p in pos]
+    step = statistics.median(times)
+    gpu_t = statistics.median(p.gpu for p in parts)
+    cpu_t = statistics.median(p.cpu_attention for p in parts)
+    xfer = statistics.median(p.transfer for p in parts)
+    g_tok, h_tok = cache.tier_tokens()
+    host_kv_bytes = h_tok * cache.host.bytes_per_token
+    gpu_kv_bytes = g_tok * LLAMA3_8B.kv_bytes_per_token(2.0)
+    weight_bytes = model_bytes(model)
+    # Bound per step: the weights (and the device tier's KV) once over HBM, the host KV once over DRAM.
+    bound_s = max((weight_bytes + gpu_kv_bytes) / (prof.hbm_gbps * 1e9), host_kv_bytes / (prof.dram_read_gbps * 1e9))
+    peak = torch.cuda.max_memory_allocated(model.device)
+    out = dict(
+        name=name, ctx=ctx, batch=batch, kv=kv, gpu_mem_gib=gpu_mem, sub_batches=runner._split(seqs).__len__(),
+        gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, step_ms=step * 1e3, tok_s=batch / step,
+        bound_tok_s=batch / bound_s, gpu_ms=gpu_t * 1e3, cpu_attn_ms=cpu_t * 1e3, transfer_ms=xfer * 1e3,
+        overlap_ratio=step / (max(gpu_t, cpu_t) + xfer), host_kv_gb=host_kv_bytes / 1e9,
+        cpu_attn_gbps=host_kv_bytes / cpu_t / 1e9 if cpu_t else 0.0,
+        predicted_tok_s=plan.prediction.decode_tok_s, bottleneck=plan.prediction.bottleneck,
+        peak_gpu_gib=peak / GiB, within_budget=peak <= budget.gpu_bytes,
+    )
+    runner.close()
+    del runner, cache
+    return out
+
+
+def model_bytes(model) -> int:
+    n = model.lm_head.nbytes  # a decode step reads one embedding row, not the table
+    for lw in model.layers:
+        n += lw.qkv.nbytes + lw.o.nbytes + lw.gate_up.nbytes + lw.down.nbytes
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated workload names")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        handlers=[logging.FileHandler(args.out / "offload_decode.log"), logging.StreamHandler()])
+    prof = measure(quick=args.quick)
+    log.info("profile: %s", json.dumps(prof.to_dict()))
+    model = _gpu_decode_bench().build_model(LLAMA3_8B)
+    log.info("model built: %.2f GB of weights read per step", model_bytes(model) / 1e9)
+    rows = []
+    for name, ctx, batch, kv, mem, gpu_tok in WORKLOADS:
+        if args.only and name not in args.only.split(","):
+            continue
+        try:
+            r = run_workload(model, prof, name, ctx, batch, kv, mem, gpu_tok, steps=8 if args.quick else 24)
+        except Exception as e:  # keep measuring the others; the log has the traceback
+            log.exception("workload %s failed", name)
+            r = dict(name=name, error=repr(e))
+        log.info("%s", json.dumps(r))
+        rows.append(r)
+    (args.out / "offload_decode.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
+    print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · "
+          f"PCIe h2d {prof.pcie_h2d_gbps:.1f} / d2h {prof.pcie_d2h_gbps:.1f} GB/s · {prof.physical_cores} cores")
+    hdr = f"{'workload':20} {'tok/s':>7} {'bound':>7} {'pred':>7} {'step ms':>8} {'gpu':>6} {'cpu':>6} {'xfer':>5} {'ovl':>5} {'KV GB/s':>7} {'GPU GiB':>7}"
+    print(hdr)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:20} ERROR {r['error'][:90]}")
+            continue
+        print(f"{r['name']:20} {r['tok_s']:7.1f} {r['bound_tok_s']:7.1f} {r['predicted_tok_s']:7.1f} {r['step_ms']:8.2f} "
+              f"{r['gpu_ms']:6.2f} {r['cpu_attn_ms']:6.2f} {r['transfer_ms']:5.2f} {r['overlap_ratio']:5.2f} "
+              f"{r['cpu_attn_gbps']:7.1f} {r['peak_gpu_gib']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

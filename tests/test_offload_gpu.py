@@ -1,0 +1,79 @@
+"""The split runtime with real CUDA tiers: streams, pinned staging, the CPU worker thread."""
+import pytest
+import torch
+
+import hetero
+from conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+PROMPT = [3, 17, 42, 99, 5, 150, 7, 8, 64, 33, 2, 11, 90, 91, 92, 93, 94, 95, 1, 2]
+
+
+def _greedy(e, prompts, n=16):
+    out = [[] for _ in prompts]
+    for c in e.generate(prompts, max_new_tokens=n, temperature=0.0):
+        out[c.index].append(c.token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tiny):
+    return tiny("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    e = hetero.load(folder, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False, block_size=4)
+    return _greedy(e, [PROMPT, PROMPT[::-1]]), e.logits(PROMPT)
+
+
+@pytest.mark.parametrize("gpu_tokens", [0, 5, 12, 1000])
+@pytest.mark.parametrize("sub_batches", [1, 2])
+def test_cuda_split_matches_cpu(folder, reference, gpu_tokens, sub_batches):
+    e = hetero.load(folder, device="cuda", weights="f32", kv_dtype="f32", tokenizer=False, block_size=4,
+                    gpu_kv_tokens=gpu_tokens, sub_batches=sub_batches)
+    assert _greedy(e, [PROMPT, PROMPT[::-1]]) == reference[0]
+    assert rel_err(e.logits(PROMPT), reference[1]) <= 1e-4
+
+
+def test_forced_swap_mid_generation_changes_no_token(folder, reference):
+    e = hetero.load(folder, device="cuda", weights="f32", kv_dtype="f32", tokenizer=False, block_size=4,
+                    gpu_kv_tokens=24, parallel=1)
+    got = [[], []]
+    for c in e.generate([PROMPT, PROMPT[::-1]], max_new_tokens=16, temperature=0.0):
+        got[c.index].append(c.token)
+        if len(got[0]) == 5 and len(got[1]) == 5:
+            seq = next(iter(e.cache.seqs))
+            assert e.cache.swap_out(seq, 2) > 0
+            assert e.cache.swap_in(seq, 1) > 0
+    assert got == reference[0]
+
+
+def test_gpu_budget_is_a_hard_limit(folder):
+    from offload.build import fence_gpu_memory
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    budget = torch.cuda.memory_allocated() + 256 * 2**20
+    fence_gpu_memory(budget, torch.device("cuda"))
+    try:
+        e = hetero.load(folder, device="cuda", weights="f32", kv_dtype="bf16", tokenizer=False, gpu_kv_tokens=64)
+        _greedy(e, [PROMPT])
+        assert torch.cuda.max_memory_allocated() <= budget
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    finally:
+        fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, torch.device("cuda"))
+
+
+def test_load_follows_the_planner_and_saved_plans(folder, tmp_path):
+    from planner.plan import Plan
+
+    e = hetero.load(folder, tokenizer=False, weights="bf16", gpu_mem="2GiB", ctx_size=256)
+    assert e.plan is not None and e.plan.budget.gpu_bytes == 2 * 2**30
+    tokens = [c.token for c in e.generate(PROMPT, max_new_tokens=8, temperature=0.0)]
+    saved = tmp_path / "plan.json"
+    saved.write_text(e.plan.to_json())
+    e2 = hetero.load(folder, tokenizer=False, plan=saved, ctx_size=256)
+    assert e2.plan == Plan.from_json(saved.read_text())
+    assert [c.token for c in e2.generate(PROMPT, max_new_tokens=8, temperature=0.0)] == tokens
