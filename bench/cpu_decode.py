@@ -30,6 +30,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import cpu_attention  # noqa: E402
 import hetero  # noqa: E402
 from hetero.engine import Engine, Sequence  # noqa: E402
 
@@ -69,20 +70,18 @@ def weight_bytes(eng: Engine) -> int:
 
 def kv_bytes_per_token(eng: Engine) -> float:
     """KV bytes attention reads per cached token: K and V of every layer, scales included."""
-    return eng.cache.pool.bytes_per_token
+    return eng.cache.host.bytes_per_token
 
 
 class PhaseTimer:
-    """perf_counter around the model's phases and the cache's calls, summed per phase."""
-
-    PHASES = {"model": ["embed", "pre_attention", "post_attention", "logits"], "cache": ["write", "decode"]}
+    """perf_counter around the model's phases, the host KV write and the attention kernel, summed per phase."""
 
     def __init__(self, eng: Engine):
         self.t: dict[str, float] = defaultdict(float)
-        for owner, names in self.PHASES.items():
-            obj = eng.model if owner == "model" else eng.cache
-            for name in names:
-                setattr(obj, name, self._wrap(getattr(obj, name), f"{owner}.{name}"))
+        for name in ("embed", "pre_attention", "post_attention", "logits"):
+            setattr(eng.model, name, self._wrap(getattr(eng.model, name), name))
+        eng.cache.write_host = self._wrap(eng.cache.write_host, "kv_write")
+        cpu_attention.decode_attention = self._wrap(cpu_attention.decode_attention, "attention")
 
     def _wrap(self, f, key):
         def timed(*a, **k):

@@ -58,35 +58,32 @@ def _rms_norm_into(x, w, eps, out):  # x [N, H] → out [N, H] = x / rms(x) · w
 
 
 @njit(parallel=True, **_JIT)
-def _attn_in(x, pos, norm_w, eps, w, scale, bias, cos, sin, h, q, k, v):
+def _attn_in(x, pos, norm_w, eps, w, scale, bias, cos, sin, h, y, q, k, v):
     """x [N, H] → y = W·RMSNorm(x) + b split into q [N, Hq, D], k, v [N, Hkv, D]; RoPE on q and k.
 
-    cos, sin [T, D] are the whole tables, pos [N] each token's row in them; h [N, H] scratch.
+    cos, sin [T, D] are the whole tables, pos [N] each token's row in them; h [N, H], y [N, O] scratch.
     """
     N, Hq, D = q.shape
     Hkv = k.shape[1]
     _rms_norm_into(x, norm_w, eps, h)
-    for o in prange(w.shape[0]):  # rows: q heads, k heads, v heads
-        hd, d = o // D, o % D
+    for o in prange(w.shape[0]):
         for n in range(N):
-            y = _dot(w, o, h, n) * scale[o]
-            if bias.shape[0]:
-                y += bias[o]
-            if hd < Hq:
-                q[n, hd, d] = y
-            elif hd < Hq + Hkv:
-                k[n, hd - Hq, d] = y
-            else:
-                v[n, hd - Hq - Hkv, d] = y
+            y[n, o] = _dot(w, o, h, n) * scale[o]
     half = D // 2
-    for n in range(N):  # rotate-half RoPE: (a, b) → (a·cos − b·sin, b·cos + a·sin)
+    for n in range(N):
+        if bias.shape[0]:
+            for o in range(w.shape[0]):
+                y[n, o] += bias[o]
         p = pos[n]
-        for t in (q, k):
-            for hd in range(t.shape[1]):
-                for d in range(half):
-                    a, b = t[n, hd, d], t[n, hd, half + d]
-                    t[n, hd, d] = a * cos[p, d] - b * sin[p, d]
-                    t[n, hd, half + d] = b * cos[p, half + d] + a * sin[p, half + d]
+        for hd in range(Hq + Hkv):  # rotate-half RoPE: (a, b) → (a·cos − b·sin, b·cos + a·sin)
+            t, j = (q, hd) if hd < Hq else (k, hd - Hq)
+            for d in range(half):
+                a, b = y[n, hd * D + d], y[n, hd * D + half + d]
+                t[n, j, d] = a * cos[p, d] - b * sin[p, d]
+                t[n, j, half + d] = b * cos[p, half + d] + a * sin[p, half + d]
+        for j in range(Hkv):
+            for d in range(D):
+                v[n, j, d] = y[n, (Hq + Hkv + j) * D + d]
 
 
 @njit(parallel=True, **_JIT)
@@ -166,7 +163,8 @@ def attn_in(x: torch.Tensor, pos: torch.Tensor, norm_w: torch.Tensor, eps: float
     D = qkv.out_features // (num_heads + 2 * num_kv_heads)
     q, k, v = torch.empty(N, num_heads, D), torch.empty(N, num_kv_heads, D), torch.empty(N, num_kv_heads, D)
     _attn_in(x.numpy(), pos.numpy(), norm_w.numpy(), np.float32(eps), qkv._qn, qkv._sn, qkv._bn, cos.numpy(),
-             sin.numpy(), np.empty((N, H), np.float32), q.numpy(), k.numpy(), v.numpy())
+             sin.numpy(), np.empty((N, H), np.float32), np.empty((N, qkv.out_features), np.float32), q.numpy(), k.numpy(),
+             v.numpy())
     return q, k, v
 
 

@@ -60,16 +60,18 @@ def _rope_tables(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_attn_in_matches_twin(rows, bias):
     torch.manual_seed(rows)
     hq, hkv, d, h = 5, 1, 16, 48
-    o = (hq + 2 * hkv) * d
-    lin = cl.Int8Linear(torch.randn(o, h), torch.randn(o) if bias else None)
+    lin = cl.Int8Linear(torch.randn((hq + 2 * hkv) * d, h), torch.randn((hq + 2 * hkv) * d) if bias else None)
     x, nw = torch.randn(rows, h) * 3, torch.rand(h) + 0.5
-    cos, sin = _rope_tables(rows, d)
-    y = cl.attn_in(x, nw, 1e-5, lin, cos, sin, hq + hkv, d)
-    ref = cl.attn_in_ref(x.double(), nw, 1e-5, lin, cos, sin, hq + hkv, d)
-    _close(y, ref, 1e-5)
-    # the twin is the model's own unfused math over the dequantized weight
+    cos, sin = _rope_tables(40, d)
+    pos = torch.randperm(40)[:rows]
+    got = cl.attn_in(x, pos, nw, 1e-5, lin, cos, sin, hq, hkv)
+    ref = cl.attn_in_ref(x.double(), pos, nw, 1e-5, lin, cos, sin, hq, hkv)
+    for a, b, shape in zip(got, ref, [(rows, hq, d), (rows, hkv, d), (rows, hkv, d)]):
+        assert a.shape == shape
+        _close(a, b, 1e-5)
+    # v is the model's own unfused math over the dequantized weight
     unfused = cl.int8_linear_ref(rms_norm(x, nw, 1e-5), lin.q, lin.scale, lin.bias)
-    _close(ref[:, (hq + hkv) * d:], unfused[:, (hq + hkv) * d:], 1e-5)
+    _close(ref[2].reshape(rows, -1), unfused[:, (hq + hkv) * d:], 1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
