@@ -52,7 +52,10 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, fmt: WeightFormat, devi
     return nf4_linear(w, b, device)
 
 
-def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device) -> Model:
+def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
+               embed_device: torch.device | None = None) -> Model:
+    """embed_device: where the embedding table lives (the CPU, when the plan keeps it off the GPU:
+    a step reads one row per token)."""
     cfg: ModelConfig = ck.config
     act = torch.float32 if fmt in (WeightFormat.F32, WeightFormat.INT8) or device.type == "cpu" else torch.bfloat16
     keep = torch.float32 if act == torch.float32 else torch.bfloat16
@@ -105,7 +108,7 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device) -> Model
         nf4.save()
     return Model(
         cfg,
-        embed=embed.to(device, keep),
+        embed=embed.to(embed_device or device, keep),
         norm=small("model.norm.weight"),
         lm_head=lm_head,
         layers=layers,

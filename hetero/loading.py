@@ -19,6 +19,7 @@ from offload.build import check_weights_supported, fence_gpu_memory, runtime_fro
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
 from planner.report import summary_line
+from planner.tensors import Kind
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -79,12 +80,14 @@ def load(
     defaults = defaults_from_generation_config(path if path.is_dir() else None).update(**sampling)
     if dev.type == "cuda":
         p = _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype, threads=threads,
-                  sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens, block_size=block_size)
+                  sub_batches=sub_batches, block_size=block_size,
+                  gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx))
         check_weights_supported(p)
         fence_gpu_memory(p.budget.gpu_bytes, dev)
         fmt = {"nf4": WeightFormat.NF4, "bf16": WeightFormat.BF16, "f32": WeightFormat.F32}[p.weights.value]
         log.info("loading %s: %s weights on %s; %s", path, fmt.value, dev, summary_line(p))
-        runner = runtime_from_plan(load_model(ck, fmt, dev), p)
+        embed_dev = dev if p.placement(-1, Kind.EMBED).on_gpu else torch.device("cpu")
+        runner = runtime_from_plan(load_model(ck, fmt, dev, embed_device=embed_dev), p)
         info = {"model": str(path), "device": str(dev), "weights": fmt.value, "ctx_size": ctx,
                 "plan": summary_line(p), "predicted": f"{p.prediction.decode_tok_s:.1f} tok/s decode "
                 f"({p.prediction.bottleneck})"}
@@ -96,7 +99,7 @@ def load(
     cache = TieredKVCache(cfg, host_tokens=(ctx - gpu_kv) * parallel + block_size * parallel,
                           gpu_tokens=gpu_kv * parallel, host_dtype=kv, gpu_tokens_per_seq=gpu_kv, device=dev,
                           block_size=block_size, pin=False)
-    runner = Runner(m, cache, threads=threads, sub_batches=sub_batches, max_batch=parallel)
+    runner = Runner(m, cache, threads=threads, sub_batches=sub_batches, max_batch=parallel, max_context=ctx)
     info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx,
             "kv_tiers": f"{gpu_kv} tokens/seq on {dev.type} (bf16), the rest on the host ({kv.value})"}
     return Engine(m, tok, runner, ctx, defaults, info=info)

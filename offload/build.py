@@ -14,13 +14,16 @@ from hetero.model import Model
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
 from planner.plan import Device, Mode, Plan
+from planner.tensors import Kind
 
 log = logging.getLogger(__name__)
 
 
 def check_weights_supported(plan: Plan) -> None:
-    """Every weight group must be resident on the plan's device: streaming is not built yet."""
-    off = [p for p in plan.placements if p.mode is not Mode.RESIDENT or (plan.device is Device.CUDA and not p.on_gpu)]
+    """Every weight group but the embedding (a row lookup, fine on the host) must be resident on
+    the plan's device: streaming weights over PCIe is not built yet."""
+    off = [p for p in plan.placements if p.kind is not Kind.EMBED
+           and (p.mode is not Mode.RESIDENT or (plan.device is Device.CUDA and not p.on_gpu))]
     if off and plan.device is Device.CUDA:
         need = sum(p.nbytes for p in off) / 2**30
         raise UserError(
@@ -55,4 +58,4 @@ def runtime_from_plan(model: Model, plan: Plan, pin: bool = False, detailed_timi
     log.info("KV: %d tokens/seq on %s (%s), %d on the host (%s), batch %d", kv.gpu_tokens, dev,
              kv.gpu_dtype.value, kv.host_tokens, kv.host_dtype.value, batch)
     return Runner(model, cache, threads=plan.threads, sub_batches=plan.sub_batches, detailed_timing=detailed_timing,
-                  max_batch=batch)
+                  max_batch=batch, max_context=plan.workload.ctx_size)

@@ -24,6 +24,7 @@ import cpu_attention
 from cpu_attention.merge import merge_attention
 from gpu_ops import attention as gpu_attention
 from hetero.model import Model
+from offload.graphs import Captured, SegmentGraphs
 from offload.kv_cache import Slots, TieredKVCache
 from offload.timers import GpuSpans, Metrics, StepTimes, now
 from offload.worker import CpuWorker
@@ -47,12 +48,13 @@ class Part:
     buf: dict[str, torch.Tensor] | None = None  # pinned staging buffers (CUDA only)
     gpu_out: tuple[torch.Tensor, torch.Tensor] | None = None
     job: object = None
+    cap: Captured | None = None  # this sub-batch's captured layer segments (CUDA graphs)
 
 
 class Runner:
     def __init__(self, model: Model, cache: TieredKVCache, threads: int | None = None,
                  sub_batches: int | None = None, detailed_timing: bool = False, max_batch: int = 1,
-                 graphs: bool = True):
+                 graphs: bool = True, max_context: int | None = None):
         """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows);
         max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes)."""
         self.model, self.cache, self.threads = model, cache, threads
@@ -68,6 +70,9 @@ class Runner:
         self._bufs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.graphs, self.max_batch = graphs and self.cuda and cache.gpu is not None, max_batch
         self._graph_decoder = None
+        self.segments = None  # per-layer CUDA graphs of the split step
+        if graphs and SegmentGraphs.supported(model):
+            self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings)
 
     # ================================================================== decode
     @torch.inference_mode()
@@ -88,7 +93,7 @@ class Runner:
                     self._finish(i - 1, p, st)
                 if i < L:
                     self._start(i, p, st)
-        logits = torch.cat([self.model.logits(p.x) for p in parts])
+        logits = torch.cat([self.model.logits(p.x) for p in parts])  # a captured x is exactly [B, H]
         if self.cuda:
             torch.cuda.synchronize(self.dev)
             st.gpu, st.transfer = self.spans.total_s(), self.xfer.total_s()
@@ -132,6 +137,14 @@ class Runner:
         if any(c.seqs[s].host.num_tokens for s in ss):
             host_tables = c.tables(ss, "host")
         pdev = c.gpu.k.device if c.gpu is not None else dev
+        if self.segments is not None:
+            cap = self.segments.get(k, b - a)
+            cap.load(self.model.embed(ids), torch.tensor(positions[a:b]), sl.gpu_rows, sl.gpu_slots,
+                     *(c.tables(ss, "gpu") if c.gpu is not None else (None, None)))
+            return Part(seqs=ss, x=cap.x, pos=cap.pos, slots=sl, gpu_slots=None, gpu_rows=None,
+                        host_rows=torch.tensor(sl.host_rows, device=dev) if sl.host_rows else None,
+                        gpu_tables=None, host_tables=host_tables, cap=cap,
+                        buf=self._buffers(k, b - a) if host_tables is not None else None)
         return Part(
             seqs=ss,
             x=self.model.embed(ids),
@@ -147,6 +160,13 @@ class Runner:
 
     def _start(self, i: int, p: Part, st: StepTimes) -> None:
         span = self.spans.begin()
+        if p.cap is not None:
+            p.cap.pre[i].replay()
+            q, k, v, _, _ = p.cap.outs[i]
+            if p.host_tables is not None:
+                p.job = self._submit_host(i, p, q, k, v, st)
+            self.spans.end(span)
+            return
         q, k, v = self.model.pre_attention(i, p.x, p.pos)
         if p.gpu_rows is not None:
             self.cache.gpu.write(i, p.gpu_slots, k[p.gpu_rows], v[p.gpu_rows])
@@ -163,12 +183,21 @@ class Runner:
             o, lse, dt = p.job.wait()
             st.wait += now() - t
             st.cpu_attention += dt
-            if self.cuda:
+            if self.cuda:  # up from the pinned buffers: async DMAs on the compute stream
                 xs = self.xfer.begin()
-                o, lse = o.to(self.dev, non_blocking=True), lse.to(self.dev, non_blocking=True)
-                self.xfer.end(xs)
                 st.h2d_bytes += o.numel() * 4 + lse.numel() * 4
+                if p.cap is not None:
+                    p.cap.o_c.copy_(o, non_blocking=True)
+                    p.cap.lse_c.copy_(lse, non_blocking=True)
+                else:
+                    o, lse = o.to(self.dev, non_blocking=True), lse.to(self.dev, non_blocking=True)
+                self.xfer.end(xs)
         span = self.spans.begin()
+        if p.cap is not None:
+            p.cap.post[i].replay()
+            p.job = None
+            self.spans.end(span)
+            return
         if p.gpu_out is not None:
             o_g, lse_g = p.gpu_out
             o, lse = (o_g, lse_g) if o is None else merge_attention(o_g, lse_g, o.to(o_g.device), lse.to(o_g.device))

@@ -225,6 +225,9 @@ def _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, r
     per_tok = wl.batch * cfg.num_layers * _kv_layer_bytes(cfg, gpu_dt)
     fit = min(wl.ctx_size, int(left // per_tok) // block * block)
     if ov.gpu_kv_tokens is not None:
+        if ov.gpu_kv_tokens > wl.ctx_size:
+            raise UserError(f"--gpu-kv-tokens {ov.gpu_kv_tokens} exceeds the context ({wl.ctx_size} tokens): "
+                            "lower it or raise --ctx-size")
         if ov.gpu_kv_tokens > fit:
             raise UserError(
                 f"--gpu-kv-tokens {ov.gpu_kv_tokens} needs {fs(ov.gpu_kv_tokens * per_tok)} on cuda:0, "

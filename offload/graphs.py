@@ -1,0 +1,120 @@
+"""Each layer's two GPU segments of a split decode step, captured as CUDA graphs.
+
+    pre(i):  x → pre_attention → q, k, v; the new k/v into the device tier; the device tier's
+             attention → (o_g, lse_g)
+    post(i): merge with the host's (o_c, lse_c) → post_attention → x
+
+Between the two, outside any graph, q and the host-tier k/v go down, the CPU attends, and
+(o_c, lse_c) come up. A step then costs 2 graph launches a layer instead of ~40 kernel
+launches from Python. Inputs and outputs live in static buffers, one set per (sub-batch
+slot, batch size); new tokens whose KV goes to the host write their device-tier copy into
+the pool's scratch block, and a sequence with no device-tier tokens gets lse −inf there.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from cpu_attention.merge import merge_attention
+from gpu_ops.attention import decode_attention
+from gpu_ops.decode_step import NoSyncRope
+from hetero.model import Model
+from offload.kv_cache import TieredKVCache
+
+log = logging.getLogger(__name__)
+
+
+class Captured:
+    """Static buffers and graphs for one batch size."""
+
+    def __init__(self, model: Model, cache: TieredKVCache, B: int, mempool):
+        c, dev, dt = model.cfg, model.device, model.act_dtype
+        self.B, self.model, self.cache = B, model, cache
+        self.gpu = cache.gpu
+        z = lambda *s, dtype=dt: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
+        self.x = z(B, c.hidden_size)
+        self.pos = z(B, dtype=torch.int64)
+        self.o_c = z(B, c.num_heads, c.head_dim, dtype=torch.float32)
+        self.lse_c = torch.full((B, c.num_heads), float("-inf"), device=dev)
+        if self.gpu is not None:
+            width = max(1, -(-cache.gpu_tokens_per_seq // cache.block_size))
+            self.slots = torch.full((B,), self.gpu.scratch_block * cache.block_size, dtype=torch.int64, device=dev)
+            self.tables = torch.full((B, width), self.gpu.scratch_block, dtype=torch.int32, device=dev)
+            self.lens = z(B, dtype=torch.int32)
+        self.pre: list[torch.cuda.CUDAGraph] = []
+        self.post: list[torch.cuda.CUDAGraph] = []
+        self.outs: list[tuple] = []
+        for i in range(c.num_layers):
+            self._capture(i, mempool)
+
+    def _pre(self, i: int):
+        q, k, v = self.model.pre_attention(i, self.x, self.pos)
+        og = lg = None
+        if self.gpu is not None:
+            self.gpu.write(i, self.slots, k, v)  # host-bound rows land in the scratch block
+            og, lg = decode_attention(self.gpu, i, q, self.tables, self.lens, self.model.scale)
+        return q, k, v, og, lg
+
+    def _post(self, i: int, og, lg):
+        o = self.o_c if og is None else merge_attention(og, lg, self.o_c, self.lse_c)[0]
+        self.x.copy_(self.model.post_attention(i, self.x, o.to(self.x.dtype)))
+
+    def _capture(self, i: int, mempool) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph (Triton compiles, cuBLAS handles)
+            outs = self._pre(i)
+            self._post(i, outs[3], outs[4])
+        torch.cuda.current_stream().wait_stream(side)
+        g_pre, g_post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_pre, pool=mempool):
+            outs = self._pre(i)
+        with torch.cuda.graph(g_post, pool=mempool):
+            self._post(i, outs[3], outs[4])
+        self.pre.append(g_pre)
+        self.post.append(g_post)
+        self.outs.append(outs)
+
+    def load(self, x: torch.Tensor, pos: torch.Tensor, gpu_rows: list[int], gpu_slots: list[int],
+             tables: torch.Tensor | None, lens: torch.Tensor | None) -> None:
+        """One step's inputs into the static buffers (asynchronous copies)."""
+        self.x.copy_(x)
+        self.pos.copy_(pos, non_blocking=True)
+        if self.gpu is not None:
+            scratch = self.gpu.scratch_block
+            slots = torch.full((self.B,), scratch * self.cache.block_size, dtype=torch.int64)
+            if gpu_rows:
+                slots[torch.tensor(gpu_rows)] = torch.tensor(gpu_slots)
+            self.slots.copy_(slots, non_blocking=True)
+            self.tables.fill_(scratch)
+            self.lens.zero_()
+            if tables is not None:
+                self.tables[:, : tables.shape[1]].copy_(tables, non_blocking=True)
+                self.lens.copy_(lens, non_blocking=True)
+        self.o_c.zero_()
+        self.lse_c.fill_(float("-inf"))
+
+
+class SegmentGraphs:
+    """Captured layer segments per (sub-batch slot, batch size), built on first use."""
+
+    def __init__(self, model: Model, cache: TieredKVCache, max_pos: int):
+        self.model = copy.copy(model)  # shares the weights; its RoPE never syncs with the host
+        self.model.rope = NoSyncRope(model.rope, max_pos)
+        self.cache, self.max_pos = cache, max_pos
+        self.mempool = torch.cuda.graph_pool_handle()
+        self._sets: dict[tuple[int, int], Captured] = {}
+
+    @staticmethod
+    def supported(model: Model) -> bool:
+        return model.device.type == "cuda" and not model.cfg.is_moe  # MoE routing reads ids back
+
+    def get(self, slot: int, B: int) -> Captured:
+        key = (slot, B)
+        if key not in self._sets:
+            log.debug("capturing %d layers' decode segments for sub-batch %d, batch %d", self.model.cfg.num_layers,
+                      slot, B)
+            self._sets[key] = Captured(self.model, self.cache, B, self.mempool)
+        return self._sets[key]
