@@ -26,6 +26,7 @@ from gpu_ops.attention import AttnKernel  # noqa: E402
 from gpu_ops.decode_step import GpuDecoder, prefill  # noqa: E402
 from gpu_ops.kv_pool import GpuKVPool  # noqa: E402
 from gpu_ops.nf4 import NF4Linear, Nf4Kernel, nf4_linear  # noqa: E402
+from gpu_ops.nf4_triton import nf4_gemv  # noqa: E402
 from hetero.config import LLAMA3_8B, ModelConfig  # noqa: E402
 from hetero.model import LayerWeights, Model  # noqa: E402
 
@@ -110,6 +111,13 @@ def set_kernel(model: Model, kernel: Nf4Kernel) -> None:
         lin.kernel = kernel
 
 
+GEMV_CONFIGS = [(16, 4, 4), (16, 8, 4), (32, 8, 8), (64, 4, 8), (8, 8, 2)]
+
+
+def _pa(lin: NF4Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    return lin.packed, lin.absmax
+
+
 def shape_table(cfg: ModelConfig, hbm: float, rows_list: list[int]) -> list[dict]:
     """Each NF4 kernel per matrix shape: time vs bytes / HBM (copies rotate so L2 does not help)."""
     H, F = cfg.hidden_size, cfg.intermediate_size
@@ -131,6 +139,16 @@ def shape_table(cfg: ModelConfig, hbm: float, rows_list: list[int]) -> list[dict
                 us = 1e3 * graph_ms(lambda: copies[next(it) % len(copies)](x), calls=len(copies) * 4)
                 row[f"{kern.value}_us"] = us
                 row[f"{kern.value}_gbps"] = nbytes / us / 1e3
+            if m == 1:  # the one-row Triton kernel's tile shapes: (rows, 64-groups, warps) a program
+                for bn, g, w in GEMV_CONFIGS:
+                    if k % (64 * g):
+                        continue
+                    it = iter(range(1 << 30))
+                    us = 1e3 * graph_ms(lambda: nf4_gemv(x, *_pa(copies[next(it) % len(copies)]), (n, k), bn, g, w),
+                                        calls=len(copies) * 4)
+                    row[f"gemv_{bn}x{g}w{w}_us"] = us
+                    if us < row["triton_us"]:
+                        row["triton_us"], row["triton_gbps"], row["triton_best"] = us, nbytes / us / 1e3, f"{bn}x{g}w{w}"
             rows_out.append(row)
             log.info("linear %s", json.dumps(row))
         del copies
@@ -139,7 +157,7 @@ def shape_table(cfg: ModelConfig, hbm: float, rows_list: list[int]) -> list[dict
 
 
 def decode_case(model: Model, batch: int, ctx: int, block_size: int, attn: AttnKernel, hbm: float,
-                graphs: bool = True, steps: int = 30) -> dict:
+                graphs: bool = True, compile: bool = False, steps: int = 30) -> dict:
     cfg = model.cfg
     mb = ctx // block_size + 1
     pool = GpuKVPool(cfg.num_layers, batch * mb, cfg.num_kv_heads, block_size, cfg.head_dim)
@@ -150,15 +168,20 @@ def decode_case(model: Model, batch: int, ctx: int, block_size: int, attn: AttnK
     pos = torch.full((batch,), ctx, dtype=torch.int64, device=DEV)
     slots = tables[:, ctx // block_size].long() * block_size + ctx % block_size
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=DEV)
-    dec = GpuDecoder(model, pool, max_batch=batch, max_blocks_per_seq=mb, graphs=graphs, attn=attn)
+    dec = GpuDecoder(model, pool, max_batch=batch, max_blocks_per_seq=mb, graphs=graphs, attn=attn, compile=compile)
     step = lambda: dec.step(ids, pos, slots, tables, pos + 1)  # noqa: E731  same token again: idempotent
+    t0 = time.perf_counter()
+    step()  # the first call captures (and compiles)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
     ms = cuda_ms(step, 3, steps)
     w_bytes = sum(lin.nbytes for lin in linears(model)) + batch * cfg.hidden_size * 2
     kv_bytes = batch * (ctx + 1) * cfg.kv_bytes_per_token(2.0)
     bound_ms = (w_bytes + kv_bytes) / hbm / 1e6
     del dec, pool
     torch.cuda.empty_cache()
-    return {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "step_ms": ms,
+    return {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "compile": compile,
+            "first_call_s": first_s, "step_ms": ms,
             "tok_s": batch / ms * 1e3, "bound_tok_s": batch / bound_ms * 1e3, "weight_bytes": w_bytes,
             "kv_bytes": kv_bytes}
 
@@ -170,14 +193,17 @@ def prefill_case(model: Model, T: int, hbm: float, tflops: float, block_size: in
     table = torch.arange(nb, dtype=torch.int32, device=DEV)
     ids = torch.randint(0, cfg.vocab_size, (T,), device=DEV)
     slots = torch.arange(T, device=DEV)
-    ms = cuda_ms(lambda: prefill(model, pool, ids, 0, slots, table), 2, 5)
+    run = lambda: prefill(model, pool, ids, 0, slots, table)  # noqa: E731
+    ms = cuda_ms(run, 2, 5)
+    graph = graph_ms(run, calls=1, reps=5)  # one chunk's shapes are static: a graph removes Python's share
     params = sum(lin.out_features * lin.in_features for lin in linears(model))
     flops = 2 * params * T
     bytes_ = sum(lin.nbytes for lin in linears(model)) + T * cfg.kv_bytes_per_token(2.0)
     bound_ms = max(flops / tflops / 1e9, bytes_ / hbm / 1e6)
     del pool
     torch.cuda.empty_cache()
-    return {"tokens": T, "ms": ms, "tok_s": T / ms * 1e3, "bound_tok_s": T / bound_ms * 1e3,
+    return {"tokens": T, "ms": ms, "tok_s": T / ms * 1e3, "graph_ms": graph, "graph_tok_s": T / graph * 1e3,
+            "bound_tok_s": T / bound_ms * 1e3,
             "flops": flops, "bytes": bytes_, "compute_bound_ms": flops / tflops / 1e9,
             "memory_bound_ms": bytes_ / hbm / 1e6}
 
@@ -186,7 +212,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="4 layers: a smoke run, figures not comparable")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd decode cases")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no compiled case after this many seconds")
     args = ap.parse_args()
+    started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         handlers=[logging.FileHandler(args.out / "gpu_decode.log"), logging.StreamHandler()])
@@ -206,41 +235,54 @@ def main() -> None:
     res["build_s"] = time.perf_counter() - t0
     res["weight_gib"] = sum(lin.nbytes for lin in linears(model)) / 2**30
     log.info("model built in %.1f s: NF4 linears %.2f GiB", res["build_s"], res["weight_gib"])
-    cases = []
-    for kern in (Nf4Kernel.AUTO, Nf4Kernel.BNB):
-        set_kernel(model, kern)
-        for batch, ctx, attn, graphs in [(1, 128, AttnKernel.AUTO, True), (1, 128, AttnKernel.AUTO, False),
-                                         (32, 2048, AttnKernel.AUTO, True), (32, 2048, AttnKernel.TORCH, True)]:
-            if kern is Nf4Kernel.BNB and not graphs:
-                continue
-            try:
-                c = decode_case(model, batch, ctx, 32, attn, hbm, graphs)
-            except Exception as e:  # noqa: BLE001  a benchmark reports what failed and goes on
-                log.exception("decode case failed")
-                c = {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "error": repr(e)}
-            c["linear"] = kern.value
-            cases.append(c)
-            log.info("decode %s", json.dumps(c))
-    res["decode"] = cases
-    set_kernel(model, Nf4Kernel.AUTO)
+    res["decode"] = cases = []
+    out_json = args.out / "gpu_decode.json"
+    plan = [  # (linear kernel, batch, ctx, attention, graphs, compile); compiled cases last (slow to build)
+        (Nf4Kernel.AUTO, 1, 128, AttnKernel.AUTO, True, False),
+        (Nf4Kernel.AUTO, 1, 128, AttnKernel.AUTO, False, False),
+        (Nf4Kernel.TRITON, 1, 128, AttnKernel.AUTO, True, False),
+        (Nf4Kernel.AUTO, 32, 2048, AttnKernel.AUTO, True, False),
+        (Nf4Kernel.TRITON, 32, 2048, AttnKernel.AUTO, True, False),
+        (Nf4Kernel.AUTO, 32, 2048, AttnKernel.TORCH, True, False),
+    ]
+    if not args.no_compile:
+        plan += [(Nf4Kernel.AUTO, 1, 128, AttnKernel.AUTO, True, True),
+                 (Nf4Kernel.AUTO, 32, 2048, AttnKernel.AUTO, True, True)]
     res["prefill"] = prefill_case(model, 512, hbm, tflops)
     log.info("prefill %s", json.dumps(res["prefill"]))
-    (args.out / "gpu_decode.json").write_text(json.dumps(res, indent=1))
+    out_json.write_text(json.dumps(res, indent=1))
+    for kern, batch, ctx, attn, graphs, comp in plan:
+        if comp and time.perf_counter() - started > args.budget_s:
+            log.info("skipping compiled b%d: past --budget-s", batch)
+            continue
+        set_kernel(model, kern)
+        try:
+            c = decode_case(model, batch, ctx, 32, attn, hbm, graphs, comp)
+        except Exception as e:  # noqa: BLE001  a benchmark reports what failed and goes on
+            log.exception("decode case failed")
+            c = {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "compile": comp, "error": repr(e)}
+        c["linear"] = kern.value
+        cases.append(c)
+        log.info("decode %s", json.dumps(c))
+        out_json.write_text(json.dumps(res, indent=1))
 
     print(f"\n{res['device']}: HBM {hbm:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s, NF4 weights {res['weight_gib']:.2f} GiB")
     print(f"{'linear':8} {'N×K':>13} {'rows':>4} {'bound µs':>9} {'bnb µs':>8} {'triton µs':>9} {'bnb GB/s':>8} {'tri GB/s':>8}")
     for r in res["linears"]:
         print(f"{r['shape']:8} {r['N']:>6}×{r['K']:<6} {r['rows']:>4} {r['bound_us']:9.1f} {r.get('bnb_us', 0):8.1f} "
               f"{r.get('triton_us', 0):9.1f} {r.get('bnb_gbps', 0):8.0f} {r.get('triton_gbps', 0):8.0f}")
-    print(f"{'case':34} {'tok/s':>8} {'bound':>8} {'% bound':>7}")
+    print(f"{'case':44} {'tok/s':>8} {'bound':>8} {'% bound':>7}")
     for c in cases:
-        name = f"decode b{c['batch']} ctx{c['ctx']} lin={c['linear']} attn={c['attn']}{'' if c['graphs'] else ' eager'}"
+        name = (f"decode b{c['batch']} ctx{c['ctx']} lin={c['linear']} attn={c['attn']}"
+                f"{'' if c['graphs'] else ' eager'}{' compiled' if c['compile'] else ''}")
         if "error" in c:
-            print(f"{name:34} FAILED {c['error'][:60]}")
+            print(f"{name:44} FAILED {c['error'][:60]}")
         else:
-            print(f"{name:34} {c['tok_s']:8.0f} {c['bound_tok_s']:8.0f} {100 * c['tok_s'] / c['bound_tok_s']:6.0f}%")
+            print(f"{name:44} {c['tok_s']:8.0f} {c['bound_tok_s']:8.0f} {100 * c['tok_s'] / c['bound_tok_s']:6.0f}%")
     p = res["prefill"]
-    print(f"{'prefill 512':34} {p['tok_s']:8.0f} {p['bound_tok_s']:8.0f} {100 * p['tok_s'] / p['bound_tok_s']:6.0f}%")
+    print(f"{'prefill 512 eager':44} {p['tok_s']:8.0f} {p['bound_tok_s']:8.0f} {100 * p['tok_s'] / p['bound_tok_s']:6.0f}%")
+    print(f"{'prefill 512 CUDA graph':44} {p['graph_tok_s']:8.0f} {p['bound_tok_s']:8.0f} "
+          f"{100 * p['graph_tok_s'] / p['bound_tok_s']:6.0f}%")
 
 
 if __name__ == "__main__":

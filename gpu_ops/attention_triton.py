@@ -47,7 +47,7 @@ def _decode_kernel(
         v = tl.load(v_ptr + off)
         if DOT_F32:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale  # [GP, BS]
+        s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [GP, BS]; scale may arrive as fp64 (inductor)
         s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -79,8 +79,8 @@ def paged_decode(
     Hkv, BS = pool.num_kv_heads, pool.block_size
     G = Hq // Hkv
     MB = block_tables.shape[1]
-    # splits: enough programs for two waves, but at least 4 blocks a split
-    S = max(1, min(-(-2 * _sms(q.device) // (B * Hkv)), MB // 4))
+    # splits: about 8 programs an SM (enough loads in flight to keep HBM busy), ≥ 4 blocks a split
+    S = max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4))
     per = -(-MB // S)
     o = torch.empty((S, B, Hq, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)

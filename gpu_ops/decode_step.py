@@ -41,6 +41,13 @@ class NoSyncRope:
         return (x.float() * cos + rot.float() * sin).to(x.dtype)
 
 
+def no_sync_view(model: Model, max_pos: int) -> Model:
+    """A shallow copy of `model` (same weights) whose RoPE never syncs, for positions < max_pos."""
+    view = copy.copy(model)
+    view.rope = NoSyncRope(model.rope, max_pos)
+    return view
+
+
 def default_buckets(max_batch: int) -> list[int]:
     steps = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
     return sorted({b for b in steps if b < max_batch} | {max_batch})
@@ -58,10 +65,10 @@ class GpuDecoder:
         graphs: bool = True,
         attn: AttnKernel = AttnKernel.AUTO,
         buckets: list[int] | None = None,
+        compile: bool = False,
     ):
         self.pool, self.max_batch, self.max_blocks, self.attn = pool, max_batch, max_blocks_per_seq, attn
-        self.model = copy.copy(model)  # shares the weights; only its RoPE differs
-        self.model.rope = NoSyncRope(model.rope, max_blocks_per_seq * pool.block_size)
+        self.model = no_sync_view(model, max_blocks_per_seq * pool.block_size)
         self.device = model.device
         self.graphs = graphs and self.device.type == "cuda" and not model.cfg.is_moe
         self.buckets = buckets or default_buckets(max_batch)
@@ -73,6 +80,9 @@ class GpuDecoder:
         self.lens = torch.ones(max_batch, dtype=i32, device=dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
+        # torch.compile fuses the ~60 small elementwise kernels a layer (norms, RoPE, SwiGLU,
+        # casts) that otherwise cost more than the weights' bytes at batch 1; one compile per bucket
+        self._fwd = torch.compile(self._forward, dynamic=False) if compile else self._forward
 
     @torch.inference_mode()
     def step(
@@ -92,7 +102,7 @@ class GpuDecoder:
             )
         if not self.graphs:
             dev = self.device
-            return self._forward(token_ids.to(dev), positions.to(dev), slots.to(dev),
+            return self._fwd(token_ids.to(dev), positions.to(dev), slots.to(dev),
                                  block_tables.to(dev, torch.int32), seq_lens.to(dev, torch.int32))
         nb = next(b for b in self.buckets if b >= B)
         self._load(B, nb, token_ids, positions, slots, block_tables, seq_lens)
@@ -123,11 +133,11 @@ class GpuDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compiles kernels, creates handles (idempotent KV writes)
-            self._forward(*args)
+            self._fwd(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            logits = self._forward(*args)
+            logits = self._fwd(*args)
         return graph, logits
 
     def _forward(self, ids, pos, slots, tables, lens) -> torch.Tensor:
@@ -154,6 +164,7 @@ def prefill(
     """One chunk of prefill, eager, all on the GPU → float32 logits of the last token [1, V] (or all [T, V])."""
     dev = model.device
     T = token_ids.shape[0]
+    model = no_sync_view(model, q_pos0 + T)  # Rope's growth check would sync twice a layer
     pos = torch.arange(q_pos0, q_pos0 + T, device=dev)
     slots, block_table = slots.to(dev), block_table.to(dev)
     x = model.embed(token_ids.to(dev))

@@ -39,10 +39,7 @@ class GpuKVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at flat slots [T] (block * BS + offset). No host sync: capturable."""
-        slots = slots.to(self.device, torch.int64)
-        blocks, offs = slots // self.block_size, slots % self.block_size
-        self.k[layer, blocks, :, offs] = k.to(self.dtype)
-        self.v[layer, blocks, :, offs] = v.to(self.dtype)
+        kv_write(self.k, self.v, layer, slots.to(self.device, torch.int64), k, v, self.block_size)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of whole blocks: block_tables [B, MB] → [B, Hkv, MB * BS, D] each (a copy)."""
@@ -53,3 +50,19 @@ class GpuKVPool:
             x = t[layer][idx]  # [B, MB, Hkv, BS, D]
             out.append(x.transpose(1, 2).reshape(B, self.num_kv_heads, MB * self.block_size, self.head_dim))
         return out[0], out[1]
+
+
+# A custom op that declares its in-place writes: under torch.compile a plain indexed store into
+# the pool is functionalized into a copy of the whole pool (measured: 429 ms a step at batch 32 ×
+# 2k context); declared mutation lets the compiler keep the store in place.
+@torch.library.custom_op("hetero::kv_write", mutates_args=("k_pool", "v_pool"))
+def kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, block_size: int) -> None:
+    blocks, offs = slots // block_size, slots % block_size
+    k_pool[layer, blocks, :, offs] = k.to(k_pool.dtype)
+    v_pool[layer, blocks, :, offs] = v.to(v_pool.dtype)
+
+
+@kv_write.register_fake
+def _(k_pool, v_pool, layer, slots, k, v, block_size) -> None:
+    return None

@@ -70,13 +70,13 @@ def dequantize_nf4(
 
 
 class Nf4Kernel(str, enum.Enum):
-    AUTO = "auto"  # cuda: the Triton kernel for few rows (decode), bitsandbytes above; cpu: torch
+    AUTO = "auto"  # cuda: bitsandbytes (the fastest measured); cpu: torch
     BNB = "bnb"  # bitsandbytes' CUDA kernels (gemv for 1 row, gemm / dequant + cuBLAS above)
-    TRITON = "triton"  # gpu_ops.nf4_triton: fused dequant + matmul, split over K
+    TRITON = "triton"  # gpu_ops.nf4_triton: one-row gemv, else fused dequant + tensor-core matmul
     TORCH = "torch"  # dequantize, then F.linear: the reference, and the CPU path
 
 
-TRITON_MAX_ROWS = 64  # AUTO uses the Triton kernel up to this many rows of x
+GEMV_K_MULTIPLE = 256  # the Triton one-row kernel steps K by 4 groups of 64
 
 
 class NF4Linear:
@@ -112,8 +112,8 @@ class NF4Linear:
     def pick(self, rows: int) -> Nf4Kernel:
         if self.device.type != "cuda":
             return Nf4Kernel.TORCH
-        if self.kernel is Nf4Kernel.AUTO:
-            return Nf4Kernel.TRITON if rows <= TRITON_MAX_ROWS and self.in_features % BLOCK == 0 else Nf4Kernel.BNB
+        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/RESULTS.md): bitsandbytes wins
+            return Nf4Kernel.BNB           # every shape at 1, 32 and 512 rows; Triton stays selectable
         return self.kernel
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -144,9 +144,10 @@ def _bnb_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
-    from gpu_ops.nf4_triton import nf4_matmul
+    from gpu_ops.nf4_triton import nf4_gemv, nf4_matmul
 
-    y = nf4_matmul(x.to(lin.compute_dtype), lin.packed, lin.absmax, lin.shape)
+    fn = nf4_gemv if x.shape[0] == 1 and lin.in_features % GEMV_K_MULTIPLE == 0 else nf4_matmul
+    y = fn(x.to(lin.compute_dtype), lin.packed, lin.absmax, lin.shape)
     return y if lin.bias is None else y + lin.bias.to(y.dtype)
 
 

@@ -61,15 +61,62 @@ def _nf4_mm_kernel(
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _splits(n_tiles: int, groups: int, sms: int) -> int:
-    """Largest divisor of `groups` (64-element groups along K) that brings the grid near 4 waves."""
-    want = max(1, -(-4 * sms // n_tiles))
-    return max(d for d in range(1, min(want, groups) + 1) if groups % d == 0)
+@triton.jit
+def _nf4_gemv_kernel(
+    x32_ptr, w_ptr, absmax_ptr, lut_ptr, part_ptr, N, K, k_per_split,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """One row of x: FMAs on the CUDA cores, tiles [BLOCK_N, GROUPS, 32 bytes], no tensor cores."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    g = tl.arange(0, GROUPS)
+    j = tl.arange(0, 32)
+    rows = w_ptr + offs_n.to(tl.int64) * (K // 2)  # [BN]
+    scales = absmax_ptr + offs_n.to(tl.int64) * (K // 64)  # [BN]
+    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    k0 = pid_s * k_per_split
+    for k in range(k0, k0 + k_per_split, 64 * GROUPS):
+        byte = k // 2 + g[:, None] * 32 + j[None, :]  # [G, 32]
+        wb = tl.load(rows[:, None, None] + byte[None, :, :], mask=n_ok[:, None, None], other=0)  # [BN, G, 32]
+        pair = tl.load(lut_ptr + wb.to(tl.int32))
+        xv = tl.load(x32_ptr + byte)  # [G, 32] int32: x[2b] in the low half, x[2b + 1] in the high
+        xe = (xv << 16).to(tl.float32, bitcast=True)
+        xo = (xv & -65536).to(tl.float32, bitcast=True)
+        w_hi = (pair & -65536).to(tl.float32, bitcast=True)
+        w_lo = (pair << 16).to(tl.float32, bitcast=True)
+        part = tl.sum(w_hi * xe[None, :, :] + w_lo * xo[None, :, :], axis=2)  # [BN, G]
+        sc = tl.load(scales[:, None] + (k // 64 + g)[None, :], mask=n_ok[:, None], other=0.0)
+        acc += part * sc
+    tl.store(part_ptr + pid_s * N + offs_n, tl.sum(acc, axis=1), mask=n_ok)
+
+
+def _splits(n_tiles: int, steps: int, programs: int) -> int:
+    """Largest divisor of `steps` (K-steps of a program) that brings the grid near `programs`."""
+    want = max(1, -(-programs // n_tiles))
+    return max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)
 
 
 @functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int],
+             block_n: int = 64, groups: int = 4, warps: int = 8) -> torch.Tensor:
+    """x [1, K] bf16, W [N, K] as NF4 → y [1, N] bf16 (K divisible by 64 * groups)."""
+    N, K = shape
+    G, BN = groups, block_n
+    if K % (64 * G) or x.shape[0] != 1:
+        raise ValueError(f"nf4_gemv takes one row and K divisible by {64 * G}, got {tuple(x.shape)}")
+    x32 = x.contiguous().view(torch.int32)  # bf16 pairs
+    n_tiles = triton.cdiv(N, BN)
+    S = _splits(n_tiles, K // (64 * G), 16 * _sms(x.device))  # ~16 programs an SM keep HBM busy
+    part = torch.empty((S, N), dtype=torch.float32, device=x.device)
+    _nf4_gemv_kernel[(n_tiles, S)](x32, packed, absmax, _pair_table(x.device), part, N, K, K // S,
+                                   BLOCK_N=BN, GROUPS=G, num_warps=warps)
+    y = part[0] if S == 1 else part.sum(0)
+    return y.to(torch.bfloat16)[None]
 
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int],
@@ -83,7 +130,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shap
     BM = 16 if M <= 16 else 32 if M <= 32 else 64
     BN = 128 if N >= 8192 else 64
     n_tiles = triton.cdiv(N, BN)
-    S = _splits(n_tiles * triton.cdiv(M, BM), K // 64, _sms(x.device))
+    S = _splits(n_tiles * triton.cdiv(M, BM), K // 64, 4 * _sms(x.device))
     part = torch.empty((S, M, N), dtype=torch.float32, device=x.device)
     grid = (n_tiles, S, triton.cdiv(M, BM))
     _nf4_mm_kernel[grid](
