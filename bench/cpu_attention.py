@@ -7,8 +7,12 @@ Llama-3-8B shape (32 q heads, 8 kv heads, D 128, one layer) at batch 1 x 32k and
 each KV dtype: the kernel's KV bytes read per second (data + scales + zeros), its ratio to
 DRAM, the torch twins for bf16 (the paged reference and SDPA over contiguous bf16 KV), the
 first-call JIT time in a fresh process and whether a second process loads Numba's cache,
-and the per-call cost of HostKVPool.write for one decode token. Imports only torch, numpy,
-numba and cpu_attention. Reports; asserts nothing.
+and the per-call cost of HostKVPool.write for one decode token. Diagnostics that tell
+compute from memory: each kernel's ns per (token, kv head) on one thread with the KV in
+cache, its all-thread rate with the KV in cache, and a plain read of the same K/V bytes in
+the kernel's order (the access pattern's own bound). `--sweep` also tries work items per
+thread and Numba's dynamic chunking. Imports only torch, numpy, numba and cpu_attention.
+Reports; asserts nothing.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cpu_attention import HostKVPool, KVDtype, decode_attention, decode_attention_ref, physical_cores  # noqa: E402
+from cpu_attention import decode as decode_mod  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 SHAPES = [(1, 32768), (16, 4096)]
@@ -57,6 +62,81 @@ def dram_read_gbps(threads: int) -> float:
     _sum(x)
     best = min(_timed(lambda: _sum(x)) for _ in range(5))
     return x.nbytes / best / 1e9
+
+
+@numba.njit(parallel=True, nogil=True)
+def _pattern_read(k, v, bt, items, BS):
+    """Sum K and V words [NB, Hkv, BS, W] (uint64) item by item, block by block, as the kernels walk them."""
+    tot = np.zeros(items.shape[0], np.uint64)
+    for it in numba.prange(items.shape[0]):
+        b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+        acc = np.uint64(0)
+        t = t0
+        while t < t1:
+            blk, off = bt[b, t // BS], t % BS
+            n = min(BS - off, t1 - t)
+            for j in range(n):
+                kr, vr = k[blk, h, off + j], v[blk, h, off + j]
+                for w in range(kr.shape[0]):
+                    acc += kr[w] ^ vr[w]
+            t += n
+        tot[it] = acc
+    return tot.sum()
+
+
+@numba.njit(parallel=True, nogil=True)
+def _pattern_read_all_heads(k, v, bt, seq_lens, chunk, BS):
+    """The same read with one item per (sequence, token range) over all kv heads: each block's
+    heads are adjacent, so the runs are Hkv times longer."""
+    B = seq_lens.shape[0]
+    per = (seq_lens.max() + chunk - 1) // chunk
+    tot = np.zeros(B * per, np.uint64)
+    for it in numba.prange(B * per):
+        b, c = it // per, it % per
+        t, t1 = c * chunk, min((c + 1) * chunk, seq_lens[b])
+        acc = np.uint64(0)
+        while t < t1:
+            blk, off = bt[b, t // BS], t % BS
+            n = min(BS - off, t1 - t)
+            for h in range(k.shape[1]):
+                for j in range(n):
+                    kr, vr = k[blk, h, off + j], v[blk, h, off + j]
+                    for w in range(kr.shape[0]):
+                        acc += kr[w] ^ vr[w]
+            t += n
+        tot[it] = acc
+    return tot.sum()
+
+
+def pattern_read_gbps(pool: HostKVPool, bt: torch.Tensor, sl: torch.Tensor, threads: int, reps: int) -> float:
+    """GB/s of a plain read of the K/V data (no scales) in the decode kernels' item order."""
+    numba.set_num_threads(threads)
+    NB, H, BS = pool.num_blocks, pool.num_kv_heads, pool.block_size
+    k = pool.k[0].view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
+    v = pool.v[0].view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
+    sln = sl.numpy().astype(np.int64)
+    items, _ = decode_mod._plan(sln, H, decode_mod.chunk_tokens(sln, H, BS, threads))
+    btn = bt.numpy()
+    _pattern_read(k, v, btn, items, BS)
+    t = float(np.median([_timed(lambda: _pattern_read(k, v, btn, items, BS)) for _ in range(reps)]))
+    chunk = decode_mod.chunk_tokens(sln, 1, BS, threads)
+    _pattern_read_all_heads(k, v, btn, sln, chunk, BS)
+    t2 = float(np.median([_timed(lambda: _pattern_read_all_heads(k, v, btn, sln, chunk, BS)) for _ in range(reps)]))
+    nbytes = 2 * int(sln.sum()) * H * k.shape[3] * 8
+    return nbytes / t / 1e9, nbytes / t2 / 1e9
+
+
+def in_cache(dtype: KVDtype, threads: int, n: int, gen) -> tuple[float, float]:
+    """(ns per (token, kv head) per thread, GB/s) with one sequence of n tokens that stays in cache."""
+    nb = n // BS
+    pool = HostKVPool(1, nb, HKV, BS, D, dtype)
+    fill(pool, gen)
+    bt = torch.randperm(nb, generator=gen).int()[None]
+    q, sl = torch.randn(1, HQ, D, generator=gen), torch.tensor([n])
+    call = lambda: decode_attention(pool, 0, q, bt, sl, D**-0.5, threads=threads)  # noqa: E731
+    call()
+    t = min(_timed(call) for _ in range(20))
+    return t * threads / (n * HKV) * 1e9, n * pool.bytes_per_token / t / 1e9
 
 
 def _timed(fn) -> float:
@@ -96,6 +176,7 @@ def bench_kernel(dtype: KVDtype, B: int, n: int, threads: int, reps: int, gen) -
     res = {"dtype": dtype.value, "batch": B, "tokens": n, "bytes_per_call": bytes_read,
            "ms_median": 1e3 * float(np.median(ts)), "ms_best": 1e3 * min(ts),
            "GBps": bytes_read / float(np.median(ts)) / 1e9}
+    res["pattern_read_GBps"], res["pattern_read_all_heads_GBps"] = pattern_read_gbps(pool, perm[0], sl, threads, 5)
     if dtype is KVDtype.BF16:
         torch.set_num_threads(threads)
         t_ref = min(_timed(lambda: decode_attention_ref(pool, 0, q, perm[1], sl, scale)) for _ in range(2))
@@ -155,18 +236,38 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: physical cores)")
     ap.add_argument("--out", type=Path, default=None, help="folder for cpu_attention.log and .json")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also try items per thread and dynamic chunking")
+    ap.add_argument("--no-jit", action="store_true", help="skip the fresh-process JIT timing")
     args = ap.parse_args()
     threads = args.threads or physical_cores()
     gen = torch.Generator().manual_seed(0)
     log(f"cpu_attention bench: {os.cpu_count()} logical cpus, {physical_cores()} physical, threads {threads}, "
         f"numba {numba.__version__}, torch {torch.__version__}")
-    first, second = jit_times()
+    first, second = jit_times() if not args.no_jit else ({}, {})
     log(f"JIT first process (cold cache): {first}")
     log(f"JIT second process (from cache): {second}")
     dram = dram_read_gbps(threads)
     log(f"DRAM read (numba parallel sum over 2 GiB, {threads} threads): {dram:.1f} GB/s")
     writes = {dt.value: write_cost(dt) for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4)}
     log("HostKVPool.write per call, one token: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in writes.items()))
+    diag = {}
+    for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):
+        ns1, _ = in_cache(dt, 1, 2048, gen)
+        _, gb = in_cache(dt, threads, 8192, gen)
+        diag[dt.value] = {"ns_per_token_head_1thread_cached": ns1, "GBps_all_threads_cached": gb}
+        log(f"{dt.value}: {ns1:.1f} ns per (token, kv head) on 1 thread in cache; "
+            f"{gb:.1f} GB/s on {threads} threads in cache (1 x 8192)")
+    if args.sweep:
+        for dt in (KVDtype.BF16, KVDtype.INT8):
+            for ipt in (4, 16):
+                for cs in (0, 1):
+                    decode_mod.ITEMS_PER_THREAD = ipt
+                    numba.set_parallel_chunksize(cs)
+                    r = bench_kernel(dt, 1, 32768, threads, 10, gen)
+                    log(f"sweep {dt.value} 1x32768 items/thread {ipt} chunksize {cs}: {r['GBps']:.1f} GB/s "
+                        f"(best {r['bytes_per_call'] / r['ms_best'] / 1e6:.1f})")
+        decode_mod.ITEMS_PER_THREAD = 4
+        numba.set_parallel_chunksize(0)
     rows = []
     for B, n in SHAPES:
         for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):
@@ -183,13 +284,14 @@ def main() -> None:
             extra = (f"  paged ref {r['torch_ref_GBps']:.1f} GB/s, sdpa {r['torch_sdpa_GBps']:.1f} GB/s, "
                      f"kernel/sdpa {r['GBps'] / r['torch_sdpa_GBps']:.2f}x")
         log(f"{r['batch']:>4}x{r['tokens']:<5} {r['dtype']:>5} {r['ms_median']:7.2f} {r['GBps']:6.1f} "
-            f"{dram:6.1f} {r['ratio_vs_dram']:6.2f}{extra}")
+            f"{dram:6.1f} {r['ratio_vs_dram']:6.2f}  pattern read {r['pattern_read_GBps']:.1f} "
+            f"(all heads {r['pattern_read_all_heads_GBps']:.1f}){extra}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cpu_attention.log").write_text("\n".join(LOG) + "\n")
         (args.out / "cpu_attention.json").write_text(json.dumps(
             {"threads": threads, "dram_read_GBps": dram, "jit_first": first, "jit_second": second,
-             "threading_layer": _layer(), "write_s": writes, "rows": rows}, indent=1))
+             "threading_layer": _layer(), "write_s": writes, "diagnostics": diag, "rows": rows}, indent=1))
 
 
 def _layer() -> str:

@@ -105,10 +105,11 @@ def _widen_impl(x):
 
 @numba.njit(inline="always", nogil=True, cache=True)
 def f16_to_f32(h):
-    """IEEE half bits → float32, exact for zero, subnormals and normals (no inf/nan in pools)."""
+    """IEEE half bits → float32, exact for zero, subnormals and normals (no inf/nan in pools).
+    Branch-free (the sign is or-ed into the bits), so loops over scales vectorize."""
     u = np.uint32(h)
     mag = bits_to_f32((u & np.uint32(0x7FFF)) << np.uint32(13)) * np.float32(5.192296858534828e33)  # 2^112
-    return -mag if (u & np.uint32(0x8000)) else mag
+    return bits_to_f32(f32_to_bits(mag) | ((u & np.uint32(0x8000)) << np.uint32(16)))
 
 
 @numba.njit(inline="always", nogil=True, cache=True)

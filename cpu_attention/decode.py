@@ -59,51 +59,128 @@ def _plan(seq_lens, num_kv_heads, chunk):
 
 
 @numba.njit(inline="always", **JIT)
-def _tile_update(q, kb, vb, n, s, m, l, acc):
-    """Online softmax over n widened tokens. q [G, D], kb/vb [TILE, D], s [G, TILE].
-
-    Rows are taken as views and indexed by loop counters only: Numba's negative-index
-    wraparound on computed indices would stop LLVM from vectorizing the loops.
-    """
+def _scores(q, kt, n, s, pk, pv, pn):
+    """s[g, j] = q[g] · widen(kt[j]) for j < n. q [G, D] f32; kt [n, D] uint16 (bf16 bits),
+    int8 or f32. Four heads share each K element load; loops over D use loop counters only
+    (Numba's wraparound code on computed indices stops LLVM vectorizing). While the first
+    heads run, rows j < pn of the next tile (pk, pv) are prefetched, one row per token, so
+    the next tile's DRAM reads overlap this tile's arithmetic."""
     G, D = q.shape
+    g = 0
+    while g + 4 <= G:
+        q0, q1, q2, q3 = q[g], q[g + 1], q[g + 2], q[g + 3]
+        s0, s1, s2, s3 = s[g], s[g + 1], s[g + 2], s[g + 3]
+        for j in range(n):
+            if g == 0 and j < pn:
+                _prefetch_row(pk, j)
+                _prefetch_row(pv, j)
+            kr = kt[j]
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for d in range(D):
+                x = widen(kr[d])
+                a0 += q0[d] * x
+                a1 += q1[d] * x
+                a2 += q2[d] * x
+                a3 += q3[d] * x
+            s0[j], s1[j], s2[j], s3[j] = a0, a1, a2, a3
+        g += 4
+    while g < G:
+        qg, sg = q[g], s[g]
+        for j in range(n):
+            if g == 0 and j < pn:
+                _prefetch_row(pk, j)
+                _prefetch_row(pv, j)
+            kr = kt[j]
+            a = np.float32(0.0)
+            for d in range(D):
+                a += qg[d] * widen(kr[d])
+            sg[j] = a
+        g += 1
+
+
+@numba.njit(inline="always", **JIT)
+def _softmax_tile(s, n, m, l, acc):
+    """Online softmax step over a tile of n scores s [G, TILE] → weights in place; the running
+    max m [G], sum l [G] and accumulator acc [G, D] are rescaled once per tile, not per token."""
+    G, D = acc.shape
     for g in range(G):
-        qg = q[g]
         sg = s[g]
         mx = NEG_INF
         for j in range(n):
-            kr = kb[j]
-            a = np.float32(0.0)
-            for d in range(D):
-                a += qg[d] * kr[d]
-            sg[j] = a
-            mx = max(mx, a)
-        ag = acc[g]
+            mx = max(mx, sg[j])
         if mx > m[g]:
-            corr = np.exp(m[g] - mx) if m[g] > NEG_INF else np.float32(0.0)
+            corr = exp_neg(m[g] - mx)  # 0 while m is -inf
             l[g] *= corr
+            ag = acc[g]
             for d in range(D):
                 ag[d] *= corr
             m[g] = mx
-        tot = np.float32(0.0)
         mg = m[g]
-        for j in range(n):
+        tot = np.float32(0.0)
+        for j in range(n):  # polynomial exp: vectorizes, libm's expf would not
             p = exp_neg(sg[j] - mg)
             sg[j] = p
             tot += p
         l[g] += tot
+
+
+@numba.njit(inline="always", **JIT)
+def _accumulate(p, vt, n, acc):
+    """acc[g] += Σ_j p[g, j] · widen(vt[j]) for j < n: four heads × two tokens a pass, so
+    each V element is widened once per pass and each acc vector is loaded and stored once
+    per two tokens."""
+    G, D = acc.shape
+    g = 0
+    while g + 4 <= G:
+        a0, a1, a2, a3 = acc[g], acc[g + 1], acc[g + 2], acc[g + 3]
+        p0, p1, p2, p3 = p[g], p[g + 1], p[g + 2], p[g + 3]
         j = 0
-        while j + 4 <= n:  # four tokens per pass: one load/store of acc per 4 FMAs
-            p0, p1, p2, p3 = sg[j], sg[j + 1], sg[j + 2], sg[j + 3]
-            v0, v1, v2, v3 = vb[j], vb[j + 1], vb[j + 2], vb[j + 3]
+        while j + 2 <= n:
+            v0, v1 = vt[j], vt[j + 1]
+            w00, w01, w10, w11 = p0[j], p0[j + 1], p1[j], p1[j + 1]
+            w20, w21, w30, w31 = p2[j], p2[j + 1], p3[j], p3[j + 1]
             for d in range(D):
-                ag[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
-            j += 4
-        while j < n:
-            p0 = sg[j]
-            v0 = vb[j]
+                x0 = widen(v0[d])
+                x1 = widen(v1[d])
+                a0[d] += w00 * x0 + w01 * x1
+                a1[d] += w10 * x0 + w11 * x1
+                a2[d] += w20 * x0 + w21 * x1
+                a3[d] += w30 * x0 + w31 * x1
+            j += 2
+        if j < n:
+            v0 = vt[j]
+            w0, w1, w2, w3 = p0[j], p1[j], p2[j], p3[j]
             for d in range(D):
-                ag[d] += p0 * v0[d]
-            j += 1
+                x0 = widen(v0[d])
+                a0[d] += w0 * x0
+                a1[d] += w1 * x0
+                a2[d] += w2 * x0
+                a3[d] += w3 * x0
+        g += 4
+    while g < G:
+        ag, pg = acc[g], p[g]
+        for j in range(n):
+            v0 = vt[j]
+            w0 = pg[j]
+            for d in range(D):
+                ag[d] += w0 * widen(v0[d])
+        g += 1
+
+
+@numba.njit(inline="always", **JIT)
+def _prefetch_row(a, j):
+    """Prefetch row j of a 2-D C-contiguous array, one cache line at a time."""
+    W = a.shape[1]
+    step = max(64 // a.itemsize, 1)
+    for i in range(0, W, step):
+        prefetch(a, j * W + i)
+
+
+@numba.njit(inline="always", **JIT)
+def _next_tile(bt, b, t, t1, BS):
+    """(block, offset, tokens) of the tile starting at token t of sequence b, ending by t1."""
+    off = t % BS
+    return bt[b, t // BS], off, min(BS - off, t1 - t, TILE)
 
 
 @numba.njit(inline="always", **JIT)
@@ -149,29 +226,20 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse):
     part_l = np.empty((NI, G), np.float32)
     for it in prange(NI):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-        kb = np.empty((TILE, D), np.float32)
-        vb = np.empty((TILE, D), np.float32)
         s = np.empty((G, TILE), np.float32)
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
         qh = q[b, h * G:(h + 1) * G]
         t = t0
+        blk, off, n = _next_tile(bt, b, t, t1, BS)
         while t < t1:
-            blk, off = bt[b, t // BS], t % BS
-            n = min(BS - off, t1 - t, TILE)
-            if off == 0 and t + BS < t1:  # next block's rows stream in while this one computes
-                nb = bt[b, t // BS + 1]
-                _prefetch_rows(k[nb, h])
-                _prefetch_rows(v[nb, h])
-            for j in range(n):
-                kr, vr, ks, vs = kb[j], vb[j], k[blk, h, off + j], v[blk, h, off + j]
-                for d in range(D):
-                    kr[d] = widen(ks[d])
-                for d in range(D):
-                    vr[d] = widen(vs[d])
-            _tile_update(qh, kb, vb, n, s, m, l, acc)
+            nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (blk, off, 0)
+            _scores(qh, k[blk, h, off:off + n], n, s, k[nblk, h, noff:], v[nblk, h, noff:], nn)
+            _softmax_tile(s, n, m, l, acc)
+            _accumulate(s, v[blk, h, off:off + n], n, acc)
             t += n
+            blk, off, n = nblk, noff, nn
         part_o[it] = acc
         part_m[it] = m
         part_l[it] = l
@@ -181,7 +249,8 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse):
 
 @numba.njit(parallel=True, **JIT)
 def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
-    """k, v [NB, Hkv, BS, D] int8; ks, vs [NB, Hkv, BS] f32; rest as decode_float."""
+    """k, v [NB, Hkv, BS, D] int8; ks, vs [NB, Hkv, BS] f32; rest as decode_float.
+    The token scales are applied to the G scores (K) and the G weights (V), not to the D codes."""
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
     G = q.shape[1] // k.shape[1]
@@ -190,32 +259,31 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
     part_l = np.empty((NI, G), np.float32)
     for it in prange(NI):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-        kb = np.empty((TILE, D), np.float32)
-        vb = np.empty((TILE, D), np.float32)
         s = np.empty((G, TILE), np.float32)
+        pw = np.empty((G, TILE), np.float32)
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
         qh = q[b, h * G:(h + 1) * G]
         t = t0
+        blk, off, n = _next_tile(bt, b, t, t1, BS)
         while t < t1:
-            blk, off = bt[b, t // BS], t % BS
-            n = min(BS - off, t1 - t, TILE)
-            if off == 0 and t + BS < t1:
-                nb = bt[b, t // BS + 1]
-                _prefetch_rows(k[nb, h])
-                _prefetch_rows(v[nb, h])
-                _prefetch_rows(ks[nb, h])
-                _prefetch_rows(vs[nb, h])
-            for j in range(n):
-                sk, sv = ks[blk, h, off + j], vs[blk, h, off + j]
-                kr, vr, kq, vq = kb[j], vb[j], k[blk, h, off + j], v[blk, h, off + j]
-                for d in range(D):
-                    kr[d] = np.float32(kq[d]) * sk
-                for d in range(D):
-                    vr[d] = np.float32(vq[d]) * sv
-            _tile_update(qh, kb, vb, n, s, m, l, acc)
+            nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (blk, off, 0)
+            if noff == 0 and nn > 0:
+                prefetch(ks[nblk, h], 0)
+                prefetch(vs[nblk, h], 0)
+            _scores(qh, k[blk, h, off:off + n], n, s, k[nblk, h, noff:], v[nblk, h, noff:], nn)
+            ksc, vsc = ks[blk, h, off:off + n], vs[blk, h, off:off + n]
+            for g in range(G):
+                for j in range(n):
+                    s[g, j] *= ksc[j]
+            _softmax_tile(s, n, m, l, acc)
+            for g in range(G):
+                for j in range(n):
+                    pw[g, j] = s[g, j] * vsc[j]
+            _accumulate(pw, v[blk, h, off:off + n], n, acc)
             t += n
+            blk, off, n = nblk, noff, nn
         part_o[it] = acc
         part_m[it] = m
         part_l[it] = l
@@ -224,28 +292,23 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
 
 
 @numba.njit(inline="always", **JIT)
-def _widen_int4(x, sc, zr, blk, h, t, out, j):
-    """Token t's packed row x[blk, h, t] [D/2] with its group scales/zeros (f16 bits) →
-    out[j] [D] float32, even elements first then odd ones (see module doc). Unsigned
-    indices: no wraparound code, so the 16-byte group loops vectorize."""
-    half = np.uint64(x.shape[3])
-    for gr in range(sc.shape[3]):
-        a = f16_to_f32(sc[blk, h, t, gr])
-        z = f16_to_f32(zr[blk, h, t, gr])
-        g0 = np.uint64(gr) * np.uint64(HALF_GROUP)
-        for jj in range(HALF_GROUP):
-            i = g0 + np.uint64(jj)
-            byte = np.int32(x[blk, h, t, i])
-            out[j, i] = np.float32(byte & np.int32(15)) * a + z
-            out[j, i + half] = np.float32(byte >> np.int32(4)) * a + z
-
-
-@numba.njit(inline="always", **JIT)
-def _prefetch_rows(a):
-    """Prefetch a contiguous array (one block's rows of one head) line by line."""
-    step = 64 // a.itemsize
-    for i in range(0, a.size, step):
-        prefetch(a, i)
+def _widen_int4(x, sc, zr, n, out):
+    """Packed rows x [n, D/2] with group scales/zeros sc, zr [n, D/32] (f16 bits) → out[:n]
+    [., D] float32, each row's even elements first then its odd ones (see module doc)."""
+    half = x.shape[1]
+    NG = sc.shape[1]
+    for j in range(n):
+        xr, o, sr, zz = x[j], out[j], sc[j], zr[j]
+        for gr in range(NG):
+            a = f16_to_f32(sr[gr])
+            z = f16_to_f32(zz[gr])
+            xs = xr[gr * HALF_GROUP:(gr + 1) * HALF_GROUP]
+            lo = o[gr * HALF_GROUP:(gr + 1) * HALF_GROUP]
+            hi = o[half + gr * HALF_GROUP:half + (gr + 1) * HALF_GROUP]
+            for i in range(HALF_GROUP):
+                byte = np.int32(xs[i])
+                lo[i] = np.float32(byte & np.int32(15)) * a + z
+                hi[i] = np.float32(byte >> np.int32(4)) * a + z
 
 
 @numba.njit(parallel=True, **JIT)
@@ -268,22 +331,19 @@ def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse):
         acc = np.zeros((G, D), np.float32)
         qh = q[b, h * G:(h + 1) * G]
         t = t0
+        blk, off, n = _next_tile(bt, b, t, t1, BS)
         while t < t1:
-            blk, off = bt[b, t // BS], t % BS
-            n = min(BS - off, t1 - t, TILE)
-            if off == 0 and t + BS < t1:
-                nb = bt[b, t // BS + 1]
-                _prefetch_rows(k[nb, h])
-                _prefetch_rows(v[nb, h])
-                _prefetch_rows(ks[nb, h])
-                _prefetch_rows(vs[nb, h])
-                _prefetch_rows(kz[nb, h])
-                _prefetch_rows(vz[nb, h])
-            for j in range(n):
-                _widen_int4(k, ks, kz, blk, h, off + j, kb, j)
-                _widen_int4(v, vs, vz, blk, h, off + j, vb, j)
-            _tile_update(qh, kb, vb, n, s, m, l, acc)
+            nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (blk, off, 0)
+            if noff == 0 and nn > 0:
+                for a in (ks, vs, kz, vz):
+                    _prefetch_row(a[nblk, h].reshape(1, -1), 0)
+            _widen_int4(k[blk, h, off:off + n], ks[blk, h, off:off + n], kz[blk, h, off:off + n], n, kb)
+            _widen_int4(v[blk, h, off:off + n], vs[blk, h, off:off + n], vz[blk, h, off:off + n], n, vb)
+            _scores(qh, kb, n, s, k[nblk, h, noff:], v[nblk, h, noff:], nn)
+            _softmax_tile(s, n, m, l, acc)
+            _accumulate(s, vb, n, acc)
             t += n
+            blk, off, n = nblk, noff, nn
         part_o[it] = acc
         part_m[it] = m
         part_l[it] = l
