@@ -70,7 +70,30 @@ def _scores(q, kt, n, s, pk, pv, pn):
     while g + 4 <= G:
         q0, q1, q2, q3 = q[g], q[g + 1], q[g + 2], q[g + 3]
         s0, s1, s2, s3 = s[g], s[g + 1], s[g + 2], s[g + 3]
-        for j in range(n):
+        j = 0
+        while j + 2 <= n:  # two tokens a pass: each q element load feeds two FMAs
+            if g == 0 and j + 1 < pn:
+                _prefetch_row(pk, j)
+                _prefetch_row(pv, j)
+                _prefetch_row(pk, j + 1)
+                _prefetch_row(pv, j + 1)
+            kr, kr1 = kt[j], kt[j + 1]
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+            for d in range(D):
+                x = widen(kr[d])
+                y = widen(kr1[d])
+                a0 += q0[d] * x
+                a1 += q1[d] * x
+                a2 += q2[d] * x
+                a3 += q3[d] * x
+                b0 += q0[d] * y
+                b1 += q1[d] * y
+                b2 += q2[d] * y
+                b3 += q3[d] * y
+            s0[j], s1[j], s2[j], s3[j] = a0, a1, a2, a3
+            s0[j + 1], s1[j + 1], s2[j + 1], s3[j + 1] = b0, b1, b2, b3
+            j += 2
+        if j < n:
             if g == 0 and j < pn:
                 _prefetch_row(pk, j)
                 _prefetch_row(pv, j)
