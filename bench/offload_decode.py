@@ -13,14 +13,17 @@ measurement. GPU memory is fenced to each workload's --gpu-mem.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import logging
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -71,6 +74,8 @@ def fill(cache, seqs: list[int], ctx: int) -> None:
 
 
 def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps) -> dict:
+    fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, model.device)  # lift the last fence
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     budget = Budget(gpu_bytes=gpu_mem * GiB, host_bytes=int(prof.host_available_bytes * 0.8))
@@ -120,6 +125,8 @@ def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps) 
     )
     runner.close()
     del runner, cache
+    gc.collect()
+    torch.cuda.empty_cache()
     return out
 
 

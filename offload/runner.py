@@ -68,7 +68,9 @@ class Runner:
         self.spans = GpuSpans(detailed_timing and self.cuda)
         self.xfer = GpuSpans(detailed_timing and self.cuda)
         self._bufs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.graphs, self.max_batch = graphs and self.cuda and cache.gpu is not None, max_batch
+        # the all-GPU graph decoder embeds inside its graph: only when the table is on the device
+        self.graphs = graphs and self.cuda and cache.gpu is not None and model.embed_w.device == model.device
+        self.max_batch = max_batch
         self._graph_decoder = None
         self.segments = None  # per-layer CUDA graphs of the split step
         if graphs and SegmentGraphs.supported(model):
