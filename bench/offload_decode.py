@@ -13,11 +13,11 @@ measurement. GPU memory is fenced to each workload's --gpu-mem.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import logging
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +31,7 @@ from cpu_attention import KVDtype  # noqa: E402
 from hetero.config import LLAMA3_8B  # noqa: E402
 from offload.build import fence_gpu_memory, runtime_from_plan  # noqa: E402
 from planner.plan import Budget, Overrides, Workload  # noqa: E402
-from planner.profile import measure  # noqa: E402
+from planner.profile import HardwareProfile, measure  # noqa: E402
 from planner.search import plan as make_plan  # noqa: E402
 from planner.tensors import Kind  # noqa: E402
 
@@ -74,9 +74,6 @@ def fill(cache, seqs: list[int], ctx: int) -> None:
 
 
 def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps) -> dict:
-    fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, model.device)  # lift the last fence
-    gc.collect()
-    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     budget = Budget(gpu_bytes=gpu_mem * GiB, host_bytes=int(prof.host_available_bytes * 0.8))
     wl = Workload(ctx_size=ctx + steps + 8, batch=batch, prompt_tokens=ctx, gen_tokens=steps + 8)
@@ -124,9 +121,6 @@ def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps) 
         peak_gpu_gib=peak / GiB, within_budget=peak <= budget.gpu_bytes,
     )
     runner.close()
-    del runner, cache
-    gc.collect()
-    torch.cuda.empty_cache()
     return out
 
 
@@ -142,33 +136,40 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated workload names")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this workload, print its row
+    ap.add_argument("--profile", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         handlers=[logging.FileHandler(args.out / "offload_decode.log"), logging.StreamHandler()])
+    if args.one:  # one workload in a fresh process: nothing left over from another's allocations
+        prof = HardwareProfile.from_json(args.profile.read_text())
+        name, ctx, batch, kv, mem, gpu_tok = next(w for w in WORKLOADS if w[0] == args.one)
+        model = _gpu_decode_bench().build_model(LLAMA3_8B)
+        row = run_workload(model, prof, name, ctx, batch, kv, mem, gpu_tok, steps=8 if args.quick else 24)
+        print("ROW " + json.dumps(row))
+        return
     prof = measure(quick=args.quick)
+    (args.out / "profile.json").write_text(prof.to_json())
     log.info("profile: %s", json.dumps(prof.to_dict()))
-    model = _gpu_decode_bench().build_model(LLAMA3_8B)
-    log.info("model built: %.2f GB of weights read per step", model_bytes(model) / 1e9)
     rows = []
-    for name, ctx, batch, kv, mem, gpu_tok in WORKLOADS:
+    for name, *_ in WORKLOADS:
         if args.only and name not in args.only.split(","):
             continue
-        try:
-            r = run_workload(model, prof, name, ctx, batch, kv, mem, gpu_tok, steps=8 if args.quick else 24)
-        except Exception as e:  # keep measuring the others; the log has the traceback
-            log.exception("workload %s failed", name)
-            r = dict(name=name, error=repr(e))
-        log.info("%s", json.dumps(r))
-        rows.append(r)
+        cmd = [sys.executable, __file__, "--one", name, "--profile", str(args.out / "profile.json"), "--out", str(args.out)]
+        r = subprocess.run(cmd + (["--quick"] if args.quick else []), capture_output=True, text=True)
+        found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+        row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-400:])
+        log.info("%s", json.dumps(row))
+        rows.append(row)
     (args.out / "offload_decode.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
     print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · "
           f"PCIe h2d {prof.pcie_h2d_gbps:.1f} / d2h {prof.pcie_d2h_gbps:.1f} GB/s · {prof.physical_cores} cores")
-    hdr = f"{'workload':20} {'tok/s':>7} {'bound':>7} {'pred':>7} {'step ms':>8} {'gpu':>6} {'cpu':>6} {'xfer':>5} {'ovl':>5} {'KV GB/s':>7} {'GPU GiB':>7}"
-    print(hdr)
+    print(f"{'workload':20} {'tok/s':>7} {'bound':>7} {'pred':>7} {'step ms':>8} {'gpu':>6} {'cpu':>6} {'xfer':>5} "
+          f"{'ovl':>5} {'KV GB/s':>7} {'GPU GiB':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:20} ERROR {r['error'][:90]}")
+            print(f"{r['name']:20} ERROR {r['error'][-200:]}")
             continue
         print(f"{r['name']:20} {r['tok_s']:7.1f} {r['bound_tok_s']:7.1f} {r['predicted_tok_s']:7.1f} {r['step_ms']:8.2f} "
               f"{r['gpu_ms']:6.2f} {r['cpu_attn_ms']:6.2f} {r['transfer_ms']:5.2f} {r['overlap_ratio']:5.2f} "

@@ -6,8 +6,20 @@
     for chunk in engine.generate("The capital of France is", max_new_tokens=8):
         print(chunk.text, end="")
 """
-from hetero.engine import Chunk, Engine
 from hetero.errors import UserError
-from hetero.loading import load
 
 __all__ = ["Chunk", "Engine", "UserError", "load"]
+
+
+def __getattr__(name: str):
+    # Imported on first use: the runtime packages (offload, planner) import hetero's modules,
+    # and an eager import here would make every such import a cycle.
+    if name == "load":
+        from hetero.loading import load
+
+        return load
+    if name in ("Engine", "Chunk"):
+        from hetero import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'hetero' has no attribute {name!r}")

@@ -15,11 +15,8 @@ from hetero.errors import UserError
 from hetero.loader import WeightFormat, load_model
 from hetero.sampling import defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
-from offload.build import check_weights_supported, fence_gpu_memory, runtime_from_plan
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
-from planner.report import summary_line
-from planner.tensors import Kind
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -79,6 +76,11 @@ def load(
     tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
     defaults = defaults_from_generation_config(path if path.is_dir() else None).update(**sampling)
     if dev.type == "cuda":
+        # the planner imports hetero.config: imported here, not at module level, to keep the cycle open
+        from offload.build import check_weights_supported, fence_gpu_memory, runtime_from_plan
+        from planner.report import summary_line
+        from planner.tensors import Kind
+
         p = _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype, threads=threads,
                   sub_batches=sub_batches, block_size=block_size,
                   gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx))

@@ -104,7 +104,6 @@ class SegmentGraphs:
         self.model = copy.copy(model)  # shares the weights; its RoPE never syncs with the host
         self.model.rope = NoSyncRope(model.rope, max_pos)
         self.cache, self.max_pos = cache, max_pos
-        self.mempool = torch.cuda.graph_pool_handle()
         self._sets: dict[tuple[int, int], Captured] = {}
 
     @staticmethod
@@ -116,5 +115,8 @@ class SegmentGraphs:
         if key not in self._sets:
             log.debug("capturing %d layers' decode segments for sub-batch %d, batch %d", self.model.cfg.num_layers,
                       slot, B)
-            self._sets[key] = Captured(self.model, self.cache, B, self.mempool)
+            # One memory pool per set: a set's graphs replay in capture order (pre0, post0, pre1, …) so
+            # they may share one, but two sub-batches' sets interleave, and a shared pool would let one
+            # set's intermediates overwrite the other's live outputs.
+            self._sets[key] = Captured(self.model, self.cache, B, torch.cuda.graph_pool_handle())
         return self._sets[key]

@@ -30,6 +30,7 @@ from offload.timers import GpuSpans, Metrics, StepTimes, now
 from offload.worker import CpuWorker
 
 PREFILL_CHUNK = 2048  # tokens per projection/MLP pass and per attention query block in prefill
+PREFILL_PIECE = 8192  # tokens of a prompt prefilled layer by layer before the next piece starts
 
 
 @dataclass
@@ -270,7 +271,15 @@ class Runner:
     # ================================================================== prefill
     @torch.inference_mode()
     def prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens[start:] (tokens[:start] are cached) → float32 logits of the last token [1, V] (or all)."""
+        """Run tokens[start:] (tokens[:start] are cached) → float32 logits of the last token [1, V] (or all).
+
+        Pieces of PREFILL_PIECE tokens bound the activations a long prompt needs on the device;
+        each piece runs layer by layer and attends to everything cached before it."""
+        outs = [self._prefill_piece(seq, tokens[: s + PREFILL_PIECE], s, all_logits)
+                for s in range(start, len(tokens), PREFILL_PIECE)]
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    def _prefill_piece(self, seq: int, tokens: list[int], start: int, all_logits: bool) -> torch.Tensor:
         c, m, dev = self.cache, self.model, self.dev
         T = len(tokens) - start
         prior = c.seqs.get(seq)
