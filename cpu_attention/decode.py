@@ -6,12 +6,16 @@ every core busy, and each item returns a partial (acc [G, D], running max m, sum
 second parallel loop merges by log-sum-exp. All G = Hq / Hkv query heads of a kv head are
 done together, so each K/V byte is read from DRAM once.
 
-Inner loop: a tile of up to TILE tokens of one block is widened to float32 in an L1-resident
-buffer (bf16: shift into the high half; int8: code × token scale; int4: code × group
-scale + group zero), then scores, the online-softmax update and the V accumulation run on
-float32 with SIMD over the head dim. int4 widens into a permuted order (even elements then
-odd ones, which is how the nibbles come out of the bytes); q is permuted the same way and
-the output is un-permuted at the end.
+Inner loop, per tile (the tokens of one block, at most TILE): the scores of all G heads
+(`_scores`: two tokens × four heads a pass, each K element loaded and widened once, bf16 by
+a shift into the high half, int8 by a conversion), one online-softmax step for the whole
+tile (`_softmax_tile`: max, one rescale of the accumulator, a vectorized polynomial exp),
+then the V accumulation (`_accumulate`: four heads × two tokens a pass). int8's per-token
+scales multiply the G scores and the G weights, not the D codes. int4 rows are first
+widened into an L1-resident float32 tile (code × group scale + group zero) in a permuted
+order (even elements then odd ones, which is how the nibbles come out of the bytes); q is
+permuted the same way and the output is un-permuted at the end. While a tile computes, the
+next tile's rows are prefetched one row per token.
 """
 from __future__ import annotations
 
