@@ -15,6 +15,7 @@ thread's setting does not leak into the main thread.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import numba
@@ -32,6 +33,7 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 JIT = dict(nogil=True, cache=True, fastmath=FASTMATH)
 
 
+@functools.cache  # reads /sys; called once per kernel call otherwise
 def physical_cores() -> int:
     """Physical cores this process may run on (hyperthread siblings counted once)."""
     cpus = sorted(os.sched_getaffinity(0))

@@ -89,7 +89,9 @@ def load(
         fmt = {"nf4": WeightFormat.NF4, "bf16": WeightFormat.BF16, "f32": WeightFormat.F32}[p.weights.value]
         log.info("loading %s: %s weights on %s; %s", path, fmt.value, dev, summary_line(p))
         embed_dev = dev if p.placement(-1, Kind.EMBED).on_gpu else torch.device("cpu")
-        runner = runtime_from_plan(load_model(ck, fmt, dev, embed_device=embed_dev), p)
+        m = load_model(ck, fmt, dev, embed_device=embed_dev)
+        torch.cuda.empty_cache()  # quantization temporaries: give their blocks back before the KV pools
+        runner = runtime_from_plan(m, p)
         info = {"model": str(path), "device": str(dev), "weights": fmt.value, "ctx_size": ctx,
                 "plan": summary_line(p), "predicted": f"{p.prediction.decode_tok_s:.1f} tok/s decode "
                 f"({p.prediction.bottleneck})"}

@@ -62,9 +62,9 @@ def test_gpu_budget_is_a_hard_limit(folder):
         e = hetero.load(folder, device="cuda", weights="f32", kv_dtype="bf16", tokenizer=False, gpu_kv_tokens=64,
                         gpu_mem=budget)
         _greedy(e, [PROMPT])
-        assert torch.cuda.max_memory_allocated() <= budget
+        assert torch.cuda.max_memory_reserved() <= budget  # what the allocator took, cached blocks included
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+            torch.empty(budget, dtype=torch.uint8, device="cuda")
     finally:
         fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, torch.device("cuda"))
 
