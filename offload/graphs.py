@@ -106,6 +106,10 @@ class SegmentGraphs:
         self.cache, self.max_pos = cache, max_pos
         self._sets: dict[tuple[int, int], Captured] = {}
 
+    # Above this many rows a sub-batch runs eagerly: launches are then a small part of the GPU's
+    # time, and each captured set's private pool (4-bit dequantization temporaries) costs memory.
+    MAX_ROWS = 8
+
     @staticmethod
     def supported(model: Model) -> bool:
         return model.device.type == "cuda" and not model.cfg.is_moe  # MoE routing reads ids back

@@ -140,7 +140,7 @@ class Runner:
         if any(c.seqs[s].host.num_tokens for s in ss):
             host_tables = c.tables(ss, "host")
         pdev = c.gpu.k.device if c.gpu is not None else dev
-        if self.segments is not None:
+        if self.segments is not None and b - a <= SegmentGraphs.MAX_ROWS:
             cap = self.segments.get(k, b - a)
             cap.load(self.model.embed(ids), torch.tensor(positions[a:b]), sl.gpu_rows, sl.gpu_slots,
                      *(c.tables(ss, "gpu") if c.gpu is not None else (None, None)))

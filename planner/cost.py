@@ -80,7 +80,7 @@ def decode_step(
 
     Per layer, with n sub-batches of B/n sequences:
       g = Σ_sub (GPU GEMVs of resident and streamed groups) + GPU attention over T_g
-      c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c
+      c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c (+ a fixed cost per call)
       p = streamed W / PCIe                       (copy stream, prefetched a layer ahead)
       x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
       n = 1: t = max(g_lin + max(g_att, c_att + x_att), p) + c_w + x_w
@@ -119,7 +119,7 @@ def decode_step(
         if layer >= 0:
             for b in sub:
                 g_att += attention_seconds(b, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_gbps or 1.0)
-                c_att += attention_seconds(b, T_c, kv.host_dtype, cfg, attn_rate)
+                c_att += attention_seconds(b, T_c, kv.host_dtype, cfg, attn_rate) + (hw.cpu_attention_call_s if T_c else 0.0)
                 if T_c and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
                     x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
             nbytes["gpu attention"] += batch * T_g * kv_bytes_per_token_layer(cfg, kv.gpu_dtype)

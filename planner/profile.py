@@ -27,7 +27,12 @@ FORMAT = 1  # bump when fields change meaning; an older cache is then re-measure
 GIB = 1024**3
 
 # Stated constants (not measured; bench/planner_accuracy.py checks them against the runtime).
-LAYER_OVERHEAD_S = 40e-6  # per layer per decode step: kernel launches, events, the CPU worker hand-off
+# Calibrated on the H100 host (bench/offload_decode.py, 2026-11-22, Llama-3-8B shape, batch 1):
+# per layer per sub-batch, what a step costs beyond the GEMVs and the attention bytes: the GPU's
+# small kernels (norms, RoPE, merge), the q/o/lse hops and the CPU worker hand-off.
+LAYER_OVERHEAD_S = 480e-6
+# Per CPU attention call (one layer, one sub-batch): waking the Numba threads, splitting the work.
+CPU_ATTENTION_CALL_S = 250e-6
 GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy rate, if unmeasured
 
 
@@ -65,6 +70,7 @@ class HardwareProfile:
     gpu_gemv_dtype: str = ""  # "nf4" when bitsandbytes measured it, else "bf16"
     gpu_tflops: float = 0.0  # dense bf16 matmul
     layer_overhead_s: float = LAYER_OVERHEAD_S
+    cpu_attention_call_s: float = CPU_ATTENTION_CALL_S
     notes: tuple[str, ...] = ()
 
     @property
