@@ -48,13 +48,15 @@ def _gpu_decode_bench():
     return mod
 log = logging.getLogger("bench")
 
-# (name, context, batch, host KV dtype, --gpu-mem GiB, device-tier tokens per seq: 0 = all host, None = planner)
+# (name, context, batch, host KV dtype, --gpu-mem GiB, device-tier tokens per seq: 0 = all host, None = planner
+#  [, sub-batches: None = planner])
 WORKLOADS = [
     ("8k bf16", 8192, 1, "bf16", 6, 0),
     ("8k int8", 8192, 1, "int8", 6, 0),
     ("32k bf16", 32768, 1, "bf16", 6, 0),
     ("32k int8", 32768, 1, "int8", 6, 0),
     ("32x2k bf16", 2048, 32, "bf16", 6, 0),
+    ("32x2k bf16 2sb", 2048, 32, "bf16", 6, 0, 2),
     ("64k bf16 all-host", 65536, 1, "bf16", 12, 0),
     ("64k bf16 split", 65536, 1, "bf16", 12, None),
 ]
@@ -73,11 +75,11 @@ def fill(cache, seqs: list[int], ctx: int) -> None:
         cache.gpu.v.fill_(0.01)
 
 
-def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps) -> dict:
+def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps, sub_batches=None) -> dict:
     torch.cuda.reset_peak_memory_stats()
     budget = Budget(gpu_bytes=gpu_mem * GiB, host_bytes=int(prof.host_available_bytes * 0.8))
     wl = Workload(ctx_size=ctx + steps + 8, batch=batch, prompt_tokens=ctx, gen_tokens=steps + 8)
-    ov = Overrides(kv_dtype=KVDtype(kv), gpu_kv_tokens=gpu_tokens, threads=prof.physical_cores)
+    ov = Overrides(kv_dtype=KVDtype(kv), gpu_kv_tokens=gpu_tokens, threads=prof.physical_cores, sub_batches=sub_batches)
     plan = make_plan(LLAMA3_8B, prof, budget, wl, ov)
     # do what the plan says with the embedding table (the planner may keep it on the host)
     model.embed_w = model.embed_w.to(model.device if plan.placement(-1, Kind.EMBED).on_gpu else "cpu")
@@ -144,12 +146,13 @@ def main() -> None:
                         handlers=[logging.FileHandler(args.out / "offload_decode.log"), logging.StreamHandler()])
     if args.one:  # one workload in a fresh process: nothing left over from another's allocations
         prof = HardwareProfile.from_json(args.profile.read_text())
-        name, ctx, batch, kv, mem, gpu_tok = next(w for w in WORKLOADS if w[0] == args.one)
+        name, ctx, batch, kv, mem, gpu_tok, *sb = next(w for w in WORKLOADS if w[0] == args.one)
         model = _gpu_decode_bench().build_model(LLAMA3_8B)
-        row = run_workload(model, prof, name, ctx, batch, kv, mem, gpu_tok, steps=8 if args.quick else 24)
+        row = run_workload(model, prof, name, ctx, batch, kv, mem, gpu_tok, steps=8 if args.quick else 24,
+                           sub_batches=sb[0] if sb else None)
         print("ROW " + json.dumps(row))
         return
-    prof = measure(quick=args.quick)
+    prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
     (args.out / "profile.json").write_text(prof.to_json())
     log.info("profile: %s", json.dumps(prof.to_dict()))
     rows = []
