@@ -52,3 +52,13 @@ def test_batch_generation_matches_single(tiny):
     for i in range(len(prompts)):
         assert together[i][: len(alone[i])] == alone[i]
     assert not engine.cache.seqs  # every finished sequence freed its blocks
+
+
+def test_sharded_checkpoint_reads_like_a_single_file(tiny, tmp_path):
+    folder, ref = tiny("qwen2")
+    ref.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    a = hetero.load(tmp_path, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False).logits(PROMPT)
+    b = hetero.load(folder, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False).logits(PROMPT)
+    assert torch.equal(a, b)
