@@ -80,7 +80,7 @@ class PhaseTimer:
         self.t: dict[str, float] = defaultdict(float)
         for name in ("embed", "pre_attention", "post_attention", "logits"):
             setattr(eng.model, name, self._wrap(getattr(eng.model, name), name))
-        eng.cache.write_host = self._wrap(eng.cache.write_host, "kv_write")
+        eng.cache.host.write = self._wrap(eng.cache.host.write, "kv_write")
         cpu_attention.decode_attention = self._wrap(cpu_attention.decode_attention, "attention")
 
     def _wrap(self, f, key):

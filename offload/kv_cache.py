@@ -164,12 +164,8 @@ class TieredKVCache:
             r = _index(slots.gpu_rows, k.device)
             self.gpu.write(layer, torch.tensor(slots.gpu_slots, device=self.gpu.k.device), k[r], v[r])
         if slots.host_rows:
-            self.write_host(layer, slots, k[_index(slots.host_rows, k.device)].cpu(),
-                            v[_index(slots.host_rows, v.device)].cpu())
-
-    def write_host(self, layer: int, slots: Slots, k_host: torch.Tensor, v_host: torch.Tensor) -> None:
-        """Host-tier part only, k/v already in host memory [len(host_rows), Hkv, D]."""
-        self.host.write(layer, torch.tensor(slots.host_slots, dtype=torch.int64), k_host, v_host)
+            self.host.write(layer, torch.tensor(slots.host_slots, dtype=torch.int64),
+                            k[_index(slots.host_rows, k.device)].cpu(), v[_index(slots.host_rows, v.device)].cpu())
 
     # ------------------------------------------------------------------ attention inputs
     def tables(self, seqs: list[int], tier: str) -> tuple[torch.Tensor, torch.Tensor]:

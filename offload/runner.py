@@ -43,7 +43,8 @@ class Part:
     slots: Slots
     gpu_slots: torch.Tensor | None  # [n] on the pool's device
     gpu_rows: torch.Tensor | None
-    host_rows: torch.Tensor | None
+    host_rows: torch.Tensor | None  # rows whose new k/v go to the host tier (None: none, or all of them)
+    host_slots: torch.Tensor | None  # their flat host slots [n] int64
     gpu_tables: tuple[torch.Tensor, torch.Tensor] | None  # (block tables, lens) on the pool's device
     host_tables: tuple[torch.Tensor, torch.Tensor] | None  # on the host
     buf: dict[str, torch.Tensor] | None = None  # pinned staging buffers (CUDA only)
@@ -146,6 +147,7 @@ class Runner:
                      *(c.tables(ss, "gpu") if c.gpu is not None else (None, None)))
             return Part(seqs=ss, x=cap.x, pos=cap.pos, slots=sl, gpu_slots=None, gpu_rows=None,
                         host_rows=torch.tensor(sl.host_rows, device=dev) if sl.host_rows else None,
+                        host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
                         gpu_tables=None, host_tables=host_tables, cap=cap,
                         buf=self._buffers(k, b - a) if host_tables is not None else None)
         return Part(
@@ -156,6 +158,7 @@ class Runner:
             gpu_slots=torch.tensor(sl.gpu_slots, device=pdev) if sl.gpu_rows else None,
             gpu_rows=torch.tensor(sl.gpu_rows, device=dev) if sl.gpu_rows else None,
             host_rows=torch.tensor(sl.host_rows, device=dev) if sl.host_rows else None,
+            host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
             gpu_tables=gpu_tables,
             host_tables=host_tables,
             buf=self._buffers(k, b - a) if self.cuda and host_tables is not None else None,
@@ -211,9 +214,10 @@ class Runner:
     def _submit_host(self, i: int, p: Part, q, k, v, st: StepTimes):
         """Send q and the host-tier k/v down, then queue the CPU's share of layer i."""
         hr = p.host_rows
-        if not self.cuda:
-            kh = None if hr is None else k[hr]
-            vh = None if hr is None else v[hr]
+        if not self.cuda:  # on the host already; every row is host-bound on a CPU-only run
+            every = hr is not None and hr.numel() == k.shape[0]
+            kh = None if hr is None else (k if every else k[hr])
+            vh = None if hr is None else (v if every else v[hr])
             return self.worker.submit(self._host_job, i, p, None, q, kh, vh)
         B, n = q.shape[0], 0 if hr is None else hr.numel()
         buf = p.buf
@@ -238,7 +242,7 @@ class Runner:
             ready.synchronize()
         t = now()
         if kh is not None:
-            self.cache.write_host(i, p.slots, kh, vh)
+            self.cache.host.write(i, p.host_slots, kh, vh)
         o, lse = cpu_attention.decode_attention(self.cache.host, i, q.float(), *p.host_tables, self.model.scale,
                                                 threads=self.threads)
         dt = now() - t
