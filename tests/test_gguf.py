@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 import hetero
-from conftest import make_tiny, rel_err
+from conftest import rel_err
 from gguf_util import write_gguf
 from hetero.checkpoint import open_checkpoint
 

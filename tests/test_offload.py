@@ -4,7 +4,6 @@ Every path but the CUDA streams runs here: any split of a sequence's KV between 
 any swap history must give the single-tier tokens, and logits within the tier dtypes' tolerance.
 """
 import pytest
-import torch
 
 import hetero
 from conftest import rel_err
