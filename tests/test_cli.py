@@ -95,7 +95,7 @@ def test_prompt_longer_than_context():
 
 def test_piped_chat_answers_only(tmp_path):
     """The installed `hetero` command, stdin not a terminal: one answer line per input line."""
-    env = {**os.environ, "HETERO_TEMP": "0"}
+    env = {**os.environ, "HETERO_TEMPERATURE": "0"}  # every flag also reads HETERO_<LONG NAME>
     r = subprocess.run([sys.executable, str(ROOT / "cli.py"), "chat", "-n", "32"],
                        input="What is the capital of France?\n", capture_output=True, text=True, env=env,
                        timeout=600)
