@@ -17,34 +17,15 @@ import torch
 
 from gpu_ops.attention import AttnKernel, decode_attention, prefill_attention
 from gpu_ops.kv_pool import GpuKVPool
-from hetero.model import Model, Rope
+from hetero.model import Model
 
 log = logging.getLogger(__name__)
-
-
-class NoSyncRope:
-    """`Model.rope` with its tables grown up front: a call never reads `pos` back to the host.
-
-    Same arithmetic as `hetero.model.Rope.__call__`; positions must stay below `max_pos`.
-    """
-
-    def __init__(self, rope: Rope, max_pos: int):
-        d = rope.cos.shape[-1]
-        if rope.cos.shape[0] < max_pos:
-            rope(torch.zeros(1, 1, d, device=rope.device), torch.tensor([max_pos - 1], device=rope.device))
-        self.cos, self.sin = rope.cos, rope.sin
-
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
-        h = x.shape[-1] // 2
-        rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-        return (x.float() * cos + rot.float() * sin).to(x.dtype)
 
 
 def no_sync_view(model: Model, max_pos: int) -> Model:
     """A shallow copy of `model` (same weights) whose RoPE never syncs, for positions < max_pos."""
     view = copy.copy(model)
-    view.rope = NoSyncRope(model.rope, max_pos)
+    view.rope = model.rope.fixed(max_pos)
     return view
 
 

@@ -7,6 +7,7 @@ same math runs over dense, int8 or 4-bit weights on either device.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -75,6 +76,7 @@ class Rope:
         self.inv_freq = inv
         self.device = device
         self.cos = self.sin = torch.empty(0, d, device=device)
+        self.frozen = False  # tables fixed in size: no growth check, so no host sync (CUDA graphs)
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self.cos.shape[0], 256)
@@ -86,9 +88,18 @@ class Rope:
 
     def tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D], grown to cover every position in pos [N]."""
-        if self.cos.shape[0] <= int(pos.max()):
+        if not self.frozen and self.cos.shape[0] <= int(pos.max()):
             self._grow(int(pos.max()) + 1)
         return self.cos, self.sin
+
+    def fixed(self, max_pos: int) -> "Rope":
+        """A copy whose tables cover positions < max_pos and never grow: calling it reads nothing
+        back to the host, so it can be captured in a CUDA graph."""
+        if self.cos.shape[0] < max_pos:
+            self._grow(max_pos)
+        frozen = copy.copy(self)
+        frozen.frozen = True
+        return frozen
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [N, heads, D], pos [N] → rotated x."""

@@ -12,14 +12,13 @@ the pool's scratch block, and a sequence with no device-tier tokens gets lse −
 """
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
 
 from cpu_attention.merge import merge_attention
 from gpu_ops.attention import decode_attention
-from gpu_ops.decode_step import NoSyncRope
+from gpu_ops.decode_step import no_sync_view
 from hetero.model import Model
 from offload.kv_cache import TieredKVCache
 
@@ -101,8 +100,7 @@ class SegmentGraphs:
     """Captured layer segments per (sub-batch slot, batch size), built on first use."""
 
     def __init__(self, model: Model, cache: TieredKVCache, max_pos: int):
-        self.model = copy.copy(model)  # shares the weights; its RoPE never syncs with the host
-        self.model.rope = NoSyncRope(model.rope, max_pos)
+        self.model = no_sync_view(model, max_pos)  # same weights; its RoPE never syncs with the host
         self.cache, self.max_pos = cache, max_pos
         self._sets: dict[tuple[int, int], Captured] = {}
 
