@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 from cpu_attention import HostKVPool, KVDtype, decode_attention, decode_attention_ref, physical_cores  # noqa: E402
 from cpu_attention import decode as decode_mod  # noqa: E402
+from cpu_attention._numba import dram_read_gbps  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 SHAPES = [(1, 32768), (16, 4096)]
@@ -46,22 +47,6 @@ LOG: list[str] = []
 def log(msg: str = "") -> None:
     print(msg, flush=True)
     LOG.append(msg)
-
-
-@numba.njit(parallel=True, nogil=True, fastmath=True)
-def _sum(x):
-    acc = 0.0
-    for i in numba.prange(x.size):
-        acc += x[i]
-    return acc
-
-
-def dram_read_gbps(threads: int) -> float:
-    numba.set_num_threads(threads)
-    x = np.ones(2**29, np.float32)  # 2 GiB
-    _sum(x)
-    best = min(_timed(lambda: _sum(x)) for _ in range(5))
-    return x.nbytes / best / 1e9
 
 
 @numba.njit(parallel=True, nogil=True)
@@ -246,7 +231,8 @@ def main() -> None:
     first, second = jit_times() if not args.no_jit else ({}, {})
     log(f"JIT first process (cold cache): {first}")
     log(f"JIT second process (from cache): {second}")
-    dram = dram_read_gbps(threads)
+    numba.set_num_threads(threads)
+    dram = dram_read_gbps(2**31)
     log(f"DRAM read (numba parallel sum over 2 GiB, {threads} threads): {dram:.1f} GB/s")
     writes = {dt.value: write_cost(dt) for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4)}
     log("HostKVPool.write per call, one token: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in writes.items()))

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cpu_attention  # noqa: E402
+from cpu_attention._numba import dram_read_gbps  # noqa: E402
 import hetero  # noqa: E402
 from hetero.engine import Engine, Sequence  # noqa: E402
 
@@ -40,25 +41,6 @@ LOG: list[str] = []
 def log(msg: str = "") -> None:
     print(msg, flush=True)
     LOG.append(msg)
-
-
-@numba.njit(parallel=True, nogil=True, fastmath=True)
-def _sum(x):
-    acc = 0.0
-    for i in numba.prange(x.size):
-        acc += x[i]
-    return acc
-
-
-def dram_read_gbps() -> float:
-    x = np.ones(2**28, np.float32)  # 1 GiB, far beyond the last-level cache
-    _sum(x)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        _sum(x)
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
 
 
 def weight_bytes(eng: Engine) -> int:
@@ -134,7 +116,7 @@ def main() -> None:
     log(f"hetero CPU decode bench | {os.uname().machine}, {len(os.sched_getaffinity(0))} cpus, threads {threads}, "
         f"torch {torch.__version__}, numba {numba.__version__} ({numba.config.THREADING_LAYER} layer)")
     log(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    dram = dram_read_gbps()
+    dram = dram_read_gbps(2**30)
     log(f"DRAM read: {dram:.1f} GB/s (Numba parallel sum over 1 GiB)")
 
     t = time.perf_counter()

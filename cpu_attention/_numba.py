@@ -182,3 +182,27 @@ def prefetch(typingctx, arr, index):
         return context.get_dummy_value()
 
     return types.void(arr, index), codegen
+
+
+@numba.njit(parallel=True, nogil=True, fastmath=True, cache=True)
+def _sum(x):
+    acc = 0.0
+    for i in numba.prange(x.size):
+        acc += x[i]
+    return acc
+
+
+def dram_read_gbps(nbytes: int = 2**30, reps: int = 5) -> float:
+    """Host DRAM read bandwidth on Numba's current threads: a parallel sum over `nbytes`, best of reps.
+
+    The bound the decode kernels are measured against (benchmarks print it in the same run)."""
+    import time
+
+    x = np.ones(nbytes // 4, np.float32)
+    _sum(x)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        _sum(x)
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best / 1e9

@@ -18,7 +18,6 @@ log = logging.getLogger(__name__)
 
 # End-of-turn markers of common chat templates; one is a stop token when the template uses it.
 _TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
-# Roles' contents that make a template render the generation prompt for checking stop tokens.
 
 
 class Tokenizer:

@@ -69,7 +69,7 @@ class Runner:
         self.metrics = Metrics()
         self.spans = GpuSpans(detailed_timing and self.cuda)
         self.xfer = GpuSpans(detailed_timing and self.cuda)
-        self._bufs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._bufs: dict[int, dict[str, torch.Tensor]] = {}
         # the all-GPU graph decoder embeds inside its graph: only when the table is on the device
         self.graphs = graphs and self.cuda and cache.gpu is not None and model.embed_w.device == model.device
         self.max_batch = max_batch
@@ -256,14 +256,14 @@ class Runner:
     def _buffers(self, k: int, B: int) -> dict[str, torch.Tensor]:
         """Pinned staging buffers for sub-batch slot k, grown to at least B rows."""
         c = self.cfg
-        have = self._bufs.get((k, 0))
+        have = self._bufs.get(k)
         if have is None or have["q"].shape[0] < B:
             n = max(B, 8)
             mk = lambda *s: torch.empty(*s, dtype=torch.float32, pin_memory=True)  # noqa: E731
             have = dict(q=mk(n, c.num_heads, c.head_dim), o=mk(n, c.num_heads, c.head_dim),
                         lse=mk(n, c.num_heads), k=mk(n, c.num_kv_heads, c.head_dim),
                         v=mk(n, c.num_kv_heads, c.head_dim))
-            self._bufs[(k, 0)] = have
+            self._bufs[k] = have
         return have
 
     def _record(self, st: StepTimes) -> None:
