@@ -395,38 +395,63 @@ def chunk_tokens(seq_lens: np.ndarray, num_kv_heads: int, block_size: int, threa
     return -(-chunk // block_size) * block_size
 
 
+class DecodeWork:
+    """What one decode step's host-tier attention needs besides q, computed once and reused by
+    every layer: block tables and lengths as numpy, the work items, the thread count."""
+
+    def __init__(self, pool: HostKVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 threads: int | None = None):
+        self.threads = resolve_threads(threads)
+        self.bt = block_tables.detach().to(torch.int32).contiguous().numpy()  # [B, max_blocks]
+        self.lens = seq_lens.detach().to(torch.int64).contiguous().numpy()  # [B]
+        chunk = chunk_tokens(self.lens, pool.num_kv_heads, pool.block_size, self.threads)
+        self.items, self.pair_start = _plan(self.lens, pool.num_kv_heads, chunk)
+
+
 def decode_attention(
     pool: HostKVPool,
     layer: int,
     q: torch.Tensor,  # [B, Hq, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B]
+    block_tables: torch.Tensor | None,  # [B, max_blocks] int32 (None: given by work)
+    seq_lens: torch.Tensor | None,  # [B]
     scale: float,
     threads: int | None = None,
+    work: DecodeWork | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over its host-tier tokens → (out [B,Hq,D] f32, lse [B,Hq] f32).
 
+    work: the step's DecodeWork (tables, lengths, threads), so the layers of one step share it;
+    out: float32 tensors [B, Hq, D], [B, Hq] to write into (e.g. pinned staging buffers).
     Safe to call from a worker thread: the kernel runs without the GIL.
     """
     B, Hq, D = q.shape
     Hkv = pool.num_kv_heads
     if D != pool.head_dim or Hq % Hkv:
         raise ValueError(f"q {tuple(q.shape)} does not fit the pool (Hkv {Hkv}, D {pool.head_dim})")
-    n_threads = resolve_threads(threads)
+    if pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
+        if work is not None:
+            block_tables, seq_lens = torch.from_numpy(work.bt), torch.from_numpy(work.lens)
+        o, lse = decode_attention_ref(pool, layer, q, block_tables, seq_lens, scale)
+        if out is None:
+            return o, lse
+        out[0].copy_(o)
+        out[1].copy_(lse)
+        return out
+    if work is None:
+        work = DecodeWork(pool, block_tables, seq_lens, threads)
+    else:
+        resolve_threads(work.threads)  # thread counts are per calling thread in Numba
     qs = q.detach().to(torch.float32) * scale
     if pool.dtype is KVDtype.INT4:
         qs = torch.cat([qs[..., 0::2], qs[..., 1::2]], dim=-1)
     qn = qs.contiguous().numpy()
-    bt = block_tables.detach().to(torch.int32).contiguous().numpy()
-    sl = seq_lens.detach().to(torch.int64).contiguous().numpy()
-    items, pair_start = _plan(sl, Hkv, chunk_tokens(sl, Hkv, pool.block_size, n_threads))
-    out = torch.empty((B, Hq, D), dtype=torch.float32)
-    lse = torch.empty((B, Hq), dtype=torch.float32)
-    on, ln = out.numpy(), lse.numpy()
+    o, lse = out if out is not None else (torch.empty((B, Hq, D), dtype=torch.float32),
+                                         torch.empty((B, Hq), dtype=torch.float32))
+    on, ln = o.numpy(), lse.numpy()
+    bt, items, pair_start = work.bt, work.items, work.pair_start
     if pool.dtype is KVDtype.BF16:
         decode_float(_u16(pool.k[layer]), _u16(pool.v[layer]), qn, bt, items, pair_start, on, ln)
-    elif pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
-        return decode_attention_ref(pool, layer, q, block_tables, seq_lens, scale)
     elif pool.dtype is KVDtype.INT8:
         decode_int8(pool.k[layer].numpy(), pool.v[layer].numpy(), pool.k_scale[layer].numpy(),
                     pool.v_scale[layer].numpy(), qn, bt, items, pair_start, on, ln)
@@ -434,6 +459,6 @@ def decode_attention(
         decode_int4(pool.k[layer].numpy(), pool.v[layer].numpy(), _u16(pool.k_scale[layer]),
                     _u16(pool.v_scale[layer]), _u16(pool.k_zero[layer]), _u16(pool.v_zero[layer]),
                     qn, bt, items, pair_start, on, ln, HALF_GROUP)
-        perm = out.clone()
-        out[..., 0::2], out[..., 1::2] = perm[..., : D // 2], perm[..., D // 2:]
-    return out, lse
+        perm = o.clone()
+        o[..., 0::2], o[..., 1::2] = perm[..., : D // 2], perm[..., D // 2:]
+    return o, lse

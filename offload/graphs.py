@@ -1,11 +1,12 @@
 """Each layer's two GPU segments of a split decode step, captured as CUDA graphs.
 
-    pre(i):  x → pre_attention → q, k, v; the new k/v into the device tier; the device tier's
-             attention → (o_g, lse_g)
+    pre(i):  x → pre_attention → q, k, v; the new k/v into the device tier
+    attn(i): the device tier's attention → (o_g, lse_g)  (only with a device tier)
     post(i): merge with the host's (o_c, lse_c) → post_attention → x
 
-Between the two, outside any graph, q and the host-tier k/v go down, the CPU attends, and
-(o_c, lse_c) come up. A step then costs 2 graph launches a layer instead of ~40 kernel
+Between pre and attn, outside any graph, q and the host-tier k/v are queued down on the copy
+stream, so they leave as soon as pre is done and the CPU attends while attn runs; then
+(o_c, lse_c) come up. A step costs 2–3 graph launches a layer instead of ~40 kernel
 launches from Python. Inputs and outputs live in static buffers, one set per (sub-batch
 slot, batch size); new tokens whose KV goes to the host write their device-tier copy into
 the pool's scratch block, and a sequence with no device-tier tokens gets lse −inf there.
@@ -43,18 +44,22 @@ class Captured:
             self.tables = torch.full((B, width), self.gpu.scratch_block, dtype=torch.int32, device=dev)
             self.lens = z(B, dtype=torch.int32)
         self.pre: list[torch.cuda.CUDAGraph] = []
+        self.attn: list[torch.cuda.CUDAGraph] = []  # empty without a device tier
         self.post: list[torch.cuda.CUDAGraph] = []
-        self.outs: list[tuple] = []
+        self.outs: list[tuple] = []  # per layer (q, k, v), pre's static outputs
         for i in range(c.num_layers):
             self._capture(i, mempool)
 
     def _pre(self, i: int):
         q, k, v = self.model.pre_attention(i, self.x, self.pos)
-        og = lg = None
         if self.gpu is not None:
             self.gpu.write(i, self.slots, k, v)  # host-bound rows land in the scratch block
-            og, lg = decode_attention(self.gpu, i, q, self.tables, self.lens, self.model.scale)
-        return q, k, v, og, lg
+        return q, k, v
+
+    def _attn(self, i: int, q):
+        if self.gpu is None:
+            return None, None
+        return decode_attention(self.gpu, i, q, self.tables, self.lens, self.model.scale)
 
     def _post(self, i: int, og, lg):
         o = self.o_c if og is None else merge_attention(og, lg, self.o_c, self.lse_c)[0]
@@ -64,17 +69,22 @@ class Captured:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the graph (Triton compiles, cuBLAS handles)
-            outs = self._pre(i)
-            self._post(i, outs[3], outs[4])
+            q, k, v = self._pre(i)
+            self._post(i, *self._attn(i, q))
         torch.cuda.current_stream().wait_stream(side)
-        g_pre, g_post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        g_pre, g_attn, g_post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(g_pre, pool=mempool):
-            outs = self._pre(i)
+            q, k, v = self._pre(i)
+        og = lg = None
+        if self.gpu is not None:
+            with torch.cuda.graph(g_attn, pool=mempool):
+                og, lg = self._attn(i, q)
+            self.attn.append(g_attn)
         with torch.cuda.graph(g_post, pool=mempool):
-            self._post(i, outs[3], outs[4])
+            self._post(i, og, lg)
         self.pre.append(g_pre)
         self.post.append(g_post)
-        self.outs.append(outs)
+        self.outs.append((q, k, v))
 
     def load(self, x: torch.Tensor, pos: torch.Tensor, gpu_rows: list[int], gpu_slots: list[int],
              tables: torch.Tensor | None, lens: torch.Tensor | None) -> None:

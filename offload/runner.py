@@ -2,12 +2,13 @@
 
 Decode, per layer and sub-batch (DESIGN.md "one decode step"):
   start:  pre_attention (device) → new k/v into their tiers → q (and host-tier k/v) down on the
-          copy stream → the CPU worker attends over the host blocks (Numba, off the GIL)
-          while the device attends over its own blocks
+          copy stream → the device attends over its own blocks (queued) → the CPU attends over
+          the host blocks (Numba, off the GIL) meanwhile
   finish: wait for the CPU's (o, lse) → up → merge by log-sum-exp → post_attention (device)
 With two sub-batches the loop is skewed so the device runs one sub-batch's projections and MLP
-while the CPU attends for the other (NEO / APEX); with one, the device's share of attention
-overlaps the CPU's.
+while the CPU attends for the other (NEO / APEX): the CPU's share runs on the worker thread.
+With one, the main thread would only wait for the worker, so it runs the CPU's share itself
+while the device's share of attention (already queued) runs.
 
 Prefill runs layer by layer over the whole new chunk of a sequence: this layer's earlier KV
 (both tiers) is gathered to the device once, the new tokens attend to it and causally to
@@ -51,6 +52,8 @@ class Part:
     gpu_out: tuple[torch.Tensor, torch.Tensor] | None = None
     job: object = None
     cap: Captured | None = None  # this sub-batch's captured layer segments (CUDA graphs)
+    work: cpu_attention.DecodeWork | None = None  # the host tier's attention plan for this step
+    inline: bool = False  # the CPU's share runs in the main thread (one sub-batch)
 
 
 class Runner:
@@ -90,6 +93,8 @@ class Runner:
             self._record(st)
             return logits
         parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
+        for p in parts:
+            p.inline = len(parts) == 1
         L = self.cfg.num_layers
         for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
             for p in parts:
@@ -138,8 +143,10 @@ class Runner:
         if c.gpu is not None and any(c.seqs[s].gpu.num_tokens for s in ss):
             bt, lens = c.tables(ss, "gpu")
             gpu_tables = (bt.to(c.gpu.k.device), lens.to(c.gpu.k.device))
+        work = None
         if any(c.seqs[s].host.num_tokens for s in ss):
             host_tables = c.tables(ss, "host")
+            work = cpu_attention.DecodeWork(c.host, *host_tables, self.threads)
         pdev = c.gpu.k.device if c.gpu is not None else dev
         if self.segments is not None and b - a <= SegmentGraphs.MAX_ROWS:
             cap = self.segments.get(k, b - a)
@@ -148,7 +155,7 @@ class Runner:
             return Part(seqs=ss, x=cap.x, pos=cap.pos, slots=sl, gpu_slots=None, gpu_rows=None,
                         host_rows=torch.tensor(sl.host_rows, device=dev) if sl.host_rows else None,
                         host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
-                        gpu_tables=None, host_tables=host_tables, cap=cap,
+                        gpu_tables=None, host_tables=host_tables, cap=cap, work=work,
                         buf=self._buffers(k, b - a) if host_tables is not None else None)
         return Part(
             seqs=ss,
@@ -161,6 +168,7 @@ class Runner:
             host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
             gpu_tables=gpu_tables,
             host_tables=host_tables,
+            work=work,
             buf=self._buffers(k, b - a) if self.cuda and host_tables is not None else None,
         )
 
@@ -168,19 +176,19 @@ class Runner:
         span = self.spans.begin()
         if p.cap is not None:
             p.cap.pre[i].replay()
-            q, k, v, _, _ = p.cap.outs[i]
-            if p.host_tables is not None:
-                p.job = self._submit_host(i, p, q, k, v, st)
-            self.spans.end(span)
-            return
-        q, k, v = self.model.pre_attention(i, p.x, p.pos)
-        if p.gpu_rows is not None:
-            self.cache.gpu.write(i, p.gpu_slots, k[p.gpu_rows], v[p.gpu_rows])
-        if p.host_tables is not None:
-            p.job = self._submit_host(i, p, q, k, v, st)
-        if p.gpu_tables is not None:
+            q, k, v = p.cap.outs[i]
+        else:
+            q, k, v = self.model.pre_attention(i, p.x, p.pos)
+            if p.gpu_rows is not None:
+                self.cache.gpu.write(i, p.gpu_slots, k[p.gpu_rows], v[p.gpu_rows])
+        down = self._send_down(p, q, k, v, st) if p.host_tables is not None else None
+        if p.cap is not None and p.cap.attn:
+            p.cap.attn[i].replay()
+        elif p.cap is None and p.gpu_tables is not None:
             p.gpu_out = gpu_attention.decode_attention(self.cache.gpu, i, q, *p.gpu_tables, self.model.scale)
         self.spans.end(span)
+        if down is not None:
+            p.job = self.worker.submit(self._host_job, i, p, *down, inline=p.inline)
 
     def _finish(self, i: int, p: Part, st: StepTimes) -> None:
         o = lse = None
@@ -211,14 +219,14 @@ class Runner:
         p.x = self.model.post_attention(i, p.x, o.to(self.dev, p.x.dtype))
         self.spans.end(span)
 
-    def _submit_host(self, i: int, p: Part, q, k, v, st: StepTimes):
-        """Send q and the host-tier k/v down, then queue the CPU's share of layer i."""
+    def _send_down(self, p: Part, q, k, v, st: StepTimes):
+        """Queue q and the host-bound new k/v down on the copy stream → (ready event, q, k, v) on the host."""
         hr = p.host_rows
         if not self.cuda:  # on the host already; every row is host-bound on a CPU-only run
             every = hr is not None and hr.numel() == k.shape[0]
             kh = None if hr is None else (k if every else k[hr])
             vh = None if hr is None else (v if every else v[hr])
-            return self.worker.submit(self._host_job, i, p, None, q, kh, vh)
+            return None, q, kh, vh
         B, n = q.shape[0], 0 if hr is None else hr.numel()
         buf = p.buf
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.dev))
@@ -232,26 +240,21 @@ class Runner:
             ready = torch.cuda.Event()
             ready.record(self.copy_stream)
         st.d2h_bytes += (q.numel() + 2 * n * k.shape[1] * k.shape[2]) * 4
-        return self.worker.submit(self._host_job, i, p, ready, buf["q"][:B],
-                                  buf["k"][:n] if n else None, buf["v"][:n] if n else None)
+        return ready, buf["q"][:B], buf["k"][:n] if n else None, buf["v"][:n] if n else None
 
     @torch.inference_mode()  # thread-local: the worker needs its own
     def _host_job(self, i: int, p: Part, ready, q, kh, vh):
-        """Runs on the CPU worker: append the host-tier k/v, attend over the host blocks."""
+        """Runs on the CPU worker (or inline): append the host-tier k/v, attend over the host blocks."""
         if ready is not None:
             ready.synchronize()
         t = now()
         if kh is not None:
             self.cache.host.write(i, p.host_slots, kh, vh)
-        o, lse = cpu_attention.decode_attention(self.cache.host, i, q.float(), *p.host_tables, self.model.scale,
-                                                threads=self.threads)
-        dt = now() - t
-        if p.buf is not None:  # pinned, so the copy up is a true async DMA
-            B = o.shape[0]
-            p.buf["o"][:B].copy_(o)
-            p.buf["lse"][:B].copy_(lse)
-            o, lse = p.buf["o"][:B], p.buf["lse"][:B]
-        return o, lse, dt
+        B = q.shape[0]
+        out = (p.buf["o"][:B], p.buf["lse"][:B]) if p.buf is not None else None  # pinned: the copy up is a true async DMA
+        o, lse = cpu_attention.decode_attention(self.cache.host, i, q.float(), None, None, self.model.scale,
+                                                work=p.work, out=out)
+        return o, lse, now() - t
 
     def _buffers(self, k: int, B: int) -> dict[str, torch.Tensor]:
         """Pinned staging buffers for sub-batch slot k, grown to at least B rows."""
