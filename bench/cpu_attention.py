@@ -223,21 +223,24 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also try items per thread and dynamic chunking")
     ap.add_argument("--no-jit", action="store_true", help="skip the fresh-process JIT timing")
+    ap.add_argument("--dtypes", default="bf16,int8,int4", help="comma-separated KV dtypes to measure")
     args = ap.parse_args()
+    dtypes = [KVDtype(d) for d in args.dtypes.split(",")]
     threads = args.threads or physical_cores()
     gen = torch.Generator().manual_seed(0)
     log(f"cpu_attention bench: {os.cpu_count()} logical cpus, {physical_cores()} physical, threads {threads}, "
         f"numba {numba.__version__}, torch {torch.__version__}")
+    log(f"numba CPU features: {numba.config.CPU_FEATURES or 'host default'}")
     first, second = jit_times() if not args.no_jit else ({}, {})
     log(f"JIT first process (cold cache): {first}")
     log(f"JIT second process (from cache): {second}")
     numba.set_num_threads(threads)
     dram = dram_read_gbps(2**31)
     log(f"DRAM read (numba parallel sum over 2 GiB, {threads} threads): {dram:.1f} GB/s")
-    writes = {dt.value: write_cost(dt) for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4)}
+    writes = {dt.value: write_cost(dt) for dt in dtypes}
     log("HostKVPool.write per call, one token: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in writes.items()))
     diag = {}
-    for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):
+    for dt in dtypes:
         ns1, _ = in_cache(dt, 1, 2048, gen)
         _, gb = in_cache(dt, threads, 8192, gen)
         diag[dt.value] = {"ns_per_token_head_1thread_cached": ns1, "GBps_all_threads_cached": gb}
@@ -256,7 +259,7 @@ def main() -> None:
         numba.set_parallel_chunksize(0)
     rows = []
     for B, n in SHAPES:
-        for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):
+        for dt in dtypes:
             r = bench_kernel(dt, B, n, threads, args.reps, gen)
             r["ratio_vs_dram"] = r["GBps"] / dram
             rows.append(r)

@@ -152,7 +152,9 @@ def main() -> None:
                            sub_batches=sb[0] if sb else None)
         print("ROW " + json.dumps(row))
         return
+    t = time.perf_counter()
     prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
+    log.info("hardware profile took %.1f s%s", time.perf_counter() - t, " (loaded)" if args.profile else "")
     (args.out / "profile.json").write_text(prof.to_json())
     log.info("profile: %s", json.dumps(prof.to_dict()))
     rows = []
