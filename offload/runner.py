@@ -27,6 +27,7 @@ from gpu_ops import attention as gpu_attention
 from hetero.model import Model
 from offload.graphs import Captured, SegmentGraphs
 from offload.kv_cache import Slots, TieredKVCache
+from offload.stream import KVStreamer
 from offload.timers import GpuSpans, Metrics, StepTimes, now
 from offload.worker import CpuWorker
 
@@ -54,14 +55,18 @@ class Part:
     cap: Captured | None = None  # this sub-batch's captured layer segments (CUDA graphs)
     work: cpu_attention.DecodeWork | None = None  # the host tier's attention plan for this step
     inline: bool = False  # the CPU's share runs in the main thread (one sub-batch)
+    streamed: bool = False  # the device attends over the host tier's first blocks (KVStreamer)
+    stream_out: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Runner:
     def __init__(self, model: Model, cache: TieredKVCache, threads: int | None = None,
                  sub_batches: int | None = None, detailed_timing: bool = False, max_batch: int = 1,
-                 graphs: bool = True, max_context: int | None = None):
+                 graphs: bool = True, max_context: int | None = None, stream_tokens: int = 0):
         """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows);
-        max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes)."""
+        max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes);
+        stream_tokens: at batch 1, how many of the host tier's first tokens the device attends over
+        after copying them up each step (see offload/stream.py)."""
         self.model, self.cache, self.threads = model, cache, threads
         self.cfg = model.cfg
         self.dev = model.device
@@ -78,6 +83,10 @@ class Runner:
         self.max_batch = max_batch
         self._graph_decoder = None
         self.segments = None  # per-layer CUDA graphs of the split step
+        self.streamer = None
+        if stream_tokens >= cache.block_size:
+            dt = torch.float32 if cache.host.dtype is cpu_attention.KVDtype.F32 else torch.bfloat16
+            self.streamer = KVStreamer(cache.host, stream_tokens, self.dev, dt)
         if graphs and SegmentGraphs.supported(model):
             self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings)
 
@@ -95,6 +104,8 @@ class Runner:
         parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
         for p in parts:
             p.inline = len(parts) == 1
+        if self.streamer is not None and len(seqs) == 1 and parts[0].host_tables is not None:
+            self._begin_stream(parts[0])
         L = self.cfg.num_layers
         for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
             for p in parts:
@@ -103,6 +114,8 @@ class Runner:
                 if i < L:
                     self._start(i, p, st)
         logits = torch.cat([self.model.logits(p.x) for p in parts])  # a captured x is exactly [B, H]
+        if any(p.streamed for p in parts):
+            st.h2d_bytes += self.streamer.bytes_up
         if self.cuda:
             torch.cuda.synchronize(self.dev)
             st.gpu, st.transfer = self.spans.total_s(), self.xfer.total_s()
@@ -172,6 +185,21 @@ class Runner:
             buf=self._buffers(k, b - a) if self.cuda and host_tables is not None else None,
         )
 
+    def _begin_stream(self, p: Part) -> None:
+        """Give the host tier's first full blocks to the streamer (capped by the plan), the rest to the CPU."""
+        c, sv = self.cache, self.streamer
+        blocks = c.seqs[p.seqs[0]].host.blocks
+        n = min(sv.max_blocks, len(blocks) - 1)  # the last block takes this step's token: the CPU's
+        if n < 1:
+            return
+        sv.begin(blocks[:n])
+        bt, lens = p.host_tables
+        p.host_tables = (bt[:, n:], lens - n * c.block_size)
+        p.work = cpu_attention.DecodeWork(c.host, *p.host_tables, self.threads)
+        p.streamed = True
+        for layer in range(min(2, self.cfg.num_layers)):
+            sv.prefetch(layer)
+
     def _start(self, i: int, p: Part, st: StepTimes) -> None:
         span = self.spans.begin()
         if p.cap is not None:
@@ -186,6 +214,10 @@ class Runner:
             p.cap.attn[i].replay()
         elif p.cap is None and p.gpu_tables is not None:
             p.gpu_out = gpu_attention.decode_attention(self.cache.gpu, i, q, *p.gpu_tables, self.model.scale)
+        if p.streamed:
+            p.stream_out = self.streamer.attend(i, q, self.model.scale)
+            if i + 2 < self.cfg.num_layers:
+                self.streamer.prefetch(i + 2)
         self.spans.end(span)
         if down is not None:
             p.job = self.worker.submit(self._host_job, i, p, *down, inline=p.inline)
@@ -208,14 +240,17 @@ class Runner:
                 self.xfer.end(xs)
         span = self.spans.begin()
         if p.cap is not None:
+            if p.stream_out is not None:  # the post graph merges with the device tier; the streamed share joins first
+                o_m, lse_m = merge_attention(*p.stream_out, p.cap.o_c, p.cap.lse_c)
+                p.cap.o_c.copy_(o_m)
+                p.cap.lse_c.copy_(lse_m)
             p.cap.post[i].replay()
-            p.job = None
+            p.job = p.stream_out = None
             self.spans.end(span)
             return
-        if p.gpu_out is not None:
-            o_g, lse_g = p.gpu_out
+        for o_g, lse_g in (x for x in (p.gpu_out, p.stream_out) if x is not None):
             o, lse = (o_g, lse_g) if o is None else merge_attention(o_g, lse_g, o.to(o_g.device), lse.to(o_g.device))
-        p.job = p.gpu_out = None
+        p.job = p.gpu_out = p.stream_out = None
         p.x = self.model.post_attention(i, p.x, o.to(self.dev, p.x.dtype))
         self.spans.end(span)
 
