@@ -4,6 +4,7 @@
 # tests:   the GPU tests (default: offload + gpu_ops)
 # attn:    bench/cpu_attention.py for bf16 and int8, first as the engine runs it, then again with
 #          Numba's default CPU features (256-bit vectors on AVX-512 Xeons): the A/B of 512-bit vectors
+# probe:   bench/pcie_probe.py (host→device copy rates from a large pinned pool, beside the CPU kernels)
 # offload: bench/offload_decode.py (BENCH_ARGS passed through, e.g. --only "8k bf16,32k int8")
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,8 +20,10 @@ lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|L3|Flags" | cut -c1-300
 for stage in $STAGES; do
   case $stage in
     tests)
-      tests=${*:-tests/test_offload_gpu.py tests/test_gpu_ops.py}
-      timeout 240 python3 -m pytest -q -m gpu $tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      [ $# -gt 0 ] || set -- tests/test_offload_gpu.py tests/test_gpu_ops.py
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    probe)
+      timeout 120 python3 bench/pcie_probe.py 2>&1 | tee "$OUT/pcie_probe.log" ;;
     attn)
       mkdir -p "$OUT/attn512" "$OUT/attn256"
       timeout 200 python3 bench/cpu_attention.py --no-jit --reps 10 --dtypes ${ATTN_DTYPES:-bf16,int8} --out "$OUT/attn512" \

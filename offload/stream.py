@@ -23,6 +23,9 @@ from gpu_ops import attention as gpu_attention
 from gpu_ops.kv_pool import GpuKVPool
 
 _PARTS = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
+# Copies go up in pieces of at most this: the copy engine serves streams in submission order, and
+# the (o, lse) upload the next layer waits for must not queue behind a whole layer's KV.
+PIECE_BYTES = 2 * 2**20
 
 
 def runs(blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -88,8 +91,11 @@ class KVStreamer:
     def _copy(self, layer: int, raw: dict[str, torch.Tensor]) -> None:
         for name, dst in raw.items():
             src = getattr(self.host, name)[layer]
+            per = max(1, PIECE_BYTES // (src[0].numel() * src.element_size()))  # blocks a piece
             for first, at, n in self._runs:
-                dst[at:at + n].copy_(src[first:first + n], non_blocking=True)
+                for j in range(0, n, per):
+                    m = min(per, n - j)
+                    dst[at + j:at + j + m].copy_(src[first + j:first + j + m], non_blocking=True)
                 self.bytes_up += src[first:first + n].numel() * src.element_size()
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
