@@ -73,6 +73,7 @@ class Nf4Kernel(str, enum.Enum):
     AUTO = "auto"  # cuda: bitsandbytes (the fastest measured); cpu: torch
     BNB = "bnb"  # bitsandbytes' CUDA kernels (gemv for 1 row, gemm / dequant + cuBLAS above)
     TRITON = "triton"  # gpu_ops.nf4_triton: one-row gemv, else fused dequant + tensor-core matmul
+    GEMV = "gemv"  # gpu_ops.nf4_gemv for ≤ 8 rows (decode), bitsandbytes above
     TORCH = "torch"  # dequantize, then F.linear: the reference, and the CPU path
 
 
@@ -143,6 +144,15 @@ def _bnb_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     return bnb.matmul_4bit(x.to(lin.compute_dtype), lin.packed.view(-1, 1), quant_state=lin.bnb_state(), bias=b)
 
 
+def _gemv_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
+    from gpu_ops.nf4_gemv import MAX_ROWS, nf4_gemv
+
+    if x.shape[0] > MAX_ROWS or lin.in_features % BLOCK:
+        return _bnb_linear(lin, x)
+    y = nf4_gemv(x, lin.packed, lin.absmax, lin.shape)
+    return y if lin.bias is None else y + lin.bias.to(y.dtype)
+
+
 def _triton_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     from gpu_ops.nf4_triton import nf4_gemv, nf4_matmul
 
@@ -151,7 +161,8 @@ def _triton_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     return y if lin.bias is None else y + lin.bias.to(y.dtype)
 
 
-_KERNELS = {Nf4Kernel.TORCH: _torch_linear, Nf4Kernel.BNB: _bnb_linear, Nf4Kernel.TRITON: _triton_linear}
+_KERNELS = {Nf4Kernel.TORCH: _torch_linear, Nf4Kernel.BNB: _bnb_linear, Nf4Kernel.TRITON: _triton_linear,
+            Nf4Kernel.GEMV: _gemv_linear}
 
 
 def nf4_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device,
