@@ -65,7 +65,7 @@ def _time(fn_of_copy, copies) -> float:
     return 1e3 * graph_ms(lambda: fn_of_copy(copies[next(it) % len(copies)]), calls=len(copies) * 4)
 
 
-def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool) -> list[dict]:
+def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=lambda rows: None) -> list[dict]:
     res = []
     for name, (n, k) in SHAPES.items():
         copies = [nf4_linear(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02, None, DEV)
@@ -92,6 +92,7 @@ def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool) -> lis
                 row["best"] = min(ours, key=ours.get)
                 row["best_us"] = ours[row["best"]]
             res.append(row)
+            save(res)
             log.info("linear %s", json.dumps(row))
         del copies
         torch.cuda.empty_cache()
@@ -129,8 +130,8 @@ def main() -> None:
     res["check"] = check(decodes)
     res["check_s"] = time.perf_counter() - t0
     (args.out / "nf4_gemv.json").write_text(json.dumps(res, indent=1))
-    res["linears"] = shape_table([int(r) for r in args.rows.split(",")], decodes, args.sweep)
-    (args.out / "nf4_gemv.json").write_text(json.dumps(res, indent=1))
+    save = lambda rows: (args.out / "nf4_gemv.json").write_text(json.dumps({**res, "linears": rows}, indent=1))  # noqa: E731
+    res["linears"] = shape_table([int(r) for r in args.rows.split(",")], decodes, args.sweep, save)
     if args.step:
         res["decode"] = step_cases(hbm)
         (args.out / "nf4_gemv.json").write_text(json.dumps(res, indent=1))
