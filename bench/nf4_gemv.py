@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_decode import build_model, decode_case, graph_ms, hbm_gbps, set_kernel  # noqa: E402
+from bench.gpu_decode import build_model, decode_case, graph_ms, hbm_gbps, linears, set_kernel  # noqa: E402
 from gpu_ops.attention import AttnKernel  # noqa: E402
 from gpu_ops.nf4 import Nf4Kernel, dequantize_nf4, nf4_linear  # noqa: E402
 from gpu_ops.nf4_gemv import Decode, gemv_config, nf4_gemv  # noqa: E402
@@ -33,9 +34,11 @@ log = logging.getLogger("bench")
 DEV = torch.device("cuda")
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
-# (BLOCK_N, H, warps, split-K) tried per shape with --sweep, beside the default (gemv_config)
-SWEEP = [(8, 16, 2, 1), (16, 16, 2, 1), (16, 16, 4, 1), (32, 16, 4, 1), (64, 16, 8, 1), (16, 8, 2, 1), (16, 16, 4, 2),
-         (32, 16, 4, 2)]
+# (BLOCK_N, H, warps, split-K) tried at 1 row with --sweep, beside the default (gemv_config); the
+# first list on the narrow shapes, the second on the wide ones; shapes K does not divide are skipped
+SWEEP = [(4, 128, 8, 1), (2, 128, 4, 1), (8, 128, 8, 1), (4, 64, 4, 1), (8, 64, 8, 1), (4, 64, 4, 7), (4, 32, 4, 1),
+         (16, 16, 4, 1), (8, 16, 2, 1)]
+SWEEP_WIDE = [(4, 128, 8, 1), (8, 64, 8, 1), (16, 16, 4, 1)]
 
 
 def check(decodes: list[Decode]) -> list[dict]:
@@ -79,7 +82,8 @@ def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=l
             row["bnb_us"] = _time(lambda c: c(x), copies)
             if m == 1:
                 row["old_us"] = _time(lambda c: old_gemv(x, c.packed, c.absmax, (n, k)), copies)
-            configs = [None] + (SWEEP if sweep and m == 1 else [])
+            configs = [None] + ([c for c in (SWEEP if n < 16384 else SWEEP_WIDE) if k % (32 * c[1] * c[3]) == 0]
+                                if sweep and m == 1 else [])
             for d in decodes:
                 for cfg in configs:
                     key = f"{d.name.lower()}_{'default' if cfg is None else '%dx%dw%ds%d' % cfg}_us"
@@ -99,9 +103,22 @@ def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=l
     return res
 
 
-def step_cases(hbm: float) -> list[dict]:
-    """Graphed batch-1 decode of the whole model (ctx 128): bitsandbytes vs nf4_gemv linears."""
+def best_configs(rows: list[dict]) -> dict[tuple[int, int], tuple[int, int, int, int] | None]:
+    """(N, K) → the fastest nf4_gemv tile config measured at 1 row (None: the default)."""
+    out = {}
+    for r in rows:
+        if r["rows"] == 1 and "best" in r:
+            tag = r["best"].split("_")[1]
+            out[(r["N"], r["K"])] = None if tag == "default" else tuple(int(v) for v in re.findall(r"\d+", tag))
+    return out
+
+
+def step_cases(hbm: float, configs: dict) -> list[dict]:
+    """Graphed batch-1 decode of the whole model (ctx 128): bitsandbytes vs nf4_gemv linears, the
+    latter with each shape's best tile config of this run."""
     model = build_model(LLAMA3_8B)
+    for lin in linears(model):
+        lin.gemv_config = configs.get(lin.shape)
     out = []
     for kern in (Nf4Kernel.BNB, Nf4Kernel.GEMV):
         set_kernel(model, kern)
@@ -116,6 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--decode", default="prmt,lut")
     ap.add_argument("--sweep", action="store_true", help="try the SWEEP tile shapes at 1 row")
     ap.add_argument("--step", action="store_true", help="also the whole-model batch-1 decode step")
@@ -127,18 +145,19 @@ def main() -> None:
     t0 = time.perf_counter()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     res["hbm_gbps"] = hbm = hbm_gbps()
-    res["check"] = check(decodes)
+    res["check"] = [] if args.no_check else check(decodes)
     res["check_s"] = time.perf_counter() - t0
     (args.out / "nf4_gemv.json").write_text(json.dumps(res, indent=1))
     save = lambda rows: (args.out / "nf4_gemv.json").write_text(json.dumps({**res, "linears": rows}, indent=1))  # noqa: E731
     res["linears"] = shape_table([int(r) for r in args.rows.split(",")], decodes, args.sweep, save)
     if args.step:
-        res["decode"] = step_cases(hbm)
+        res["step_configs"] = {f"{n}x{k}": c for (n, k), c in best_configs(res["linears"]).items()}
+        res["decode"] = step_cases(hbm, best_configs(res["linears"]))
         (args.out / "nf4_gemv.json").write_text(json.dumps(res, indent=1))
 
     bad = [c for c in res["check"] if not c["ok"]]
     print(f"\n{res['device']}: HBM copy {hbm:.0f} GB/s; check: {len(res['check']) - len(bad)}/{len(res['check'])} ok, "
-          f"max rel err {max(c['rel_err'] for c in res['check']):.2e}")
+          f"max rel err {max([c['rel_err'] for c in res['check']], default=0):.2e}")
     for c in bad:
         print("  FAILED", c)
     print(f"{'linear':8} {'rows':>4} {'bound':>6} {'bnb µs':>7} {'old µs':>7} {'ours µs':>8} {'bnb GB/s':>8} "
@@ -148,7 +167,10 @@ def main() -> None:
         print(f"{r['shape']:8} {r['rows']:>4} {r['bytes'] / hbm / 1e3:6.1f} {r['bnb_us']:7.1f} {r.get('old_us', 0):7.1f} "
               f"{r.get('best_us', 0):8.1f} {gb(r['bnb_us']):8.0f} {gb(r.get('best_us')):9.0f}  {r.get('best', '')}")
     for c in res.get("decode", []):
-        print(f"decode b1 ctx128 graph lin={c['linear']:6} {c['tok_s']:7.1f} tok/s (bound {c['bound_tok_s']:.0f})")
+        print(f"decode b1 ctx128 graph lin={c['linear']:6} {c['step_ms']:6.2f} ms {c['tok_s']:7.1f} tok/s "
+              f"(bound {c['bound_tok_s']:.0f})")
+    if "step_configs" in res:
+        print("step configs:", res["step_configs"])
 
 
 if __name__ == "__main__":

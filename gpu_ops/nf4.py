@@ -70,7 +70,7 @@ def dequantize_nf4(
 
 
 class Nf4Kernel(str, enum.Enum):
-    AUTO = "auto"  # cuda: bitsandbytes (the fastest measured); cpu: torch
+    AUTO = "auto"  # cuda: GEMV for ≤ 2 rows, else bitsandbytes (the fastest measured); cpu: torch
     BNB = "bnb"  # bitsandbytes' CUDA kernels (gemv for 1 row, gemm / dequant + cuBLAS above)
     TRITON = "triton"  # gpu_ops.nf4_triton: one-row gemv, else fused dequant + tensor-core matmul
     GEMV = "gemv"  # gpu_ops.nf4_gemv for ≤ 8 rows (decode), bitsandbytes above
@@ -97,6 +97,7 @@ class NF4Linear:
         self.shape = (int(shape[0]), int(shape[1]))
         self.compute_dtype = compute_dtype  # cuda only: the CPU path computes in x's dtype
         self.kernel = kernel
+        self.gemv_config: tuple[int, int, int, int] | None = None  # nf4_gemv's tiles; None: its default
         self._bnb_state = None
 
     @property
@@ -113,8 +114,9 @@ class NF4Linear:
     def pick(self, rows: int) -> Nf4Kernel:
         if self.device.type != "cuda":
             return Nf4Kernel.TORCH
-        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/RESULTS.md): bitsandbytes wins
-            return Nf4Kernel.BNB           # every shape at 1, 32 and 512 rows; Triton stays selectable
+        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/nf4_gemv.py): nf4_gemv wins at 1
+            # and 2 rows on every Llama-3-8B shape; from 4 rows bitsandbytes wins the narrow ones
+            return Nf4Kernel.GEMV if rows <= 2 and self.in_features % BLOCK == 0 else Nf4Kernel.BNB
         return self.kernel
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -149,7 +151,7 @@ def _gemv_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
 
     if x.shape[0] > MAX_ROWS or lin.in_features % BLOCK:
         return _bnb_linear(lin, x)
-    y = nf4_gemv(x, lin.packed, lin.absmax, lin.shape)
+    y = nf4_gemv(x, lin.packed, lin.absmax, lin.shape, config=lin.gemv_config)
     return y if lin.bias is None else y + lin.bias.to(y.dtype)
 
 

@@ -136,9 +136,11 @@ def _nf4_gemv_kernel(
     sc = _load_scales(a_rows, k_first, h, DECODE)  # [BN, H]
     for i in range(0, words_per_split, 4 * H):  # (not range(k_first, ...): Triton's interpreter rejects it)
         kw = k_first + i  # word index along K of this step
-        # prefetch the next step while this one computes (the last step re-reads itself: a cache hit)
+        # prefetch the next step while this one computes (masked off after the last step; the
+        # scales, an L1 hit, are re-read there instead)
+        more = i + 4 * H < words_per_split
         k_next = k_first + tl.minimum(i + 4 * H, words_per_split - 4 * H)
-        q_next = tl.load(w_rows + (k_next + w)[None, :])
+        q_next = tl.load(w_rows + (k_next + w)[None, :], mask=more, other=0)
         sc_next = _load_scales(a_rows, k_next, h, DECODE)
         xw = kw + w  # [4H]
         if DECODE == 0:
@@ -218,20 +220,28 @@ def _sms(device: torch.device) -> int:
 
 
 def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, H, warps, split-K) for W [N, K]: enough programs to fill `sms` SMs several times."""
-    H = 16 if K % 512 == 0 else 8 if K % 256 == 0 else 4 if K % 128 == 0 else 2
-    block_n = 32 if N >= 64 * sms else 16 if N >= 16 * sms else 8
-    warps = 4
-    tiles = triton.cdiv(N, block_n)
-    steps = K // (32 * H)
-    want = max(1, -(-4 * sms // tiles))  # at least ~4 programs an SM
-    split = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)
-    return block_n, H, warps, split
+    """(BLOCK_N, H, warps, split-K) for W [N, K].
+
+    A program's steps along K run one after another, each waiting ~1 µs for HBM (one step is
+    prefetched), so the few-row shapes (N ≲ 16k) take the longest steps that fit (H up to 128:
+    4096 codes a row, one step for K = 4096) over 4-row tiles; the many-row shapes are bound
+    by decode work, and 32-row tiles of 512-code steps did best there (bench/nf4_gemv.py).
+    Tiles of 2 rows a thread keep registers near 80, so 24 warps fit an SM.
+    """
+    H = 128
+    while K % (32 * H):
+        H //= 2
+    if N >= 4 * sms * 32:
+        return 32, min(H, 16), 4, 1
+    return (4, H, 8, 1) if H == 128 else (4, H, 4, 1)
 
 
 def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int],
              decode: Decode = Decode.PRMT, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M ≤ 8, K] bf16, W [N, K] as NF4 (K a multiple of 64) → y [M, N] bf16."""
+    """x [M ≤ 8, K] bf16, W [N, K] as NF4 (K a multiple of 64) → y [M, N] bf16.
+
+    config: (BLOCK_N, H, warps, split-K), default `gemv_config`; H a power of two, K divisible
+    by 32·H·split."""
     N, K = shape
     M = x.shape[0]
     if K % 64 or not 1 <= M <= MAX_ROWS:

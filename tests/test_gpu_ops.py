@@ -268,18 +268,16 @@ def test_gpu_nf4_kernels_match_reference(kernel, rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("shape,config", [((97, 4160), None), ((1000, 832), None), ((4096, 1024), (16, 16, 4, 1)),
-                                          ((333, 2048), (32, 8, 4, 4))])
+                                          ((333, 2048), (32, 8, 4, 4)), ((600, 4096), (4, 128, 8, 1))])
 def test_gpu_nf4_gemv_matches_dequantized_reference(rows, shape, config):
-    """Both decoders, split-K and not, odd N and K (K a multiple of 64 only), fresh inputs."""
+    """Split-K and not, odd N and K (K a multiple of 64 only), fresh inputs; the LUT decoder once."""
     from gpu_ops.nf4_gemv import Decode, nf4_gemv
 
     torch.manual_seed(rows + shape[0])
     w = torch.randn(shape, device="cuda") * 0.02
     packed, absmax = quantize_nf4(w)
     ref_w = dequantize_nf4(packed, absmax, shape).double()
-    for decode in Decode:
-        if decode is Decode.GATHER:
-            continue
+    for decode in (Decode.PRMT, Decode.LUT) if rows == 3 and config is None else (Decode.PRMT,):
         x = torch.randn(rows, shape[1], device="cuda").bfloat16()
         y = nf4_gemv(x, packed, absmax, shape, decode, config)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, shape[0]) and torch.isfinite(y).all()
