@@ -2,11 +2,11 @@
 
     python bench/nf4_gemv.py --out DIR [--rows 1,2,4,8] [--sweep] [--step]
 
-First a correctness pass (every decoder, odd shapes, 1/3/8 rows, split-K and not), then per
-Llama-3-8B linear shape and row count: bitsandbytes, the earlier Triton one-row kernel and
-`gpu_ops.nf4_gemv` (each decoder; with --sweep several tile shapes), µs a call inside a CUDA
-graph with copies rotated so that L2 does not serve them, and GB/s of NF4 bytes (+ x and y).
---step adds the graphed batch-1 decode step of the whole model (bitsandbytes vs ours).
+First a correctness pass (odd shapes, 1/3/8 rows, split-K and not), then per Llama-3-8B linear
+shape and row count: bitsandbytes, the earlier Triton one-row kernel and `gpu_ops.nf4_gemv`
+(with --sweep several tile shapes at 1 row), µs a call inside a CUDA graph with copies rotated
+so that L2 does not serve them, and GB/s of NF4 bytes (+ x and y). --step adds the graphed
+batch-1 decode step of the whole model: bitsandbytes vs nf4_gemv with this run's best tiles.
 Full JSON and log under DIR; a short table last.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=l
                         row[key] = _time(lambda c: nf4_gemv(x, c.packed, c.absmax, (n, k), d, cfg), copies)
                     except Exception as e:  # noqa: BLE001  a benchmark reports what failed and goes on
                         log.warning("%s %s rows %d %s failed: %r", name, d.name, m, cfg, e)
-            ours = {kk: v for kk, v in row.items() if kk.endswith("_us") and kk.split("_")[0] in ("prmt", "lut")}
+            ours = {kk: v for kk, v in row.items() if kk.endswith("_us") and kk.split("_")[0] in ("prmt", "gather")}
             if ours:
                 row["best"] = min(ours, key=ours.get)
                 row["best_us"] = ours[row["best"]]
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--decode", default="prmt,lut")
+    ap.add_argument("--decode", default="prmt")
     ap.add_argument("--sweep", action="store_true", help="try the SWEEP tile shapes at 1 row")
     ap.add_argument("--step", action="store_true", help="also the whole-model batch-1 decode step")
     args = ap.parse_args()

@@ -115,7 +115,8 @@ class NF4Linear:
         if self.device.type != "cuda":
             return Nf4Kernel.TORCH
         if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/nf4_gemv.py): nf4_gemv wins at 1
-            # and 2 rows on every Llama-3-8B shape; from 4 rows bitsandbytes wins the narrow ones
+            # and 2 rows on every Llama-3-8B shape; from 4 rows bitsandbytes wins o and down, at 8 all
+            # but gate_up
             return Nf4Kernel.GEMV if rows <= 2 and self.in_features % BLOCK == 0 else Nf4Kernel.BNB
         return self.kernel
 

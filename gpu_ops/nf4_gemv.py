@@ -1,22 +1,22 @@
 """Triton NF4 matrix-vector kernel for decode (1..8 rows of x), reading the bitsandbytes layout as is.
 
-Why: at batch 1 the linears only stream their weights, so time = NF4 bytes / HBM bandwidth at
-best. bitsandbytes' gemv and our first Triton kernel (`nf4_triton.nf4_gemv`, a 256-entry table
-gathered per byte from global memory, up to 8 L1 wavefronts a warp) decode too slowly to keep
-HBM busy. Here each thread loads 16 bytes of one weight row (32 codes) per step and decodes
-them in registers, with one of two decoders (`Decode`):
-
-  PRMT  the 16-entry bf16 code book sits in 8 registers as immediates; `prmt` looks up 4 codes'
-        high and low bytes at once (8 entries a `prmt`, a second `prmt` picks the half by the
-        code's bit 3), a third assembles bf16 pairs: ~3.6 integer ops a code, no memory.
-  LUT   the code book as 16 float32 (64 bytes: one L1 line, one wavefront a warp) gathered
-        per code: exact float32 codes, one load a code.
+Why: at batch 1 a linear only streams its weights, so time ≥ NF4 bytes / HBM bandwidth.
+bitsandbytes' gemv reaches 0.9-1.3 TB/s of the H100's 3.0, and our first Triton kernel
+(`nf4_triton.nf4_gemv`: a 256-entry table gathered per byte from global memory, up to 8 L1
+wavefronts a warp) no more. Here each thread loads 16 bytes of a weight row (32 codes, one
+int32 word = 8 codes at a time) and decodes them in registers with `prmt` (gpu_ops/nf4_ptx.py):
+the bf16 code book's high and low bytes sit in 8 registers, one `prmt` looks up 4 codes in 8
+entries, a second picks the half by each code's bit 3, a third pairs the bytes: ~29 integer ops
+for 8 codes, no memory. That integer work, not HBM, bounds the wide shapes (gate_up, lm_head:
+~1.8-2.0 TB/s on an H100); a float32 table gathered per code through L1 instead (one load a
+code) measured 5-40% slower everywhere and was dropped (commit f517a70 has it).
 
 The sum per 64-code group is scaled once by its absmax (float32, as stored):
     y[m, n] = Σ_g absmax[n, g] · Σ_{k in g} x[m, k] · NF4[code[n, k]]
-float32 accumulation. x rows are read as bf16 pairs (int32) and widened by shifts; one decode
-serves every row of x (up to 8). Programs own BLOCK_N rows of W and a K range: split-K (partials
-summed by torch) only where the rows alone cannot fill the GPU.
+float32 accumulation, bf16 code values (as bitsandbytes' gemv). x rows are read as bf16 pairs
+(int32) and widened by shifts; one decode serves every row of x (up to 8). A program owns
+BLOCK_N rows of W and a K range (split-K, partials summed by torch, is available but measured
+no faster on the Llama-3-8B shapes); the next step's words are loaded while a step computes.
 """
 from __future__ import annotations
 
@@ -28,15 +28,14 @@ import triton
 import triton.language as tl
 
 from gpu_ops.nf4 import NF4_CODE
-from gpu_ops.nf4_ptx import lut_asm, prmt_asm, prmt_tables
+from gpu_ops.nf4_ptx import prmt_asm, prmt_tables
 
 MAX_ROWS = 8
 
 
 class Decode(enum.IntEnum):
-    PRMT = 0
-    LUT = 1
-    GATHER = 2  # plain tl.load gathers from the code book: for Triton's CPU interpreter (no inline PTX)
+    PRMT = 0  # the code book in registers, inline PTX (the GPU path)
+    GATHER = 1  # plain tl.load gathers from the code book: for Triton's CPU interpreter (no inline PTX)
 
 
 PRMT_ASM = tl.constexpr(prmt_asm())
@@ -50,29 +49,19 @@ def _decode_prmt(q, t0, t1, t2, t3, t4, t5, t6, t7):
     )
 
 
-LUT_ASM = tl.constexpr(lut_asm())
 LOAD_ASM = tl.constexpr("ld.global.nc.f32 $0, [$1];")
 
 
 @triton.jit
-def _decode_lut(q, lut_ptr):
-    a = lut_ptr.to(tl.int64, bitcast=True)
-    return tl.inline_asm_elementwise(
-        LUT_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [q, a.to(tl.int32), (a >> 32).to(tl.int32)],
-        dtype=(tl.float32,) * 8, is_pure=True, pack=1,
-    )
-
-
-@triton.jit
-def _decode_gather(q, lut_ptr):
-    f0 = tl.load(lut_ptr + ((q >> 4) & 15))
-    f1 = tl.load(lut_ptr + (q & 15))
-    f2 = tl.load(lut_ptr + ((q >> 12) & 15))
-    f3 = tl.load(lut_ptr + ((q >> 8) & 15))
-    f4 = tl.load(lut_ptr + ((q >> 20) & 15))
-    f5 = tl.load(lut_ptr + ((q >> 16) & 15))
-    f6 = tl.load(lut_ptr + ((q >> 28) & 15))
-    f7 = tl.load(lut_ptr + ((q >> 24) & 15))
+def _decode_gather(q, book_ptr):
+    f0 = tl.load(book_ptr + ((q >> 4) & 15))
+    f1 = tl.load(book_ptr + (q & 15))
+    f2 = tl.load(book_ptr + ((q >> 12) & 15))
+    f3 = tl.load(book_ptr + ((q >> 8) & 15))
+    f4 = tl.load(book_ptr + ((q >> 20) & 15))
+    f5 = tl.load(book_ptr + ((q >> 16) & 15))
+    f6 = tl.load(book_ptr + ((q >> 28) & 15))
+    f7 = tl.load(book_ptr + ((q >> 24) & 15))
     return f0, f1, f2, f3, f4, f5, f6, f7
 
 
@@ -103,7 +92,7 @@ def _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xrow_ptr, xw, H: tl.constexpr):
 
 @triton.jit
 def _nf4_gemv_kernel(
-    x32_ptr, w32_ptr, absmax_ptr, lut_ptr, out_ptr,
+    x32_ptr, w32_ptr, absmax_ptr, book_ptr, out_ptr,
     N, KW, stride_xm, words_per_split,
     M: tl.constexpr, BLOCK_N: tl.constexpr, H: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
 ):
@@ -126,9 +115,10 @@ def _nf4_gemv_kernel(
     acc5 = tl.zeros([BLOCK_N, H], dtype=tl.float32)
     acc6 = tl.zeros([BLOCK_N, H], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_N, H], dtype=tl.float32)
-    # the PRMT code book (lut_ptr + 16 .. + 24 as int32): loaded, so ptxas keeps it in registers
+    # the PRMT tables (book_ptr + 16 .. + 24 as int32): loaded, not immediates, so that ptxas
+    # keeps them in registers instead of re-materializing them for every word
     if DECODE == 0:
-        tab = lut_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 16
+        tab = book_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 16
         t0, t1, t2, t3 = tl.load(tab), tl.load(tab + 1), tl.load(tab + 2), tl.load(tab + 3)
         t4, t5, t6, t7 = tl.load(tab + 4), tl.load(tab + 5), tl.load(tab + 6), tl.load(tab + 7)
     k_first = pid_s * words_per_split
@@ -145,10 +135,8 @@ def _nf4_gemv_kernel(
         xw = kw + w  # [4H]
         if DECODE == 0:
             f0, f1, f2, f3, f4, f5, f6, f7 = _decode_prmt(q, t0, t1, t2, t3, t4, t5, t6, t7)
-        elif DECODE == 1:
-            f0, f1, f2, f3, f4, f5, f6, f7 = _decode_lut(q, lut_ptr)
         else:
-            f0, f1, f2, f3, f4, f5, f6, f7 = _decode_gather(q, lut_ptr)
+            f0, f1, f2, f3, f4, f5, f6, f7 = _decode_gather(q, book_ptr)
         acc0 += sc * _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, x32_ptr, xw, H)
         if M > 1:
             acc1 += sc * _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, x32_ptr + stride_xm, xw, H)
@@ -189,7 +177,7 @@ def _nf4_gemv_kernel(
 def _load_scales(a_rows, kw, h, DECODE: tl.constexpr):
     """absmax of each half group of the step at word kw: [BN, H] (two half groups a group)."""
     ptrs = a_rows + (kw // 8 + h // 2)[None, :]
-    if DECODE == 2:
+    if DECODE == 1:
         return tl.load(ptrs)
     return _load_f32(ptrs)
 
@@ -204,14 +192,10 @@ def _store_row(ptr, acc, ok, SPLIT: tl.constexpr):
 
 
 @functools.cache
-def _lut(device: torch.device) -> torch.Tensor:
-    """[16] float32 code book, then the 8 PRMT table words (as float32 bits); 256-byte aligned."""
+def _book(device: torch.device) -> torch.Tensor:
+    """[24] float32: the code book (GATHER), then the 8 PRMT table words (as float32 bits)."""
     words = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in prmt_tables()], dtype=torch.int32)
-    book = torch.cat([NF4_CODE, words.view(torch.float32)])
-    buf = torch.zeros(64 + book.numel(), dtype=torch.float32, device=device)
-    start = (-buf.data_ptr() % 256) // 4  # the LUT decoder edits the low address byte only
-    buf[start: start + book.numel()] = book.to(device)
-    return buf[start: start + book.numel()]
+    return torch.cat([NF4_CODE, words.view(torch.float32)]).to(device)
 
 
 @functools.cache
@@ -220,20 +204,18 @@ def _sms(device: torch.device) -> int:
 
 
 def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, H, warps, split-K) for W [N, K].
+    """(BLOCK_N, H, warps, split-K) for W [N, K]: the fastest of bench/nf4_gemv.py's sweep on an H100.
 
-    A program's steps along K run one after another, each waiting ~1 µs for HBM (one step is
-    prefetched), so the few-row shapes (N ≲ 16k) take the longest steps that fit (H up to 128:
-    4096 codes a row, one step for K = 4096) over 4-row tiles; the many-row shapes are bound
-    by decode work, and 32-row tiles of 512-code steps did best there (bench/nf4_gemv.py).
-    Tiles of 2 rows a thread keep registers near 80, so 24 warps fit an SM.
+    Narrow W (N < 128 · sms, 16,896 on an H100: qkv, o, down): 4-row tiles of 2048-code steps,
+    2 rows a thread (~80 registers, 24 warps an SM); wide W (gate_up, lm_head): 32-row tiles of
+    512-code steps. 4096-code steps, 8- and 16-row tiles and split-K were no faster at 1 row.
     """
-    H = 128
+    H = 64
     while K % (32 * H):
         H //= 2
     if N >= 4 * sms * 32:
         return 32, min(H, 16), 4, 1
-    return (4, H, 8, 1) if H == 128 else (4, H, 4, 1)
+    return 4, H, 4, 1
 
 
 def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int],
@@ -255,10 +237,10 @@ def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape:
     grid = (triton.cdiv(N, BN), S)
     if S == 1:
         y = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
-        _nf4_gemv_kernel[grid](x32, w32, absmax, _lut(x.device), y, N, K // 8, x32.stride(0), K // 8,
+        _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), y, N, K // 8, x32.stride(0), K // 8,
                                M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=False, num_warps=warps)
         return y
     part = torch.empty((S, M, N), dtype=torch.float32, device=x.device)
-    _nf4_gemv_kernel[grid](x32, w32, absmax, _lut(x.device), part, N, K // 8, x32.stride(0), K // 8 // S,
+    _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), part, N, K // 8, x32.stride(0), K // 8 // S,
                            M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=True, num_warps=warps)
     return part.sum(0).to(torch.bfloat16)

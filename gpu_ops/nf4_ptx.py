@@ -1,8 +1,8 @@
-"""PTX text of the NF4 decoders that `gpu_ops.nf4_gemv` inlines (plain Python: tests read it without a GPU).
+"""PTX text of the NF4 decoder that `gpu_ops.nf4_gemv` inlines (plain Python: tests read it without a GPU).
 
-Each decoder turns one int32 of packed codes (bitsandbytes order: byte p holds element 2p in its
-high nibble, 2p + 1 in its low one) into the 8 elements' code-book values as float32, in
-element order. tests/test_gpu_ops.py runs both through a small PTX emulator for every byte.
+It turns one int32 of packed codes (bitsandbytes order: byte p holds element 2p in its high
+nibble, 2p + 1 in its low one) into the 8 elements' code-book values (bf16, widened to float32),
+in element order. tests/test_gpu_ops.py runs it through a small PTX emulator for every byte.
 """
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ def prmt_asm() -> str:
     """PTX: one int32 of packed codes ($8) → 8 float32 ($0..$7) in element order.
 
     $9..$16 are the code book's bytes (`prmt_tables`), passed in so that they stay in registers.
-    Byte p of the word holds element 2p in its high nibble and 2p + 1 in its low one, so the
-    word's nibbles, low to high, are elements 1, 0, 3, 2, 5, 4, 7, 6.
+    `prmt.b32 d, a, b, c` sets byte i of d to byte (c >> 4i) & 7 of the 8 bytes {b, a}: one
+    looks up 4 codes among 8 entries (selectors q & 0x7777: the code's low 3 bits), a second
+    picks each byte from the entries-0-7 or the 8-15 result by the code's bit 3 (selector
+    i + 4·bit3), a third pairs low and high bytes into bf16 pairs, split by and/shl. The word's
+    nibbles, low to high, are elements 1, 0, 3, 2, 5, 4, 7, 6.
     """
     return """{
 .reg .b32 q7, q7h, t, th, ha, hb, la, lb, h0, l0, h1, l1, p0, p1, p2, p3;
@@ -65,15 +68,3 @@ shl.b32 $5, p2, 16;
 and.b32 $6, p3, 0xffff0000;
 shl.b32 $7, p3, 16;
 }"""
-
-
-def lut_asm() -> str:
-    """PTX: int32 of packed codes ($8), the float32 code book's address ($9 low, $10 high word;
-    256-byte aligned, so a code's entry differs from it in the low byte only) → 8 float32 ($0..$7)."""
-    lines = ["{", ".reg .b32 lo, hi, o;", ".reg .b64 a;",
-             "shl.b32 lo, $8, 2;", "and.b32 lo, lo, 0x3c3c3c3c;",  # 4 · low nibble, in each byte
-             "shr.u32 hi, $8, 2;", "and.b32 hi, hi, 0x3c3c3c3c;"]  # 4 · high nibble
-    for e in range(8):  # element 2p: high nibble of byte p; 2p + 1: low nibble
-        src, byte = ("hi" if e % 2 == 0 else "lo"), e // 2
-        lines += [f"prmt.b32 o, {src}, $9, 0x765{byte};", "mov.b64 a, {o, $10};", f"ld.global.nc.f32 ${e}, [a];"]
-    return "\n".join(lines + ["}"])
