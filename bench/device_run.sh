@@ -5,7 +5,7 @@
 # attn:    bench/cpu_attention.py for bf16 and int8, first as the engine runs it, then again with
 #          Numba's default CPU features (256-bit vectors on AVX-512 Xeons): the A/B of 512-bit vectors
 # probe:   bench/pcie_probe.py (host→device copy rates from a large pinned pool, beside the CPU kernels)
-# offload: bench/offload_decode.py (BENCH_ARGS passed through, e.g. --only "8k bf16,32k int8")
+# offload: bench/offload_decode.py (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests offload}
@@ -33,7 +33,7 @@ for stage in $STAGES; do
         --dtypes ${ATTN_DTYPES:-bf16,int8} --out "$OUT/attn256" > "$OUT/attn256/stdout.log" 2>&1
       tail -6 "$OUT/attn256/stdout.log" ;;
     offload)
-      timeout ${OFFLOAD_TIMEOUT:-380} python3 bench/offload_decode.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+      timeout ${OFFLOAD_TIMEOUT:-380} python3 bench/offload_decode.py --out "$OUT" ${ONLY:+--only "$ONLY"} ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench_stdout.log" | grep -v "^20..-" | tail -30 ;;
   esac
 done

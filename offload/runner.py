@@ -88,7 +88,8 @@ class Runner:
             dt = torch.float32 if cache.host.dtype is cpu_attention.KVDtype.F32 else torch.bfloat16
             self.streamer = KVStreamer(cache.host, stream_tokens, self.dev, dt)
         if graphs and SegmentGraphs.supported(model):
-            self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings)
+            self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings,
+                                          self.streamer)
 
     # ================================================================== decode
     @torch.inference_mode()
@@ -104,8 +105,10 @@ class Runner:
         parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
         for p in parts:
             p.inline = len(parts) == 1
-        if self.streamer is not None and len(seqs) == 1 and parts[0].host_tables is not None:
-            self._begin_stream(parts[0])
+        if self.streamer is not None:
+            self.streamer.idle()
+            if len(seqs) == 1 and parts[0].host_tables is not None:
+                self._begin_stream(parts[0])
         L = self.cfg.num_layers
         for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
             for p in parts:
@@ -165,11 +168,12 @@ class Runner:
             cap = self.segments.get(k, b - a)
             cap.load(self.model.embed(ids), torch.tensor(positions[a:b]), sl.gpu_rows, sl.gpu_slots,
                      *(c.tables(ss, "gpu") if c.gpu is not None else (None, None)))
+            # the graphs copy q, k, v down into cap.down and (o, lse) up from cap.up themselves
             return Part(seqs=ss, x=cap.x, pos=cap.pos, slots=sl, gpu_slots=None, gpu_rows=None,
-                        host_rows=torch.tensor(sl.host_rows, device=dev) if sl.host_rows else None,
+                        host_rows=torch.tensor(sl.host_rows) if sl.host_rows else None,
                         host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
                         gpu_tables=None, host_tables=host_tables, cap=cap, work=work,
-                        buf=self._buffers(k, b - a) if host_tables is not None else None)
+                        buf={**cap.down, **cap.up})
         return Part(
             seqs=ss,
             x=self.model.embed(ids),
@@ -211,13 +215,17 @@ class Runner:
                 self.cache.gpu.write(i, p.gpu_slots, k[p.gpu_rows], v[p.gpu_rows])
         down = self._send_down(p, q, k, v, st) if p.host_tables is not None else None
         if p.cap is not None and p.cap.attn:
+            if p.streamed:
+                self.streamer.ready(i)
             p.cap.attn[i].replay()
+            if p.streamed:
+                self.streamer.release(i)
         elif p.cap is None and p.gpu_tables is not None:
             p.gpu_out = gpu_attention.decode_attention(self.cache.gpu, i, q, *p.gpu_tables, self.model.scale)
-        if p.streamed:
+        if p.cap is None and p.streamed:
             p.stream_out = self.streamer.attend(i, q, self.model.scale)
-            if i + 2 < self.cfg.num_layers:
-                self.streamer.prefetch(i + 2)
+        if p.streamed and i + 2 < self.cfg.num_layers:
+            self.streamer.prefetch(i + 2)
         self.spans.end(span)
         if down is not None:
             p.job = self.worker.submit(self._host_job, i, p, *down, inline=p.inline)
@@ -229,23 +237,16 @@ class Runner:
             o, lse, dt = p.job.wait()
             st.wait += now() - t
             st.cpu_attention += dt
-            if self.cuda:  # up from the pinned buffers: async DMAs on the compute stream
-                xs = self.xfer.begin()
+            if self.cuda:
                 st.h2d_bytes += o.numel() * 4 + lse.numel() * 4
-                if p.cap is not None:
-                    p.cap.o_c.copy_(o, non_blocking=True)
-                    p.cap.lse_c.copy_(lse, non_blocking=True)
-                else:
-                    o, lse = o.to(self.dev, non_blocking=True), lse.to(self.dev, non_blocking=True)
+            if self.cuda and p.cap is None:  # up from the pinned buffers: async DMAs on the compute stream
+                xs = self.xfer.begin()
+                o, lse = o.to(self.dev, non_blocking=True), lse.to(self.dev, non_blocking=True)
                 self.xfer.end(xs)
         span = self.spans.begin()
-        if p.cap is not None:
-            if p.stream_out is not None:  # the post graph merges with the device tier; the streamed share joins first
-                o_m, lse_m = merge_attention(*p.stream_out, p.cap.o_c, p.cap.lse_c)
-                p.cap.o_c.copy_(o_m)
-                p.cap.lse_c.copy_(lse_m)
+        if p.cap is not None:  # the post graph copies (o, lse) up itself and merges the device's shares
             p.cap.post[i].replay()
-            p.job = p.stream_out = None
+            p.job = None
             self.spans.end(span)
             return
         for o_g, lse_g in (x for x in (p.gpu_out, p.stream_out) if x is not None):
@@ -264,6 +265,15 @@ class Runner:
             return None, q, kh, vh
         B, n = q.shape[0], 0 if hr is None else hr.numel()
         buf = p.buf
+        st.d2h_bytes += (q.numel() + 2 * n * k.shape[1] * k.shape[2]) * 4
+        if p.cap is not None:  # pre's graph copied q, k, v of every row down already
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.dev))
+            if not n:
+                return ready, buf["q"], None, None
+            if n == B:
+                return ready, buf["q"], buf["k"], buf["v"]
+            return ready, buf["q"], (buf["k"], hr), (buf["v"], hr)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.dev))
         with torch.cuda.stream(self.copy_stream):
             xs = self.xfer.begin(self.copy_stream)
@@ -274,7 +284,6 @@ class Runner:
             self.xfer.end(xs, self.copy_stream)
             ready = torch.cuda.Event()
             ready.record(self.copy_stream)
-        st.d2h_bytes += (q.numel() + 2 * n * k.shape[1] * k.shape[2]) * 4
         return ready, buf["q"][:B], buf["k"][:n] if n else None, buf["v"][:n] if n else None
 
     @torch.inference_mode()  # thread-local: the worker needs its own
@@ -283,6 +292,8 @@ class Runner:
         if ready is not None:
             ready.synchronize()
         t = now()
+        if isinstance(kh, tuple):  # (all rows, the host-bound ones): picked now that the copy is done
+            kh, vh = kh[0][kh[1]], vh[0][vh[1]]
         if kh is not None:
             self.cache.host.write(i, p.host_slots, kh, vh)
         B = q.shape[0]

@@ -58,6 +58,7 @@ class KVStreamer:
             self.raw = [{n: torch.empty(self.max_blocks, *t.shape[2:], dtype=t.dtype, device=device)
                          for n, t in parts.items()} for _ in range(2)]
         self.table = torch.arange(self.max_blocks, dtype=torch.int32, device=device)[None]
+        self.lens = torch.zeros(1, dtype=torch.int32, device=device)  # streamed tokens this step (static: graphs read it)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.copied = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
@@ -74,7 +75,12 @@ class KVStreamer:
         if len(blocks) > self.max_blocks:
             raise ValueError(f"{len(blocks)} blocks to stream, staging holds {self.max_blocks}")
         self.blocks, self._runs, self.bytes_up = blocks, runs(blocks), 0
-        self.lens = torch.tensor([len(blocks) * self.host.block_size], dtype=torch.int32, device=self.device)
+        self.lens.fill_(len(blocks) * self.host.block_size)
+
+    def idle(self) -> None:
+        """A step that streams nothing: the (captured) attention over the slots then sees no token."""
+        self.blocks = []
+        self.lens.zero_()
 
     def prefetch(self, layer: int) -> None:
         """Queue layer's blocks up into slot layer % 2 (after that slot's last reader is done)."""
@@ -98,18 +104,30 @@ class KVStreamer:
                     dst[at + j:at + j + m].copy_(src[first + j:first + j + m], non_blocking=True)
                 self.bytes_up += src[first:first + n].numel() * src.element_size()
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device's attention over the streamed blocks of layer → (o [1, Hq, D] f32, lse [1, Hq])."""
-        slot, nb = layer % 2, len(self.blocks)
+    def attend(self, layer: int, q: torch.Tensor, scale: float, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device's attention over the streamed blocks of layer → (o [1, Hq, D] f32, lse [1, Hq]).
+
+        Static shapes (the whole slot, `lens` masks it), so a CUDA graph can hold it; wait=False
+        there, and the caller waits for `copied[slot]` before the replay and records `free[slot]` after."""
+        slot = layer % 2
         raw = self.raw[slot]
-        if self.cuda:
+        if wait and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
         for name in ("k", "v") if not self.direct else ():
             sc, zr = raw.get(f"{name}_scale"), raw.get(f"{name}_zero")
-            x = dequantize(raw[name][:nb], self.host.dtype, None if sc is None else sc[:nb],
-                           None if zr is None else zr[:nb])  # [nb, Hkv, BS, D]
-            getattr(self.pool, name)[slot, :nb].copy_(x)
-        out = gpu_attention.decode_attention(self.pool, slot, q, self.table[:, :nb], self.lens, scale)
-        if self.cuda:
-            self.free[slot].record(torch.cuda.current_stream(self.device))
+            getattr(self.pool, name)[slot, : self.max_blocks].copy_(
+                dequantize(raw[name], self.host.dtype, sc, zr))  # [max_blocks, Hkv, BS, D]
+        out = gpu_attention.decode_attention(self.pool, slot, q, self.table, self.lens, scale)
+        if wait:
+            self.release(layer)
         return out
+
+    def ready(self, layer: int) -> None:
+        """Make the current stream wait for layer's blocks (before a captured attend's replay)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.copied[layer % 2])
+
+    def release(self, layer: int) -> None:
+        """Layer's slot may be overwritten once the current stream's work so far is done."""
+        if self.cuda:
+            self.free[layer % 2].record(torch.cuda.current_stream(self.device))
