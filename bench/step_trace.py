@@ -18,7 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cpu_attention  # noqa: E402
 import offload_decode as od  # noqa: E402
+from cpu_attention import HostKVPool  # noqa: E402
+from cpu_attention import decode  # noqa: E402
 from offload.runner import Runner  # noqa: E402
 from offload.stream import KVStreamer  # noqa: E402
 from planner.profile import HardwareProfile  # noqa: E402
@@ -26,17 +29,18 @@ from planner.profile import HardwareProfile  # noqa: E402
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 
 
-def timed(cls, name: str) -> None:
-    fn = getattr(cls, name)
+def timed(owner, name: str) -> None:
+    fn = getattr(owner, name)
+    label = f"{getattr(owner, '__name__', owner)}.{name}".replace("cpu_attention.", "")
 
     def wrap(*a, **k):
         t = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            TIMES[f"{cls.__name__}.{name}"].append(time.perf_counter() - t)
+            TIMES[label].append(time.perf_counter() - t)
 
-    setattr(cls, name, wrap)
+    setattr(owner, name, wrap)
 
 
 def main() -> None:
@@ -45,9 +49,11 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, required=True)
     args = ap.parse_args()
     for cls, names in ((Runner, ("_start", "_finish", "_send_down", "_host_job", "_begin_stream", "_part")),
-                       (KVStreamer, ("prefetch", "attend", "begin"))):
+                       (KVStreamer, ("prefetch", "attend", "begin")), (HostKVPool, ("write",)),
+                       (decode, ("decode_float", "decode_int8", "decode_attention", "_plan"))):
         for n in names:
             timed(cls, n)
+    cpu_attention.decode_attention = decode.decode_attention  # the runner calls it through the package
     init = KVStreamer.__init__
 
     def init_and_tell(self, host, *a, **k):
