@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from cpu_attention._numba import JIT, exp_neg, f16_to_f32, prefetch, resolve_threads, widen
+from cpu_attention._numba import JIT, exp_neg, f16_to_f32, line_elems, prefetch, resolve_threads, widen
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
 
@@ -198,9 +198,8 @@ def _accumulate(p, vt, n, acc):
 def _prefetch_row(a, j):
     """Prefetch row j of a 2-D C-contiguous array, one cache line at a time."""
     W = a.shape[1]
-    step = max(64 // a.itemsize, 1)
-    for i in range(0, W, step):
-        prefetch(a, j * W + i)
+    for i in range(j * W, (j + 1) * W, line_elems(a)):
+        prefetch(a, i)
 
 
 @numba.njit(inline="always", **JIT)
