@@ -7,10 +7,12 @@ second parallel loop merges by log-sum-exp. All G = Hq / Hkv query heads of a kv
 done together, so each K/V byte is read from DRAM once.
 
 Inner loop, per tile (the tokens of one block, at most TILE): the scores of all G heads
-(`_scores`: two tokens × four heads a pass, each K element loaded and widened once, bf16 by
-a shift into the high half, int8 by a conversion), one online-softmax step for the whole
-tile (`_softmax_tile`: max, one rescale of the accumulator, a vectorized polynomial exp),
-then the V accumulation (`_accumulate`: four heads × two tokens a pass). int8's per-token
+(`_scores`: two tokens × a group of up to four heads a pass, each K element loaded and
+widened once per group, bf16 by a shift into the high half, int8 by a conversion), one
+online-softmax step for the whole tile (`_softmax_tile`: max, one rescale of the
+accumulator, a vectorized polynomial exp), then the V accumulation (`_accumulate`: the same
+head groups × two tokens a pass). G is split into groups of four and one group of the rest
+(G = 3: one group of three), each a specialization of one helper by its constant size. int8's per-token
 scales multiply the G scores and the G weights, not the D codes. int4 rows are first
 widened into an L1-resident float32 tile (code × group scale + group zero) in a permuted
 order (even elements then odd ones, which is how the nibbles come out of the bytes); q is
@@ -65,64 +67,63 @@ def _plan(seq_lens, num_kv_heads, chunk):
 @numba.njit(inline="always", **JIT)
 def _scores(q, kt, n, s, pk, pv, pn):
     """s[g, j] = q[g] · widen(kt[j]) for j < n. q [G, D] f32; kt [n, D] uint16 (bf16 bits),
-    int8 or f32. Four heads share each K element load; loops over D use loop counters only
-    (Numba's wraparound code on computed indices stops LLVM vectorizing). While the first
-    heads run, rows j < pn of the next tile (pk, pv) are prefetched, one row per token, so
-    the next tile's DRAM reads overlap this tile's arithmetic."""
-    G, D = q.shape
+    int8 or f32. Heads go four at a time, then one group of the remaining 3, 2 or 1, each
+    group sharing every K element load (`_scores_group`; the group size is a literal at each
+    call so every call inlines its own specialized copy)."""
+    G = q.shape[0]
     g = 0
     while g + 4 <= G:
-        q0, q1, q2, q3 = q[g], q[g + 1], q[g + 2], q[g + 3]
-        s0, s1, s2, s3 = s[g], s[g + 1], s[g + 2], s[g + 3]
-        j = 0
-        while j + 2 <= n:  # two tokens a pass: each q element load feeds two FMAs
-            if g == 0 and j + 1 < pn:
-                _prefetch_row(pk, j)
-                _prefetch_row(pv, j)
-                _prefetch_row(pk, j + 1)
-                _prefetch_row(pv, j + 1)
-            kr, kr1 = kt[j], kt[j + 1]
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-            for d in range(D):
-                x = widen(kr[d])
-                y = widen(kr1[d])
-                a0 += q0[d] * x
-                a1 += q1[d] * x
-                a2 += q2[d] * x
-                a3 += q3[d] * x
-                b0 += q0[d] * y
-                b1 += q1[d] * y
-                b2 += q2[d] * y
-                b3 += q3[d] * y
-            s0[j], s1[j], s2[j], s3[j] = a0, a1, a2, a3
-            s0[j + 1], s1[j + 1], s2[j + 1], s3[j + 1] = b0, b1, b2, b3
-            j += 2
-        if j < n:
-            if g == 0 and j < pn:
-                _prefetch_row(pk, j)
-                _prefetch_row(pv, j)
-            kr = kt[j]
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            for d in range(D):
-                x = widen(kr[d])
-                a0 += q0[d] * x
-                a1 += q1[d] * x
-                a2 += q2[d] * x
-                a3 += q3[d] * x
-            s0[j], s1[j], s2[j], s3[j] = a0, a1, a2, a3
+        _scores_group(q, g, 4, kt, n, s, pk, pv, pn)
         g += 4
-    while g < G:
-        qg, sg = q[g], s[g]
-        for j in range(n):
-            if g == 0 and j < pn:
-                _prefetch_row(pk, j)
-                _prefetch_row(pv, j)
-            kr = kt[j]
-            a = np.float32(0.0)
-            for d in range(D):
-                a += qg[d] * widen(kr[d])
-            sg[j] = a
-        g += 1
+    if G - g == 3:
+        _scores_group(q, g, 3, kt, n, s, pk, pv, pn)
+    elif G - g == 2:
+        _scores_group(q, g, 2, kt, n, s, pk, pv, pn)
+    elif G - g == 1:
+        _scores_group(q, g, 1, kt, n, s, pk, pv, pn)
+
+
+@numba.njit(inline="always", **JIT)
+def _scores_group(q, g, ng, kt, n, s, pk, pv, pn):
+    """s[g + i, j] for heads i < ng ≤ 4, two tokens a pass: each K element is loaded and
+    widened once for 2·ng FMAs. ng must be a constant at the call site: LLVM then folds the
+    `ng > i` tests away and keeps only the accumulators in use. An odd last token is done
+    twice (its pair is itself) rather than by a second copy of the loop. Loops over D use
+    loop counters only (Numba's wraparound code on computed indices stops LLVM vectorizing).
+    While the first group runs, rows j < pn of the next tile (pk, pv) are prefetched, one
+    row per token, so the next tile's DRAM reads overlap this tile's arithmetic."""
+    D = q.shape[1]
+    q0, q1, q2, q3 = q[g], q[g + min(1, ng - 1)], q[g + min(2, ng - 1)], q[g + min(3, ng - 1)]
+    s0, s1, s2, s3 = s[g], s[g + min(1, ng - 1)], s[g + min(2, ng - 1)], s[g + min(3, ng - 1)]
+    for j in range(0, n, 2):
+        j1 = min(j + 1, n - 1)
+        if g == 0:
+            for jj in range(j, min(j + 2, pn)):
+                _prefetch_row(pk, jj)
+                _prefetch_row(pv, jj)
+        kr, kr1 = kt[j], kt[j1]
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+        for d in range(D):
+            x = widen(kr[d])
+            y = widen(kr1[d])
+            a0 += q0[d] * x
+            b0 += q0[d] * y
+            if ng > 1:
+                a1 += q1[d] * x
+                b1 += q1[d] * y
+            if ng > 2:
+                a2 += q2[d] * x
+                b2 += q2[d] * y
+            if ng > 3:
+                a3 += q3[d] * x
+                b3 += q3[d] * y
+        s0[j], s0[j1] = a0, b0
+        if ng > 1:
+            s1[j], s1[j1] = a1, b1
+        if ng > 2:
+            s2[j], s2[j1] = a2, b2
+        if ng > 3:
+            s3[j], s3[j1] = a3, b3
 
 
 @numba.njit(inline="always", **JIT)
@@ -153,45 +154,47 @@ def _softmax_tile(s, n, m, l, acc):
 
 @numba.njit(inline="always", **JIT)
 def _accumulate(p, vt, n, acc):
-    """acc[g] += Σ_j p[g, j] · widen(vt[j]) for j < n: four heads × two tokens a pass, so
-    each V element is widened once per pass and each acc vector is loaded and stored once
-    per two tokens."""
-    G, D = acc.shape
+    """acc[g] += Σ_j p[g, j] · widen(vt[j]) for j < n, in head groups as `_scores`."""
+    G = acc.shape[0]
     g = 0
     while g + 4 <= G:
-        a0, a1, a2, a3 = acc[g], acc[g + 1], acc[g + 2], acc[g + 3]
-        p0, p1, p2, p3 = p[g], p[g + 1], p[g + 2], p[g + 3]
-        j = 0
-        while j + 2 <= n:
-            v0, v1 = vt[j], vt[j + 1]
-            w00, w01, w10, w11 = p0[j], p0[j + 1], p1[j], p1[j + 1]
-            w20, w21, w30, w31 = p2[j], p2[j + 1], p3[j], p3[j + 1]
-            for d in range(D):
-                x0 = widen(v0[d])
-                x1 = widen(v1[d])
-                a0[d] += w00 * x0 + w01 * x1
-                a1[d] += w10 * x0 + w11 * x1
-                a2[d] += w20 * x0 + w21 * x1
-                a3[d] += w30 * x0 + w31 * x1
-            j += 2
-        if j < n:
-            v0 = vt[j]
-            w0, w1, w2, w3 = p0[j], p1[j], p2[j], p3[j]
-            for d in range(D):
-                x0 = widen(v0[d])
-                a0[d] += w0 * x0
-                a1[d] += w1 * x0
-                a2[d] += w2 * x0
-                a3[d] += w3 * x0
+        _accumulate_group(p, vt, n, acc, g, 4)
         g += 4
-    while g < G:
-        ag, pg = acc[g], p[g]
-        for j in range(n):
-            v0 = vt[j]
-            w0 = pg[j]
-            for d in range(D):
-                ag[d] += w0 * widen(v0[d])
-        g += 1
+    if G - g == 3:
+        _accumulate_group(p, vt, n, acc, g, 3)
+    elif G - g == 2:
+        _accumulate_group(p, vt, n, acc, g, 2)
+    elif G - g == 1:
+        _accumulate_group(p, vt, n, acc, g, 1)
+
+
+@numba.njit(inline="always", **JIT)
+def _accumulate_group(p, vt, n, acc, g, ng):
+    """Heads g..g+ng (ng ≤ 4, a call-site constant as in `_scores_group`) × two tokens a
+    pass: each V element is widened once per pass and each acc vector is loaded and stored
+    once per two tokens. An odd last token pairs with itself at weight 0."""
+    D = acc.shape[1]
+    a0, a1, a2, a3 = acc[g], acc[g + min(1, ng - 1)], acc[g + min(2, ng - 1)], acc[g + min(3, ng - 1)]
+    p0, p1, p2, p3 = p[g], p[g + min(1, ng - 1)], p[g + min(2, ng - 1)], p[g + min(3, ng - 1)]
+    for j in range(0, n, 2):
+        j1 = min(j + 1, n - 1)
+        v0, v1 = vt[j], vt[j1]
+        odd = j1 == j  # the pair is the token itself: its second weight is 0
+        w00, w10, w20, w30 = p0[j], p1[j], p2[j], p3[j]
+        w01 = np.float32(0.0) if odd else p0[j1]
+        w11 = np.float32(0.0) if odd else p1[j1]
+        w21 = np.float32(0.0) if odd else p2[j1]
+        w31 = np.float32(0.0) if odd else p3[j1]
+        for d in range(D):
+            x0 = widen(v0[d])
+            x1 = widen(v1[d])
+            a0[d] += w00 * x0 + w01 * x1
+            if ng > 1:
+                a1[d] += w10 * x0 + w11 * x1
+            if ng > 2:
+                a2[d] += w20 * x0 + w21 * x1
+            if ng > 3:
+                a3[d] += w30 * x0 + w31 * x1
 
 
 @numba.njit(inline="always", **JIT)
