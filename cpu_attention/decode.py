@@ -391,10 +391,27 @@ def _u16(t: torch.Tensor) -> np.ndarray:
 
 
 def chunk_tokens(seq_lens: np.ndarray, num_kv_heads: int, block_size: int, threads: int) -> int:
-    """Token range of one work item: ~ITEMS_PER_THREAD equal items a thread, block-aligned."""
-    total = int(seq_lens.sum()) * num_kv_heads
+    """Token range of one work item: ~ITEMS_PER_THREAD items a thread, block-aligned.
+
+    Numba's static schedule gives each thread an equal count of items, so the chunk is then
+    shrunk (a few steps at most) until the longest sequence splits into equal pieces and the
+    item count is a multiple of `threads`: 2048 tokens × 3 kv heads on 2 threads as 9 items
+    of ≤ 768 tokens leave one thread 3584 token-heads and the other 2560; 12 of 512 split evenly."""
+    lens = seq_lens.tolist()
+    total, longest = sum(lens) * num_kv_heads, max(lens, default=0)
+    if longest == 0:
+        return block_size
     chunk = max(-(-total // (ITEMS_PER_THREAD * threads)), MIN_CHUNK)
-    return -(-chunk // block_size) * block_size
+    p0 = max(-(-longest // chunk), 1)  # pieces of the longest sequence
+    first = None
+    for p in range(p0, p0 + threads):
+        c = -(-(-(-longest // p)) // block_size) * block_size  # ceil(longest / p), block-aligned
+        if p > p0 and c < MIN_CHUNK:
+            break
+        first = first or c
+        if (num_kv_heads * sum(-(-n // c) for n in lens)) % threads == 0:
+            return c
+    return first
 
 
 def decode_attention(

@@ -143,6 +143,26 @@ def test_decode_many_work_items_and_empty_sequence():
         assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
 
 
+@pytest.mark.parametrize("n,hkv,threads", [(2048, 3, 2), (2049, 3, 2), (2048, 3, 3), (32768, 8, 16), (100, 3, 2)])
+def test_work_split_is_even(n, hkv, threads):
+    """One sequence's items: equal (but the last of each kv head, as items are block-aligned) and
+    a count that is a multiple of the threads where the sequence is long enough to split, so
+    Numba's static schedule (an equal count of consecutive items a thread) hands every thread
+    the same tokens within a few percent."""
+    import numpy as np
+
+    from cpu_attention.decode import _plan, chunk_tokens
+
+    sl = np.array([n])
+    items, _ = _plan(sl, hkv, chunk_tokens(sl, hkv, 32, threads))
+    sizes = items[:, 3] - items[:, 2]
+    assert sizes.sum() == n * hkv
+    if n >= 1024:
+        assert len(items) % threads == 0
+        per_thread = sizes.reshape(threads, -1).sum(1)
+        assert per_thread.max() <= 1.05 * n * hkv / threads, per_thread
+
+
 @pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT4])
 def test_prefill_matches_reference(dtype):
     D, BS, n = 128, 16, 2600
