@@ -21,6 +21,8 @@ next tile's rows are prefetched one row per token.
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 import torch
@@ -385,9 +387,19 @@ def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse, hg):
         _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
 
 
-def _u16(t: torch.Tensor) -> np.ndarray:
-    """A 16-bit tensor's storage as a uint16 numpy view (no copy)."""
-    return t.view(torch.int16).numpy().view(np.uint16)
+def _numpy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """t as a C-contiguous numpy array of dtype (no copy when it is one already)."""
+    if t.dtype != dtype or not t.is_contiguous() or t.requires_grad:
+        t = t.detach().to(dtype).contiguous()
+    return t.numpy()
+
+
+@functools.lru_cache(maxsize=16)
+def _work_items(seq_lens: tuple[int, ...], num_kv_heads: int, block_size: int, threads: int):
+    """_plan's (items, pair_start) for these lengths, memoized: a decode step calls the kernel
+    once per layer with the same lengths. The arrays are shared: read them only."""
+    sl = np.array(seq_lens, np.int64)
+    return _plan(sl, num_kv_heads, chunk_tokens(sl, num_kv_heads, block_size, threads))
 
 
 def chunk_tokens(seq_lens: np.ndarray, num_kv_heads: int, block_size: int, threads: int) -> int:
@@ -431,28 +443,25 @@ def decode_attention(
     Hkv = pool.num_kv_heads
     if D != pool.head_dim or Hq % Hkv:
         raise ValueError(f"q {tuple(q.shape)} does not fit the pool (Hkv {Hkv}, D {pool.head_dim})")
-    n_threads = resolve_threads(threads)
-    qs = q.detach().to(torch.float32) * scale
-    if pool.dtype is KVDtype.INT4:
-        qs = torch.cat([qs[..., 0::2], qs[..., 1::2]], dim=-1)
-    qn = qs.contiguous().numpy()
-    bt = block_tables.detach().to(torch.int32).contiguous().numpy()
-    sl = seq_lens.detach().to(torch.int64).contiguous().numpy()
-    items, pair_start = _plan(sl, Hkv, chunk_tokens(sl, Hkv, pool.block_size, n_threads))
-    out = torch.empty((B, Hq, D), dtype=torch.float32)
-    lse = torch.empty((B, Hq), dtype=torch.float32)
-    on, ln = out.numpy(), lse.numpy()
-    if pool.dtype is KVDtype.BF16:
-        decode_float(_u16(pool.k[layer]), _u16(pool.v[layer]), qn, bt, items, pair_start, on, ln)
-    elif pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
+    if pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
         return decode_attention_ref(pool, layer, q, block_tables, seq_lens, scale)
+    # numpy, not torch, between the caller and the kernel: this runs once per layer and
+    # decode step, and each small torch op costs microseconds
+    qn = _numpy(q, torch.float32) * np.float32(scale)
+    if pool.dtype is KVDtype.INT4:
+        qn = np.concatenate([qn[..., 0::2], qn[..., 1::2]], axis=-1)
+    bt = _numpy(block_tables, torch.int32)
+    items, pair_start = _work_items(tuple(seq_lens.tolist()), Hkv, pool.block_size, resolve_threads(threads))
+    on, ln = np.empty((B, Hq, D), np.float32), np.empty((B, Hq), np.float32)
+    a = pool.arrays
+    if pool.dtype is KVDtype.BF16:
+        decode_float(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
     elif pool.dtype is KVDtype.INT8:
-        decode_int8(pool.k[layer].numpy(), pool.v[layer].numpy(), pool.k_scale[layer].numpy(),
-                    pool.v_scale[layer].numpy(), qn, bt, items, pair_start, on, ln)
+        decode_int8(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items,
+                    pair_start, on, ln)
     else:
-        decode_int4(pool.k[layer].numpy(), pool.v[layer].numpy(), _u16(pool.k_scale[layer]),
-                    _u16(pool.v_scale[layer]), _u16(pool.k_zero[layer]), _u16(pool.v_zero[layer]),
-                    qn, bt, items, pair_start, on, ln, HALF_GROUP)
-        perm = out.clone()
-        out[..., 0::2], out[..., 1::2] = perm[..., : D // 2], perm[..., D // 2:]
-    return out, lse
+        decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], a["k_zero"][layer],
+                    a["v_zero"][layer], qn, bt, items, pair_start, on, ln, HALF_GROUP)
+        perm = on.copy()
+        on[..., 0::2], on[..., 1::2] = perm[..., : D // 2], perm[..., D // 2:]
+    return torch.from_numpy(on), torch.from_numpy(ln)
