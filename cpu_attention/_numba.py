@@ -209,6 +209,19 @@ def prefetch(typingctx, arr, index):
     return types.void(arr, index), codegen
 
 
+def line_elems(a):
+    """Elements of array `a` in one 64-byte cache line, as a compile-time constant (Numba's
+    `a.itemsize` is read from the array at run time, which turns a strided loop's trip count
+    into a division)."""
+    raise NotImplementedError("only callable from Numba code")
+
+
+@overload(line_elems, inline="always")
+def _line_elems_impl(a):
+    n = max(64 * 8 // a.dtype.bitwidth, 1)
+    return lambda a: n
+
+
 @numba.njit(parallel=True, nogil=True, fastmath=True, cache=True)
 def _sum(x):
     acc = 0.0

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 
 from cpu_attention._numba import f16_to_f32, f32_to_bf16, f32_to_f16
+from cpu_attention.layout import INT4_CLIPS, INT4_GROUP, KVDtype
 
 WJIT = dict(nogil=True, cache=True)
+_INT4_CLIPS = np.array(INT4_CLIPS, np.float32)
 
 
 @numba.njit(**WJIT)
@@ -72,23 +75,47 @@ def write_int4(dst, sc, zr, blocks, offs, x, clips, group):
                     dst[b, h, o, gr * (group // 2) + i] = best[2 * i] | (best[2 * i + 1] << np.uint8(4))
 
 
-def write_numba(pool, layer: int, blocks, offs, k, v) -> None:
-    """HostKVPool.write's body for bf16/int8/int4: torch tensors in, pool updated in place."""
-    import torch
+@numba.njit(**WJIT)
+def write_kv_bf16(k, v, layer, slots, block_size, xk, xv):
+    """k, v [L, NB, Hkv, BS, D] uint16; slots [T] flat; xk, xv [T, Hkv, D] float32."""
+    blocks, offs = slots // block_size, slots % block_size
+    write_bf16(k[layer], blocks, offs, xk)
+    write_bf16(v[layer], blocks, offs, xv)
 
-    from cpu_attention.layout import INT4_CLIPS, INT4_GROUP, KVDtype
 
-    bl = blocks.to(torch.int64).numpy()
-    of = offs.to(torch.int64).numpy()
-    u16 = lambda t: t.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
-    for name, x in (("k", k), ("v", v)):
-        xn = x.detach().to(torch.float32).contiguous().numpy()
-        data = getattr(pool, name)[layer]
-        if pool.dtype is KVDtype.BF16:
-            write_bf16(u16(data), bl, of, xn)
-        elif pool.dtype is KVDtype.INT8:
-            write_int8(data.numpy(), getattr(pool, f"{name}_scale")[layer].numpy(), bl, of, xn)
-        else:
-            write_int4(data.numpy(), u16(getattr(pool, f"{name}_scale")[layer]),
-                       u16(getattr(pool, f"{name}_zero")[layer]), bl, of, xn,
-                       np.array(INT4_CLIPS, np.float32), INT4_GROUP)
+@numba.njit(**WJIT)
+def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv):
+    blocks, offs = slots // block_size, slots % block_size
+    write_int8(k[layer], ks[layer], blocks, offs, xk)
+    write_int8(v[layer], vs[layer], blocks, offs, xv)
+
+
+@numba.njit(**WJIT)
+def write_kv_int4(k, v, ks, vs, kz, vz, layer, slots, block_size, xk, xv, clips, group):
+    blocks, offs = slots // block_size, slots % block_size
+    write_int4(k[layer], ks[layer], kz[layer], blocks, offs, xk, clips, group)
+    write_int4(v[layer], vs[layer], vz[layer], blocks, offs, xv, clips, group)
+
+
+def write_numba(pool, layer: int, slots, k, v) -> None:
+    """HostKVPool.write's body for bf16/int8/int4: torch tensors in, pool updated in place.
+
+    One Numba call per layer for k and v together, on the pool's cached numpy views
+    (`HostKVPool.arrays`): a decode step's 30-32 appends are Python overhead more than work."""
+    a = pool.arrays
+    sl = np.asarray(slots.numpy(), np.int64)
+    xk, xv = _f32(k), _f32(v)
+    if pool.dtype is KVDtype.BF16:
+        write_kv_bf16(a["k"], a["v"], layer, sl, pool.block_size, xk, xv)
+    elif pool.dtype is KVDtype.INT8:
+        write_kv_int8(a["k"], a["v"], a["k_scale"], a["v_scale"], layer, sl, pool.block_size, xk, xv)
+    else:
+        write_kv_int4(a["k"], a["v"], a["k_scale"], a["v_scale"], a["k_zero"], a["v_zero"], layer, sl,
+                      pool.block_size, xk, xv, _INT4_CLIPS, INT4_GROUP)
+
+
+def _f32(x) -> np.ndarray:
+    """A [T, Hkv, D] tensor as a C-contiguous float32 numpy array (no copy when it is one)."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.requires_grad:
+        x = x.detach().to(torch.float32).contiguous()
+    return x.numpy()

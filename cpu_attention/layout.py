@@ -24,12 +24,15 @@ Within a block one head's BS × D values are contiguous, so a decode kernel walk
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 INT4_GROUP = 32
 INT4_CLIPS = (1.0, 0.94, 0.88, 0.82)  # range shrink factors tried per int4 group
+_HALF = (torch.bfloat16, torch.float16)  # stored as bits; the kernels read them as uint16
 
 
 class KVDtype(str, enum.Enum):
@@ -80,6 +83,18 @@ class HostKVPool:
             self.k_scale, self.v_scale = mk((L, NB, H, BS, G), torch.float16), mk((L, NB, H, BS, G), torch.float16)
             self.k_zero, self.v_zero = mk((L, NB, H, BS, G), torch.float16), mk((L, NB, H, BS, G), torch.float16)
 
+    @functools.cached_property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The tensors above as numpy views (no copy), 16-bit floats as their uint16 bits: what
+        the Numba kernels take. Made once, as a torch index + view + .numpy() per layer costs
+        microseconds on every kernel call; they view the tensors made in __post_init__."""
+        out = {}
+        for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
+            t = getattr(self, name)
+            if t is not None:
+                out[name] = t.view(torch.int16).numpy().view(np.uint16) if t.dtype in _HALF else t.numpy()
+        return out
+
     @property
     def nbytes(self) -> int:
         ts = [self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero]
@@ -95,12 +110,12 @@ class HostKVPool:
 
         bf16/int8/int4 go through the Numba append (`append.py`, same numbers as `quantize`).
         """
-        blocks, offs = slots // self.block_size, slots % self.block_size
         if self.dtype is not KVDtype.F32:
             from cpu_attention.append import write_numba  # numba loads lazily
 
-            write_numba(self, layer, blocks, offs, k, v)
+            write_numba(self, layer, slots, k, v)
             return
+        blocks, offs = slots // self.block_size, slots % self.block_size
         for name, x in (("k", k), ("v", v)):
             data, scale, zero = quantize(x, self.dtype)
             getattr(self, name)[layer, blocks, :, offs] = data
