@@ -34,8 +34,14 @@ def prmt_asm() -> str:
     picks each byte from the entries-0-7 or the 8-15 result by the code's bit 3 (selector
     i + 4·bit3), a third pairs low and high bytes into bf16 pairs, split by and/shl. The word's
     nibbles, low to high, are elements 1, 0, 3, 2, 5, 4, 7, 6.
+
+    One line (PTX statements end at ';'): torch.compile re-emits the kernel's source with this
+    string as a plain literal, which a newline inside would break.
     """
-    return """{
+    return " ".join(line.strip() for line in _PRMT_ASM.splitlines())
+
+
+_PRMT_ASM = """{
 .reg .b32 q7, q7h, t, th, ha, hb, la, lb, h0, l0, h1, l1, p0, p1, p2, p3;
 and.b32 q7, $8, 0x77777777;
 shr.u32 q7h, q7, 16;

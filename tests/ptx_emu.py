@@ -28,8 +28,8 @@ def run(asm: str, inputs: dict[int, int], memory: dict[int, int] | None = None) 
         tok = tok.strip()
         return int(tok, 0) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", tok) else regs[tok]
 
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
+    for line in asm.replace("{", ";").replace("}", ";").split(";"):  # one statement at a time
+        line = line.strip()
         if not line or line[0] in "{}." or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
