@@ -23,19 +23,19 @@ from cpu_attention.layout import KVDtype
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
+FORMAT = 4  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3
 
 # Stated constants (not measured; bench/offload_decode.py prints predictions beside measurements).
-# Fitted on the H100 host (bench/offload_decode.py, 2026-11-22 22:00 UTC run: Llama-3-8B shape,
-# batch 1 at 8k bf16 and 32k int8, with and without streamed host KV; the layer graphs copying
-# q/k/v and (o, lse) themselves). Per layer per sub-batch, what a step costs beyond the GEMVs and
-# the attention bytes: the GPU's small kernels (norms, RoPE, merge), graph launches, the event.
-LAYER_OVERHEAD_S = 150e-6
+# Fitted on the H100 host (bench/offload_decode.py, 2026-11-22 22:45 UTC run: Llama-3-8B shape,
+# the batch-1 workloads, least squares on log tok/s; the runtime then ran the CPU's share inline,
+# its layer graphs copying q/k/v and (o, lse) themselves). Per layer per sub-batch, what a step
+# costs beyond the GEMVs and the attention bytes: the GPU's small kernels (norms, RoPE, merge),
+# graph launches, the event hand-off.
+LAYER_OVERHEAD_S = 200e-6
 # Per CPU attention call (one layer, one sub-batch), whatever its size: the append, the Python
-# around the kernel, waking the Numba threads, the merge of partials. Measured in the runtime
-# as ~0.45 ms (a 10 MB call took 0.62 ms, a 33.5 MB one 0.95 ms).
-CPU_ATTENTION_CALL_S = 450e-6
+# around the kernel, waking the Numba threads.
+CPU_ATTENTION_CALL_S = 50e-6
 GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy rate, if unmeasured
 
 
