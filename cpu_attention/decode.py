@@ -12,8 +12,8 @@ widened once per group, bf16 by a shift into the high half, int8 by a conversion
 online-softmax step for the whole tile (`_softmax_tile`: max, one rescale of the
 accumulator, a vectorized polynomial exp), then the V accumulation (`_accumulate`: the same
 head groups × two tokens a pass). G is split into groups of four and one group of the rest
-(G = 3: one group of three), each a specialization of one helper by its constant size. int8's per-token
-scales multiply the G scores and the G weights, not the D codes. int4 rows are first
+(G = 3: one group of three), each a specialization of one helper by its constant size.
+int8's per-token scales multiply the G scores and the G weights, not the D codes. int4 rows are first
 widened into an L1-resident float32 tile (code × group scale + group zero) in a permuted
 order (even elements then odd ones, which is how the nibbles come out of the bytes); q is
 permuted the same way and the output is un-permuted at the end. While a tile computes, the
