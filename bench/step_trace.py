@@ -16,10 +16,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import importlib.util  # noqa: E402
 
 import cpu_attention  # noqa: E402
-import offload_decode as od  # noqa: E402
+
+# bench/ is not on the path (its cpu_attention.py would shadow the package): load the sibling by file
+_spec = importlib.util.spec_from_file_location("offload_decode", Path(__file__).with_name("offload_decode.py"))
+od = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(od)
 from cpu_attention import HostKVPool  # noqa: E402
 from cpu_attention import decode  # noqa: E402
 from offload.runner import Runner  # noqa: E402

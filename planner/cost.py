@@ -17,10 +17,11 @@ from planner.profile import HardwareProfile
 from planner.tensors import Group, Kind, WDtype, experts_touched, kv_bytes_per_token_layer, weight_groups
 
 GB = 1e9
-# Streamed host KV reached about half the measured PCIe rate inside a decode step on the H100 host
-# (2026-11-22 22:45 UTC run: 753 MB a step in 26 ms at 8k, with the CPU kernels and the layer
-# graphs' own copies running meanwhile); stated, not measured by the profile.
-STREAM_PCIE_SHARE = 0.5
+# Share of the measured PCIe rate streamed host KV gets inside a decode step. Measured about half
+# (H100 host, 2026-11-22 22:45 UTC: 753 MB a step in 26 ms at 8k), but planning with 0.5 chose
+# less streaming and measured slower (8k bf16 30.5 vs 38.2 tok/s, 32k bf16 13.1 vs 16.2; next
+# run), so plans use the full rate and over-predict streamed steps by ~10-20%.
+STREAM_PCIE_SHARE = 1.0
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
 
 

@@ -23,7 +23,7 @@ from cpu_attention.layout import KVDtype
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
+FORMAT = 5  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3
 
 # Stated constants (not measured; bench/offload_decode.py prints predictions beside measurements).
@@ -35,7 +35,7 @@ GIB = 1024**3
 LAYER_OVERHEAD_S = 200e-6
 # Per CPU attention call (one layer, one sub-batch), whatever its size: the append, the Python
 # around the kernel, waking the Numba threads.
-CPU_ATTENTION_CALL_S = 50e-6
+CPU_ATTENTION_CALL_S = 100e-6
 GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy rate, if unmeasured
 
 
