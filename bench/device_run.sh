@@ -40,7 +40,7 @@ for stage in $STAGES; do
         | tee "$OUT/gpu_decode_stdout.log" | grep -v "^20..-" | tail -32 ;;
     trace)
       for w in ${TRACE:-"8k bf16"}; do
-        timeout 150 python3 bench/step_trace.py --workload "${w//_/ }" --profile "$OUT/profile.json" 2>&1 \
+        timeout 150 python3 bench/step_trace.py --workload "${w//_/ }" --profile "${TRACE_PROFILE:-$OUT/profile.json}" 2>&1 \
           | grep -v "^20..-" | tail -18
       done ;;
     offload)
