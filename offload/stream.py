@@ -23,9 +23,10 @@ from gpu_ops import attention as gpu_attention
 from gpu_ops.kv_pool import GpuKVPool
 
 _PARTS = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
-# Copies go up in pieces of at most this: the copy engine serves streams in submission order, and
-# the (o, lse) upload the next layer waits for must not queue behind a whole layer's KV.
-PIECE_BYTES = 2 * 2**20
+# Copies go up in pieces of at most this. Small pieces cost the main thread ~20 µs of launch each
+# (2 MB pieces: 244 µs a layer at 8k, bench/step_trace.py), and a small upload waits ~40 µs behind
+# a 24 MB copy whole or in 12 pieces alike (bench/pcie_probe.py): so pieces are large.
+PIECE_BYTES = 64 * 2**20
 
 
 def runs(blocks: list[int]) -> list[tuple[int, int, int]]:
