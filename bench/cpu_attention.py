@@ -266,11 +266,13 @@ def main() -> None:
             for ipt in (4, 16):
                 for cs in (0, 1):
                     decode_mod.ITEMS_PER_THREAD = ipt
+                    decode_mod._work_items.cache_clear()  # the split is memoized per lengths
                     numba.set_parallel_chunksize(cs)
                     r = bench_kernel(dt, hs, 1, 32768, threads, 10, gen)
                     log(f"sweep {dt.value} 1x32768 items/thread {ipt} chunksize {cs}: {r['GBps']:.1f} GB/s "
                         f"(best {r['bytes_per_call'] / r['ms_best'] / 1e6:.1f})")
         decode_mod.ITEMS_PER_THREAD = 4
+        decode_mod._work_items.cache_clear()
         numba.set_parallel_chunksize(0)
     rows = []
     for B, n in shapes:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from cpu_attention._numba import f16_to_f32, f32_to_bf16, f32_to_f16
-from cpu_attention.layout import INT4_CLIPS, INT4_GROUP, KVDtype
+from cpu_attention.layout import INT4_CLIPS, INT4_GROUP, HostKVPool, KVDtype
 
 WJIT = dict(nogil=True, cache=True)
 _INT4_CLIPS = np.array(INT4_CLIPS, np.float32)
@@ -85,6 +85,7 @@ def write_kv_bf16(k, v, layer, slots, block_size, xk, xv):
 
 @numba.njit(**WJIT)
 def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv):
+    """As write_kv_bf16 for int8 codes k, v and their scales ks, vs [L, NB, Hkv, BS] float32."""
     blocks, offs = slots // block_size, slots % block_size
     write_int8(k[layer], ks[layer], blocks, offs, xk)
     write_int8(v[layer], vs[layer], blocks, offs, xv)
@@ -92,12 +93,13 @@ def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv):
 
 @numba.njit(**WJIT)
 def write_kv_int4(k, v, ks, vs, kz, vz, layer, slots, block_size, xk, xv, clips, group):
+    """As write_kv_bf16 for packed int4 codes and their group scales and zeros (see write_int4)."""
     blocks, offs = slots // block_size, slots % block_size
     write_int4(k[layer], ks[layer], kz[layer], blocks, offs, xk, clips, group)
     write_int4(v[layer], vs[layer], vz[layer], blocks, offs, xv, clips, group)
 
 
-def write_numba(pool, layer: int, slots, k, v) -> None:
+def write_numba(pool: HostKVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """HostKVPool.write's body for bf16/int8/int4: torch tensors in, pool updated in place.
 
     One Numba call per layer for k and v together, on the pool's cached numpy views
@@ -114,7 +116,7 @@ def write_numba(pool, layer: int, slots, k, v) -> None:
                       pool.block_size, xk, xv, _INT4_CLIPS, INT4_GROUP)
 
 
-def _f32(x) -> np.ndarray:
+def _f32(x: torch.Tensor) -> np.ndarray:
     """A [T, Hkv, D] tensor as a C-contiguous float32 numpy array (no copy when it is one)."""
     if x.dtype != torch.float32 or not x.is_contiguous() or x.requires_grad:
         x = x.detach().to(torch.float32).contiguous()
