@@ -67,7 +67,7 @@ def test_streamed_host_kv_gives_single_tier_tokens(folder, single, gpu_tokens, s
     assert max(streamed) == min(stream_tokens // 4, host_blocks - 1)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "int8"])
+@pytest.mark.parametrize("kv", ["bf16", "int8", "int4"])
 def test_streamed_quantized_host_kv_matches_cpu_attention(tiny, kv):
     """Streamed blocks are dequantized on the device: logits agree with the CPU kernels' within
     the bf16 staging's rounding."""
