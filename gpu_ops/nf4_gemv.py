@@ -92,11 +92,13 @@ def _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xrow_ptr, xw, H: tl.constexpr):
 
 @triton.jit
 def _nf4_gemv_kernel(
-    x32_ptr, w32_ptr, absmax_ptr, book_ptr, out_ptr,
-    N, KW, stride_xm, words_per_split,
+    x32_ptr, w32_ptr, absmax_ptr, book_ptr, out_ptr, res_ptr,
+    N, KW, stride_xm, words_per_split, stride_rm,
     M: tl.constexpr, BLOCK_N: tl.constexpr, H: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
+    RES: tl.constexpr,
 ):
-    """out[s, m, n] (float32 partials if SPLIT, else bf16 y[m, n]) for rows [pid_n·BN, +BN) of W.
+    """out[s, m, n] (float32 partials if SPLIT, else bf16 y[m, n], plus res[m, n] if RES) for
+    rows [pid_n·BN, +BN) of W.
 
     A step covers H half groups (32 codes, 4 int32 words, one 16-byte load) of each row.
     """
@@ -156,21 +158,22 @@ def _nf4_gemv_kernel(
     offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
     out = out_ptr + pid_s * M * N + offs
-    _store_row(out, acc0, ok, SPLIT)
+    res = res_ptr + offs
+    _store_row(out, acc0, ok, SPLIT, res, RES)
     if M > 1:
-        _store_row(out + N, acc1, ok, SPLIT)
+        _store_row(out + N, acc1, ok, SPLIT, res + stride_rm, RES)
     if M > 2:
-        _store_row(out + 2 * N, acc2, ok, SPLIT)
+        _store_row(out + 2 * N, acc2, ok, SPLIT, res + 2 * stride_rm, RES)
     if M > 3:
-        _store_row(out + 3 * N, acc3, ok, SPLIT)
+        _store_row(out + 3 * N, acc3, ok, SPLIT, res + 3 * stride_rm, RES)
     if M > 4:
-        _store_row(out + 4 * N, acc4, ok, SPLIT)
+        _store_row(out + 4 * N, acc4, ok, SPLIT, res + 4 * stride_rm, RES)
     if M > 5:
-        _store_row(out + 5 * N, acc5, ok, SPLIT)
+        _store_row(out + 5 * N, acc5, ok, SPLIT, res + 5 * stride_rm, RES)
     if M > 6:
-        _store_row(out + 6 * N, acc6, ok, SPLIT)
+        _store_row(out + 6 * N, acc6, ok, SPLIT, res + 6 * stride_rm, RES)
     if M > 7:
-        _store_row(out + 7 * N, acc7, ok, SPLIT)
+        _store_row(out + 7 * N, acc7, ok, SPLIT, res + 7 * stride_rm, RES)
 
 
 @triton.jit
@@ -183,10 +186,13 @@ def _load_scales(a_rows, kw, h, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _store_row(ptr, acc, ok, SPLIT: tl.constexpr):
+def _store_row(ptr, acc, ok, SPLIT: tl.constexpr, res, RES: tl.constexpr):
     y = tl.sum(acc, axis=1)
     if SPLIT:
         tl.store(ptr, y, mask=ok)
+    elif RES:  # torch's res + y.to(bf16): y rounded to bf16 first, the sum rounded again
+        r = tl.load(res, mask=ok, other=0.0).to(tl.float32)
+        tl.store(ptr, (y.to(tl.bfloat16).to(tl.float32) + r).to(tl.bfloat16), mask=ok)
     else:
         tl.store(ptr, y.to(tl.bfloat16), mask=ok)
 
@@ -219,8 +225,10 @@ def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int, int]:
 
 
 def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int],
-             decode: Decode = Decode.PRMT, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M ≤ 8, K] bf16, W [N, K] as NF4 (K a multiple of 64) → y [M, N] bf16.
+             decode: Decode = Decode.PRMT, config: tuple[int, int, int, int] | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M ≤ 8, K] bf16, W [N, K] as NF4 (K a multiple of 64) → y [M, N] bf16 (+ residual
+    [M, N] bf16, added in the kernel's epilogue as torch would add it).
 
     config: (BLOCK_N, H, warps, split-K), default `gemv_config`; H a power of two, K divisible
     by 32·H·split."""
@@ -235,12 +243,18 @@ def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape:
     x32 = x.view(torch.int32)  # bf16 pairs: x[2i] in the low half
     w32 = packed.view(torch.int32)
     grid = (triton.cdiv(N, BN), S)
+    if residual is not None and (residual.shape != (M, N) or residual.dtype != torch.bfloat16
+                                 or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be bf16 [{M}, {N}] with unit stride, got {residual.dtype} {tuple(residual.shape)}")
     if S == 1:
         y = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
-        _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), y, N, K // 8, x32.stride(0), K // 8,
-                               M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=False, num_warps=warps)
+        res = y if residual is None else residual
+        _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), y, res, N, K // 8, x32.stride(0), K // 8,
+                               res.stride(0), M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=False,
+                               RES=residual is not None, num_warps=warps)
         return y
     part = torch.empty((S, M, N), dtype=torch.float32, device=x.device)
-    _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), part, N, K // 8, x32.stride(0), K // 8 // S,
-                           M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=True, num_warps=warps)
-    return part.sum(0).to(torch.bfloat16)
+    _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), part, part, N, K // 8, x32.stride(0), K // 8 // S,
+                           0, M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=True, RES=False, num_warps=warps)
+    y = part.sum(0).to(torch.bfloat16)
+    return y if residual is None else residual + y

@@ -8,6 +8,7 @@ same math runs over dense, int8 or 4-bit weights on either device.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -138,6 +139,7 @@ class Model:
         self.device, self.act_dtype = device, act_dtype
         self.rope = Rope(cfg, device, rope_freqs)
         self.scale = cfg.head_dim ** -0.5
+        self.gpu_fusion = True  # few-row CUDA layers through gpu_ops.fused where it applies (bench A/B: False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_w[ids.to(self.embed_w.device)].to(self.device, self.act_dtype)  # [N, H]
@@ -145,6 +147,10 @@ class Model:
     def pre_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor):
         """x [N, H], pos [N] → q [N, Hq, D], k, v [N, Hkv, D]."""
         c, lw = self.cfg, self.layers[i]
+        fused = self._gpu_fused(lw, x)
+        if fused is not None:  # 3 kernels: norm, projection, RoPE
+            cos, sin = self.rope.tables(pos)
+            return fused.pre_attention(c, lw, x, pos, cos, sin)
         if self._fused_decode(lw, x):  # one Numba call: norm, projection, RoPE
             cos, sin = self.rope.tables(pos)
             return cpu_linear.attn_in(x, pos, lw.attn_norm, c.rms_norm_eps, lw.qkv, cos, sin, c.num_heads,
@@ -162,6 +168,9 @@ class Model:
     def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [N, H] residual stream, attn [N, Hq, D] → the layer's output [N, H]."""
         c, lw = self.cfg, self.layers[i]
+        fused = self._gpu_fused(lw, x)
+        if fused is not None:  # 5 kernels: O + residual, norm, gate_up, SiLU·up, down + residual
+            return fused.post_attention(c, lw, x, attn)
         if self._fused_decode(lw, x) and lw.router is None:  # one Numba call for the rest of the layer
             return cpu_linear.mlp_block(x, attn, lw.o, lw.mlp_norm,
                                         c.rms_norm_eps, lw.gate_up, lw.down)
@@ -174,6 +183,13 @@ class Model:
         return (x.shape[0] <= cpu_linear.GEMV_MAX_ROWS and x.dtype == torch.float32 and lw.q_norm is None
                 and isinstance(lw.qkv, Int8Linear) and isinstance(lw.o, Int8Linear) and lw.o.bias is None
                 and (lw.router is not None or isinstance(lw.gate_up, Int8Linear) and isinstance(lw.down, Int8Linear)))
+
+    def _gpu_fused(self, lw: LayerWeights, x: torch.Tensor):
+        """gpu_ops.fused if this layer's step takes its kernels (CUDA, few rows, NF4), else None."""
+        if not (self.gpu_fusion and x.is_cuda):
+            return None
+        fused = _gpu_fused_module()
+        return fused if fused is not None and fused.applies(lw, x) else None
 
     def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -192,6 +208,15 @@ class Model:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] → float32 logits [N, V]."""
         return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+
+
+@functools.cache
+def _gpu_fused_module():
+    try:
+        from gpu_ops import fused
+    except ImportError:  # no Triton: the torch path
+        return None
+    return fused
 
 
 def _swiglu(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:

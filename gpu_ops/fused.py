@@ -1,0 +1,128 @@
+"""Fused decode layer on the GPU: the few-row (decode) layer in 8 kernels instead of ~60.
+
+At batch 1 the graphed decode step spent ~3.5 of its ~6.2 ms outside the weight GEMVs, in
+~60 small kernels a layer (RMSNorm as 7 ops, RoPE as ~9 a tensor, casts, SiLU·up, residual
+adds), each ~1.5 µs even inside a CUDA graph (bench/RESULTS.md, gpu_ops). Here a layer is:
+
+    rms_norm → qkv GEMV → rope (q and k in place) → [the runtime's KV write + attention]
+    → o GEMV + residual → rms_norm → gate_up GEMV → silu·up → down GEMV + residual
+
+with the residual adds in the GEMV's epilogue (`nf4_gemv(residual=)`). The arithmetic is the
+torch path's (`hetero.model`), rounding included: float32 inside each kernel, bf16 where
+torch rounds to bf16 (after the norm's scaling, after each projection, after each add).
+
+It applies only where its kernels are the fastest measured: CUDA, bf16 activations, rows
+that `NF4Linear.pick` sends to our GEMV (≤ 2), NF4 weights without biases, no q/k norm, a
+dense MLP. Anything else takes the torch path unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_ops.nf4 import NF4Linear, Nf4Kernel
+from gpu_ops.nf4_gemv import nf4_gemv
+
+
+def applies(lw, x: torch.Tensor) -> bool:
+    """Whether layer weights `lw` at activations x [N, H] take the fused path."""
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or lw.q_norm is not None or lw.router is not None:
+        return False
+    lins = (lw.qkv, lw.o, lw.gate_up, lw.down)
+    return all(isinstance(w, NF4Linear) and w.bias is None and w.pick(x.shape[0]) is Nf4Kernel.GEMV for w in lins) \
+        and lw.attn_norm.dtype == torch.bfloat16 and lw.mlp_norm.dtype == torch.bfloat16
+
+
+def pre_attention(cfg, lw, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x [N, H] bf16, pos [N] → q [N, Hq, D], k, v [N, Hkv, D] (views of one qkv buffer)."""
+    h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+    qkv = _gemv(lw.qkv, h)
+    rope_(qkv, pos, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+    N = x.shape[0]
+    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    return (q.view(N, cfg.num_heads, cfg.head_dim), k.view(N, cfg.num_kv_heads, cfg.head_dim),
+            v.view(N, cfg.num_kv_heads, cfg.head_dim))
+
+
+def post_attention(cfg, lw, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """x [N, H] residual stream, attn [N, Hq, D] → the layer's output [N, H]."""
+    x = _gemv(lw.o, attn.reshape(attn.shape[0], -1).to(torch.bfloat16), residual=x)
+    gu = _gemv(lw.gate_up, rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps))
+    return _gemv(lw.down, silu_mul(gu), residual=x)
+
+
+def _gemv(lin: NF4Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    return nf4_gemv(x, lin.packed, lin.absmax, lin.shape, config=lin.gemv_config, residual=residual)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = (x * r).to(tl.bfloat16).to(tl.float32) * w  # torch: (xf * rsqrt(...)).to(bf16) * w
+    tl.store(out_ptr + row * stride_o + offs, y.to(tl.bfloat16), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [N, H] bf16, w [H] bf16 → bf16 [N, H], as `hetero.model.rms_norm`."""
+    N, H = x.shape
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(N,)](x, w, out, H, eps, x.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(H),
+                           num_warps=8)
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_x, NH, D: tl.constexpr, NHP: tl.constexpr):
+    """Rotate-half RoPE of the first NH heads of row x[n] in place (float32 tables [T, D])."""
+    row = tl.program_id(0)
+    heads = tl.arange(0, NHP)
+    half = tl.arange(0, D // 2)
+    ok = (heads < NH)[:, None]
+    p = tl.load(pos_ptr + row)
+    c1 = tl.load(cos_ptr + p * D + half)[None, :]
+    c2 = tl.load(cos_ptr + p * D + D // 2 + half)[None, :]
+    s1 = tl.load(sin_ptr + p * D + half)[None, :]
+    s2 = tl.load(sin_ptr + p * D + D // 2 + half)[None, :]
+    lo = x_ptr + row * stride_x + heads[:, None] * D + half[None, :]
+    x1 = tl.load(lo, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(lo + D // 2, mask=ok, other=0.0).to(tl.float32)
+    tl.store(lo, (x1 * c1 - x2 * s1).to(tl.bfloat16), mask=ok)  # x·cos + rotate_half(x)·sin
+    tl.store(lo + D // 2, (x2 * c2 + x1 * s2).to(tl.bfloat16), mask=ok)
+
+
+def rope_(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, D: int) -> None:
+    """In place on x [N, ≥ heads·D] bf16 (row-contiguous): the first `heads` heads of each row
+    rotated at pos [N], as `hetero.model.Rope` (cos, sin: its float32 [T, D] tables)."""
+    N = x.shape[0]
+    assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    _rope_kernel[(N,)](x, cos, sin, pos, x.stride(0), heads, D=D, NHP=triton.next_power_of_2(heads),
+                       num_warps=4)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, F, stride_gu, stride_o, BLOCK: tl.constexpr):
+    row, pid = tl.program_id(0), tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < F
+    g = tl.load(gu_ptr + row * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + F + offs, mask=ok, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * stride_o + offs, y.to(tl.bfloat16), mask=ok)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [N, 2F] bf16 (gate then up) → silu(gate) · up, bf16 [N, F]."""
+    N, F2 = gu.shape
+    F = F2 // 2
+    out = torch.empty((N, F), dtype=torch.bfloat16, device=gu.device)
+    BLOCK = 2048
+    _silu_mul_kernel[(N, triton.cdiv(F, BLOCK))](gu, out, F, gu.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    return out
