@@ -126,3 +126,30 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     BLOCK = 2048
     _silu_mul_kernel[(N, triton.cdiv(F, BLOCK))](gu, out, F, gu.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
     return out
+
+
+@triton.jit
+def _kv_write_kernel(kp, vp, slots_ptr, k_ptr, v_ptr, layer_off, s_blk, s_head, s_off, s_kt, s_kh, s_vt, s_vh,
+                     BS, Hkv, HP: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    blk, off = slot // BS, slot % BS
+    h = tl.arange(0, HP)[:, None]
+    d = tl.arange(0, D)[None, :]
+    ok = h < Hkv
+    dst = layer_off + blk * s_blk + h * s_head + off * s_off + d
+    k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=ok)
+    v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=ok)
+    tl.store(kp + dst, k.to(kp.dtype.element_ty), mask=ok)
+    tl.store(vp + dst, v.to(vp.dtype.element_ty), mask=ok)
+
+
+def kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, block_size: int) -> None:
+    """`gpu_ops.kv_pool.kv_write` in one kernel: k, v [T, Hkv, D] (unit stride along D) into the
+    contiguous pools [L, NB, Hkv, BS, D] at flat slots [T] (block · BS + offset)."""
+    T, Hkv, D = k.shape
+    s = k_pool.stride()
+    _kv_write_kernel[(T,)](k_pool, v_pool, slots, k, v, layer * s[0], s[1], s[2], s[3], k.stride(0), k.stride(1),
+                           v.stride(0), v.stride(1), block_size, Hkv, HP=triton.next_power_of_2(Hkv), D=D,
+                           num_warps=4)

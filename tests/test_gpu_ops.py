@@ -377,6 +377,20 @@ def test_gpu_fused_ops_match_their_torch_twins():
     assert rel_err(fused.silu_mul(gu), (F.silu(g.float()) * u.float()).bfloat16()) < 4e-3
 
 
+@gpu
+@pytest.mark.gpu
+def test_gpu_kv_write_kernel_matches_indexing():
+    """GpuKVPool.write (one Triton kernel on CUDA) stores what indexing would, from strided views."""
+    pool = GpuKVPool(3, 6, 8, 16, 128)
+    qkv = torch.randn(3, 48 * 128, device="cuda").bfloat16()
+    k, v = qkv[:, 32 * 128:40 * 128].view(3, 8, 128), qkv[:, 40 * 128:].view(3, 8, 128)
+    slots = torch.tensor([0, 37, 95], device="cuda")
+    pool.write(2, slots, k, v)
+    blocks, offs = slots // 16, slots % 16
+    assert torch.equal(pool.k[2, blocks, :, offs], k) and torch.equal(pool.v[2, blocks, :, offs], v)
+    assert pool.k[:2].abs().sum() == 0 and pool.k.abs().sum() == k.float().abs().sum()
+
+
 def _llama3_cfg():
     from hetero.config import Arch, ModelConfig
 
