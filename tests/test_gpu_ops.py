@@ -388,7 +388,7 @@ def test_gpu_kv_write_kernel_matches_indexing():
     pool.write(2, slots, k, v)
     blocks, offs = slots // 16, slots % 16
     assert torch.equal(pool.k[2, blocks, :, offs], k) and torch.equal(pool.v[2, blocks, :, offs], v)
-    assert pool.k[:2].abs().sum() == 0 and pool.k.abs().sum() == k.float().abs().sum()
+    assert (pool.k != 0).sum() == (k != 0).sum() and (pool.v != 0).sum() == (v != 0).sum()  # nothing else written
 
 
 def _llama3_cfg():
