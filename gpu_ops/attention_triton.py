@@ -61,7 +61,7 @@ def _decode_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     dst = (sp * B + b) * Hq + h * G + rows  # [GP]
-    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], out, mask=row_ok[:, None])
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + dst, lse, mask=row_ok)
 
 
@@ -85,7 +85,7 @@ def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, S, BH, SP: tl.con
         w = tl.exp(tl.load(lse_ptr + (s0 + c) * BH + r, mask=ok, other=float("-inf")) - big_safe)
         o = tl.load(o_ptr + ((s0 + c) * BH + r)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
-    tl.store(out_ptr + r * D + d, acc)
+    tl.store(out_ptr + r * D + d, acc.to(out_ptr.dtype.element_ty))
     tl.store(out_lse_ptr + r, big)
 
 
@@ -96,9 +96,9 @@ def _sms(device: torch.device) -> int:
 
 def paged_decode(
     pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, dot_f32: bool = False,
+    scale: float, dot_f32: bool = False, out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D], lse [B, Hq]) float32."""
+    """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq] float32)."""
     B, Hq, D = q.shape
     Hkv, BS = pool.num_kv_heads, pool.block_size
     G = Hq // Hkv
@@ -108,7 +108,7 @@ def paged_decode(
     # 5 blocks in turn took 8.5 µs, the latency of a chain of dependent dots)
     S = max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4 if MB >= 32 else MB))
     per = -(-MB // S)
-    o = torch.empty((S, B, Hq, D), dtype=torch.float32, device=q.device)
+    o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=q.device)
     lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
     k = pool.k
     _decode_kernel[(B, Hkv, S)](
@@ -118,7 +118,7 @@ def paged_decode(
     )
     if S == 1:
         return o[0], lse[0]
-    out = torch.empty((B, Hq, D), dtype=torch.float32, device=q.device)
+    out = torch.empty((B, Hq, D), dtype=out_dtype, device=q.device)
     total = torch.empty((B, Hq), dtype=torch.float32, device=q.device)  # -inf where every split was empty
     _merge_splits_kernel[(B * Hq,)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, CH=16,
                                     num_warps=4)

@@ -127,8 +127,8 @@ class GpuDecoder:
         for i in range(m.cfg.num_layers):
             q, k, v = m.pre_attention(i, x, pos)
             self.pool.write(i, slots, k, v)
-            o, _ = decode_attention(self.pool, i, q, tables, lens, m.scale, self.attn)
-            x = m.post_attention(i, x, o.to(x.dtype))
+            o, _ = decode_attention(self.pool, i, q, tables, lens, m.scale, self.attn, out_dtype=x.dtype)
+            x = m.post_attention(i, x, o)
         return m.logits(x)
 
 

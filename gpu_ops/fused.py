@@ -1,13 +1,14 @@
-"""Fused decode layer on the GPU: the few-row (decode) layer in 8 kernels instead of ~60.
+"""Fused decode layer on the GPU: the few-row (decode) layer in 7 kernels instead of ~60.
 
 At batch 1 the graphed decode step spent ~3.5 of its ~6.2 ms outside the weight GEMVs, in
 ~60 small kernels a layer (RMSNorm as 7 ops, RoPE as ~9 a tensor, casts, SiLU·up, residual
 adds), each ~1.5 µs even inside a CUDA graph (bench/RESULTS.md, gpu_ops). Here a layer is:
 
     rms_norm → qkv GEMV → rope (q and k in place) → [the runtime's KV write + attention]
-    → o GEMV + residual → rms_norm → gate_up GEMV → silu·up → down GEMV + residual
+    → o GEMV + residual → rms_norm → gate_up GEMV + silu·up → down GEMV + residual
 
-with the residual adds in the GEMV's epilogue (`nf4_gemv(residual=)`). The arithmetic is the
+with the residual adds and SwiGLU in the GEMV's epilogue (`nf4_gemv(residual=, swiglu=)`;
+`silu_mul` stays as the separate kernel for other callers and as the epilogue's check). The arithmetic is the
 torch path's (`hetero.model`), rounding included: float32 inside each kernel, bf16 where
 torch rounds to bf16 (after the norm's scaling, after each projection, after each add).
 
@@ -48,12 +49,12 @@ def pre_attention(cfg, lw, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor
 def post_attention(cfg, lw, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """x [N, H] residual stream, attn [N, Hq, D] → the layer's output [N, H]."""
     x = _gemv(lw.o, attn.reshape(attn.shape[0], -1).to(torch.bfloat16), residual=x)
-    gu = _gemv(lw.gate_up, rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps))
-    return _gemv(lw.down, silu_mul(gu), residual=x)
+    act = _gemv(lw.gate_up, rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps), swiglu=True)  # silu(gate)·up
+    return _gemv(lw.down, act, residual=x)
 
 
-def _gemv(lin: NF4Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    return nf4_gemv(x, lin.packed, lin.absmax, lin.shape, config=lin.gemv_config, residual=residual)
+def _gemv(lin: NF4Linear, x: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    return nf4_gemv(x, lin.packed, lin.absmax, lin.shape, config=lin.gemv_config, residual=residual, swiglu=swiglu)
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -169,7 +169,7 @@ class Model:
         """x [N, H] residual stream, attn [N, Hq, D] → the layer's output [N, H]."""
         c, lw = self.cfg, self.layers[i]
         fused = self._gpu_fused(lw, x)
-        if fused is not None:  # 5 kernels: O + residual, norm, gate_up, SiLU·up, down + residual
+        if fused is not None:  # 4 kernels: O + residual, norm, gate_up + SiLU·up, down + residual
             return fused.post_attention(c, lw, x, attn)
         if self._fused_decode(lw, x) and lw.router is None:  # one Numba call for the rest of the layer
             return cpu_linear.mlp_block(x, attn, lw.o, lw.mlp_norm,

@@ -415,6 +415,24 @@ def test_gpu_nf4_gemv_residual_epilogue_is_torchs_add(config):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("config", [None, (4, 64, 4, 1), (8, 16, 4, 1)])
+def test_gpu_nf4_gemv_swiglu_epilogue_is_silu_mul(rows, config):
+    from gpu_ops import fused
+    from gpu_ops.nf4_gemv import nf4_gemv
+
+    torch.manual_seed(rows)
+    F, K = 1000, 2048
+    w = torch.randn(2 * F, K, device="cuda") * 0.05
+    packed, absmax = quantize_nf4(w)
+    x = torch.randn(rows, K, device="cuda").bfloat16()
+    ref = fused.silu_mul(nf4_gemv(x, packed, absmax, (2 * F, K), config=config))
+    got = nf4_gemv(x, packed, absmax, (2 * F, K), config=config, swiglu=True)
+    assert got.shape == (rows, F) and rel_err(got, ref) < 4e-3
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 2])
 def test_gpu_fused_nf4_layers_give_the_torch_paths_tokens(tmp_path, batch):
     """NF4 weights, 1-2 rows: the fused kernels (gpu_ops.fused) take the layer; the same model
