@@ -35,15 +35,28 @@ def applies(lw, x: torch.Tensor) -> bool:
         and lw.attn_norm.dtype == torch.bfloat16 and lw.mlp_norm.dtype == torch.bfloat16
 
 
-def pre_attention(cfg, lw, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """x [N, H] bf16, pos [N] → q [N, Hq, D], k, v [N, Hkv, D] (views of one qkv buffer)."""
+def pre_attention(cfg, lw, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_out: tuple | None = None):
+    """x [N, H] bf16, pos [N] → q [N, Hq, D], k, v [N, Hkv, D] (views of one qkv buffer).
+
+    kv_out = (k_pool, v_pool, layer, slots, block_size): the RoPE kernel also stores k and v at
+    slots [N] of the pools [L, NB, Hkv, BS, D] (as `gpu_ops.kv_pool.kv_write`), and k, v come
+    back as None. Only where that kernel can (contiguous pools, D a power of two); else ignored."""
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
     qkv = _gemv(lw.qkv, h)
-    rope_(qkv, pos, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-    N = x.shape[0]
+    N, D = x.shape[0], cfg.head_dim
+    if kv_out is not None and kv_out[0].is_contiguous() and kv_out[1].is_contiguous() and D & (D - 1) == 0:
+        kp, vp, layer, slots, bs = kv_out
+        st = kp.stride()
+        _rope_kernel[(N,)](qkv, cos, sin, pos, qkv.stride(0), cfg.num_heads + cfg.num_kv_heads, D=D,
+                           NHP=triton.next_power_of_2(cfg.num_heads + cfg.num_kv_heads), WRITE=True, kp=kp, vp=vp,
+                           slots_ptr=slots, layer_off=layer * st[0], s_blk=st[1], s_head=st[2], s_off=st[3], BS=bs,
+                           HQ=cfg.num_heads, HKV=cfg.num_kv_heads, HKVP=triton.next_power_of_2(cfg.num_kv_heads),
+                           num_warps=4)
+        return qkv[:, :cfg.q_size].view(N, cfg.num_heads, D), None, None
+    rope_(qkv, pos, cos, sin, cfg.num_heads + cfg.num_kv_heads, D)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    return (q.view(N, cfg.num_heads, cfg.head_dim), k.view(N, cfg.num_kv_heads, cfg.head_dim),
-            v.view(N, cfg.num_kv_heads, cfg.head_dim))
+    return q.view(N, cfg.num_heads, D), k.view(N, cfg.num_kv_heads, D), v.view(N, cfg.num_kv_heads, D)
 
 
 def post_attention(cfg, lw, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -81,8 +94,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_x, NH, D: tl.constexpr, NHP: tl.constexpr):
-    """Rotate-half RoPE of the first NH heads of row x[n] in place (float32 tables [T, D])."""
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_x, NH, D: tl.constexpr, NHP: tl.constexpr,
+                 WRITE: tl.constexpr = False, kp=None, vp=None, slots_ptr=None, layer_off=0, s_blk=0, s_head=0,
+                 s_off=0, BS=1, HQ=0, HKV=0, HKVP: tl.constexpr = 1):
+    """Rotate-half RoPE of the first NH heads of row x[n] in place (float32 tables [T, D]); with
+    WRITE, heads HQ..NH (k) rotated and the HKV heads after them (v) also go to the KV pools."""
     row = tl.program_id(0)
     heads = tl.arange(0, NHP)
     half = tl.arange(0, D // 2)
@@ -95,8 +111,22 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_x, NH, D: tl.constexpr
     lo = x_ptr + row * stride_x + heads[:, None] * D + half[None, :]
     x1 = tl.load(lo, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(lo + D // 2, mask=ok, other=0.0).to(tl.float32)
-    tl.store(lo, (x1 * c1 - x2 * s1).to(tl.bfloat16), mask=ok)  # x·cos + rotate_half(x)·sin
-    tl.store(lo + D // 2, (x2 * c2 + x1 * s2).to(tl.bfloat16), mask=ok)
+    y1 = (x1 * c1 - x2 * s1).to(tl.bfloat16)  # x·cos + rotate_half(x)·sin
+    y2 = (x2 * c2 + x1 * s2).to(tl.bfloat16)
+    tl.store(lo, y1, mask=ok)
+    tl.store(lo + D // 2, y2, mask=ok)
+    if WRITE:
+        slot = tl.load(slots_ptr + row)
+        base = layer_off + (slot // BS) * s_blk + (slot % BS) * s_off
+        is_k = ((heads >= HQ) & (heads < NH))[:, None]
+        kd = kp + base + (heads - HQ)[:, None] * s_head + half[None, :]
+        tl.store(kd, y1.to(kp.dtype.element_ty), mask=is_k)
+        tl.store(kd + D // 2, y2.to(kp.dtype.element_ty), mask=is_k)
+        j = tl.arange(0, HKVP)
+        d = tl.arange(0, D)
+        vok = (j < HKV)[:, None]
+        v = tl.load(x_ptr + row * stride_x + (NH + j)[:, None] * D + d[None, :], mask=vok)
+        tl.store(vp + base + j[:, None] * s_head + d[None, :], v.to(vp.dtype.element_ty), mask=vok)
 
 
 def rope_(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, D: int) -> None:

@@ -144,13 +144,17 @@ class Model:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_w[ids.to(self.embed_w.device)].to(self.device, self.act_dtype)  # [N, H]
 
-    def pre_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor):
-        """x [N, H], pos [N] → q [N, Hq, D], k, v [N, Hkv, D]."""
+    def pre_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, kv_out: tuple | None = None):
+        """x [N, H], pos [N] → q [N, Hq, D], k, v [N, Hkv, D].
+
+        kv_out: (k_pool, v_pool, layer, slots, block_size) of a GPU KV pool that the new k, v
+        should go to; where the fused kernels can store them there themselves, they do and k, v
+        come back None (the caller writes them otherwise)."""
         c, lw = self.cfg, self.layers[i]
         fused = self._gpu_fused(lw, x)
-        if fused is not None:  # 3 kernels: norm, projection, RoPE
+        if fused is not None:  # 3 kernels: norm, projection, RoPE (+ the KV write)
             cos, sin = self.rope.tables(pos)
-            return fused.pre_attention(c, lw, x, pos, cos, sin)
+            return fused.pre_attention(c, lw, x, pos, cos, sin, kv_out)
         if self._fused_decode(lw, x):  # one Numba call: norm, projection, RoPE
             cos, sin = self.rope.tables(pos)
             return cpu_linear.attn_in(x, pos, lw.attn_norm, c.rms_norm_eps, lw.qkv, cos, sin, c.num_heads,
