@@ -25,14 +25,11 @@ def _decode_kernel(
     layer_off, head_stride, block_stride,  # element offset of the layer; strides of heads, blocks
     MB, blocks_per_split, scale, B, Hq,
     G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
-    NBT: tl.constexpr = 1,
 ):
-    """A step covers NBT blocks (NBT·BS tokens): one dot for all of them, fewer dependent steps."""
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, GP)
     d = tl.arange(0, D)
-    t = tl.arange(0, NBT * BS)  # token of the step
-    tb = t // BS  # its block within the step
+    t = tl.arange(0, BS)
     row_ok = rows < G
     q = tl.load(q_ptr + ((b * Hq + h * G + rows) * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     if DOT_F32:
@@ -43,16 +40,15 @@ def _decode_kernel(
     acc = tl.zeros([GP, D], tl.float32)
     first = sp * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
-    for i in range(first, last, NBT):
-        have = i + tb < last  # [NBT·BS]: the token's block is in this split
-        blk = tl.load(bt_ptr + b * MB + i + tb, mask=have, other=0).to(tl.int64)
-        off = layer_off + blk[:, None] * block_stride + h * head_stride + ((t % BS) * D)[:, None] + d[None, :]
-        k = tl.load(k_ptr + off, mask=have[:, None], other=0.0)  # [NBT·BS, D]
-        v = tl.load(v_ptr + off, mask=have[:, None], other=0.0)
+    for i in range(first, last):
+        blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+        off = layer_off + blk * block_stride + h * head_stride + (t * D)[:, None] + d[None, :]  # [BS, D]
+        k = tl.load(k_ptr + off)
+        v = tl.load(v_ptr + off)
         if DOT_F32:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [GP, NBT·BS]; scale may arrive as fp64 (inductor)
-        s = tl.where(((i * BS + t) < n)[None, :] & have[None, :], s, float("-inf"))
+        s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [GP, BS]; scale may arrive as fp64 (inductor)
+        s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
@@ -107,13 +103,10 @@ def paged_decode(
     Hkv, BS = pool.num_kv_heads, pool.block_size
     G = Hq // Hkv
     MB = block_tables.shape[1]
-    # splits: about 8 programs an SM (enough loads in flight to keep HBM busy), ≥ 4 blocks a split,
-    # from 32 blocks on; below that (short contexts) one split whose steps take 4 blocks at once
-    # (at batch 1, ctx 128: 8 programs walking 5 blocks in turn took 8.5 µs; 5 one-block splits
-    # and their merge 5.6 µs)
-    short = MB < 32 and BS * 4 <= 256
-    S = 1 if short else max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4))
-    NBT = 4 if short else 1
+    # splits: about 8 programs an SM (enough loads in flight to keep HBM busy), ≥ 4 blocks a split
+    # from 32 blocks on; below that a block a split (short contexts at batch 1: 8 programs walking
+    # 5 blocks in turn took 8.5 µs, the latency of a chain of dependent dots)
+    S = max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4 if MB >= 32 else MB))
     per = -(-MB // S)
     o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=q.device)
     lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
@@ -121,8 +114,7 @@ def paged_decode(
     _decode_kernel[(B, Hkv, S)](
         q.to(pool.dtype).contiguous(), k, pool.v, block_tables.contiguous(), seq_lens.to(torch.int32).contiguous(), o, lse,
         layer * k.stride(0), k.stride(2), k.stride(1), MB, per, scale, B, Hq,
-        G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, NBT=NBT,
-        num_warps=8 if NBT > 1 else 4, num_stages=2,
+        G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, num_warps=4, num_stages=2,
     )
     if S == 1:
         return o[0], lse[0]

@@ -92,7 +92,7 @@ def _pool(device, L=2, NB=40, Hkv=2, BS=16, D=32, seed=0):
 
 
 def _check_decode(device, kernel, tol, MB=9):
-    """MB 9: the Triton kernel's short path (one split, 4 blocks a step); 36: splits and their merge."""
+    """MB 9: the Triton kernel's one-block splits and their merge; 36: splits of 9 blocks."""
     pool, host = _pool(device)
     B, Hq = 4, 6
     tables = torch.stack([torch.randperm(pool.num_blocks)[:MB] for _ in range(B)]).int()
