@@ -15,6 +15,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from gpu_ops import pdl
 
 from gpu_ops.kv_pool import GpuKVPool
 
@@ -25,8 +28,12 @@ def _decode_kernel(
     layer_off, head_stride, block_stride,  # element offset of the layer; strides of heads, blocks
     MB, blocks_per_split, scale, B, Hq,
     G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.arange(0, GP)
     d = tl.arange(0, D)
     t = tl.arange(0, BS)
@@ -67,9 +74,12 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, S, BH, SP: tl.constexpr, D: tl.constexpr,
-                         CH: tl.constexpr):
+                         CH: tl.constexpr, PDL: tl.constexpr = False):
     """out[r] = Σ_s e^{lse[s, r] - L} o[s, r], L = log Σ_s e^{lse[s, r]}, for row r = (b, hq)."""
     r = tl.program_id(0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     sp = tl.arange(0, SP)
     lse = tl.load(lse_ptr + sp * BH + r, mask=sp < S, other=float("-inf"))
     mx = tl.max(lse, 0)
@@ -114,12 +124,13 @@ def paged_decode(
     _decode_kernel[(B, Hkv, S)](
         q.to(pool.dtype).contiguous(), k, pool.v, block_tables.contiguous(), seq_lens.to(torch.int32).contiguous(), o, lse,
         layer * k.stride(0), k.stride(2), k.stride(1), MB, per, scale, B, Hq,
-        G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, num_warps=4, num_stages=2,
+        G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, PDL=pdl.enabled(q.device),
+        num_warps=4, num_stages=2, **pdl.launch(q.device),
     )
     if S == 1:
         return o[0], lse[0]
     out = torch.empty((B, Hq, D), dtype=out_dtype, device=q.device)
     total = torch.empty((B, Hq), dtype=torch.float32, device=q.device)  # -inf where every split was empty
     _merge_splits_kernel[(B * Hq,)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, CH=16,
-                                    num_warps=4)
+                                    PDL=pdl.enabled(q.device), num_warps=4, **pdl.launch(q.device))
     return out, total

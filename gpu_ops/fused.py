@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from gpu_ops import pdl
 
 from gpu_ops.nf4 import NF4Linear, Nf4Kernel
 from gpu_ops.nf4_gemv import nf4_gemv
@@ -52,7 +55,7 @@ def pre_attention(cfg, lw, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor
                            NHP=triton.next_power_of_2(cfg.num_heads + cfg.num_kv_heads), WRITE=True, kp=kp, vp=vp,
                            slots_ptr=slots, layer_off=layer * st[0], s_blk=st[1], s_head=st[2], s_off=st[3], BS=bs,
                            HQ=cfg.num_heads, HKV=cfg.num_kv_heads, HKVP=triton.next_power_of_2(cfg.num_kv_heads),
-                           num_warps=4)
+                           PDL=pdl.enabled(x.device), num_warps=4, **pdl.launch(x.device))
         return qkv[:, :cfg.q_size].view(N, cfg.num_heads, D), None, None
     rope_(qkv, pos, cos, sin, cfg.num_heads + cfg.num_kv_heads, D)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -73,13 +76,17 @@ def _gemv(lin: NF4Linear, x: torch.Tensor, residual: torch.Tensor | None = None,
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, stride_x, stride_o, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, stride_x, stride_o, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # a weight: before the wait
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     y = (x * r).to(tl.bfloat16).to(tl.float32) * w  # torch: (xf * rsqrt(...)).to(bf16) * w
     tl.store(out_ptr + row * stride_o + offs, y.to(tl.bfloat16), mask=ok)
 
@@ -89,20 +96,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     N, H = x.shape
     out = torch.empty_like(x)
     _rms_norm_kernel[(N,)](x, w, out, H, eps, x.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(H),
-                           num_warps=8)
+                           PDL=pdl.enabled(x.device), num_warps=8, **pdl.launch(x.device))
     return out
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_x, NH, D: tl.constexpr, NHP: tl.constexpr,
                  WRITE: tl.constexpr = False, kp=None, vp=None, slots_ptr=None, layer_off=0, s_blk=0, s_head=0,
-                 s_off=0, BS=1, HQ=0, HKV=0, HKVP: tl.constexpr = 1):
+                 s_off=0, BS=1, HQ=0, HKV=0, HKVP: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Rotate-half RoPE of the first NH heads of row x[n] in place (float32 tables [T, D]); with
     WRITE, heads HQ..NH (k) rotated and the HKV heads after them (v) also go to the KV pools."""
     row = tl.program_id(0)
     heads = tl.arange(0, NHP)
     half = tl.arange(0, D // 2)
     ok = (heads < NH)[:, None]
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     p = tl.load(pos_ptr + row)
     c1 = tl.load(cos_ptr + p * D + half)[None, :]
     c2 = tl.load(cos_ptr + p * D + D // 2 + half)[None, :]
@@ -135,12 +145,15 @@ def rope_(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     N = x.shape[0]
     assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     _rope_kernel[(N,)](x, cos, sin, pos, x.stride(0), heads, D=D, NHP=triton.next_power_of_2(heads),
-                       num_warps=4)
+                       PDL=pdl.enabled(x.device), num_warps=4, **pdl.launch(x.device))
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, F, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, F, stride_gu, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row, pid = tl.program_id(0), tl.program_id(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < F
     g = tl.load(gu_ptr + row * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
@@ -155,14 +168,18 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     F = F2 // 2
     out = torch.empty((N, F), dtype=torch.bfloat16, device=gu.device)
     BLOCK = 2048
-    _silu_mul_kernel[(N, triton.cdiv(F, BLOCK))](gu, out, F, gu.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(N, triton.cdiv(F, BLOCK))](gu, out, F, gu.stride(0), out.stride(0), BLOCK=BLOCK,
+                                                 PDL=pdl.enabled(gu.device), num_warps=4, **pdl.launch(gu.device))
     return out
 
 
 @triton.jit
 def _kv_write_kernel(kp, vp, slots_ptr, k_ptr, v_ptr, layer_off, s_blk, s_head, s_off, s_kt, s_kh, s_vt, s_vh,
-                     BS, Hkv, HP: tl.constexpr, D: tl.constexpr):
+                     BS, Hkv, HP: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     slot = tl.load(slots_ptr + t)
     blk, off = slot // BS, slot % BS
     h = tl.arange(0, HP)[:, None]
@@ -183,4 +200,4 @@ def kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, slots: torc
     s = k_pool.stride()
     _kv_write_kernel[(T,)](k_pool, v_pool, slots, k, v, layer * s[0], s[1], s[2], s[3], k.stride(0), k.stride(1),
                            v.stride(0), v.stride(1), block_size, Hkv, HP=triton.next_power_of_2(Hkv), D=D,
-                           num_warps=4)
+                           PDL=pdl.enabled(k.device), num_warps=4, **pdl.launch(k.device))

@@ -26,6 +26,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from gpu_ops import pdl
 
 from gpu_ops.nf4 import NF4_CODE
 from gpu_ops.nf4_ptx import prmt_asm, prmt_tables
@@ -95,7 +98,7 @@ def _nf4_gemv_kernel(
     x32_ptr, w32_ptr, absmax_ptr, book_ptr, out_ptr, res_ptr,
     N, KW, stride_xm, words_per_split, stride_rm,
     M: tl.constexpr, BLOCK_N: tl.constexpr, H: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
-    RES: tl.constexpr, SWIGLU: tl.constexpr = False,
+    RES: tl.constexpr, SWIGLU: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """out[s, m, n] (float32 partials if SPLIT, else bf16 y[m, n], plus res[m, n] if RES) for
     rows [pid_n·BN, +BN) of W.
@@ -130,6 +133,8 @@ def _nf4_gemv_kernel(
     k_first = pid_s * words_per_split
     q = tl.load(w_rows + (k_first + w)[None, :])  # [BN, 4H] int32: 8 codes each
     sc = _load_scales(a_rows, k_first, h, DECODE)  # [BN, H]
+    if PDL:  # weights and scales are constant: loaded above while the previous kernel ends; x is not
+        gdc_wait()
     for i in range(0, words_per_split, 4 * H):  # (not range(k_first, ...): Triton's interpreter rejects it)
         kw = k_first + i  # word index along K of this step
         # prefetch the next step while this one computes (masked off after the last step; the
@@ -159,6 +164,8 @@ def _nf4_gemv_kernel(
         if M > 7:
             acc7 += sc * _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, x32_ptr + 7 * stride_xm, xw, H)
         q, sc = q_next, sc_next
+    if PDL:
+        gdc_launch_dependents()
     if SWIGLU:
         F = N // 2
         offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -290,17 +297,19 @@ def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape:
         grid = (triton.cdiv(N // 2, BN // 2), 1)
         _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), y, y, N, K // 8, x32.stride(0), K // 8, 0,
                                M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=False, RES=False, SWIGLU=True,
-                               num_warps=warps)
+                               PDL=pdl.enabled(x.device), num_warps=warps, **pdl.launch(x.device))
         return y
     if S == 1:
         y = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
         res = y if residual is None else residual
         _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), y, res, N, K // 8, x32.stride(0), K // 8,
                                res.stride(0), M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=False,
-                               RES=residual is not None, num_warps=warps)
+                               RES=residual is not None, PDL=pdl.enabled(x.device), num_warps=warps,
+                               **pdl.launch(x.device))
         return y
     part = torch.empty((S, M, N), dtype=torch.float32, device=x.device)
     _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), part, part, N, K // 8, x32.stride(0), K // 8 // S,
-                           0, M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=True, RES=False, num_warps=warps)
+                           0, M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=True, RES=False,
+                           PDL=pdl.enabled(x.device), num_warps=warps, **pdl.launch(x.device))
     y = part.sum(0).to(torch.bfloat16)
     return y if residual is None else residual + y
