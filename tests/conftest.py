@@ -35,6 +35,8 @@ def _spec(arch: str):
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                              rope_theta=500000.0)
         return cfg, tf.LlamaForCausalLM
+    if arch == "llama_4l":  # four layers: three or more streamed layers cycle through two staging slots
+        return tf.LlamaConfig(**{**COMMON, "num_hidden_layers": 4}), tf.LlamaForCausalLM
     if arch == "llama_hd32":  # head_dim 32: int4 KV groups need it
         return tf.LlamaConfig(**COMMON, head_dim=32), tf.LlamaForCausalLM
     if arch == "mistral":
