@@ -111,6 +111,11 @@ class Runner:
     def decode(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each sequence (tokens at positions) → float32 logits [B, V]."""
         t0, st = now(), StepTimes(tokens=len(seqs))
+        # between steps: blocks swapped out earlier come back where sequences have left room,
+        # short of what this step's new tokens take on the device tier
+        moved_in = self.cache.swap_in_free_room(keep_free=self.cache.gpu_blocks_needed(seqs, 1))
+        if moved_in and self.cuda:
+            st.h2d_bytes += moved_in * self.cache.gpu.nbytes // (self.cache.gpu.num_blocks + 1)
         slots = [self.cache.reserve(s, 1) for s in seqs]
         if self.graphs and all(sl.gpu_rows and not self.cache.seqs[s].host.num_tokens for s, sl in zip(seqs, slots)):
             logits = self._decode_on_gpu(seqs, tokens, positions, slots)  # everything on the GPU: one graph
