@@ -11,41 +11,18 @@ import pytest
 import torch
 
 import hetero
-from conftest import rel_err
-from cpu_attention.layout import KVDtype
-from hetero.checkpoint import open_checkpoint
+from conftest import forced_plan, rel_err
 from hetero.errors import UserError
 from hetero.model import Dense
 from offload.host_compute import HostFFN, HostLinear
 from offload.placement import check_plan_supported
 from offload.weights import TensorRef, WeightStreamer
-from planner import Budget, HardwareProfile, Overrides, Workload, plan
-from planner.plan import Device, Mode, Placement
+from planner.plan import Device, Mode
 from planner.tensors import Kind, WDtype
 
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 8, 64, 33, 2, 11, 90, 91, 92, 93, 94, 95, 1, 2]
 PROMPTS = [PROMPT, PROMPT[::-1]]
-HW = HardwareProfile.synthetic(24)
 OFF = (0, 1, 3)  # three streamed layers cycle through the two slots; layer 2 stays resident
-
-
-def _plan(folder, force=None, weights=WDtype.F32, host_dtype=None, sub_batches=1, gpu_tokens=8, **ov):
-    """The planner's plan for the tiny model on a 24 GiB GPU (everything fits), then the groups in
-    `force` ((layer, kind) → mode) moved off the device as a plan that did not fit would put them."""
-    cfg = open_checkpoint(folder).config
-    p = plan(cfg, HW, Budget(8 * 2**30, 16 * 2**30), Workload(64, batch=2, gen_tokens=16),
-             Overrides(weights=weights, kv_dtype=KVDtype.F32, block_size=4, threads=1, sub_batches=sub_batches,
-                       gpu_kv_tokens=gpu_tokens, **ov))
-    force = force or {}
-    out = []
-    for x in p.placements:
-        mode = force.get((x.layer, x.kind))
-        if mode is None:
-            out.append(x)
-        else:
-            dt = host_dtype if mode is Mode.CPU and host_dtype else x.dtype
-            out.append(Placement(x.layer, x.kind, Device.CPU, dt, mode, x.nbytes))
-    return dataclasses.replace(p, placements=tuple(out))
 
 
 def _run(folder, p, n=12):
@@ -63,7 +40,7 @@ def folder(tiny):
 
 @pytest.fixture(scope="module")
 def resident(folder):
-    e, toks, logits = _run(folder, _plan(folder))
+    e, toks, logits = _run(folder, forced_plan(folder))
     assert e.runner.weights is None and e.runner.host_compute is None
     return toks, logits
 
@@ -72,7 +49,7 @@ def resident(folder):
 @pytest.mark.parametrize("mode", [Mode.STREAM, Mode.CPU])
 @pytest.mark.parametrize("kind", [Kind.MLP, Kind.ATTN])
 def test_groups_off_the_device_give_resident_tokens(folder, resident, kind, mode, sub_batches):
-    p = _plan(folder, {(i, kind): mode for i in OFF}, sub_batches=sub_batches)
+    p = forced_plan(folder, {(i, kind): mode for i in OFF}, sub_batches=sub_batches)
     e, toks, logits = _run(folder, p)
     assert toks == resident[0]
     assert rel_err(logits, resident[1]) <= 1e-6
@@ -103,7 +80,7 @@ def test_mixed_placement_with_the_head_norms_and_streamed_kv(folder, resident):
     CPU elsewhere, the KV split over both tiers and partly streamed to the device."""
     force = {(-1, Kind.LM_HEAD): Mode.STREAM, (-1, Kind.FINAL_NORM): Mode.STREAM, (2, Kind.NORMS): Mode.STREAM,
              (2, Kind.MLP): Mode.STREAM, (1, Kind.ATTN): Mode.CPU, (3, Kind.MLP): Mode.CPU, (0, Kind.NORMS): Mode.CPU}
-    e, toks, logits = _run(folder, _plan(folder, force, gpu_tokens=4, stream_tokens=8))
+    e, toks, logits = _run(folder, forced_plan(folder, force, gpu_tokens=4, stream_tokens=8))
     assert toks == resident[0]
     assert rel_err(logits, resident[1]) <= 1e-6
     assert e.runner.weights.order == [2, 4]  # layer 2 and the head (key L = 4)
@@ -111,9 +88,9 @@ def test_mixed_placement_with_the_head_norms_and_streamed_kv(folder, resident):
 
 
 def test_bf16_groups_off_the_device_give_resident_tokens(folder):
-    want_toks, want = _run(folder, _plan(folder, weights=WDtype.BF16))[1:]
+    want_toks, want = _run(folder, forced_plan(folder, weights=WDtype.BF16))[1:]
     force = {(0, Kind.MLP): Mode.STREAM, (1, Kind.MLP): Mode.CPU, (2, Kind.ATTN): Mode.STREAM, (3, Kind.ATTN): Mode.CPU}
-    e, toks, logits = _run(folder, _plan(folder, force, weights=WDtype.BF16, sub_batches=2))
+    e, toks, logits = _run(folder, forced_plan(folder, force, weights=WDtype.BF16, sub_batches=2))
     assert toks == want_toks
     assert rel_err(logits, want) <= 1e-6
 
@@ -122,7 +99,7 @@ def test_bf16_groups_off_the_device_give_resident_tokens(folder):
 def test_int8_cpu_groups_within_tolerance(folder, resident, kind):
     """A 4-bit plan keeps CPU-computed groups in int8 (the Numba GEMV of hetero.cpu_linear): logits
     within int8's error of the float32 run, and decode runs through the same groups."""
-    p = _plan(folder, {(i, kind): Mode.CPU for i in range(4)}, host_dtype=WDtype.INT8)
+    p = forced_plan(folder, {(i, kind): Mode.CPU for i in range(4)}, host_dtype=WDtype.INT8)
     e, toks, logits = _run(folder, p, n=4)
     assert 0 < rel_err(logits, resident[1]) <= 5e-2
     assert e.runner.host_compute.calls > 0
@@ -131,16 +108,16 @@ def test_int8_cpu_groups_within_tolerance(folder, resident, kind):
 @pytest.mark.parametrize("mode", [Mode.STREAM, Mode.CPU])
 def test_moe_experts_off_the_device(tiny, mode):
     folder = tiny("qwen3_moe")[0]
-    want_toks, want = _run(folder, _plan(folder))[1:]
+    want_toks, want = _run(folder, forced_plan(folder))[1:]
     force = {(0, Kind.EXPERTS): mode, (1, Kind.EXPERTS): mode, (0, Kind.ATTN): mode}
-    e, toks, logits = _run(folder, _plan(folder, force, sub_batches=2))
+    e, toks, logits = _run(folder, forced_plan(folder, force, sub_batches=2))
     assert toks == want_toks
     assert rel_err(logits, want) <= 1e-6
 
 
 def test_a_pass_cut_short_leaves_the_staging_usable(folder, resident):
     """An error between a layer's ready and release (Ctrl+C mid-prefill) must not wedge the slots."""
-    e = hetero.load(folder, device="cpu", plan=_plan(folder, {(i, Kind.MLP): Mode.STREAM for i in OFF}),
+    e = hetero.load(folder, device="cpu", plan=forced_plan(folder, {(i, Kind.MLP): Mode.STREAM for i in OFF}),
                     tokenizer=False, ctx_size=64)
     model, post = e.runner.model, e.runner.model.post_attention
 
@@ -197,12 +174,12 @@ def test_streamer_with_two_layers_copies_once():
 
 
 def test_unsupported_plans_say_what_to_change(folder):
-    p = _plan(folder)
+    p = forced_plan(folder)
     bad = dataclasses.replace(p, placements=tuple(
         dataclasses.replace(x, device=Device.CPU) if (x.layer, x.kind) == (1, Kind.MLP) else x for x in p.placements))
     with pytest.raises(UserError, match="layers.1.mlp is resident but stored on cpu"):
         check_plan_supported(bad)
-    int8 = _plan(folder, {(1, Kind.MLP): Mode.STREAM})
+    int8 = forced_plan(folder, {(1, Kind.MLP): Mode.STREAM})
     int8 = dataclasses.replace(int8, placements=tuple(
         dataclasses.replace(x, dtype=WDtype.INT8) if x.mode is Mode.STREAM else x for x in int8.placements))
     with pytest.raises(UserError, match="int8 is computed by the CPU only"):
