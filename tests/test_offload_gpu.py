@@ -167,14 +167,14 @@ def test_cuda_nf4_streamed_matches_resident_and_int8_cpu_is_close(folder4, refer
     from planner.search import cpu_dtype
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    resident = hetero.load(folder4, device="cuda", plan=forced_plan(folder4, weights=WDtype.NF4), tokenizer=False,
-                           ctx_size=64)
+    resident = hetero.load(folder4, device="cuda", plan=forced_plan(folder4, weights=WDtype.NF4, kv="bf16"),
+                           tokenizer=False, ctx_size=64)
     want, want_logits = _greedy(resident, [PROMPT, PROMPT[::-1]]), resident.logits(PROMPT)
-    p = forced_plan(folder4, {(i, kind): Mode.STREAM for i in range(4)}, weights=WDtype.NF4)
+    p = forced_plan(folder4, {(i, kind): Mode.STREAM for i in range(4)}, weights=WDtype.NF4, kv="bf16")
     e = hetero.load(folder4, device="cuda", plan=p, tokenizer=False, ctx_size=64)
     assert _greedy(e, [PROMPT, PROMPT[::-1]]) == want
     assert rel_err(e.logits(PROMPT), want_logits) <= 1e-3
-    p = forced_plan(folder4, {(i, kind): Mode.CPU for i in range(4)}, weights=WDtype.NF4,
+    p = forced_plan(folder4, {(i, kind): Mode.CPU for i in range(4)}, weights=WDtype.NF4, kv="bf16",
                     host_dtype=cpu_dtype(WDtype.NF4))
     e = hetero.load(folder4, device="cuda", plan=p, tokenizer=False, ctx_size=64)
     _greedy(e, [PROMPT], n=4)
