@@ -31,7 +31,8 @@ from gpu_ops.nf4_gemv import nf4_gemv
 
 def applies(lw, x: torch.Tensor) -> bool:
     """Whether layer weights `lw` at activations x [N, H] take the fused path."""
-    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or lw.q_norm is not None or lw.router is not None:
+    if (x.device.type != "cuda" or x.dtype != torch.bfloat16 or lw.q_norm is not None or lw.router is not None
+            or getattr(lw, "ffn", None) is not None):  # ffn: an MLP computed elsewhere (offload.host_compute)
         return False
     lins = (lw.qkv, lw.o, lw.gate_up, lw.down)
     return all(isinstance(w, NF4Linear) and w.bias is None and w.pick(x.shape[0]) is Nf4Kernel.GEMV for w in lins) \

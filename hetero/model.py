@@ -54,6 +54,9 @@ class LayerWeights:
     down: Linear | None = None
     router: torch.Tensor | None = None  # MoE: [E, H]
     experts: list[tuple[Linear, Linear]] = field(default_factory=list)  # (gate_up, down) per expert
+    # The whole feed-forward, h [N, H] → [N, H], when it is computed elsewhere (offload.host_compute:
+    # by the CPU, from host copies of the weights above); None: this module's math over the fields above.
+    ffn: Linear | None = None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -180,12 +183,13 @@ class Model:
                                         c.rms_norm_eps, lw.gate_up, lw.down)
         x = x + lw.o(attn.reshape(attn.shape[0], -1)).to(self.act_dtype)
         h = rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
-        return x + (self._moe(lw, h) if lw.router is not None else _swiglu(lw.gate_up, lw.down, h))
+        return x + (lw.ffn(h).to(h.dtype) if lw.ffn is not None else feed_forward(c, lw, h))
 
     def _fused_decode(self, lw: LayerWeights, x: torch.Tensor) -> bool:
         """Whether this layer's decode step runs in the fused int8 kernels (CPU, few rows, no q/k norm)."""
         return (x.shape[0] <= cpu_linear.GEMV_MAX_ROWS and x.dtype == torch.float32 and lw.q_norm is None
                 and isinstance(lw.qkv, Int8Linear) and isinstance(lw.o, Int8Linear) and lw.o.bias is None
+                and lw.ffn is None
                 and (lw.router is not None or isinstance(lw.gate_up, Int8Linear) and isinstance(lw.down, Int8Linear)))
 
     def _gpu_fused(self, lw: LayerWeights, x: torch.Tensor):
@@ -194,20 +198,6 @@ class Model:
             return None
         fused = _gpu_fused_module()
         return fused if fused is not None and fused.applies(lw, x) else None
-
-    def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        probs = torch.softmax(F.linear(h.float(), lw.router.float()), dim=-1)  # [N, E]
-        w, idx = probs.topk(c.num_experts_per_tok, dim=-1)
-        if c.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True)
-        out = torch.zeros_like(h)
-        for e in idx.unique().tolist():
-            tok, slot = (idx == e).nonzero(as_tuple=True)
-            gate_up, down = lw.experts[e]
-            y = _swiglu(gate_up, down, h[tok])
-            out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
-        return out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] → float32 logits [N, V]."""
@@ -221,6 +211,25 @@ def _gpu_fused_module():
     except ImportError:  # no Triton: the torch path
         return None
     return fused
+
+
+def feed_forward(c: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP or routed experts over the normed h [N, H] → [N, H] (residual not added)."""
+    return _moe(c, lw, h) if lw.router is not None else _swiglu(lw.gate_up, lw.down, h)
+
+
+def _moe(c: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(F.linear(h.float(), lw.router.float()), dim=-1)  # [N, E]
+    w, idx = probs.topk(c.num_experts_per_tok, dim=-1)
+    if c.norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for e in idx.unique().tolist():
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        gate_up, down = lw.experts[e]
+        y = _swiglu(gate_up, down, h[tok])
+        out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
+    return out
 
 
 def _swiglu(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:

@@ -182,8 +182,9 @@ def cpu_dtype(weights: WDtype) -> WDtype:
 def _fill(
     groups: list[Group], weights: WDtype, modes: tuple[Mode, Mode], cap: int, order: dict, embed_gpu: bool,
 ) -> tuple[tuple[Placement, ...], int]:
-    """First fit in priority order; streamed groups need two GPU staging buffers (double
-    buffering) of the largest streamed group, so refill with that reserved until stable."""
+    """First fit in priority order; streamed weights need two GPU staging slots (double buffering,
+    offload/weights.py) each as large as the largest layer's streamed groups together (the head —
+    final norm and lm_head — counting as one layer), so refill with that reserved until stable."""
     staging = 0
     for _ in range(4):
         room = cap - staging
@@ -194,8 +195,11 @@ def _fill(
                 on.add(i)
                 room -= n
         off = [groups[i] for i in range(len(groups)) if i not in on and groups[i].kind is not Kind.EMBED]
-        streamed = [g for g in off if _mode(g, modes) is Mode.STREAM]
-        need = 2 * max((g.nbytes(g.dtype_for(weights)) for g in streamed), default=0)
+        per_layer: dict[int, int] = {}
+        for g in off:
+            if _mode(g, modes) is Mode.STREAM:
+                per_layer[g.layer] = per_layer.get(g.layer, 0) + g.nbytes(g.dtype_for(weights))
+        need = 2 * max(per_layer.values(), default=0)
         if need <= staging:
             break
         staging = need
