@@ -207,13 +207,13 @@ class Model:
         """gpu_ops.fused for its elementwise kernels (norm, RoPE, SiLU·up: one kernel each instead
         of ~7) on CUDA bf16 activations at any row count (prefill, large batches), else None."""
         if not (self.gpu_fusion and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-                and x.is_contiguous()):
-            return None
+                and x.is_contiguous()) or torch.compiler.is_compiling():  # inductor fuses these itself (and
+            return None  # mis-tracks the in-place RoPE kernel: compiled tokens differed from eager)
         return _gpu_fused_module()
 
     def _gpu_fused(self, lw: LayerWeights, x: torch.Tensor):
         """gpu_ops.fused if this layer's step takes its kernels (CUDA, few rows, NF4), else None."""
-        if not (self.gpu_fusion and x.is_cuda):
+        if not (self.gpu_fusion and x.is_cuda) or torch.compiler.is_compiling():
             return None
         fused = _gpu_fused_module()
         return fused if fused is not None and fused.applies(lw, x) else None
