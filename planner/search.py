@@ -382,13 +382,14 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
     return out
 
 
-def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype) -> str:
+def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype, batch: int = 1) -> str:
     t, b = c.cost.terms, c.cost.nbytes
     key = max(t, key=t.get)
     share = f" ({100 * t[key] / c.cost.seconds:.0f}% of the step)"
     gb = lambda k: f"{b[k] / 1e9:.2f} GB"  # noqa: E731
     if key == "gpu weights":
-        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_gemv_gbps:.0f} GB/s" + share
+        rows = -(-batch // c.sub_batches)
+        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_linear_gbps(rows):.0f} GB/s" + share
     if key == "gpu attention":
         return f"GPU attention: {gb(key)} of {c.kv.gpu_dtype.value} KV at {hw.gpu_attention_gbps:.0f} GB/s" + share
     if key == "cpu attention":
@@ -413,7 +414,7 @@ def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choice
         prefill_tok_s=wl.prompt_tokens / prefill if prefill else 0.0,
         decode_tok_s=wl.batch / c.cost.seconds,
         decode_step_ms=1e3 * c.cost.seconds,
-        bottleneck=_bottleneck(cfg, hw, c, threads, weights),
+        bottleneck=_bottleneck(cfg, hw, c, threads, weights, wl.batch),
         step_terms_ms={k: 1e3 * v for k, v in c.cost.terms.items()},
         cpu_share=cpu_b / max(cpu_b + gpu_b, 1.0),
         gpu_share=gpu_b / max(cpu_b + gpu_b, 1.0),
