@@ -106,15 +106,6 @@ def _widen_impl(x):
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
-def f16_to_f32(h):
-    """IEEE half bits → float32, exact for zero, subnormals and normals (no inf/nan in pools).
-    Branch-free (the sign is or-ed into the bits), so loops over scales vectorize."""
-    u = np.uint32(h)
-    mag = bits_to_f32((u & np.uint32(0x7FFF)) << np.uint32(13)) * np.float32(5.192296858534828e33)  # 2^112
-    return bits_to_f32(f32_to_bits(mag) | ((u & np.uint32(0x8000)) << np.uint32(16)))
-
-
-@numba.njit(inline="always", nogil=True, cache=True)
 def f32_to_bf16(x):
     """float32 → bf16 bits, round to nearest even (what torch's .to(bfloat16) does)."""
     b = f32_to_bits(np.float32(x))
@@ -123,22 +114,35 @@ def f32_to_bf16(x):
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
-def f32_to_f16(x):
-    """float32 → IEEE half bits, round to nearest even; overflow saturates to inf."""
-    b = f32_to_bits(np.float32(x))
-    sign = np.uint32((b >> np.uint32(16)) & np.uint32(0x8000))
-    e = np.int32((b >> np.uint32(23)) & np.uint32(0xFF)) - 112  # half exponent field
-    mant = b & np.uint32(0x7FFFFF)
-    if e >= 31:
-        return np.uint16(sign | np.uint32(0x7C00))
-    if e <= 0:  # half subnormal or zero: units of 2^-24, round half to even
-        a = abs(np.float32(x)) * np.float32(16777216.0)
-        return np.uint16(sign | np.uint32(np.rint(a)))
-    h = (np.uint32(e) << np.uint32(10)) | (mant >> np.uint32(13))
-    rem = mant & np.uint32(0x1FFF)
-    if rem > np.uint32(0x1000) or (rem == np.uint32(0x1000) and (h & np.uint32(1))):
-        h += np.uint32(1)
-    return np.uint16(sign | h)
+def _butterflies(y, P):
+    """Unnormalized Walsh-Hadamard transform of each P-block of y [D], in place."""
+    D = y.shape[0]
+    h = 1
+    while h < P:
+        for i0 in range(0, D, 2 * h):
+            for i in range(i0, i0 + h):
+                a, b = y[i], y[i + h]
+                y[i], y[i + h] = a + b, a - b
+        h *= 2
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def hadamard_rotate(x, signs, P, c, y):
+    """y [D] = x @ R of `rotation.py` (signs [D], block P, c = float32(1/sqrt(P))), with
+    `rotation.rotate`'s float32 ops in its order, so without fastmath the bits agree."""
+    for d in range(x.shape[0]):
+        y[d] = x[d] * signs[d]
+    _butterflies(y, P)
+    for d in range(y.shape[0]):
+        y[d] = y[d] * c
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def hadamard_unrotate(y, signs, P, c):
+    """y [D] = y @ R.T in place (`rotation.unrotate`)."""
+    _butterflies(y, P)
+    for d in range(y.shape[0]):
+        y[d] = (y[d] * c) * signs[d]
 
 
 @numba.njit(inline="always", nogil=True, cache=True, fastmath=FASTMATH)

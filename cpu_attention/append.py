@@ -3,14 +3,15 @@
 A decode step appends one token per sequence in each of 32 layers; the torch version
 (`layout.quantize` + indexed stores) costs hundreds of microseconds a call in small-op
 overhead, this one a few. Same numbers as `layout.quantize` (round half to even, the same
-float32 formulas, the same int4 clip search), without fastmath so divisions stay exact.
+float32 formulas, the same int4 rotation butterflies and clip search), without fastmath so
+every operation rounds as torch's does.
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from cpu_attention._numba import f16_to_f32, f32_to_bf16, f32_to_f16
+from cpu_attention._numba import bf16_to_f32, f32_to_bf16, hadamard_rotate
 
 WJIT = dict(nogil=True, cache=True)
 
@@ -40,43 +41,48 @@ def write_int8(dst, sc, blocks, offs, x):
 
 
 @numba.njit(**WJIT)
-def write_int4(dst, sc, zr, blocks, offs, x, clips, group):
-    """dst [NB, Hkv, BS, D/2] uint8; sc, zr [NB, Hkv, BS, D/group] uint16 (f16 bits)."""
+def write_int4(dst, sc, zr, blocks, offs, x, clips, min_scale, signs, P, inv_sqrt_p, group):
+    """dst [NB, Hkv, BS, D/2] uint8; sc, zr [NB, Hkv, BS, D/group] uint16 (bf16 bits); x [T, Hkv, D]
+    float32, rotated here (signs [D], block P, inv_sqrt_p = float32(1/sqrt(P))) and quantized."""
+    half = group // 2
+    y = np.empty(x.shape[2], np.float32)
     codes = np.empty(group, np.uint8)
     best = np.empty(group, np.uint8)
     for t in range(x.shape[0]):
         b, o = blocks[t], offs[t]
         for h in range(x.shape[1]):
+            hadamard_rotate(x[t, h], signs, P, inv_sqrt_p, y)
             for gr in range(x.shape[2] // group):
-                xg = x[t, h, gr * group:(gr + 1) * group]
-                lo, hi = xg.min(), xg.max()
+                yg = y[gr * group:(gr + 1) * group]
+                lo, hi = yg.min(), yg.max()
                 best_err = np.float32(np.inf)
                 bs16 = bz16 = np.uint16(0)
                 for f in clips:
                     c = (hi + lo) / np.float32(2.0)
-                    s16 = f32_to_f16(max((hi - lo) * f / np.float32(15.0), np.float32(2.0**-14)))
-                    z16 = f32_to_f16(c - (hi - lo) * f / np.float32(2.0))
-                    s, z = f16_to_f32(s16), f16_to_f32(z16)
+                    s16 = f32_to_bf16(max((hi - lo) * f / np.float32(15.0), min_scale))
+                    z16 = f32_to_bf16(c - (hi - lo) * f / np.float32(2.0))
+                    s, z = bf16_to_f32(s16), bf16_to_f32(z16)
                     err = np.float32(0.0)
                     for i in range(group):
-                        q = min(max(np.rint((xg[i] - z) / s), np.float32(0.0)), np.float32(15.0))
+                        q = min(max(np.rint((yg[i] - z) / s), np.float32(0.0)), np.float32(15.0))
                         codes[i] = np.uint8(q)
-                        e = q * s + z - xg[i]
+                        e = q * s + z - yg[i]
                         err += e * e
                     if err < best_err:
                         best_err, bs16, bz16 = err, s16, z16
                         best[:] = codes
                 sc[b, h, o, gr] = bs16
                 zr[b, h, o, gr] = bz16
-                for i in range(group // 2):
-                    dst[b, h, o, gr * (group // 2) + i] = best[2 * i] | (best[2 * i + 1] << np.uint8(4))
+                for i in range(half):
+                    dst[b, h, o, gr * half + i] = best[i] | (best[half + i] << np.uint8(4))
 
 
 def write_numba(pool, layer: int, blocks, offs, k, v) -> None:
     """HostKVPool.write's body for bf16/int8/int4: torch tensors in, pool updated in place."""
     import torch
 
-    from cpu_attention.layout import INT4_CLIPS, INT4_GROUP, KVDtype
+    from cpu_attention import rotation
+    from cpu_attention.layout import INT4_CLIPS, INT4_GROUP, INT4_MIN_SCALE, KVDtype
 
     bl = blocks.to(torch.int64).numpy()
     of = offs.to(torch.int64).numpy()
@@ -89,6 +95,8 @@ def write_numba(pool, layer: int, blocks, offs, k, v) -> None:
         elif pool.dtype is KVDtype.INT8:
             write_int8(data.numpy(), getattr(pool, f"{name}_scale")[layer].numpy(), bl, of, xn)
         else:
+            D = pool.head_dim
             write_int4(data.numpy(), u16(getattr(pool, f"{name}_scale")[layer]),
                        u16(getattr(pool, f"{name}_zero")[layer]), bl, of, xn,
-                       np.array(INT4_CLIPS, np.float32), INT4_GROUP)
+                       np.array(INT4_CLIPS, np.float32), np.float32(INT4_MIN_SCALE), rotation.signs(D).numpy(),
+                       rotation.block(D), np.float32(rotation.inv_sqrt(D).item()), INT4_GROUP)

@@ -12,10 +12,10 @@ a shift into the high half, int8 by a conversion), one online-softmax step for t
 tile (`_softmax_tile`: max, one rescale of the accumulator, a vectorized polynomial exp),
 then the V accumulation (`_accumulate`: four heads × two tokens a pass). int8's per-token
 scales multiply the G scores and the G weights, not the D codes. int4 rows are first
-widened into an L1-resident float32 tile (code × group scale + group zero) in a permuted
-order (even elements then odd ones, which is how the nibbles come out of the bytes); q is
-permuted the same way and the output is un-permuted at the end. While a tile computes, the
-next tile's rows are prefetched one row per token.
+widened into an L1-resident float32 tile (code × group scale + group zero; each byte's two
+nibbles are elements i and i + 16 of its group, so both land in contiguous runs); the pool
+stores int4 K/V rotated (`rotation.py`), so each item works with q @ R and each merged
+output row is rotated back. While a tile computes, the next tile's rows are prefetched one row per token.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from numba import prange
 
-from cpu_attention._numba import JIT, exp_neg, f16_to_f32, prefetch, resolve_threads, widen
+from cpu_attention import rotation
+from cpu_attention._numba import JIT, exp_neg, hadamard_rotate, hadamard_unrotate, prefetch, resolve_threads, widen
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
 
@@ -320,22 +321,21 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
 
 @numba.njit(inline="always", **JIT)
 def _widen_int4(x, sc, zr, n, out, hg):
-    """Packed rows x [n, D/2] with group scales/zeros sc, zr [n, D/32] (f16 bits) → out[:n]
-    [., D] float32, each row's even elements first then its odd ones (see module doc).
+    """Packed rows x [n, D/2] with group scales/zeros sc, zr [n, D/32] (bf16 bits) → out[:n]
+    [., D] float32 (byte i of group g: elements 32g + i and 32g + 16 + i, see layout.py).
 
     hg (bytes per group, 16) comes in as a runtime value on purpose: with the constant, LLVM
     unrolls the 16-byte loop into scalar code before its loop vectorizer sees it (measured
     ~1.7x slower)."""
-    half = x.shape[1]
     NG = sc.shape[1]
     for j in range(n):
         xr, o, sr, zz = x[j], out[j], sc[j], zr[j]
         for gr in range(NG):
-            a = f16_to_f32(sr[gr])
-            z = f16_to_f32(zz[gr])
+            a = widen(sr[gr])
+            z = widen(zz[gr])
             xs = xr[gr * hg:(gr + 1) * hg]
-            lo = o[gr * hg:(gr + 1) * hg]
-            hi = o[half + gr * hg:half + (gr + 1) * hg]
+            lo = o[2 * gr * hg:(2 * gr + 1) * hg]
+            hi = o[(2 * gr + 1) * hg:(2 * gr + 2) * hg]
             for i in range(hg):
                 byte = np.int32(xs[i])
                 lo[i] = np.float32(byte & np.int32(15)) * a + z
@@ -343,10 +343,13 @@ def _widen_int4(x, sc, zr, n, out, hg):
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse, hg):
-    """k, v [NB, Hkv, BS, D/2] uint8; scales/zeros [NB, Hkv, BS, D/32] uint16 (f16 bits);
-    q [B, Hq, D] f32 pre-scaled and permuted (evens, odds); out comes back permuted too;
-    hg = INT4_GROUP // 2 packed bytes a group (see _widen_int4)."""
+def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse, hg, signs, P, c):
+    """k, v [NB, Hkv, BS, D/2] uint8 holding K @ R, V @ R; scales/zeros [NB, Hkv, BS, D/32]
+    uint16 (bf16 bits); q [B, Hq, D] f32 pre-scaled; hg = INT4_GROUP // 2 packed bytes a group
+    (see _widen_int4); signs, P, c: the rotation R (`_numba.hadamard_rotate`). Each item
+    rotates its q rows, each merged output row is rotated back: (qR)·(kR) = q·k, Σ p vR = (Σ p v)R.
+    (In Numba rather than as a torch GEMM: torch's intra-op threads would spin on the cores
+    the kernel runs on.)"""
     NI = items.shape[0]
     BS, D = k.shape[2], 2 * k.shape[3]
     G = q.shape[1] // k.shape[1]
@@ -361,7 +364,9 @@ def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse, hg):
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
-        qh = q[b, h * G:(h + 1) * G]
+        qh = np.empty((G, D), np.float32)
+        for g in range(G):
+            hadamard_rotate(q[b, h * G + g], signs, P, c, qh[g])
         t = t0
         blk, off, n = _next_tile(bt, b, t, t1, BS)
         while t < t1:
@@ -379,8 +384,11 @@ def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse, hg):
         part_o[it] = acc
         part_m[it] = m
         part_l[it] = l
+    Hkv = k.shape[1]
     for p in prange(pair_start.shape[0] - 1):
         _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+        for g in range(G):
+            hadamard_unrotate(out[p // Hkv, (p % Hkv) * G + g], signs, P, c)
 
 
 def _u16(t: torch.Tensor) -> np.ndarray:
@@ -414,8 +422,6 @@ def decode_attention(
         raise ValueError(f"q {tuple(q.shape)} does not fit the pool (Hkv {Hkv}, D {pool.head_dim})")
     n_threads = resolve_threads(threads)
     qs = q.detach().to(torch.float32) * scale
-    if pool.dtype is KVDtype.INT4:
-        qs = torch.cat([qs[..., 0::2], qs[..., 1::2]], dim=-1)
     qn = qs.contiguous().numpy()
     bt = block_tables.detach().to(torch.int32).contiguous().numpy()
     sl = seq_lens.detach().to(torch.int64).contiguous().numpy()
@@ -433,7 +439,6 @@ def decode_attention(
     else:
         decode_int4(pool.k[layer].numpy(), pool.v[layer].numpy(), _u16(pool.k_scale[layer]),
                     _u16(pool.v_scale[layer]), _u16(pool.k_zero[layer]), _u16(pool.v_zero[layer]),
-                    qn, bt, items, pair_start, on, ln, HALF_GROUP)
-        perm = out.clone()
-        out[..., 0::2], out[..., 1::2] = perm[..., : D // 2], perm[..., D // 2:]
+                    qn, bt, items, pair_start, on, ln, HALF_GROUP, rotation.signs(D).numpy(),
+                    rotation.block(D), np.float32(rotation.inv_sqrt(D).item()))
     return out, lse

@@ -8,10 +8,12 @@ sequence has one block table):
     bf16   k, v              bfloat16     [L, NB, Hkv, BS, D]          bf16 bits; kernels read them as uint16
     int8   k, v              int8         [L, NB, Hkv, BS, D]          round(x / scale)
            k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|x| / 127 per token and head
-    int4   k, v              uint8        [L, NB, Hkv, BS, D // 2]     two 4-bit codes per byte, element 2i
-                                                                        in the low nibble, 2i+1 in the high
-           k_scale, v_scale  float16      [L, NB, Hkv, BS, D // 32]    range / 15 per group of 32
-           k_zero, v_zero    float16      [L, NB, Hkv, BS, D // 32]    range start: x ≈ code * scale + zero
+    int4   k, v              uint8        [L, NB, Hkv, BS, D // 2]     4-bit codes of y = x @ R (below), two a
+                                                                        byte: byte 16g + i of a row holds element
+                                                                        32g + i in its low nibble and 32g + 16 + i
+                                                                        in its high nibble (g: group, i < 16)
+           k_scale, v_scale  bfloat16     [L, NB, Hkv, BS, D // 32]    range / 15 per group of 32
+           k_zero, v_zero    bfloat16     [L, NB, Hkv, BS, D // 32]    range start: y ≈ code * scale + zero
                                                                         (range: [min, max] shrunk about its
                                                                         centre by the INT4_CLIPS factor of
                                                                         least squared error)
@@ -20,6 +22,14 @@ L layers, NB blocks, Hkv kv heads, BS tokens a block, D head dim. Token t of a s
 in block `block_table[t // BS]` at offset `t % BS`; its flat slot is `block * BS + offset`.
 Within a block one head's BS × D values are contiguous, so a decode kernel walking one
 (sequence, kv head) streams contiguous runs of BS × D elements.
+
+int4 stores the rotated vector y = x @ R, R a fixed orthonormal (signed, block Hadamard)
+matrix of `rotation.py`: it spreads outlier channels over the head so groups of 32 quantize
+them well. The rotation is internal to the pool: `write` and `quantize` rotate, `gather` and
+`dequantize` un-rotate, the decode kernel rotates q and un-rotates its output (q · k is
+invariant). Scales and zeros are bf16, not fp16: widening them is a 16-bit shift, and bf16's
+8-bit mantissa is far finer than the 16 levels (codes are rounded against the stored scale
+and zero, so their rounding only moves the grid).
 """
 from __future__ import annotations
 
@@ -28,8 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
+from cpu_attention import rotation
+
 INT4_GROUP = 32
 INT4_CLIPS = (1.0, 0.94, 0.88, 0.82)  # range shrink factors tried per int4 group
+INT4_MIN_SCALE = 2.0**-100  # a constant group's scale: keeps (x - zero) / scale finite
 
 
 class KVDtype(str, enum.Enum):
@@ -46,7 +59,7 @@ class KVDtype(str, enum.Enum):
     @property
     def overhead_per_value(self) -> float:
         if self is KVDtype.INT4:
-            return 4.0 / INT4_GROUP  # fp16 scale + fp16 zero per group
+            return 4.0 / INT4_GROUP  # bf16 scale + bf16 zero per group
         return 0.0  # int8's 4-byte scale per token-head is counted by the pool (depends on D)
 
 
@@ -77,8 +90,8 @@ class HostKVPool:
         else:
             G = D // INT4_GROUP
             self.k, self.v = mk((L, NB, H, BS, D // 2), torch.uint8), mk((L, NB, H, BS, D // 2), torch.uint8)
-            self.k_scale, self.v_scale = mk((L, NB, H, BS, G), torch.float16), mk((L, NB, H, BS, G), torch.float16)
-            self.k_zero, self.v_zero = mk((L, NB, H, BS, G), torch.float16), mk((L, NB, H, BS, G), torch.float16)
+            self.k_scale, self.v_scale = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
+            self.k_zero, self.v_zero = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +104,8 @@ class HostKVPool:
         return self.nbytes / (self.num_blocks * self.block_size)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in.
+        """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in
+        (int4: rotated first, see the module doc).
 
         bf16/int8/int4 go through the Numba append (`append.py`, same numbers as `quantize`).
         """
@@ -110,7 +124,8 @@ class HostKVPool:
                 getattr(self, f"{name}_zero")[layer, blocks, :, offs] = zero
 
     def gather(self, layer: int, block_table: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K, V of one sequence's first n_tokens: [Hkv, n_tokens, D] float32."""
+        """Dequantized K, V of one sequence's first n_tokens: [Hkv, n_tokens, D] float32 (int4:
+        un-rotated, the values that were written up to quantization)."""
         out = []
         for name in ("k", "v"):
             data = getattr(self, name)[layer, block_table]  # [nb, Hkv, BS, ...]
@@ -137,6 +152,7 @@ def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tenso
         scale = x.abs().amax(-1).clamp_min(1e-8) / 127.0
         q = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
         return q, scale, None
+    x = rotation.rotate(x)
     g = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
     # Clip search: of a few ranges shrunk towards the group's centre, keep the one with the
@@ -145,8 +161,8 @@ def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tenso
     best_err = best_scale = best_zero = best_codes = None
     for f in INT4_CLIPS:
         c = (hi + lo) / 2
-        scale = ((hi - lo) * f / 15.0).clamp_min(2.0**-14).to(torch.float16)  # fp16-normal
-        zero = (c - (hi - lo) * f / 2).to(torch.float16)
+        scale = ((hi - lo) * f / 15.0).clamp_min(INT4_MIN_SCALE).to(torch.bfloat16)
+        zero = (c - (hi - lo) * f / 2).to(torch.bfloat16)
         sf, zf = scale.float()[..., None], zero.float()[..., None]
         codes = torch.round((g - zf) / sf).clamp(0, 15)
         err = ((codes * sf + zf - g) ** 2).sum(-1)
@@ -158,10 +174,9 @@ def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tenso
             best_scale = torch.where(better, scale, best_scale)
             best_zero = torch.where(better, zero, best_zero)
             best_codes = torch.where(better[..., None], codes, best_codes)
-    scale, zero, codes = best_scale, best_zero, best_codes.to(torch.uint8)
-    codes = codes.reshape(*x.shape)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, scale, zero
+    codes = best_codes.to(torch.uint8).reshape(*g.shape[:-1], 2, INT4_GROUP // 2)
+    packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*x.shape[:-1], x.shape[-1] // 2)
+    return packed, best_scale, best_zero
 
 
 def dequantize(
@@ -173,7 +188,8 @@ def dequantize(
     if dtype is KVDtype.INT8:
         return data.float() * scale[..., None]
     lo, hi = (data & 0xF), (data >> 4)
-    codes = torch.stack([lo, hi], dim=-1).reshape(*data.shape[:-1], data.shape[-1] * 2).float()
-    g = codes.reshape(*codes.shape[:-1], -1, INT4_GROUP)
-    x = g * scale.float()[..., None] + zero.float()[..., None]
-    return x.reshape(codes.shape)
+    half = INT4_GROUP // 2
+    lo, hi = lo.reshape(*lo.shape[:-1], -1, half), hi.reshape(*hi.shape[:-1], -1, half)
+    g = torch.stack([lo, hi], dim=-2).reshape(*lo.shape[:-1], INT4_GROUP).float()  # [..., D/32, 32]
+    y = g * scale.float()[..., None] + zero.float()[..., None]
+    return rotation.unrotate(y.reshape(*data.shape[:-1], data.shape[-1] * 2))
