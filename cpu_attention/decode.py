@@ -12,10 +12,11 @@ a shift into the high half, int8 by a conversion), one online-softmax step for t
 tile (`_softmax_tile`: max, one rescale of the accumulator, a vectorized polynomial exp),
 then the V accumulation (`_accumulate`: four heads × two tokens a pass). int8's per-token
 scales multiply the G scores and the G weights, not the D codes. int4 rows are first
-widened into an L1-resident float32 tile (code × group scale + group zero; each byte's two
-nibbles are elements i and i + 16 of its group, so both land in contiguous runs); the pool
-stores int4 K/V rotated (`rotation.py`), so each item works with q @ R and each merged
-output row is rotated back. While a tile computes, the next tile's rows are prefetched one row per token.
+widened into L1-resident float32 tiles (up to TILE tokens over one or more blocks) by
+straight-line vector code (`widen_nibbles`): code × scale + zero, V's per token and group,
+K's per block and channel; the output is rotated back (int4 V is stored rotated,
+`rotation.py`). While a tile computes, the next tile's rows are
+prefetched one row per token.
 """
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ import torch
 from numba import prange
 
 from cpu_attention import rotation
-from cpu_attention._numba import JIT, exp_neg, hadamard_rotate, hadamard_unrotate, prefetch, resolve_threads, widen
+from cpu_attention._numba import (
+    JIT, exp_neg, hadamard_unrotate, prefetch, resolve_threads, widen, widen_nibbles, widen_nibbles_by,
+)
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
 
@@ -320,39 +323,41 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
 
 
 @numba.njit(inline="always", **JIT)
-def _widen_int4(x, sc, zr, n, out, hg):
-    """Packed rows x [n, D/2] with group scales/zeros sc, zr [n, D/32] (bf16 bits) → out[:n]
-    [., D] float32 (byte i of group g: elements 32g + i and 32g + 16 + i, see layout.py).
-
-    hg (bytes per group, 16) comes in as a runtime value on purpose: with the constant, LLVM
-    unrolls the 16-byte loop into scalar code before its loop vectorizer sees it (measured
-    ~1.7x slower)."""
-    NG = sc.shape[1]
+def _widen_int4(x, sc, zr, n, out):
+    """Packed rows x [n, D/2] with per-token group scales/zeros sc, zr [n, D/32] (bf16 bits)
+    → out[:n] [., D] float32 (code × scale + zero, in element order)."""
+    half, NG = x.shape[1], sc.shape[1]
     for j in range(n):
-        xr, o, sr, zz = x[j], out[j], sc[j], zr[j]
         for gr in range(NG):
-            a = widen(sr[gr])
-            z = widen(zz[gr])
-            xs = xr[gr * hg:(gr + 1) * hg]
-            lo = o[2 * gr * hg:(2 * gr + 1) * hg]
-            hi = o[(2 * gr + 1) * hg:(2 * gr + 2) * hg]
-            for i in range(hg):
-                byte = np.int32(xs[i])
-                lo[i] = np.float32(byte & np.int32(15)) * a + z
-                hi[i] = np.float32(byte >> np.int32(4)) * a + z
+            widen_nibbles(x, j * half + gr * HALF_GROUP, widen(sc[j, gr]), widen(zr[j, gr]),
+                          out, 2 * j * half + gr * INT4_GROUP)
+
+
+@numba.njit(inline="always", **JIT)
+def _widen_int4_keys(x, aw, zw, n, out):
+    """Packed key rows x [n, D/2] → out[:n] [., D] float32: code × aw + zw, with aw, zw [D]
+    (float32) the block's per-channel scale and zero."""
+    half = x.shape[1]
+    for j in range(n):
+        for i in range(0, half, HALF_GROUP):
+            widen_nibbles_by(x, j * half + i, aw, zw, 2 * i, out, 2 * (j * half + i))
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse, hg, signs, P, c):
-    """k, v [NB, Hkv, BS, D/2] uint8 holding K @ R, V @ R; scales/zeros [NB, Hkv, BS, D/32]
-    uint16 (bf16 bits); q [B, Hq, D] f32 pre-scaled; hg = INT4_GROUP // 2 packed bytes a group
-    (see _widen_int4); signs, P, c: the rotation R (`_numba.hadamard_rotate`). Each item
-    rotates its q rows, each merged output row is rotated back: (qR)·(kR) = q·k, Σ p vR = (Σ p v)R.
-    (In Numba rather than as a torch GEMM: torch's intra-op threads would spin on the cores
-    the kernel runs on.)"""
+def decode_int4(k, v, ks, kz, vs, vz, q, bt, items, pair_start, out, lse, signs, P, c):
+    """k [NB, Hkv, BS, D/2] uint8 with ks, kz [NB, Hkv, D] uint16 (bf16 bits: per block and
+    channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz [NB, Hkv, BS, D/32] (per
+    token and group); q [B, Hq, D] f32 pre-scaled; signs, P, c: the rotation R
+    (`_numba.hadamard_unrotate`).
+
+    A tile is up to TILE tokens over one or more blocks (widening is per block anyway, and
+    the score / softmax / accumulate passes cost less a token over longer tiles). V's output
+    Σ p (vR) = (Σ p v) R is rotated back after the merge (in Numba: as a torch GEMM, torch's
+    intra-op threads would spin on the kernel's cores)."""
     NI = items.shape[0]
     BS, D = k.shape[2], 2 * k.shape[3]
-    G = q.shape[1] // k.shape[1]
+    Hkv = k.shape[1]
+    G = q.shape[1] // Hkv
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
@@ -360,31 +365,39 @@ def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse, hg, si
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
         kb = np.empty((TILE, D), np.float32)
         vb = np.empty((TILE, D), np.float32)
+        aw = np.empty(D, np.float32)
+        zw = np.empty(D, np.float32)
         s = np.empty((G, TILE), np.float32)
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
-        qh = np.empty((G, D), np.float32)
-        for g in range(G):
-            hadamard_rotate(q[b, h * G + g], signs, P, c, qh[g])
+        qh = q[b, h * G:(h + 1) * G]
         t = t0
-        blk, off, n = _next_tile(bt, b, t, t1, BS)
         while t < t1:
-            nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (blk, off, 0)
+            n = 0
+            while n < TILE and t + n < t1:  # the tile's tokens, block by block
+                blk, off, nb = _next_tile(bt, b, t + n, t1, BS)
+                nb = min(nb, TILE - n)
+                ka, kzr = ks[blk, h], kz[blk, h]
+                for d in range(D):
+                    aw[d] = widen(ka[d])
+                    zw[d] = widen(kzr[d])
+                _widen_int4_keys(k[blk, h, off:off + nb], aw, zw, nb, kb[n:])
+                _widen_int4(v[blk, h, off:off + nb], vs[blk, h, off:off + nb], vz[blk, h, off:off + nb], nb, vb[n:])
+                n += nb
+            nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (0, 0, 0)
             if noff == 0 and nn > 0:
-                for a in (ks, vs, kz, vz):
-                    _prefetch_row(a[nblk, h].reshape(1, -1), 0)
-            _widen_int4(k[blk, h, off:off + n], ks[blk, h, off:off + n], kz[blk, h, off:off + n], n, kb, hg)
-            _widen_int4(v[blk, h, off:off + n], vs[blk, h, off:off + n], vz[blk, h, off:off + n], n, vb, hg)
+                _prefetch_row(ks[nblk, h].reshape(1, -1), 0)
+                _prefetch_row(kz[nblk, h].reshape(1, -1), 0)
+                _prefetch_row(vs[nblk, h].reshape(1, -1), 0)
+                _prefetch_row(vz[nblk, h].reshape(1, -1), 0)
             _scores(qh, kb, n, s, k[nblk, h, noff:], v[nblk, h, noff:], nn)
             _softmax_tile(s, n, m, l, acc)
             _accumulate(s, vb, n, acc)
             t += n
-            blk, off, n = nblk, noff, nn
         part_o[it] = acc
         part_m[it] = m
         part_l[it] = l
-    Hkv = k.shape[1]
     for p in prange(pair_start.shape[0] - 1):
         _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
         for g in range(G):
@@ -438,7 +451,7 @@ def decode_attention(
                     pool.v_scale[layer].numpy(), qn, bt, items, pair_start, on, ln)
     else:
         decode_int4(pool.k[layer].numpy(), pool.v[layer].numpy(), _u16(pool.k_scale[layer]),
-                    _u16(pool.v_scale[layer]), _u16(pool.k_zero[layer]), _u16(pool.v_zero[layer]),
-                    qn, bt, items, pair_start, on, ln, HALF_GROUP, rotation.signs(D).numpy(),
+                    _u16(pool.k_zero[layer]), _u16(pool.v_scale[layer]), _u16(pool.v_zero[layer]),
+                    qn, bt, items, pair_start, on, ln, rotation.signs(D).numpy(),
                     rotation.block(D), np.float32(rotation.inv_sqrt(D).item()))
     return out, lse

@@ -8,28 +8,33 @@ sequence has one block table):
     bf16   k, v              bfloat16     [L, NB, Hkv, BS, D]          bf16 bits; kernels read them as uint16
     int8   k, v              int8         [L, NB, Hkv, BS, D]          round(x / scale)
            k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|x| / 127 per token and head
-    int4   k, v              uint8        [L, NB, Hkv, BS, D // 2]     4-bit codes of y = x @ R (below), two a
-                                                                        byte: byte 16g + i of a row holds element
-                                                                        32g + i in its low nibble and 32g + 16 + i
-                                                                        in its high nibble (g: group, i < 16)
-           k_scale, v_scale  bfloat16     [L, NB, Hkv, BS, D // 32]    range / 15 per group of 32
-           k_zero, v_zero    bfloat16     [L, NB, Hkv, BS, D // 32]    range start: y ≈ code * scale + zero
-                                                                        (range: [min, max] shrunk about its
-                                                                        centre by the INT4_CLIPS factor of
-                                                                        least squared error)
+    int4   k                 uint8        [L, NB, Hkv, BS, D // 2]     4-bit codes, two a byte: byte 16g + i of a
+                                                                        row holds element 32g + i in its low nibble,
+                                                                        32g + 16 + i in its high one
+           k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code * scale + zero
+                                                                        over the block's keys (grown on append)
+           v                 uint8        [L, NB, Hkv, BS, D // 2]     codes of y = v @ R (rotation.py), same order
+           v_scale, v_zero   bfloat16     [L, NB, Hkv, BS, D // 32]    per token and group of 32: y ≈ code * scale
+                                                                        + zero (range: [min, max] shrunk about its
+                                                                        centre by the CLIPS factor of least
+                                                                        squared error)
 
 L layers, NB blocks, Hkv kv heads, BS tokens a block, D head dim. Token t of a sequence lives
 in block `block_table[t // BS]` at offset `t % BS`; its flat slot is `block * BS + offset`.
 Within a block one head's BS × D values are contiguous, so a decode kernel walking one
 (sequence, kv head) streams contiguous runs of BS × D elements.
 
-int4 stores the rotated vector y = x @ R, R a fixed orthonormal (signed, block Hadamard)
-matrix of `rotation.py`: it spreads outlier channels over the head so groups of 32 quantize
-them well. The rotation is internal to the pool: `write` and `quantize` rotate, `gather` and
-`dequantize` un-rotate, the decode kernel rotates q and un-rotates its output (q · k is
-invariant). Scales and zeros are bf16, not fp16: widening them is a 16-bit shift, and bf16's
-8-bit mantissa is far finer than the 16 levels (codes are rounded against the stored scale
-and zero, so their rounding only moves the grid).
+int4 (see `int4.py` for why): values per token in groups of 32 along the head dim, as the
+issue prescribes, after a fixed orthonormal rotation R that spreads outlier channels over
+the head; keys per channel over each block's tokens (KIVI), because per-token groups of 32
+lose too much on real keys (SmolLM2: argmax agreement ~0.90 with them, ~0.96 per channel).
+The rotation is internal to the pool: `write` rotates values, `gather` rotates them back,
+the decode kernel rotates its output back. Scales and zeros are bf16: widening them is a
+16-bit shift, and bf16's 8-bit mantissa is far finer than the 16 levels (codes are rounded
+against the stored scale and zero, so their rounding only moves the grid).
+
+`quantize`/`dequantize` are the per-token formats (bf16, int8, int4 values); int4 keys go
+through `int4.append_keys` / `int4.dequantize_keys`.
 """
 from __future__ import annotations
 
@@ -38,11 +43,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cpu_attention import rotation
+from cpu_attention import int4
+from cpu_attention.int4 import GROUP as INT4_GROUP
 
-INT4_GROUP = 32
-INT4_CLIPS = (1.0, 0.94, 0.88, 0.82)  # range shrink factors tried per int4 group
-INT4_MIN_SCALE = 2.0**-100  # a constant group's scale: keeps (x - zero) / scale finite
+# int4 keys carry a bf16 scale and zero per channel and block, 4 / BS bytes a value: a dtype's
+# bytes per value cannot know BS, so they are counted at the planner's block of 16 tokens
+# (planner/search.py; larger blocks cost less, so its memory estimate errs on the safe side).
+INT4_KEY_BLOCK = 16
 
 
 class KVDtype(str, enum.Enum):
@@ -58,8 +65,8 @@ class KVDtype(str, enum.Enum):
 
     @property
     def overhead_per_value(self) -> float:
-        if self is KVDtype.INT4:
-            return 4.0 / INT4_GROUP  # bf16 scale + bf16 zero per group
+        if self is KVDtype.INT4:  # values: bf16 scale + zero per group; keys: per channel and block
+            return (4.0 / INT4_GROUP + 4.0 / INT4_KEY_BLOCK) / 2
         return 0.0  # int8's 4-byte scale per token-head is counted by the pool (depends on D)
 
 
@@ -90,8 +97,8 @@ class HostKVPool:
         else:
             G = D // INT4_GROUP
             self.k, self.v = mk((L, NB, H, BS, D // 2), torch.uint8), mk((L, NB, H, BS, D // 2), torch.uint8)
-            self.k_scale, self.v_scale = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
-            self.k_zero, self.v_zero = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
+            self.k_scale, self.k_zero = mk((L, NB, H, D), torch.bfloat16), mk((L, NB, H, D), torch.bfloat16)
+            self.v_scale, self.v_zero = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
 
     @property
     def nbytes(self) -> int:
@@ -105,7 +112,7 @@ class HostKVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in
-        (int4: rotated first, see the module doc).
+        (int4: see the module doc; a block's tokens must be written in order).
 
         bf16/int8/int4 go through the Numba append (`append.py`, same numbers as `quantize`).
         """
@@ -125,24 +132,27 @@ class HostKVPool:
 
     def gather(self, layer: int, block_table: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of one sequence's first n_tokens: [Hkv, n_tokens, D] float32 (int4:
-        un-rotated, the values that were written up to quantization)."""
+        values rotated back, so both are what was written up to quantization)."""
         out = []
         for name in ("k", "v"):
             data = getattr(self, name)[layer, block_table]  # [nb, Hkv, BS, ...]
             scale = getattr(self, f"{name}_scale")
             zero = getattr(self, f"{name}_zero")
-            x = dequantize(
-                data,
-                self.dtype,
-                None if scale is None else scale[layer, block_table],
-                None if zero is None else zero[layer, block_table],
-            )  # [nb, Hkv, BS, D]
+            if self.dtype is KVDtype.INT4 and name == "k":
+                x = int4.dequantize_keys(data, scale[layer, block_table], zero[layer, block_table])
+            else:
+                x = dequantize(
+                    data,
+                    self.dtype,
+                    None if scale is None else scale[layer, block_table],
+                    None if zero is None else zero[layer, block_table],
+                )  # [nb, Hkv, BS, D]
             out.append(x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :n_tokens])
         return out[0], out[1]
 
 
 def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """x [..., D] → (data, scale, zero) in the pool's layout for `dtype`."""
+    """x [..., D] → (data, scale, zero) in the pool's per-token layout for `dtype` (int4: values)."""
     if dtype is KVDtype.F32:
         return x.float(), None, None
     if dtype is KVDtype.BF16:
@@ -152,31 +162,7 @@ def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tenso
         scale = x.abs().amax(-1).clamp_min(1e-8) / 127.0
         q = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
         return q, scale, None
-    x = rotation.rotate(x)
-    g = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    # Clip search: of a few ranges shrunk towards the group's centre, keep the one with the
-    # least squared error (clipping the two extremes often beats 16 coarser levels; ~10%
-    # lower rms error on gaussian groups than plain min-max).
-    best_err = best_scale = best_zero = best_codes = None
-    for f in INT4_CLIPS:
-        c = (hi + lo) / 2
-        scale = ((hi - lo) * f / 15.0).clamp_min(INT4_MIN_SCALE).to(torch.bfloat16)
-        zero = (c - (hi - lo) * f / 2).to(torch.bfloat16)
-        sf, zf = scale.float()[..., None], zero.float()[..., None]
-        codes = torch.round((g - zf) / sf).clamp(0, 15)
-        err = ((codes * sf + zf - g) ** 2).sum(-1)
-        if best_err is None:
-            best_err, best_scale, best_zero, best_codes = err, scale, zero, codes
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_scale = torch.where(better, scale, best_scale)
-            best_zero = torch.where(better, zero, best_zero)
-            best_codes = torch.where(better[..., None], codes, best_codes)
-    codes = best_codes.to(torch.uint8).reshape(*g.shape[:-1], 2, INT4_GROUP // 2)
-    packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*x.shape[:-1], x.shape[-1] // 2)
-    return packed, best_scale, best_zero
+    return int4.quantize_values(x)
 
 
 def dequantize(
@@ -187,9 +173,4 @@ def dequantize(
         return data.float()
     if dtype is KVDtype.INT8:
         return data.float() * scale[..., None]
-    lo, hi = (data & 0xF), (data >> 4)
-    half = INT4_GROUP // 2
-    lo, hi = lo.reshape(*lo.shape[:-1], -1, half), hi.reshape(*hi.shape[:-1], -1, half)
-    g = torch.stack([lo, hi], dim=-2).reshape(*lo.shape[:-1], INT4_GROUP).float()  # [..., D/32, 32]
-    y = g * scale.float()[..., None] + zero.float()[..., None]
-    return rotation.unrotate(y.reshape(*data.shape[:-1], data.shape[-1] * 2))
+    return int4.dequantize_values(data, scale, zero)

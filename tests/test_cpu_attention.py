@@ -20,6 +20,8 @@ from cpu_attention import (
     prefill_attention,
     prefill_attention_ref,
 )
+from cpu_attention import int4, rotation
+from cpu_attention.layout import quantize
 
 LENS = [1, 17, 1000, 4097]
 HKV, G = 2, 3  # odd group size on purpose
@@ -37,8 +39,10 @@ CASES = [  # (head dim, block size): every head dim, several block sizes
 ]
 
 
-def make(dtype: KVDtype, D: int, BS: int, lens: list[int], seed: int = 0):
-    """A pool holding len(lens) sequences in shuffled blocks, plus their exact K/V (float64)."""
+def make(dtype: KVDtype, D: int, BS: int, lens: list[int], seed: int = 0, by_token: bool = False):
+    """A pool holding len(lens) sequences in shuffled blocks, plus their exact K/V (float64).
+    Each sequence is written in one call, or (by_token) as decode fills a cache: its first 3
+    tokens in one call, then one token a call."""
     gen = torch.Generator().manual_seed(seed)
     nbs = [-(-n // BS) for n in lens]
     NB = sum(nbs) + 2
@@ -54,7 +58,10 @@ def make(dtype: KVDtype, D: int, BS: int, lens: list[int], seed: int = 0):
         k = torch.randn(n, HKV, D, generator=gen, dtype=torch.float64) + kmu
         v = torch.randn(n, HKV, D, generator=gen, dtype=torch.float64) + vmu
         t = torch.arange(n)
-        pool.write(0, bt[i, t // BS].long() * BS + t % BS, k, v)
+        slots = bt[i, t // BS].long() * BS + t % BS
+        cuts = [0, *range(min(n, 3), n + 1)] if by_token else [0, n]
+        for a, b in zip(cuts, cuts[1:]):
+            pool.write(0, slots[a:b], k[a:b], v[a:b])
         raw.append((k, v))
     q = torch.randn(len(lens), HKV * G, D, generator=gen)
     return pool, bt, torch.tensor(lens), q, raw
@@ -95,6 +102,21 @@ def test_decode_matches_references(dtype, D, BS):
     for b, n in enumerate(LENS):
         tol = INT4_ONE_ROW_TOL if (dtype is KVDtype.INT4 and n == 1) else QUANT_TOL[dtype]
         assert rel(out[b], eo[b]) < tol, (b, n)
+
+
+@pytest.mark.parametrize("D,BS", [c for c in CASES if c[0] % 32 == 0])
+def test_int4_decode_after_token_by_token_appends(D, BS):
+    """int4 keys filled one token at a time (each block's per-channel range grows and its
+    codes are re-rounded): the kernel still matches the reference and the accuracy bound holds."""
+    pool, bt, sl, q, raw = make(KVDtype.INT4, D, BS, LENS, seed=D + BS + 1, by_token=True)
+    scale = 1 / math.sqrt(D)
+    out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=2)
+    ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
+    assert rel(out, ro) < 1e-4
+    assert (lse.double() - rl).abs().max() < 1e-4
+    eo, _ = exact_attention(q, raw, scale)
+    for b, n in enumerate(LENS):
+        assert rel(out[b], eo[b]) < (INT4_ONE_ROW_TOL if n == 1 else QUANT_TOL[KVDtype.INT4]), (b, n)
 
 
 def test_decode_split_merges_to_full():
@@ -170,17 +192,23 @@ def test_kernel_releases_the_gil():
 
 
 @pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4])
-def test_numba_append_equals_torch_quantize(dtype):
-    from cpu_attention.layout import quantize
-
+def test_numba_append_equals_torch_twins(dtype):
+    """The Numba append stores exactly the torch twins' bits: `quantize` per token (int4:
+    the values), `int4.append_keys` for int4 keys."""
     gen = torch.Generator().manual_seed(11)
     pool = HostKVPool(2, 5, 3, 16, 64, dtype)
     x = torch.randn(13, 3, 64, generator=gen) * 3
     x[0, 0, :32] = 0.5  # a constant int4 group
-    slots = torch.randperm(80, generator=gen)[:13]
+    slots = torch.randperm(80, generator=gen)[:13]  # some blocks start (offset 0), some grow
     pool.write(1, slots, x, -x)
     blk, off = slots // 16, slots % 16
     for name, src in (("k", x), ("v", -x)):
+        if dtype is KVDtype.INT4 and name == "k":
+            data, scale, zero = (torch.zeros_like(t[1]) for t in (pool.k, pool.k_scale, pool.k_zero))
+            int4.append_keys(data, scale, zero, blk, off, src)
+            assert torch.equal(pool.k[1], data) and torch.equal(pool.k_scale[1], scale)
+            assert torch.equal(pool.k_zero[1], zero)
+            continue
         data, scale, zero = quantize(src, dtype)
         assert torch.equal(getattr(pool, name)[1, blk, :, off], data)
         if scale is not None:
@@ -188,3 +216,35 @@ def test_numba_append_equals_torch_quantize(dtype):
         if zero is not None:
             assert torch.equal(getattr(pool, f"{name}_zero")[1, blk, :, off], zero)
     assert torch.all(getattr(pool, "k")[0] == 0)  # other layer untouched
+
+
+def test_int4_keys_grow_like_the_twin():
+    """Keys appended as decode does (a chunk, then one token a call, blocks filling up and
+    being reused): the Numba append and `int4.append_keys` agree bit for bit after every call,
+    and the dequantized keys stay within a step of what was written."""
+    gen = torch.Generator().manual_seed(12)
+    BS, D, H = 8, 64, 2
+    pool = HostKVPool(1, 4, H, BS, D, KVDtype.INT4)
+    data, scale, zero = pool.k[0].clone(), pool.k_scale[0].clone(), pool.k_zero[0].clone()
+    x = torch.randn(40, H, D, generator=gen) + 4 * torch.randn(D, generator=gen)  # channel offsets
+    x[9, 1, 5] = 30.0  # an outlier mid-block: its channel's range grows and re-rounds
+    table = torch.tensor([2, 0, 3, 1, 2])  # block 2 again at the end: a write at offset 0 restarts it
+    slots = table[torch.arange(40) // BS] * BS + torch.arange(40) % BS
+    for a, b in zip([0, *range(5, 41)], [*range(5, 41)]):
+        pool.write(0, slots[a:b], x[a:b], x[a:b])
+        int4.append_keys(data, scale, zero, slots[a:b] // BS, slots[a:b] % BS, x[a:b])
+        assert torch.equal(pool.k[0], data) and torch.equal(pool.k_scale[0], scale)
+        assert torch.equal(pool.k_zero[0], zero)
+    k, _ = pool.gather(0, table[1:], 32)  # [H, 32, D], tokens 8..39
+    step = pool.k_scale[0, table[1:]].float().repeat_interleave(BS, 0).transpose(0, 1)  # [H, 32, D]
+    err = (k - x[8:].transpose(0, 1)).abs()
+    assert torch.all(err <= 1.5 * step + 1e-6), float((err / step).max())
+
+
+def test_rotation_is_orthonormal_and_inverted():
+    for D in (64, 96, 128, 256):
+        R = rotation.rotate(torch.eye(D))
+        assert torch.allclose(R @ R.T, torch.eye(D), atol=1e-6)
+        x = torch.randn(5, 3, D)
+        assert torch.allclose(rotation.rotate(x), x @ R, atol=1e-5)
+        assert torch.allclose(rotation.unrotate(rotation.rotate(x)), x, atol=1e-5)
