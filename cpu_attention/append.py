@@ -2,10 +2,10 @@
 
 A decode step appends one token per sequence in each of 32 layers; the torch version
 (`layout.quantize` + indexed stores) costs hundreds of microseconds a call in small-op
-overhead, this one a few. Same numbers as the torch twins (`layout.quantize`, and for int4
-keys `int4.append_keys`: round half to even, the same float32 formulas in the same order,
-the same rotation butterflies and clip search), without fastmath so every operation rounds
-as torch's does.
+overhead, this one a few. Same bits as the torch twins (`layout.quantize`; int4:
+`int4.write`, whose docstring states the rule): round half to even, the same float32
+formulas in the same order, the same rotation butterflies and clip search, without fastmath
+so every operation rounds as torch's does.
 """
 from __future__ import annotations
 
@@ -42,94 +42,133 @@ def write_int8(dst, sc, blocks, offs, x):
 
 
 @numba.njit(**WJIT)
-def write_int4_values(dst, sc, zr, blocks, offs, x, clips, min_scale, signs, P, inv_sqrt_p, group):
-    """dst [NB, Hkv, BS, D/2] uint8; sc, zr [NB, Hkv, BS, D/group] uint16 (bf16 bits); x [T, Hkv, D]
-    float32, rotated here (signs [D], block P, inv_sqrt_p = float32(1/sqrt(P))) and quantized."""
+def _quantize_row(y, dst, sc, zr, clips, min_scale, group, codes, best):
+    """One rotated value row y [D] float32 → dst [D/2] uint8, sc, zr [D/group] uint16 (bf16
+    bits): per group, of the CLIPS ranges the one of least squared error (int4.quantize_rows)."""
     half = group // 2
-    y = np.empty(x.shape[2], np.float32)
-    codes = np.empty(group, np.uint8)
-    best = np.empty(group, np.uint8)
-    for t in range(x.shape[0]):
-        b, o = blocks[t], offs[t]
-        for h in range(x.shape[1]):
-            hadamard_rotate(x[t, h], signs, P, inv_sqrt_p, y)
-            for gr in range(x.shape[2] // group):
-                yg = y[gr * group:(gr + 1) * group]
-                lo, hi = yg.min(), yg.max()
-                best_err = np.float32(np.inf)
-                bs16 = bz16 = np.uint16(0)
-                for f in clips:
-                    c = (hi + lo) / np.float32(2.0)
-                    s16 = f32_to_bf16(max((hi - lo) * f / np.float32(15.0), min_scale))
-                    z16 = f32_to_bf16(c - (hi - lo) * f / np.float32(2.0))
-                    s, z = bf16_to_f32(s16), bf16_to_f32(z16)
-                    err = np.float32(0.0)
-                    for i in range(group):
-                        q = min(max(np.rint((yg[i] - z) / s), np.float32(0.0)), np.float32(15.0))
-                        codes[i] = np.uint8(q)
-                        e = q * s + z - yg[i]
-                        err += e * e
-                    if err < best_err:
-                        best_err, bs16, bz16 = err, s16, z16
-                        best[:] = codes
-                sc[b, h, o, gr] = bs16
-                zr[b, h, o, gr] = bz16
-                for i in range(half):
-                    dst[b, h, o, gr * half + i] = best[i] | (best[half + i] << np.uint8(4))
-
-
-@numba.njit(inline="always", **WJIT)
-def _nibble(d, group):
-    """(byte, shift) of element d in a packed row (see layout.py)."""
-    half = group // 2
-    return (d // group) * half + d % half, np.uint8(4 * ((d % group) // half))
+    for gr in range(y.shape[0] // group):
+        yg = y[gr * group:(gr + 1) * group]
+        lo, hi = yg.min(), yg.max()
+        best_err = np.float32(np.inf)
+        bs16 = bz16 = np.uint16(0)
+        for f in clips:
+            c = (hi + lo) / np.float32(2.0)
+            s16 = f32_to_bf16(max((hi - lo) * f / np.float32(15.0), min_scale))
+            z16 = f32_to_bf16(c - (hi - lo) * f / np.float32(2.0))
+            s, z = bf16_to_f32(s16), bf16_to_f32(z16)
+            err = np.float32(0.0)
+            for i in range(group):
+                q = min(max(np.rint((yg[i] - z) / s), np.float32(0.0)), np.float32(15.0))
+                codes[i] = np.uint8(q)
+                e = q * s + z - yg[i]
+                err += e * e
+            if err < best_err:
+                best_err, bs16, bz16 = err, s16, z16
+                best[:] = codes[:group]
+        sc[gr], zr[gr] = bs16, bz16
+        for i in range(half):
+            dst[gr * half + i] = best[i] | (best[half + i] << np.uint8(4))
 
 
 @numba.njit(**WJIT)
-def write_int4_keys(dst, sc, zr, order, blocks, offs, x, min_scale, group):
-    """dst [NB, Hkv, BS, D/2] uint8; sc, zr [NB, Hkv, D] uint16 (bf16 bits); x [T, Hkv, D] float32;
-    order: the tokens sorted by block (stably), so each block's tokens are one run. The rule
-    (per block, head, channel: start, grow and re-round, quantize) is `int4.append_keys`'s."""
-    T, H, D = x.shape
-    BS = dst.shape[2]
-    fifteen = np.float32(15.0)
+def _pack_row(codes, dst, group):
+    """codes [D] (0..15) → dst [D/2] in layout.py's nibble order."""
+    half = group // 2
+    for gr in range(codes.shape[0] // group):
+        for i in range(half):
+            dst[gr * half + i] = codes[gr * group + i] | (codes[gr * group + half + i] << np.uint8(4))
+
+
+@numba.njit(**WJIT)
+def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group):
+    """Block b's int4 data from tail slot (int4.quantize_keys / quantize_rows): keys per channel
+    over the BS rows, values per row and group."""
+    H, BS, D = tk.shape[1], tk.shape[2], tk.shape[3]
+    lo, hi = np.empty(D, np.float32), np.empty(D, np.float32)
+    s, z = np.empty(D, np.float32), np.empty(D, np.float32)
+    y = np.empty(D, np.float32)
+    codes, best = np.empty(max(D, group), np.uint8), np.empty(group, np.uint8)
+    for h in range(H):
+        for d in range(D):
+            lo[d] = hi[d] = bf16_to_f32(tk[slot, h, 0, d])
+        for o in range(1, BS):
+            for d in range(D):
+                x = bf16_to_f32(tk[slot, h, o, d])
+                lo[d], hi[d] = min(lo[d], x), max(hi[d], x)
+        for d in range(D):
+            s16 = f32_to_bf16(max((hi[d] - lo[d]) / np.float32(15.0), min_scale))
+            z16 = f32_to_bf16(lo[d])
+            ks[b, h, d], kz[b, h, d] = s16, z16
+            s[d], z[d] = bf16_to_f32(s16), bf16_to_f32(z16)
+        for o in range(BS):
+            for d in range(D):
+                x = bf16_to_f32(tk[slot, h, o, d])
+                codes[d] = np.uint8(min(max(np.rint((x - z[d]) / s[d]), np.float32(0.0)), np.float32(15.0)))
+            _pack_row(codes[:D], kd[b, h, o], group)
+            for d in range(D):
+                y[d] = bf16_to_f32(tv[slot, h, o, d])
+            _quantize_row(y, vd[b, h, o], vs[b, h, o], vz[b, h, o], clips, min_scale, group, codes, best)
+
+
+@numba.njit(**WJIT)
+def _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group):
+    """Block b's int4 data back into tail slot, rounded to bf16 (int4.write, step 1)."""
+    H, BS, D = tk.shape[1], tk.shape[2], tk.shape[3]
+    half = group // 2
+    for h in range(H):
+        for o in range(BS):
+            for gr in range(D // group):
+                a, z = bf16_to_f32(vs[b, h, o, gr]), bf16_to_f32(vz[b, h, o, gr])
+                for i in range(half):
+                    byte = kd[b, h, o, gr * half + i]
+                    for e, c in ((gr * group + i, byte & np.uint8(15)), (gr * group + half + i, byte >> np.uint8(4))):
+                        tk[slot, h, o, e] = f32_to_bf16(np.float32(c) * bf16_to_f32(ks[b, h, e]) + bf16_to_f32(kz[b, h, e]))
+                    byte = vd[b, h, o, gr * half + i]
+                    tv[slot, h, o, gr * group + i] = f32_to_bf16(np.float32(byte & np.uint8(15)) * a + z)
+                    tv[slot, h, o, gr * group + half + i] = f32_to_bf16(np.float32(byte >> np.uint8(4)) * a + z)
+
+
+@numba.njit(**WJIT)
+def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, order, blocks, offs, xk, xv,
+               clips, min_scale, signs, P, inv_sqrt_p, group):
+    """One layer of an int4 pool: kd, vd [NB, Hkv, BS, D/2] uint8; ks, kz [NB, Hkv, D] and vs, vz
+    [NB, Hkv, BS, D/group] uint16 (bf16 bits); tails tk, tv [S, Hkv, BS, D] uint16 (bf16 bits),
+    tail_slot [NB] int32, free slots free[:n_free[0]] (enough of them: Tails.reserve); order:
+    the tokens sorted by block (stably); xk, xv [T, Hkv, D] float32; signs, P, inv_sqrt_p: the
+    rotation. The rule, step by step, is int4.write's."""
+    T, H, D = xk.shape
+    BS = kd.shape[2]
+    y = np.empty(D, np.float32)
     r0 = 0
     while r0 < T:
         b = blocks[order[r0]]
         r1 = r0
-        fresh = False
+        starts = ends = False
         while r1 < T and blocks[order[r1]] == b:
-            fresh = fresh or offs[order[r1]] == 0
+            starts = starts or offs[order[r1]] == 0
+            ends = ends or offs[order[r1]] == BS - 1
             r1 += 1
-        for h in range(H):
-            for d in range(D):
-                byte, shift = _nibble(d, group)
-                keep = np.uint8(0xF0) >> shift  # the other nibble of the byte
-                xmin = xmax = x[order[r0], h, d]
-                for r in range(r0 + 1, r1):
-                    xmin = min(xmin, x[order[r], h, d])
-                    xmax = max(xmax, x[order[r], h, d])
-                s, z = bf16_to_f32(sc[b, h, d]), bf16_to_f32(zr[b, h, d])
-                if fresh:
-                    lo, hi, grow = xmin, xmax, True
-                else:
-                    grow = xmin < z - s / np.float32(2.0) or xmax > z + np.float32(15.5) * s
-                    lo, hi = min(z, xmin), max(z + fifteen * s, xmax)
-                if grow:
-                    s16 = f32_to_bf16(max((hi - lo) / fifteen, min_scale))
-                    z16 = f32_to_bf16(lo)
-                    s2, z2 = bf16_to_f32(s16), bf16_to_f32(z16)
-                    if not fresh:  # re-round the block's codes onto the wider grid
-                        for o in range(BS):
-                            old = np.float32((dst[b, h, o, byte] >> shift) & np.uint8(15)) * s + z
-                            c = min(max(np.rint((old - z2) / s2), np.float32(0.0)), fifteen)
-                            dst[b, h, o, byte] = (dst[b, h, o, byte] & keep) | (np.uint8(c) << shift)
-                    sc[b, h, d], zr[b, h, d] = s16, z16
-                    s, z = s2, z2
-                for r in range(r0, r1):
-                    t = order[r]
-                    c = min(max(np.rint((x[t, h, d] - z) / s), np.float32(0.0)), fifteen)
-                    dst[b, h, offs[t], byte] = (dst[b, h, offs[t], byte] & keep) | (np.uint8(c) << shift)
+        s = tail_slot[b]
+        if s < 0:  # 1. take a tail; a block written before comes back into it
+            n_free[0] -= 1
+            s = free[n_free[0]]
+            tail_slot[b] = s
+            if not starts:
+                _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, s, b, group)
+        for r in range(r0, r1):  # 2. the tokens, in call order
+            t = order[r]
+            o = offs[t]
+            for h in range(H):
+                for d in range(D):
+                    tk[s, h, o, d] = f32_to_bf16(xk[t, h, d])
+                hadamard_rotate(xv[t, h], signs, P, inv_sqrt_p, y)
+                for d in range(D):
+                    tv[s, h, o, d] = f32_to_bf16(y[d])
+        if ends:  # 3. complete: quantize, free the tail
+            _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, s, b, clips, min_scale, group)
+            free[n_free[0]] = s
+            n_free[0] += 1
+            tail_slot[b] = -1
         r0 = r1
 
 
@@ -143,18 +182,20 @@ def write_numba(pool, layer: int, blocks, offs, k, v) -> None:
     bl = blocks.to(torch.int64).numpy()
     of = offs.to(torch.int64).numpy()
     u16 = lambda t: t.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    f32 = lambda x: x.detach().to(torch.float32).contiguous().numpy()  # noqa: E731
+    if pool.dtype is KVDtype.INT4:
+        t, D = pool.tails, pool.head_dim
+        t.reserve(int4.slots_needed(t.slot[layer].numpy(), bl))
+        write_int4(pool.k[layer].numpy(), u16(pool.k_scale[layer]), u16(pool.k_zero[layer]),
+                   pool.v[layer].numpy(), u16(pool.v_scale[layer]), u16(pool.v_zero[layer]),
+                   u16(t.k), u16(t.v), t.slot[layer].numpy(), t.free, t.n_free,
+                   np.argsort(bl, kind="stable"), bl, of, f32(k), f32(v),
+                   np.array(int4.CLIPS, np.float32), np.float32(int4.MIN_SCALE), rotation.signs(D).numpy(),
+                   rotation.block(D), np.float32(rotation.inv_sqrt(D).item()), int4.GROUP)
+        return
     for name, x in (("k", k), ("v", v)):
-        xn = x.detach().to(torch.float32).contiguous().numpy()
         data = getattr(pool, name)[layer]
         if pool.dtype is KVDtype.BF16:
-            write_bf16(u16(data), bl, of, xn)
-        elif pool.dtype is KVDtype.INT8:
-            write_int8(data.numpy(), getattr(pool, f"{name}_scale")[layer].numpy(), bl, of, xn)
-        elif name == "k":  # int4 keys: per channel and block
-            write_int4_keys(data.numpy(), u16(pool.k_scale[layer]), u16(pool.k_zero[layer]),
-                            np.argsort(bl, kind="stable"), bl, of, xn, np.float32(int4.MIN_SCALE), int4.GROUP)
-        else:  # int4 values: rotated, per token and group
-            D = pool.head_dim
-            write_int4_values(data.numpy(), u16(pool.v_scale[layer]), u16(pool.v_zero[layer]), bl, of, xn,
-                              np.array(int4.CLIPS, np.float32), np.float32(int4.MIN_SCALE), rotation.signs(D).numpy(),
-                              rotation.block(D), np.float32(rotation.inv_sqrt(D).item()), int4.GROUP)
+            write_bf16(u16(data), bl, of, f32(x))
+        else:
+            write_int8(data.numpy(), getattr(pool, f"{name}_scale")[layer].numpy(), bl, of, f32(x))

@@ -14,8 +14,8 @@ then the V accumulation (`_accumulate`: four heads × two tokens a pass). int8's
 scales multiply the G scores and the G weights, not the D codes. int4 rows are first
 widened into L1-resident float32 tiles (up to TILE tokens over one or more blocks) by
 straight-line vector code (`widen_nibbles`): code × scale + zero, V's per token and group,
-K's per block and channel; the output is rotated back (int4 V is stored rotated,
-`rotation.py`). While a tile computes, the next tile's rows are
+K's per block and channel (a block still being filled is read from its bf16 tail); the
+output is rotated back (int4 V is stored rotated, `rotation.py`). While a tile computes, the next tile's rows are
 prefetched one row per token.
 """
 from __future__ import annotations
@@ -343,12 +343,22 @@ def _widen_int4_keys(x, aw, zw, n, out):
             widen_nibbles_by(x, j * half + i, aw, zw, 2 * i, out, 2 * (j * half + i))
 
 
+@numba.njit(inline="always", **JIT)
+def _widen_rows(x, n, out):
+    """Rows x [n, D] (uint16 bf16 bits) → out[:n] float32."""
+    for j in range(n):
+        xr, o = x[j], out[j]
+        for d in range(x.shape[1]):
+            o[d] = widen(xr[d])
+
+
 @numba.njit(parallel=True, **JIT)
-def decode_int4(k, v, ks, kz, vs, vz, q, bt, items, pair_start, out, lse, signs, P, c):
+def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, out, lse, signs, P, c):
     """k [NB, Hkv, BS, D/2] uint8 with ks, kz [NB, Hkv, D] uint16 (bf16 bits: per block and
     channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz [NB, Hkv, BS, D/32] (per
-    token and group); q [B, Hq, D] f32 pre-scaled; signs, P, c: the rotation R
-    (`_numba.hadamard_unrotate`).
+    token and group); a block b with tail[b] >= 0 is not complete and is read from the bf16
+    tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; signs, P, c:
+    the rotation R (`_numba.hadamard_unrotate`).
 
     A tile is up to TILE tokens over one or more blocks (widening is per block anyway, and
     the score / softmax / accumulate passes cost less a token over longer tiles). V's output
@@ -378,12 +388,18 @@ def decode_int4(k, v, ks, kz, vs, vz, q, bt, items, pair_start, out, lse, signs,
             while n < TILE and t + n < t1:  # the tile's tokens, block by block
                 blk, off, nb = _next_tile(bt, b, t + n, t1, BS)
                 nb = min(nb, TILE - n)
-                ka, kzr = ks[blk, h], kz[blk, h]
-                for d in range(D):
-                    aw[d] = widen(ka[d])
-                    zw[d] = widen(kzr[d])
-                _widen_int4_keys(k[blk, h, off:off + nb], aw, zw, nb, kb[n:])
-                _widen_int4(v[blk, h, off:off + nb], vs[blk, h, off:off + nb], vz[blk, h, off:off + nb], nb, vb[n:])
+                ts = tail[blk]
+                if ts >= 0:
+                    _widen_rows(tk[ts, h, off:off + nb], nb, kb[n:])
+                    _widen_rows(tv[ts, h, off:off + nb], nb, vb[n:])
+                else:
+                    ka, kzr = ks[blk, h], kz[blk, h]
+                    for d in range(D):
+                        aw[d] = widen(ka[d])
+                        zw[d] = widen(kzr[d])
+                    _widen_int4_keys(k[blk, h, off:off + nb], aw, zw, nb, kb[n:])
+                    _widen_int4(v[blk, h, off:off + nb], vs[blk, h, off:off + nb], vz[blk, h, off:off + nb], nb,
+                                vb[n:])
                 n += nb
             nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (0, 0, 0)
             if noff == 0 and nn > 0:
@@ -450,8 +466,9 @@ def decode_attention(
         decode_int8(pool.k[layer].numpy(), pool.v[layer].numpy(), pool.k_scale[layer].numpy(),
                     pool.v_scale[layer].numpy(), qn, bt, items, pair_start, on, ln)
     else:
+        t = pool.tails
         decode_int4(pool.k[layer].numpy(), pool.v[layer].numpy(), _u16(pool.k_scale[layer]),
                     _u16(pool.k_zero[layer]), _u16(pool.v_scale[layer]), _u16(pool.v_zero[layer]),
-                    qn, bt, items, pair_start, on, ln, rotation.signs(D).numpy(),
+                    _u16(t.k), _u16(t.v), t.slot[layer].numpy(), qn, bt, items, pair_start, on, ln, rotation.signs(D).numpy(),
                     rotation.block(D), np.float32(rotation.inv_sqrt(D).item()))
     return out, lse

@@ -1,21 +1,23 @@
-"""int4 host KV in torch: the reference twins of the Numba append (`append.py`) and the
-dequantization every reader of an int4 pool goes through (see `layout.py` for the layout).
+"""int4 host KV: the format's arithmetic in torch, the reference twin of the Numba append
+(`append.py`) and what every reader of an int4 pool dequantizes with (layout: `layout.py`).
 
 Values are quantized per token, in groups of 32 along the head dim, after the fixed rotation
-of `rotation.py`. Keys are quantized per channel over the tokens of a block (KIVI's split):
-after RoPE a key's few large channels carry a near-constant offset and the rest vary, so one
-step per group of 32 channels (what values use) is far too coarse for the small channels;
-one step per channel follows each channel's own spread over the block's tokens. On
-SmolLM2-135M (bench/kv_accuracy.py) that lifts argmax agreement with bf16 KV from ~0.90
-(per-token groups, rotated, clip search) to ~0.96.
+of `rotation.py` (it spreads outlier channels; SmolLM2: argmax agreement with bf16 KV 0.936
+→ 0.958 in a simulation, values alone quantized). Keys are quantized per channel over the
+tokens of a block (KIVI's split): after RoPE a key's few large channels carry a near-constant
+offset and the rest vary, so one step per group of 32 channels is far too coarse for the
+small ones (SmolLM2: ~0.90 with per-token groups, rotated, clip search).
 
-Keys arrive one token at a time, so a block's per-channel range grows as tokens come: when a
-new key falls outside a channel's grid (by more than half a step) the channel's range is
-widened to include it and the codes already in the block are re-rounded onto the new grid
-(from their dequantized values: the originals are gone). `append_keys` states the rule.
+A block is quantized when it is complete: until its last offset is written, its tokens live
+in a bf16 tail (keys as given, values rotated), one tail per block being filled, so the most
+recent tokens of a sequence are read at bf16 precision (KIVI's full-precision residual).
+`write` states the rule; `Tails` holds the tails.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from cpu_attention import rotation
@@ -39,10 +41,9 @@ def unpack(data: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-2).reshape(*data.shape[:-1], data.shape[-1] * 2)
 
 
-def quantize_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [..., D] → (bytes [..., D/2], scale, zero [..., D/32] bf16) of x @ R, per group of 32."""
-    y = rotation.rotate(x.float())
-    g = y.reshape(*y.shape[:-1], -1, GROUP)
+def quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotated values y [..., D] → (bytes [..., D/2], scale, zero [..., D/32] bf16) per group of 32."""
+    g = y.float().reshape(*y.shape[:-1], -1, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
     # Clip search: of a few ranges shrunk towards the group's centre, keep the one with the
     # least squared error (clipping the two extremes often beats 16 coarser levels; ~10%
@@ -66,11 +67,31 @@ def quantize_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return pack(best_codes.reshape(y.shape)), best_scale, best_zero
 
 
-def dequantize_values(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Inverse of `quantize_values` up to rounding: [..., D] float32, rotated back."""
+def rows(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_rows` up to rounding: [..., D] float32, still rotated."""
     g = unpack(data).float().reshape(*data.shape[:-1], -1, GROUP)
-    y = g * scale.float()[..., None] + zero.float()[..., None]
-    return rotation.unrotate(y.reshape(*data.shape[:-1], data.shape[-1] * 2))
+    return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(*data.shape[:-1], -1)
+
+
+def quantize_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values x [..., D] as a complete block stores them: rotated, rounded to bf16, per row."""
+    return quantize_rows(rotation.rotate(x).to(torch.bfloat16))
+
+
+def dequantize_values(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Values of complete blocks → [..., D] float32, rotated back."""
+    return rotation.unrotate(rows(data, scale, zero))
+
+
+def quantize_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys of whole blocks x [..., BS, D] (bf16 values) → (bytes [..., BS, D/2], scale,
+    zero [..., D] bf16): per channel, range [min, max] over the block's BS tokens."""
+    x = x.float()
+    lo, hi = x.amin(-2), x.amax(-2)
+    scale = ((hi - lo) / 15).clamp_min(MIN_SCALE).to(torch.bfloat16)
+    zero = lo.to(torch.bfloat16)
+    codes = torch.round((x - zero.float()[..., None, :]) / scale.float()[..., None, :]).clamp(0, 15)
+    return pack(codes), scale, zero
 
 
 def dequantize_keys(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -78,48 +99,99 @@ def dequantize_keys(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor)
     return unpack(data).float() * scale.float()[..., None, :] + zero.float()[..., None, :]
 
 
-def append_keys(
-    data: torch.Tensor,  # [NB, Hkv, BS, D/2] uint8, one layer's key codes (updated in place)
-    scale: torch.Tensor,  # [NB, Hkv, D] bfloat16 (in place)
-    zero: torch.Tensor,  # [NB, Hkv, D] bfloat16 (in place)
-    blocks: torch.Tensor,  # [T] block of each new token
-    offs: torch.Tensor,  # [T] offset in its block
-    x: torch.Tensor,  # [T, Hkv, D] the new keys
-) -> None:
-    """Write keys at (blocks, offs), the rule the Numba append follows bit for bit:
+@dataclass
+class Tails:
+    """bf16 copies of the blocks being filled, S slots (grown on demand, never shrunk)."""
 
-    Per block the call writes to, its tokens X taken together, per head and channel:
-    - a write at offset 0 starts the block: the range is [min X, max X];
-    - otherwise, if some x of X lies outside the grid [zero - scale/2, zero + 15.5 scale],
-      the range becomes [min(zero, min X), max(zero + 15 scale, max X)] and the codes at
-      every offset of the block are re-rounded: code' = round((code * scale + zero - zero') / scale');
-    - a new range gives scale' = bf16(max(range / 15, MIN_SCALE)), zero' = bf16(range start);
-    - then code = clamp(round((x - zero) / scale), 0, 15) for the new tokens.
-    Tokens of a block must be written in order (a write at offset 0 discards what the block
-    held), which is how the cache fills its blocks.
-    """
-    x = x.float()
-    codes_all = unpack(data)  # [NB, Hkv, BS, D]
-    for b in torch.unique(blocks).tolist():
-        sel = blocks == b
-        xs, os_ = x[sel], offs[sel]  # [m, Hkv, D], [m]
-        xmin, xmax = xs.amin(0), xs.amax(0)  # [Hkv, D]
-        s, z = scale[b].float(), zero[b].float()
-        codes = codes_all[b].float()  # [Hkv, BS, D]
-        if bool((os_ == 0).any()):
-            lo, hi, grow = xmin, xmax, torch.ones_like(xmin, dtype=torch.bool)
-        else:
-            grow = (xmin < z - s / 2) | (xmax > z + 15.5 * s)
-            lo, hi = torch.minimum(z, xmin), torch.maximum(z + 15 * s, xmax)
-            s2 = ((hi - lo) / 15).clamp_min(MIN_SCALE).to(torch.bfloat16).float()
-            z2 = lo.to(torch.bfloat16).float()
-            old = codes * s[:, None] + z[:, None]
-            re = torch.round((old - z2[:, None]) / s2[:, None]).clamp(0, 15)
-            codes = torch.where(grow[:, None], re, codes)
-        s = torch.where(grow, ((hi - lo) / 15).clamp_min(MIN_SCALE).to(torch.bfloat16).float(), s)
-        z = torch.where(grow, lo.to(torch.bfloat16).float(), z)
-        new = torch.round((xs - z) / s).clamp(0, 15)  # [m, Hkv, D]
-        codes[:, os_] = new.transpose(0, 1)
-        codes_all[b] = codes.to(torch.uint8)
-        scale[b], zero[b] = s.to(torch.bfloat16), z.to(torch.bfloat16)
-    data.copy_(pack(codes_all))
+    k: torch.Tensor  # [S, Hkv, BS, D] bfloat16: keys as written
+    v: torch.Tensor  # [S, Hkv, BS, D] bfloat16: values @ R
+    slot: torch.Tensor  # [L, NB] int32: (layer, block)'s slot, -1 when the block is quantized
+    free: np.ndarray  # [S] int32: free slots are free[:n_free[0]] (a stack)
+    n_free: np.ndarray  # [1] int64
+
+    @classmethod
+    def empty(cls, L: int, NB: int, H: int, BS: int, D: int) -> Tails:
+        z = torch.zeros((0, H, BS, D), dtype=torch.bfloat16)
+        return cls(z, z.clone(), torch.full((L, NB), -1, dtype=torch.int32), np.zeros(0, np.int32),
+                   np.zeros(1, np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * 2 + self.slot.numel() * 4
+
+    def reserve(self, n: int) -> None:
+        """At least n free slots (doubling S as needed)."""
+        if int(self.n_free[0]) >= n:
+            return
+        S = self.k.shape[0]
+        S2 = max(2 * S, S + n - int(self.n_free[0]), 8)
+        grow = lambda t: torch.cat([t, t.new_zeros((S2 - S, *t.shape[1:]))])  # noqa: E731
+        self.k, self.v = grow(self.k), grow(self.v)
+        free = np.zeros(S2, np.int32)
+        nf = int(self.n_free[0])
+        free[:nf] = self.free[:nf]
+        free[nf:nf + S2 - S] = np.arange(S2 - 1, S - 1, -1, dtype=np.int32)  # new slots, low ids on top
+        self.free, self.n_free[0] = free, nf + S2 - S
+
+    def pop(self) -> int:
+        self.n_free[0] -= 1
+        return int(self.free[self.n_free[0]])
+
+    def push(self, s: int) -> None:
+        self.free[self.n_free[0]] = s
+        self.n_free[0] += 1
+
+
+def slots_needed(tail_slot: np.ndarray, blocks: np.ndarray) -> int:
+    """Free slots a write to `blocks` may take: one per distinct block without a tail."""
+    return int((tail_slot[np.unique(blocks)] < 0).sum())
+
+
+def write(pool, layer: int, blocks: torch.Tensor, offs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Torch twin of the Numba int4 append (same bits, same slots). Per block the call writes
+    to, in order of block id, its tokens in call order:
+
+    1. the block takes a tail slot if it has none (the free stack's top); if the call does not
+       write its offset 0, the block held finished tokens: they are dequantized into the tail
+       first (keys and rotated values, rounded to bf16);
+    2. each token goes into the tail: key rounded to bf16, value rotated then rounded;
+    3. if the call wrote the block's last offset, the whole tail is quantized (keys per
+       channel over the BS rows, values per row and group) and the slot is pushed back.
+
+    Tokens of a block must come in order: a block's rows are quantized as they stand when its
+    last offset is written."""
+    t = pool.tails
+    L = layer
+    BS = pool.block_size
+    order = np.argsort(blocks.numpy(), kind="stable")
+    t.reserve(slots_needed(t.slot[L].numpy(), blocks.numpy()))
+    for b in dict.fromkeys(blocks.numpy()[order].tolist()):
+        sel = torch.from_numpy(order[blocks.numpy()[order] == b])
+        os_ = offs[sel]
+        s = int(t.slot[L, b])
+        if s < 0:
+            s = t.pop()
+            t.slot[L, b] = s
+            if not bool((os_ == 0).any()):
+                t.k[s] = dequantize_keys(pool.k[L, b], pool.k_scale[L, b], pool.k_zero[L, b]).to(torch.bfloat16)
+                t.v[s] = rows(pool.v[L, b], pool.v_scale[L, b], pool.v_zero[L, b]).to(torch.bfloat16)
+        t.k[s][:, os_] = k[sel].float().transpose(0, 1).to(torch.bfloat16)
+        t.v[s][:, os_] = rotation.rotate(v[sel].float()).transpose(0, 1).to(torch.bfloat16)
+        if bool((os_ == BS - 1).any()):
+            pool.k[L, b], pool.k_scale[L, b], pool.k_zero[L, b] = quantize_keys(t.k[s])
+            pool.v[L, b], pool.v_scale[L, b], pool.v_zero[L, b] = quantize_rows(t.v[s])
+            t.push(s)
+            t.slot[L, b] = -1
+
+
+def gather(pool, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of whole blocks [nb, Hkv, BS, D] float32 (values rotated back), tails included."""
+    L = layer
+    k = dequantize_keys(pool.k[L, block_table], pool.k_scale[L, block_table], pool.k_zero[L, block_table])
+    y = rows(pool.v[L, block_table], pool.v_scale[L, block_table], pool.v_zero[L, block_table])
+    slot = pool.tails.slot[L, block_table].long()
+    tail = slot >= 0
+    if bool(tail.any()):
+        k[tail] = pool.tails.k[slot[tail]].float()
+        y[tail] = pool.tails.v[slot[tail]].float()
+    return k, rotation.unrotate(y)

@@ -11,30 +11,33 @@ sequence has one block table):
     int4   k                 uint8        [L, NB, Hkv, BS, D // 2]     4-bit codes, two a byte: byte 16g + i of a
                                                                         row holds element 32g + i in its low nibble,
                                                                         32g + 16 + i in its high one
-           k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code * scale + zero
-                                                                        over the block's keys (grown on append)
+           k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code * scale + zero,
+                                                                        range [min, max] over the block's BS keys
            v                 uint8        [L, NB, Hkv, BS, D // 2]     codes of y = v @ R (rotation.py), same order
            v_scale, v_zero   bfloat16     [L, NB, Hkv, BS, D // 32]    per token and group of 32: y ≈ code * scale
                                                                         + zero (range: [min, max] shrunk about its
                                                                         centre by the CLIPS factor of least
                                                                         squared error)
+           tails             int4.Tails   k, v [S, Hkv, BS, D] bf16    blocks not yet complete, unquantized (keys,
+                                                                        values @ R); slot [L, NB] says which
 
 L layers, NB blocks, Hkv kv heads, BS tokens a block, D head dim. Token t of a sequence lives
 in block `block_table[t // BS]` at offset `t % BS`; its flat slot is `block * BS + offset`.
 Within a block one head's BS × D values are contiguous, so a decode kernel walking one
 (sequence, kv head) streams contiguous runs of BS × D elements.
 
-int4 (see `int4.py` for why): values per token in groups of 32 along the head dim, as the
-issue prescribes, after a fixed orthonormal rotation R that spreads outlier channels over
-the head; keys per channel over each block's tokens (KIVI), because per-token groups of 32
-lose too much on real keys (SmolLM2: argmax agreement ~0.90 with them, ~0.96 per channel).
-The rotation is internal to the pool: `write` rotates values, `gather` rotates them back,
-the decode kernel rotates its output back. Scales and zeros are bf16: widening them is a
-16-bit shift, and bf16's 8-bit mantissa is far finer than the 16 levels (codes are rounded
-against the stored scale and zero, so their rounding only moves the grid).
+int4 (`int4.py` says why and states the append rule): values per token in groups of 32
+along the head dim, as the issue prescribes, after a fixed orthonormal rotation R that
+spreads outlier channels; keys per channel over each block's tokens (KIVI), because
+per-token groups of 32 lose too much on real keys; a block is quantized once complete, until
+then its tokens stay in a bf16 tail. The rotation is internal to the pool: `write` rotates
+values, `gather` rotates them back, the decode kernel rotates its output back. Scales and
+zeros are bf16: widening them is a 16-bit shift, and bf16's 8-bit mantissa is far finer
+than the 16 levels (codes are rounded against the stored scale and zero, so their rounding
+only moves the grid).
 
-`quantize`/`dequantize` are the per-token formats (bf16, int8, int4 values); int4 keys go
-through `int4.append_keys` / `int4.dequantize_keys`.
+`quantize`/`dequantize` are the per-token formats (bf16, int8, int4 values); int4 blocks go
+through `int4.write` / `int4.gather`.
 """
 from __future__ import annotations
 
@@ -99,9 +102,12 @@ class HostKVPool:
             self.k, self.v = mk((L, NB, H, BS, D // 2), torch.uint8), mk((L, NB, H, BS, D // 2), torch.uint8)
             self.k_scale, self.k_zero = mk((L, NB, H, D), torch.bfloat16), mk((L, NB, H, D), torch.bfloat16)
             self.v_scale, self.v_zero = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
+            self.tails = int4.Tails.empty(L, NB, H, BS, D)
 
     @property
     def nbytes(self) -> int:
+        """Bytes held: codes, scales and zeros (int4: not its tails, which grow with the blocks
+        being filled, Hkv · BS · D · 4 bytes each per layer: `tails.nbytes`)."""
         ts = [self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -112,7 +118,7 @@ class HostKVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in
-        (int4: see the module doc; a block's tokens must be written in order).
+        (int4: `int4.write`'s rule; a block's tokens must be written in order).
 
         bf16/int8/int4 go through the Numba append (`append.py`, same numbers as `quantize`).
         """
@@ -133,26 +139,24 @@ class HostKVPool:
     def gather(self, layer: int, block_table: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of one sequence's first n_tokens: [Hkv, n_tokens, D] float32 (int4:
         values rotated back, so both are what was written up to quantization)."""
-        out = []
-        for name in ("k", "v"):
-            data = getattr(self, name)[layer, block_table]  # [nb, Hkv, BS, ...]
-            scale = getattr(self, f"{name}_scale")
-            zero = getattr(self, f"{name}_zero")
-            if self.dtype is KVDtype.INT4 and name == "k":
-                x = int4.dequantize_keys(data, scale[layer, block_table], zero[layer, block_table])
-            else:
-                x = dequantize(
-                    data,
+        if self.dtype is KVDtype.INT4:
+            kv = int4.gather(self, layer, block_table)  # [nb, Hkv, BS, D] each
+        else:
+            kv = []
+            for name in ("k", "v"):
+                scale, zero = getattr(self, f"{name}_scale"), getattr(self, f"{name}_zero")
+                kv.append(dequantize(
+                    getattr(self, name)[layer, block_table],  # [nb, Hkv, BS, ...]
                     self.dtype,
                     None if scale is None else scale[layer, block_table],
                     None if zero is None else zero[layer, block_table],
-                )  # [nb, Hkv, BS, D]
-            out.append(x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :n_tokens])
-        return out[0], out[1]
+                ))  # [nb, Hkv, BS, D]
+        return tuple(x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :n_tokens] for x in kv)
 
 
 def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """x [..., D] → (data, scale, zero) in the pool's per-token layout for `dtype` (int4: values)."""
+    """x [..., D] → (data, scale, zero) in the pool's per-token layout for `dtype` (int4: values,
+    as a complete block holds them)."""
     if dtype is KVDtype.F32:
         return x.float(), None, None
     if dtype is KVDtype.BF16:

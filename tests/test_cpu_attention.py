@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,24 +192,34 @@ def test_kernel_releases_the_gil():
     assert sum(during) > 1000, during
 
 
+def assert_same_int4(a: HostKVPool, b: HostKVPool) -> None:
+    for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    ta, tb = a.tails, b.tails
+    assert torch.equal(ta.slot, tb.slot) and torch.equal(ta.k, tb.k) and torch.equal(ta.v, tb.v)
+    assert int(ta.n_free[0]) == int(tb.n_free[0]) and np.array_equal(ta.free, tb.free)
+
+
 @pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4])
 def test_numba_append_equals_torch_twins(dtype):
-    """The Numba append stores exactly the torch twins' bits: `quantize` per token (int4:
-    the values), `int4.append_keys` for int4 keys."""
+    """The Numba append stores exactly the torch twins' bits: `quantize` per token, and for
+    int4 `int4.write` (here: blocks started, continued and completed in one call)."""
     gen = torch.Generator().manual_seed(11)
     pool = HostKVPool(2, 5, 3, 16, 64, dtype)
     x = torch.randn(13, 3, 64, generator=gen) * 3
     x[0, 0, :32] = 0.5  # a constant int4 group
-    slots = torch.randperm(80, generator=gen)[:13]  # some blocks start (offset 0), some grow
+    rest = torch.randperm(80, generator=gen)
+    rest = rest[(rest != 16) & (rest != 31) & (rest != 79)]
+    slots = torch.cat([torch.tensor([16, 31, 79]), rest[:10]])  # block 1 starts; blocks 1, 4 reach their end
     pool.write(1, slots, x, -x)
+    if dtype is KVDtype.INT4:
+        twin = HostKVPool(2, 5, 3, 16, 64, dtype)
+        int4.write(twin, 1, slots // 16, slots % 16, x, -x)
+        assert_same_int4(pool, twin)
+        assert int(pool.tails.slot[1, 1]) < 0 and int(pool.tails.slot[1, 4]) < 0  # complete: quantized
+        return
     blk, off = slots // 16, slots % 16
     for name, src in (("k", x), ("v", -x)):
-        if dtype is KVDtype.INT4 and name == "k":
-            data, scale, zero = (torch.zeros_like(t[1]) for t in (pool.k, pool.k_scale, pool.k_zero))
-            int4.append_keys(data, scale, zero, blk, off, src)
-            assert torch.equal(pool.k[1], data) and torch.equal(pool.k_scale[1], scale)
-            assert torch.equal(pool.k_zero[1], zero)
-            continue
         data, scale, zero = quantize(src, dtype)
         assert torch.equal(getattr(pool, name)[1, blk, :, off], data)
         if scale is not None:
@@ -218,27 +229,30 @@ def test_numba_append_equals_torch_twins(dtype):
     assert torch.all(getattr(pool, "k")[0] == 0)  # other layer untouched
 
 
-def test_int4_keys_grow_like_the_twin():
-    """Keys appended as decode does (a chunk, then one token a call, blocks filling up and
-    being reused): the Numba append and `int4.append_keys` agree bit for bit after every call,
-    and the dequantized keys stay within a step of what was written."""
+def test_int4_appends_like_the_twin():
+    """int4 filled as a cache fills it (a chunk, then one token a call over two layers, a block
+    reused from offset 0, a finished block written again): Numba and `int4.write` agree bit
+    for bit after every call; complete blocks hold int4 within half a step of the bf16 keys,
+    incomplete ones their bf16 tail exactly."""
     gen = torch.Generator().manual_seed(12)
     BS, D, H = 8, 64, 2
-    pool = HostKVPool(1, 4, H, BS, D, KVDtype.INT4)
-    data, scale, zero = pool.k[0].clone(), pool.k_scale[0].clone(), pool.k_zero[0].clone()
-    x = torch.randn(40, H, D, generator=gen) + 4 * torch.randn(D, generator=gen)  # channel offsets
-    x[9, 1, 5] = 30.0  # an outlier mid-block: its channel's range grows and re-rounds
-    table = torch.tensor([2, 0, 3, 1, 2])  # block 2 again at the end: a write at offset 0 restarts it
-    slots = table[torch.arange(40) // BS] * BS + torch.arange(40) % BS
-    for a, b in zip([0, *range(5, 41)], [*range(5, 41)]):
-        pool.write(0, slots[a:b], x[a:b], x[a:b])
-        int4.append_keys(data, scale, zero, slots[a:b] // BS, slots[a:b] % BS, x[a:b])
-        assert torch.equal(pool.k[0], data) and torch.equal(pool.k_scale[0], scale)
-        assert torch.equal(pool.k_zero[0], zero)
-    k, _ = pool.gather(0, table[1:], 32)  # [H, 32, D], tokens 8..39
-    step = pool.k_scale[0, table[1:]].float().repeat_interleave(BS, 0).transpose(0, 1)  # [H, 32, D]
-    err = (k - x[8:].transpose(0, 1)).abs()
-    assert torch.all(err <= 1.5 * step + 1e-6), float((err / step).max())
+    pool, twin = HostKVPool(2, 5, H, BS, D, KVDtype.INT4), HostKVPool(2, 5, H, BS, D, KVDtype.INT4)
+    x = torch.randn(44, H, D, generator=gen) + 4 * torch.randn(D, generator=gen)  # channel offsets
+    x[9, 1, 5] = 30.0  # an outlier mid-block
+    table = torch.tensor([2, 0, 3, 1, 2, 4])  # block 2 again from token 32: restarted at offset 0
+    slots = table[torch.arange(44) // BS] * BS + torch.arange(44) % BS
+    calls = [(0, 5), *((i, i + 1) for i in range(5, 44)), (10, 12)]  # last: tokens 10, 11 again
+    for a, b in calls:
+        for layer in (0, 1):
+            pool.write(layer, slots[a:b], x[a:b], x[a:b])
+            int4.write(twin, layer, slots[a:b] // BS, slots[a:b] % BS, x[a:b], x[a:b])
+        assert_same_int4(pool, twin)
+    assert int(pool.tails.slot[0, 0]) >= 0  # block 0 (tokens 8..15) was reopened by the rewrite
+    k, v = pool.gather(1, table[1:], 40)  # [H, 40, D]: tokens 8..47, the last 4 not written
+    ref = x[8:44].transpose(0, 1).to(torch.bfloat16).float()
+    step = pool.k_scale[1, table[3]].float()  # block 1: tokens 24..31, complete
+    assert torch.all((k[:, 16:24] - ref[:, 16:24]).abs() <= step[:, None] / 2 * (1 + 2**-7))
+    assert torch.equal(k[:, 32:36], ref[:, 32:36])  # block 4: tokens 40..43 in its tail
 
 
 def test_rotation_is_orthonormal_and_inverted():
