@@ -41,6 +41,8 @@ def chat(
     gpu_mem: Optional[str] = _opt(None, "--gpu-mem", help="GPU budget, a hard limit (e.g. 6GiB; default: free minus a margin)"),
     cpu_mem: Optional[str] = _opt(None, "--cpu-mem", help="host budget (e.g. 48GiB)"),
     gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="KV tokens per sequence kept on the GPU"),
+    stream_tokens: Optional[int] = _opt(None, "--kv-stream-tokens",
+                                        help="host KV tokens the GPU attends over after copying them up each step (batch 1; default: planner)"),
     plan: Optional[str] = _opt(None, "--plan", help="run exactly this saved plan (hetero plan --json > plan.json)"),
     system: Optional[str] = _opt(None, "-s", "--system", help="system message"),
     temperature: Optional[float] = _opt(None, "--temp", "--temperature"),
@@ -64,7 +66,7 @@ def chat(
             err.print("[dim]loading…[/dim]")
         engine = hetero.load(model or model_arg, device=device, weights=weights, kv_dtype=kv_dtype,
                              ctx_size=ctx_size, threads=threads, gpu_mem=gpu_mem, cpu_mem=cpu_mem,
-                             gpu_kv_tokens=gpu_kv_tokens, plan=plan)
+                             gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, plan=plan)
         if interactive:
             err.print(f"[dim]{' · '.join(f'{k} {v}' for k, v in engine.info.items())}[/dim]")
         session = ChatSession(engine, sys.stdout, err, system=system,

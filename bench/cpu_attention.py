@@ -3,8 +3,8 @@
     PYTHONUNBUFFERED=1 python3 bench/cpu_attention.py --threads 16 --out DIR
 
 Measures in one run: the DRAM read bandwidth (Numba parallel sum over 2 GiB), then for the
-Llama-3-8B shape (32 q heads, 8 kv heads, D 128, one layer) at batch 1 x 32k and 16 x 4k,
-each KV dtype: the kernel's KV bytes read per second (data + scales + zeros), its ratio to
+Llama-3-8B shape (32 q heads, 8 kv heads, D 128, one layer; `--heads 9,3,64 --block-size 32`
+for SmolLM2-135M's) at batch 1 x 32k and 16 x 4k (`--shapes`), each KV dtype: the kernel's KV bytes read per second (data + scales + zeros), its ratio to
 DRAM, the torch twins for bf16 (the paged reference and SDPA over contiguous bf16 KV), the
 first-call JIT time in a fresh process and whether a second process loads Numba's cache,
 and the per-call cost of HostKVPool.write for one decode token. Diagnostics that tell
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,10 +39,19 @@ from cpu_attention import HostKVPool, KVDtype, decode_attention, decode_attentio
 from cpu_attention import decode as decode_mod  # noqa: E402
 from cpu_attention._numba import dram_read_gbps  # noqa: E402
 
-HQ, HKV, D, BS = 32, 8, 128, 16
-SHAPES = [(1, 32768), (16, 4096)]
+SHAPES = ["1x32768", "16x4096"]
 COPIES = 4  # disjoint block sets cycled through, so the KV read is never cache-resident
 LOG: list[str] = []
+
+
+@dataclass(frozen=True)
+class Heads:
+    """One layer's attention shape: query heads, kv heads, head dim, and the pool's block size."""
+
+    q: int = 32
+    kv: int = 8
+    d: int = 128
+    block: int = 16
 
 
 def log(msg: str = "") -> None:
@@ -111,17 +121,17 @@ def pattern_read_gbps(pool: HostKVPool, bt: torch.Tensor, sl: torch.Tensor, thre
     return nbytes / t / 1e9, nbytes / t2 / 1e9
 
 
-def in_cache(dtype: KVDtype, threads: int, n: int, gen) -> tuple[float, float]:
+def in_cache(dtype: KVDtype, hs: Heads, threads: int, n: int, gen) -> tuple[float, float]:
     """(ns per (token, kv head) per thread, GB/s) with one sequence of n tokens that stays in cache."""
-    nb = n // BS
-    pool = HostKVPool(1, nb, HKV, BS, D, dtype)
+    nb = n // hs.block
+    pool = HostKVPool(1, nb, hs.kv, hs.block, hs.d, dtype)
     fill(pool, gen)
     bt = torch.randperm(nb, generator=gen).int()[None]
-    q, sl = torch.randn(1, HQ, D, generator=gen), torch.tensor([n])
-    call = lambda: decode_attention(pool, 0, q, bt, sl, D**-0.5, threads=threads)  # noqa: E731
+    q, sl = torch.randn(1, hs.q, hs.d, generator=gen), torch.tensor([n])
+    call = lambda: decode_attention(pool, 0, q, bt, sl, hs.d**-0.5, threads=threads)  # noqa: E731
     call()
     t = min(_timed(call) for _ in range(20))
-    return t * threads / (n * HKV) * 1e9, n * pool.bytes_per_token / t / 1e9
+    return t * threads / (n * hs.kv) * 1e9, n * pool.bytes_per_token / t / 1e9
 
 
 def _timed(fn) -> float:
@@ -145,14 +155,14 @@ def fill(pool: HostKVPool, gen: torch.Generator) -> None:
                 t.fill_(-0.15)
 
 
-def bench_kernel(dtype: KVDtype, B: int, n: int, threads: int, reps: int, gen) -> dict:
-    nb = n // BS
-    pool = HostKVPool(1, COPIES * B * nb, HKV, BS, D, dtype)
+def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: int, gen) -> dict:
+    nb = n // hs.block
+    pool = HostKVPool(1, COPIES * B * nb, hs.kv, hs.block, hs.d, dtype)
     fill(pool, gen)
     perm = torch.randperm(COPIES * B * nb, generator=gen).int().reshape(COPIES, B, nb)
-    q = torch.randn(B, HQ, D, generator=gen)
+    q = torch.randn(B, hs.q, hs.d, generator=gen)
     sl = torch.full((B,), n)
-    scale = D**-0.5
+    scale = hs.d**-0.5
     bytes_read = B * n * pool.bytes_per_token
     decode_attention(pool, 0, q, perm[0], sl, scale, threads=threads)
     ts = []
@@ -167,8 +177,8 @@ def bench_kernel(dtype: KVDtype, B: int, n: int, threads: int, reps: int, gen) -
         t_ref = min(_timed(lambda: decode_attention_ref(pool, 0, q, perm[1], sl, scale)) for _ in range(2))
         res["torch_ref_GBps"] = bytes_read / t_ref / 1e9
         # torch's own CPU attention over contiguous bf16 KV (the baseline the issue names)
-        k = torch.randn(B, HKV, n, D, generator=gen).to(torch.bfloat16)
-        v = torch.randn(B, HKV, n, D, generator=gen).to(torch.bfloat16)
+        k = torch.randn(B, hs.kv, n, hs.d, generator=gen).to(torch.bfloat16)
+        v = torch.randn(B, hs.kv, n, hs.d, generator=gen).to(torch.bfloat16)
         qb = q.to(torch.bfloat16)[:, :, None]
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qb, k, v, enable_gqa=True)  # noqa: E731
         sdpa()
@@ -205,10 +215,10 @@ def jit_times() -> tuple[dict, dict]:
     return runs[0], runs[1]
 
 
-def write_cost(dtype: KVDtype) -> float:
-    """Seconds per HostKVPool.write of one decode token (one layer, 8 kv heads)."""
-    pool = HostKVPool(1, 64, HKV, BS, D, dtype)
-    k, v = torch.randn(1, HKV, D), torch.randn(1, HKV, D)
+def write_cost(dtype: KVDtype, hs: Heads) -> float:
+    """Seconds per HostKVPool.write of one decode token (one layer)."""
+    pool = HostKVPool(1, 64, hs.kv, hs.block, hs.d, dtype)
+    k, v = torch.randn(1, hs.kv, hs.d), torch.randn(1, hs.kv, hs.d)
     slot = torch.tensor([5])
     for _ in range(20):
         pool.write(0, slot, k, v)
@@ -223,23 +233,31 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also try items per thread and dynamic chunking")
     ap.add_argument("--no-jit", action="store_true", help="skip the fresh-process JIT timing")
+    ap.add_argument("--heads", default="32,8,128", help="query heads, kv heads, head dim (SmolLM2-135M: 9,3,64)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    ap.add_argument("--shapes", nargs="*", default=SHAPES, help="BATCHxTOKENS runs to time (none: diagnostics only)")
+    ap.add_argument("--dtypes", default="bf16,int8,int4", help="comma-separated KV dtypes to measure")
     args = ap.parse_args()
+    dtypes = [KVDtype(d) for d in args.dtypes.split(",")]
+    hs = Heads(*map(int, args.heads.split(",")), block=args.block_size)
+    shapes = [tuple(map(int, x.split("x"))) for x in args.shapes]
     threads = args.threads or physical_cores()
     gen = torch.Generator().manual_seed(0)
     log(f"cpu_attention bench: {os.cpu_count()} logical cpus, {physical_cores()} physical, threads {threads}, "
-        f"numba {numba.__version__}, torch {torch.__version__}")
+        f"numba {numba.__version__}, torch {torch.__version__}; {hs}, load average {os.getloadavg()[0]:.2f}")
+    log(f"numba CPU features: {numba.config.CPU_FEATURES or 'host default'}")
     first, second = jit_times() if not args.no_jit else ({}, {})
     log(f"JIT first process (cold cache): {first}")
     log(f"JIT second process (from cache): {second}")
     numba.set_num_threads(threads)
     dram = dram_read_gbps(2**31)
     log(f"DRAM read (numba parallel sum over 2 GiB, {threads} threads): {dram:.1f} GB/s")
-    writes = {dt.value: write_cost(dt) for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4)}
+    writes = {dt.value: write_cost(dt, hs) for dt in dtypes}
     log("HostKVPool.write per call, one token: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in writes.items()))
     diag = {}
-    for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):
-        ns1, _ = in_cache(dt, 1, 2048, gen)
-        _, gb = in_cache(dt, threads, 8192, gen)
+    for dt in dtypes:
+        ns1, _ = in_cache(dt, hs, 1, 2048, gen)
+        _, gb = in_cache(dt, hs, threads, 8192, gen)
         diag[dt.value] = {"ns_per_token_head_1thread_cached": ns1, "GBps_all_threads_cached": gb}
         log(f"{dt.value}: {ns1:.1f} ns per (token, kv head) on 1 thread in cache; "
             f"{gb:.1f} GB/s on {threads} threads in cache (1 x 8192)")
@@ -248,16 +266,18 @@ def main() -> None:
             for ipt in (4, 16):
                 for cs in (0, 1):
                     decode_mod.ITEMS_PER_THREAD = ipt
+                    decode_mod._work_items.cache_clear()  # the split is memoized per lengths
                     numba.set_parallel_chunksize(cs)
-                    r = bench_kernel(dt, 1, 32768, threads, 10, gen)
+                    r = bench_kernel(dt, hs, 1, 32768, threads, 10, gen)
                     log(f"sweep {dt.value} 1x32768 items/thread {ipt} chunksize {cs}: {r['GBps']:.1f} GB/s "
                         f"(best {r['bytes_per_call'] / r['ms_best'] / 1e6:.1f})")
         decode_mod.ITEMS_PER_THREAD = 4
+        decode_mod._work_items.cache_clear()
         numba.set_parallel_chunksize(0)
     rows = []
-    for B, n in SHAPES:
-        for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):
-            r = bench_kernel(dt, B, n, threads, args.reps, gen)
+    for B, n in shapes:
+        for dt in dtypes:
+            r = bench_kernel(dt, hs, B, n, threads, args.reps, gen)
             r["ratio_vs_dram"] = r["GBps"] / dram
             rows.append(r)
             log(json.dumps(r))
@@ -276,7 +296,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cpu_attention.log").write_text("\n".join(LOG) + "\n")
         (args.out / "cpu_attention.json").write_text(json.dumps(
-            {"threads": threads, "dram_read_GBps": dram, "jit_first": first, "jit_second": second,
+            {"threads": threads, "heads": vars(hs), "dram_read_GBps": dram, "jit_first": first, "jit_second": second,
              "threading_layer": _layer(), "write_s": writes, "diagnostics": diag, "rows": rows}, indent=1))
 
 

@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# One device-tool call: GPU tests, then the heterogeneous decode benchmark. Logs under $OUT.
-#   bash bench/device_run.sh [pytest-paths...]       (carry .whl: bitsandbytes for the NF4 kernels)
+# One device-tool call: the stages named in STAGES (default "tests offload"), logs under $OUT.
+#   STAGES="tests attn offload" bash bench/device_run.sh [pytest-paths...]   (carry .whl: bitsandbytes)
+# tests:   the GPU tests (default: offload + gpu_ops)
+# attn:    bench/cpu_attention.py for bf16 and int8, first as the engine runs it, then again with
+#          Numba's default CPU features (256-bit vectors on AVX-512 Xeons): the A/B of 512-bit vectors
+# gpudecode: bench/gpu_decode.py (all-GPU decode and prefill, per-linear NF4 kernels)
+# trace:   bench/step_trace.py for each of TRACE (workload names, "_" for spaces; needs the offload stage's profile)
+# probe:   bench/pcie_probe.py (host→device copy rates from a large pinned pool, beside the CPU kernels)
+# offload: bench/offload_decode.py (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STAGES=${STAGES:-tests offload}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -10,6 +18,33 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, numba, transformers; print('torch', torch.__version__, 'numba', numba.__version__, 'transformers', transformers.__version__)"
-tests=${*:-tests/test_offload_gpu.py tests/test_gpu_ops.py}
-timeout 170 python3 -m pytest -q -m gpu $tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-timeout 380 python3 bench/offload_decode.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_stdout.log" | grep -v "^20..-" | tail -30
+lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|L3|Flags" | cut -c1-300 > "$OUT/lscpu.txt"
+for stage in $STAGES; do
+  case $stage in
+    tests)
+      [ $# -gt 0 ] || set -- tests/test_offload_gpu.py tests/test_gpu_ops.py
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    probe)
+      timeout 120 python3 bench/pcie_probe.py 2>&1 | tee "$OUT/pcie_probe.log" ;;
+    attn)
+      mkdir -p "$OUT/attn512" "$OUT/attn256"  # ATTN_AB=0: only the engine's own settings
+      timeout 200 python3 bench/cpu_attention.py --no-jit --reps 10 --dtypes ${ATTN_DTYPES:-bf16,int8} --out "$OUT/attn512" \
+        > "$OUT/attn512/stdout.log" 2>&1; tail -6 "$OUT/attn512/stdout.log"
+      [ "${ATTN_AB:-1}" = 1 ] || continue
+      host=$(python3 -c "from numba.core.codegen import get_host_cpu_features as f; print(f())")
+      NUMBA_CPU_FEATURES="$host" timeout 200 python3 bench/cpu_attention.py --no-jit --reps 10 \
+        --dtypes ${ATTN_DTYPES:-bf16,int8} --out "$OUT/attn256" > "$OUT/attn256/stdout.log" 2>&1
+      tail -6 "$OUT/attn256/stdout.log" ;;
+    gpudecode)
+      timeout ${GPUDECODE_TIMEOUT:-300} python3 bench/gpu_decode.py --out "$OUT" --budget-s 150 2>&1 \
+        | tee "$OUT/gpu_decode_stdout.log" | grep -v "^20..-" | tail -32 ;;
+    trace)
+      for w in ${TRACE:-"8k bf16"}; do
+        timeout 150 python3 bench/step_trace.py --workload "${w//_/ }" --profile "${TRACE_PROFILE:-$OUT/profile.json}" 2>&1 \
+          | grep -v "^20..-" | tail -18
+      done ;;
+    offload)
+      timeout ${OFFLOAD_TIMEOUT:-380} python3 bench/offload_decode.py --out "$OUT" ${ONLY:+--only "$ONLY"} ${BENCH_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_stdout.log" | grep -v "^20..-" | tail -30 ;;
+  esac
+done

@@ -130,8 +130,8 @@ def shape_table(cfg: ModelConfig, hbm: float, rows_list: list[int]) -> list[dict
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             nbytes = copies[0].nbytes + 2 * m * (k + n)
             row = {"shape": name, "N": n, "K": k, "rows": m, "bytes": nbytes, "bound_us": nbytes / hbm / 1e3}
-            for kern in (Nf4Kernel.BNB, Nf4Kernel.TRITON):
-                if kern is Nf4Kernel.TRITON and m > 64:
+            for kern in (Nf4Kernel.BNB, Nf4Kernel.TRITON, Nf4Kernel.GEMV):
+                if kern is Nf4Kernel.TRITON and m > 64 or kern is Nf4Kernel.GEMV and m > 8:
                     continue
                 for c in copies:
                     c.kernel = kern
@@ -238,7 +238,8 @@ def main() -> None:
     res["decode"] = cases = []
     out_json = args.out / "gpu_decode.json"
     plan = [  # (linear kernel, batch, ctx, attention, graphs, compile); compiled cases last (slow to build)
-        (Nf4Kernel.AUTO, 1, 128, AttnKernel.AUTO, True, False),
+        (Nf4Kernel.AUTO, 1, 128, AttnKernel.AUTO, True, False),  # AUTO: our GEMV at ≤ 2 rows, bitsandbytes above
+        (Nf4Kernel.BNB, 1, 128, AttnKernel.AUTO, True, False),
         (Nf4Kernel.AUTO, 1, 128, AttnKernel.AUTO, False, False),
         (Nf4Kernel.TRITON, 1, 128, AttnKernel.AUTO, True, False),
         (Nf4Kernel.AUTO, 32, 2048, AttnKernel.AUTO, True, False),
@@ -267,10 +268,12 @@ def main() -> None:
         out_json.write_text(json.dumps(res, indent=1))
 
     print(f"\n{res['device']}: HBM {hbm:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s, NF4 weights {res['weight_gib']:.2f} GiB")
-    print(f"{'linear':8} {'N×K':>13} {'rows':>4} {'bound µs':>9} {'bnb µs':>8} {'triton µs':>9} {'bnb GB/s':>8} {'tri GB/s':>8}")
+    print(f"{'linear':8} {'N×K':>13} {'rows':>4} {'bound µs':>9} {'bnb µs':>8} {'triton µs':>9} {'gemv µs':>8} "
+          f"{'bnb GB/s':>8} {'tri GB/s':>8} {'gemv GB/s':>9}")
     for r in res["linears"]:
         print(f"{r['shape']:8} {r['N']:>6}×{r['K']:<6} {r['rows']:>4} {r['bound_us']:9.1f} {r.get('bnb_us', 0):8.1f} "
-              f"{r.get('triton_us', 0):9.1f} {r.get('bnb_gbps', 0):8.0f} {r.get('triton_gbps', 0):8.0f}")
+              f"{r.get('triton_us', 0):9.1f} {r.get('gemv_us', 0):8.1f} {r.get('bnb_gbps', 0):8.0f} "
+              f"{r.get('triton_gbps', 0):8.0f} {r.get('gemv_gbps', 0):9.0f}")
     print(f"{'case':44} {'tok/s':>8} {'bound':>8} {'% bound':>7}")
     for c in cases:
         name = (f"decode b{c['batch']} ctx{c['ctx']} lin={c['linear']} attn={c['attn']}"

@@ -50,15 +50,17 @@ log = logging.getLogger("bench")
 
 # (name, context, batch, host KV dtype, --gpu-mem GiB, device-tier tokens per seq: 0 = all host, None = planner
 #  [, sub-batches: None = planner])
-WORKLOADS = [
-    ("8k bf16", 8192, 1, "bf16", 6, 0),
-    ("8k int8", 8192, 1, "int8", 6, 0),
-    ("32k bf16", 32768, 1, "bf16", 6, 0),
-    ("32k int8", 32768, 1, "int8", 6, 0),
-    ("32x2k bf16", 2048, 32, "bf16", 6, 0),
-    ("32x2k bf16 2sb", 2048, 32, "bf16", 6, 0, 2),
-    ("64k bf16 all-host", 65536, 1, "bf16", 12, 0),
-    ("64k bf16 split", 65536, 1, "bf16", 12, None),
+WORKLOADS = [  # name, context, batch, host KV dtype, --gpu-mem GiB, GPU-tier tokens, sub-batches, streamed tokens
+    ("8k bf16", 8192, 1, "bf16", 6, 0, None, None),
+    ("8k int8", 8192, 1, "int8", 6, 0, None, None),
+    ("32k bf16", 32768, 1, "bf16", 6, 0, None, None),
+    ("32k int8", 32768, 1, "int8", 6, 0, None, None),
+    ("8k bf16 cpu-only attn", 8192, 1, "bf16", 6, 0, None, 0),
+    ("32k int8 cpu-only attn", 32768, 1, "int8", 6, 0, None, 0),
+    ("32x2k bf16", 2048, 32, "bf16", 6, 0, None, None),
+    ("32x2k bf16 2sb", 2048, 32, "bf16", 6, 0, 2, None),
+    ("64k bf16 all-host", 65536, 1, "bf16", 12, 0, None, 0),
+    ("64k bf16 split", 65536, 1, "bf16", 12, None, None, None),
 ]
 
 
@@ -75,11 +77,13 @@ def fill(cache, seqs: list[int], ctx: int) -> None:
         cache.gpu.v.fill_(0.01)
 
 
-def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps, sub_batches=None) -> dict:
+def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps, sub_batches=None,
+                 stream_tokens=None) -> dict:
     torch.cuda.reset_peak_memory_stats()
     budget = Budget(gpu_bytes=gpu_mem * GiB, host_bytes=int(prof.host_available_bytes * 0.8))
     wl = Workload(ctx_size=ctx + steps + 8, batch=batch, prompt_tokens=ctx, gen_tokens=steps + 8)
-    ov = Overrides(kv_dtype=KVDtype(kv), gpu_kv_tokens=gpu_tokens, threads=prof.physical_cores, sub_batches=sub_batches)
+    ov = Overrides(kv_dtype=KVDtype(kv), gpu_kv_tokens=gpu_tokens, threads=prof.physical_cores, sub_batches=sub_batches,
+                   stream_tokens=stream_tokens)
     plan = make_plan(LLAMA3_8B, prof, budget, wl, ov)
     # do what the plan says with the embedding table (the planner may keep it on the host)
     model.embed_w = model.embed_w.to(model.device if plan.placement(-1, Kind.EMBED).on_gpu else "cpu")
@@ -105,7 +109,9 @@ def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps, 
     cpu_t = statistics.median(p.cpu_attention for p in parts)
     xfer = statistics.median(p.transfer for p in parts)
     g_tok, h_tok = cache.tier_tokens()
+    streamed = len(runner.streamer.blocks) * cache.block_size if runner.streamer is not None else 0
     host_kv_bytes = h_tok * cache.host.bytes_per_token
+    cpu_kv_bytes = (h_tok - streamed) * cache.host.bytes_per_token  # what the CPU kernels read
     gpu_kv_bytes = g_tok * LLAMA3_8B.kv_bytes_per_token(2.0)
     weight_bytes = model_bytes(model)
     # Bound per step: the weights (and the device tier's KV) once over HBM, the host KV once over DRAM.
@@ -116,9 +122,10 @@ def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps, 
         gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, step_ms=step * 1e3, tok_s=batch / step,
         bound_tok_s=batch / bound_s, gpu_ms=gpu_t * 1e3, cpu_attn_ms=cpu_t * 1e3, transfer_ms=xfer * 1e3,
         overlap_ratio=step / (max(gpu_t, cpu_t) + xfer), host_kv_gb=host_kv_bytes / 1e9,
-        cpu_attn_gbps=host_kv_bytes / cpu_t / 1e9 if cpu_t else 0.0,
+        cpu_attn_gbps=cpu_kv_bytes / cpu_t / 1e9 if cpu_t else 0.0, streamed_tokens=streamed,
         predicted_tok_s=plan.prediction.decode_tok_s, bottleneck=plan.prediction.bottleneck,
-        plan=f"{plan.kv.gpu_tokens} GPU / {plan.kv.host_tokens} host tokens per seq, embed on "
+        plan=f"{plan.kv.gpu_tokens} GPU / {plan.kv.host_tokens} host tokens per seq "
+             f"({plan.kv.stream_tokens} streamed), embed on "
              f"{'GPU' if plan.placement(-1, Kind.EMBED).on_gpu else 'CPU'}, sub-batches {plan.sub_batches}",
         peak_gpu_gib=peak / GiB, within_budget=peak <= budget.gpu_bytes,
     )
@@ -146,13 +153,15 @@ def main() -> None:
                         handlers=[logging.FileHandler(args.out / "offload_decode.log"), logging.StreamHandler()])
     if args.one:  # one workload in a fresh process: nothing left over from another's allocations
         prof = HardwareProfile.from_json(args.profile.read_text())
-        name, ctx, batch, kv, mem, gpu_tok, *sb = next(w for w in WORKLOADS if w[0] == args.one)
+        name, ctx, batch, kv, mem, gpu_tok, sb, stream = next(w for w in WORKLOADS if w[0] == args.one)
         model = _gpu_decode_bench().build_model(LLAMA3_8B)
         row = run_workload(model, prof, name, ctx, batch, kv, mem, gpu_tok, steps=8 if args.quick else 24,
-                           sub_batches=sb[0] if sb else None)
+                           sub_batches=sb, stream_tokens=stream)
         print("ROW " + json.dumps(row))
         return
+    t = time.perf_counter()
     prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
+    log.info("hardware profile took %.1f s%s", time.perf_counter() - t, " (loaded)" if args.profile else "")
     (args.out / "profile.json").write_text(prof.to_json())
     log.info("profile: %s", json.dumps(prof.to_dict()))
     rows = []
@@ -168,15 +177,15 @@ def main() -> None:
     (args.out / "offload_decode.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
     print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · "
           f"PCIe h2d {prof.pcie_h2d_gbps:.1f} / d2h {prof.pcie_d2h_gbps:.1f} GB/s · {prof.physical_cores} cores")
-    print(f"{'workload':20} {'tok/s':>7} {'bound':>7} {'pred':>7} {'step ms':>8} {'gpu':>6} {'cpu':>6} {'xfer':>5} "
-          f"{'ovl':>5} {'KV GB/s':>7} {'GPU GiB':>7}")
+    print(f"{'workload':24} {'tok/s':>7} {'bound':>7} {'pred':>7} {'step ms':>8} {'gpu':>6} {'cpu':>6} {'xfer':>5} "
+          f"{'ovl':>5} {'KV GB/s':>7} {'GPU GiB':>7} {'streamed':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:20} ERROR {r['error'][-200:]}")
+            print(f"{r['name']:24} ERROR {r['error'][-200:]}")
             continue
-        print(f"{r['name']:20} {r['tok_s']:7.1f} {r['bound_tok_s']:7.1f} {r['predicted_tok_s']:7.1f} {r['step_ms']:8.2f} "
+        print(f"{r['name']:24} {r['tok_s']:7.1f} {r['bound_tok_s']:7.1f} {r['predicted_tok_s']:7.1f} {r['step_ms']:8.2f} "
               f"{r['gpu_ms']:6.2f} {r['cpu_attn_ms']:6.2f} {r['transfer_ms']:5.2f} {r['overlap_ratio']:5.2f} "
-              f"{r['cpu_attn_gbps']:7.1f} {r['peak_gpu_gib']:7.2f}")
+              f"{r['cpu_attn_gbps']:7.1f} {r['peak_gpu_gib']:7.2f} {r['streamed_tokens']:8d}")
 
 
 if __name__ == "__main__":

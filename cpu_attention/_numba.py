@@ -26,6 +26,31 @@ from numba.extending import intrinsic, overload
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
+
+def _prefer_512_bit_vectors() -> None:
+    """On AVX-512 hosts, let LLVM vectorize with 512-bit registers.
+
+    LLVM's tuning for Skylake-X and later Xeons (incl. Sapphire Rapids) includes
+    `prefer-256-bit`, so Numba's loops use 8-float ymm vectors although 16-float zmm ones
+    exist; our attention kernels are compute-bound, so twice the lanes per FMA is what they
+    need. The feature string is part of Numba's cache key, so cached kernels are never
+    mixed up. Must run before Numba's codegen is created (its first compile): every module
+    with Numba kernels imports this one first. A NUMBA_CPU_FEATURES set by the user wins."""
+    if "NUMBA_CPU_FEATURES" in os.environ or numba.config.CPU_FEATURES is not None:
+        return
+    from numba.core.codegen import get_host_cpu_features
+    from llvmlite import binding
+
+    try:
+        has_avx512 = binding.get_host_cpu_features().get("avx512f", False)
+    except RuntimeError:  # LLVM cannot read this host's features: keep Numba's default
+        return
+    if has_avx512:
+        numba.config.CPU_FEATURES = get_host_cpu_features() + ",-prefer-256-bit"
+
+
+_prefer_512_bit_vectors()
+
 # Flags for the hot kernels. fastmath lets LLVM reassociate the dot products into SIMD
 # lanes; the kernels never produce inf/nan except the -inf max they guard explicitly,
 # so only the reassociation/contraction flags are enabled (no 'nnan'/'ninf').
@@ -250,6 +275,19 @@ def prefetch(typingctx, arr, index):
         return context.get_dummy_value()
 
     return types.void(arr, index), codegen
+
+
+def line_elems(a):
+    """Elements of array `a` in one 64-byte cache line, as a compile-time constant (Numba's
+    `a.itemsize` is read from the array at run time, which turns a strided loop's trip count
+    into a division)."""
+    raise NotImplementedError("only callable from Numba code")
+
+
+@overload(line_elems, inline="always")
+def _line_elems_impl(a):
+    n = max(64 * 8 // a.dtype.bitwidth, 1)
+    return lambda a: n
 
 
 @numba.njit(parallel=True, nogil=True, fastmath=True, cache=True)

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 
+from cpu_attention import int4, rotation
 from cpu_attention._numba import bf16_to_f32, f32_to_bf16, hadamard_rotate
+from cpu_attention.layout import HostKVPool, KVDtype
 
 WJIT = dict(nogil=True, cache=True)
+_INT4_CLIPS = np.array(int4.CLIPS, np.float32)
 
 
 @numba.njit(**WJIT)
@@ -172,30 +176,70 @@ def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, order, b
         r0 = r1
 
 
-def write_numba(pool, layer: int, blocks, offs, k, v) -> None:
-    """HostKVPool.write's body for bf16/int8/int4: torch tensors in, pool updated in place."""
-    import torch
+@numba.njit(**WJIT)
+def write_kv_bf16(k, v, layer, slots, block_size, xk, xv):
+    """k, v [L, NB, Hkv, BS, D] uint16; slots [T] flat; xk, xv [T, Hkv, D] float32."""
+    blocks, offs = slots // block_size, slots % block_size
+    write_bf16(k[layer], blocks, offs, xk)
+    write_bf16(v[layer], blocks, offs, xv)
 
-    from cpu_attention import int4, rotation
-    from cpu_attention.layout import KVDtype
 
-    bl = blocks.to(torch.int64).numpy()
-    of = offs.to(torch.int64).numpy()
-    u16 = lambda t: t.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
-    f32 = lambda x: x.detach().to(torch.float32).contiguous().numpy()  # noqa: E731
-    if pool.dtype is KVDtype.INT4:
-        t, D = pool.tails, pool.head_dim
-        t.reserve(int4.slots_needed(t.slot[layer].numpy(), bl))
-        write_int4(pool.k[layer].numpy(), u16(pool.k_scale[layer]), u16(pool.k_zero[layer]),
-                   pool.v[layer].numpy(), u16(pool.v_scale[layer]), u16(pool.v_zero[layer]),
-                   u16(t.k), u16(t.v), t.slot[layer].numpy(), t.free, t.n_free,
-                   np.argsort(bl, kind="stable"), bl, of, f32(k), f32(v),
-                   np.array(int4.CLIPS, np.float32), np.float32(int4.MIN_SCALE), rotation.signs(D).numpy(),
-                   rotation.block(D), np.float32(rotation.inv_sqrt(D).item()), int4.GROUP)
-        return
-    for name, x in (("k", k), ("v", v)):
-        data = getattr(pool, name)[layer]
-        if pool.dtype is KVDtype.BF16:
-            write_bf16(u16(data), bl, of, f32(x))
-        else:
-            write_int8(data.numpy(), getattr(pool, f"{name}_scale")[layer].numpy(), bl, of, f32(x))
+@numba.njit(**WJIT)
+def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv):
+    """As write_kv_bf16 for int8 codes k, v and their scales ks, vs [L, NB, Hkv, BS] float32."""
+    blocks, offs = slots // block_size, slots % block_size
+    write_int8(k[layer], ks[layer], blocks, offs, xk)
+    write_int8(v[layer], vs[layer], blocks, offs, xv)
+
+
+@numba.njit(**WJIT)
+def tail_slots_needed(tail_slot, slots, block_size):
+    """Free tail slots a write to flat `slots` may take (int4.slots_needed): one per distinct
+    block without a tail. tail_slot [NB] int32 of the layer."""
+    blocks = np.unique(slots // block_size)
+    n = 0
+    for b in blocks:
+        if tail_slot[b] < 0:
+            n += 1
+    return n
+
+
+@numba.njit(**WJIT)
+def write_kv_int4(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, slots, xk, xv,
+                  clips, min_scale, signs, P, inv_sqrt_p, group):
+    """As write_kv_bf16 for an int4 pool (`write_int4`'s arguments, all layers; tail_slot
+    [L, NB]): blocks, offsets and the tokens' stable order by block are computed here."""
+    BS = k.shape[3]
+    blocks, offs = slots // BS, slots % BS
+    write_int4(k[layer], ks[layer], kz[layer], v[layer], vs[layer], vz[layer], tk, tv, tail_slot[layer],
+               free, n_free, np.argsort(blocks, kind="mergesort"), blocks, offs, xk, xv, clips, min_scale,
+               signs, P, inv_sqrt_p, group)
+
+
+def write_numba(pool: HostKVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """HostKVPool.write's body for bf16/int8/int4: torch tensors in, pool updated in place.
+
+    One Numba call per layer for k and v together, on the pool's cached numpy views
+    (`HostKVPool.arrays`): a decode step's 30-32 appends are Python overhead more than work.
+    int4 first makes sure the tails have a free slot for every block the write may open."""
+    a = pool.arrays
+    sl = np.asarray(slots.numpy(), np.int64)
+    xk, xv = _f32(k), _f32(v)
+    if pool.dtype is KVDtype.BF16:
+        write_kv_bf16(a["k"], a["v"], layer, sl, pool.block_size, xk, xv)
+    elif pool.dtype is KVDtype.INT8:
+        write_kv_int8(a["k"], a["v"], a["k_scale"], a["v_scale"], layer, sl, pool.block_size, xk, xv)
+    else:
+        tails = pool.tails
+        tails.reserve(tail_slots_needed(tails.arrays["slot"][layer], sl, pool.block_size))
+        t = tails.arrays
+        write_kv_int4(a["k"], a["v"], a["k_scale"], a["k_zero"], a["v_scale"], a["v_zero"], t["k"], t["v"],
+                      t["slot"], t["free"], t["n_free"], layer, sl, xk, xv, _INT4_CLIPS,
+                      np.float32(int4.MIN_SCALE), *rotation.numba_args(pool.head_dim), int4.GROUP)
+
+
+def _f32(x: torch.Tensor) -> np.ndarray:
+    """A [T, Hkv, D] tensor as a C-contiguous float32 numpy array (no copy when it is one)."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.requires_grad:
+        x = x.detach().to(torch.float32).contiguous()
+    return x.numpy()

@@ -7,18 +7,22 @@ second parallel loop merges by log-sum-exp. All G = Hq / Hkv query heads of a kv
 done together, so each K/V byte is read from DRAM once.
 
 Inner loop, per tile (the tokens of one block, at most TILE): the scores of all G heads
-(`_scores`: two tokens × four heads a pass, each K element loaded and widened once, bf16 by
-a shift into the high half, int8 by a conversion), one online-softmax step for the whole
-tile (`_softmax_tile`: max, one rescale of the accumulator, a vectorized polynomial exp),
-then the V accumulation (`_accumulate`: four heads × two tokens a pass). int8's per-token
-scales multiply the G scores and the G weights, not the D codes. int4 rows are first
-widened into L1-resident float32 tiles (up to TILE tokens over one or more blocks) by
-straight-line vector code (`widen_nibbles`): code × scale + zero, V's per token and group,
-K's per block and channel (a block still being filled is read from its bf16 tail); the
-output is rotated back (int4 V is stored rotated, `rotation.py`). While a tile computes, the next tile's rows are
-prefetched one row per token.
+(`_scores`: two tokens × a group of up to four heads a pass, each K element loaded and
+widened once per group, bf16 by a shift into the high half, int8 by a conversion), one
+online-softmax step for the whole tile (`_softmax_tile`: max, one rescale of the
+accumulator, a vectorized polynomial exp), then the V accumulation (`_accumulate`: the same
+head groups × two tokens a pass). G is split into groups of four and one group of the rest
+(G = 3: one group of three), each a specialization of one helper by its constant size.
+int8's per-token scales multiply the G scores and the G weights, not the D codes. int4 rows
+are first widened into L1-resident float32 tiles (up to TILE tokens over one or more blocks)
+by straight-line vector code (`widen_nibbles`): code × scale + zero, V's per token and
+group, K's per block and channel (a block still being filled is read from its bf16 tail);
+the output is rotated back (int4 V is stored rotated, `rotation.py`). While a tile
+computes, the next tile's rows are prefetched one row per token.
 """
 from __future__ import annotations
+
+import functools
 
 import numba
 import numpy as np
@@ -27,7 +31,7 @@ from numba import prange
 
 from cpu_attention import rotation
 from cpu_attention._numba import (
-    JIT, exp_neg, hadamard_unrotate, prefetch, resolve_threads, widen, widen_nibbles, widen_nibbles_by,
+    JIT, exp_neg, hadamard_unrotate, line_elems, prefetch, resolve_threads, widen, widen_nibbles, widen_nibbles_by,
 )
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
@@ -69,64 +73,63 @@ def _plan(seq_lens, num_kv_heads, chunk):
 @numba.njit(inline="always", **JIT)
 def _scores(q, kt, n, s, pk, pv, pn):
     """s[g, j] = q[g] · widen(kt[j]) for j < n. q [G, D] f32; kt [n, D] uint16 (bf16 bits),
-    int8 or f32. Four heads share each K element load; loops over D use loop counters only
-    (Numba's wraparound code on computed indices stops LLVM vectorizing). While the first
-    heads run, rows j < pn of the next tile (pk, pv) are prefetched, one row per token, so
-    the next tile's DRAM reads overlap this tile's arithmetic."""
-    G, D = q.shape
+    int8 or f32. Heads go four at a time, then one group of the remaining 3, 2 or 1, each
+    group sharing every K element load (`_scores_group`; the group size is a literal at each
+    call so every call inlines its own specialized copy)."""
+    G = q.shape[0]
     g = 0
     while g + 4 <= G:
-        q0, q1, q2, q3 = q[g], q[g + 1], q[g + 2], q[g + 3]
-        s0, s1, s2, s3 = s[g], s[g + 1], s[g + 2], s[g + 3]
-        j = 0
-        while j + 2 <= n:  # two tokens a pass: each q element load feeds two FMAs
-            if g == 0 and j + 1 < pn:
-                _prefetch_row(pk, j)
-                _prefetch_row(pv, j)
-                _prefetch_row(pk, j + 1)
-                _prefetch_row(pv, j + 1)
-            kr, kr1 = kt[j], kt[j + 1]
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-            for d in range(D):
-                x = widen(kr[d])
-                y = widen(kr1[d])
-                a0 += q0[d] * x
-                a1 += q1[d] * x
-                a2 += q2[d] * x
-                a3 += q3[d] * x
-                b0 += q0[d] * y
-                b1 += q1[d] * y
-                b2 += q2[d] * y
-                b3 += q3[d] * y
-            s0[j], s1[j], s2[j], s3[j] = a0, a1, a2, a3
-            s0[j + 1], s1[j + 1], s2[j + 1], s3[j + 1] = b0, b1, b2, b3
-            j += 2
-        if j < n:
-            if g == 0 and j < pn:
-                _prefetch_row(pk, j)
-                _prefetch_row(pv, j)
-            kr = kt[j]
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            for d in range(D):
-                x = widen(kr[d])
-                a0 += q0[d] * x
-                a1 += q1[d] * x
-                a2 += q2[d] * x
-                a3 += q3[d] * x
-            s0[j], s1[j], s2[j], s3[j] = a0, a1, a2, a3
+        _scores_group(q, g, 4, kt, n, s, pk, pv, pn)
         g += 4
-    while g < G:
-        qg, sg = q[g], s[g]
-        for j in range(n):
-            if g == 0 and j < pn:
-                _prefetch_row(pk, j)
-                _prefetch_row(pv, j)
-            kr = kt[j]
-            a = np.float32(0.0)
-            for d in range(D):
-                a += qg[d] * widen(kr[d])
-            sg[j] = a
-        g += 1
+    if G - g == 3:
+        _scores_group(q, g, 3, kt, n, s, pk, pv, pn)
+    elif G - g == 2:
+        _scores_group(q, g, 2, kt, n, s, pk, pv, pn)
+    elif G - g == 1:
+        _scores_group(q, g, 1, kt, n, s, pk, pv, pn)
+
+
+@numba.njit(inline="always", **JIT)
+def _scores_group(q, g, ng, kt, n, s, pk, pv, pn):
+    """s[g + i, j] for heads i < ng ≤ 4, two tokens a pass: each K element is loaded and
+    widened once for 2·ng FMAs. ng must be a constant at the call site: LLVM then folds the
+    `ng > i` tests away and keeps only the accumulators in use. An odd last token is done
+    twice (its pair is itself) rather than by a second copy of the loop. Loops over D use
+    loop counters only (Numba's wraparound code on computed indices stops LLVM vectorizing).
+    While the first group runs, rows j < pn of the next tile (pk, pv) are prefetched, one
+    row per token, so the next tile's DRAM reads overlap this tile's arithmetic."""
+    D = q.shape[1]
+    q0, q1, q2, q3 = q[g], q[g + min(1, ng - 1)], q[g + min(2, ng - 1)], q[g + min(3, ng - 1)]
+    s0, s1, s2, s3 = s[g], s[g + min(1, ng - 1)], s[g + min(2, ng - 1)], s[g + min(3, ng - 1)]
+    for j in range(0, n, 2):
+        j1 = min(j + 1, n - 1)
+        if g == 0:
+            for jj in range(j, min(j + 2, pn)):
+                _prefetch_row(pk, jj)
+                _prefetch_row(pv, jj)
+        kr, kr1 = kt[j], kt[j1]
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+        for d in range(D):
+            x = widen(kr[d])
+            y = widen(kr1[d])
+            a0 += q0[d] * x
+            b0 += q0[d] * y
+            if ng > 1:
+                a1 += q1[d] * x
+                b1 += q1[d] * y
+            if ng > 2:
+                a2 += q2[d] * x
+                b2 += q2[d] * y
+            if ng > 3:
+                a3 += q3[d] * x
+                b3 += q3[d] * y
+        s0[j], s0[j1] = a0, b0
+        if ng > 1:
+            s1[j], s1[j1] = a1, b1
+        if ng > 2:
+            s2[j], s2[j1] = a2, b2
+        if ng > 3:
+            s3[j], s3[j1] = a3, b3
 
 
 @numba.njit(inline="always", **JIT)
@@ -157,54 +160,55 @@ def _softmax_tile(s, n, m, l, acc):
 
 @numba.njit(inline="always", **JIT)
 def _accumulate(p, vt, n, acc):
-    """acc[g] += Σ_j p[g, j] · widen(vt[j]) for j < n: four heads × two tokens a pass, so
-    each V element is widened once per pass and each acc vector is loaded and stored once
-    per two tokens."""
-    G, D = acc.shape
+    """acc[g] += Σ_j p[g, j] · widen(vt[j]) for j < n, in head groups as `_scores`."""
+    G = acc.shape[0]
     g = 0
     while g + 4 <= G:
-        a0, a1, a2, a3 = acc[g], acc[g + 1], acc[g + 2], acc[g + 3]
-        p0, p1, p2, p3 = p[g], p[g + 1], p[g + 2], p[g + 3]
-        j = 0
-        while j + 2 <= n:
-            v0, v1 = vt[j], vt[j + 1]
-            w00, w01, w10, w11 = p0[j], p0[j + 1], p1[j], p1[j + 1]
-            w20, w21, w30, w31 = p2[j], p2[j + 1], p3[j], p3[j + 1]
-            for d in range(D):
-                x0 = widen(v0[d])
-                x1 = widen(v1[d])
-                a0[d] += w00 * x0 + w01 * x1
-                a1[d] += w10 * x0 + w11 * x1
-                a2[d] += w20 * x0 + w21 * x1
-                a3[d] += w30 * x0 + w31 * x1
-            j += 2
-        if j < n:
-            v0 = vt[j]
-            w0, w1, w2, w3 = p0[j], p1[j], p2[j], p3[j]
-            for d in range(D):
-                x0 = widen(v0[d])
-                a0[d] += w0 * x0
-                a1[d] += w1 * x0
-                a2[d] += w2 * x0
-                a3[d] += w3 * x0
+        _accumulate_group(p, vt, n, acc, g, 4)
         g += 4
-    while g < G:
-        ag, pg = acc[g], p[g]
-        for j in range(n):
-            v0 = vt[j]
-            w0 = pg[j]
-            for d in range(D):
-                ag[d] += w0 * widen(v0[d])
-        g += 1
+    if G - g == 3:
+        _accumulate_group(p, vt, n, acc, g, 3)
+    elif G - g == 2:
+        _accumulate_group(p, vt, n, acc, g, 2)
+    elif G - g == 1:
+        _accumulate_group(p, vt, n, acc, g, 1)
+
+
+@numba.njit(inline="always", **JIT)
+def _accumulate_group(p, vt, n, acc, g, ng):
+    """Heads g..g+ng (ng ≤ 4, a call-site constant as in `_scores_group`) × two tokens a
+    pass: each V element is widened once per pass and each acc vector is loaded and stored
+    once per two tokens. An odd last token pairs with itself at weight 0."""
+    D = acc.shape[1]
+    a0, a1, a2, a3 = acc[g], acc[g + min(1, ng - 1)], acc[g + min(2, ng - 1)], acc[g + min(3, ng - 1)]
+    p0, p1, p2, p3 = p[g], p[g + min(1, ng - 1)], p[g + min(2, ng - 1)], p[g + min(3, ng - 1)]
+    for j in range(0, n, 2):
+        j1 = min(j + 1, n - 1)
+        v0, v1 = vt[j], vt[j1]
+        odd = j1 == j  # the pair is the token itself: its second weight is 0
+        w00, w10, w20, w30 = p0[j], p1[j], p2[j], p3[j]
+        w01 = np.float32(0.0) if odd else p0[j1]
+        w11 = np.float32(0.0) if odd else p1[j1]
+        w21 = np.float32(0.0) if odd else p2[j1]
+        w31 = np.float32(0.0) if odd else p3[j1]
+        for d in range(D):
+            x0 = widen(v0[d])
+            x1 = widen(v1[d])
+            a0[d] += w00 * x0 + w01 * x1
+            if ng > 1:
+                a1[d] += w10 * x0 + w11 * x1
+            if ng > 2:
+                a2[d] += w20 * x0 + w21 * x1
+            if ng > 3:
+                a3[d] += w30 * x0 + w31 * x1
 
 
 @numba.njit(inline="always", **JIT)
 def _prefetch_row(a, j):
     """Prefetch row j of a 2-D C-contiguous array, one cache line at a time."""
     W = a.shape[1]
-    step = max(64 // a.itemsize, 1)
-    for i in range(0, W, step):
-        prefetch(a, j * W + i)
+    for i in range(j * W, (j + 1) * W, line_elems(a)):
+        prefetch(a, i)
 
 
 @numba.njit(inline="always", **JIT)
@@ -420,55 +424,109 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
             hadamard_unrotate(out[p // Hkv, (p % Hkv) * G + g], signs, P, c)
 
 
-def _u16(t: torch.Tensor) -> np.ndarray:
-    """A 16-bit tensor's storage as a uint16 numpy view (no copy)."""
-    return t.view(torch.int16).numpy().view(np.uint16)
+def _numpy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """t as a C-contiguous numpy array of dtype (no copy when it is one already)."""
+    if t.dtype != dtype or not t.is_contiguous() or t.requires_grad:
+        t = t.detach().to(dtype).contiguous()
+    return t.numpy()
+
+
+@functools.lru_cache(maxsize=16)
+def _work_items(seq_lens: tuple[int, ...], num_kv_heads: int, block_size: int, threads: int):
+    """_plan's (items, pair_start) for these lengths, memoized: a decode step calls the kernel
+    once per layer with the same lengths. The arrays are shared: read them only."""
+    sl = np.array(seq_lens, np.int64)
+    return _plan(sl, num_kv_heads, chunk_tokens(sl, num_kv_heads, block_size, threads))
 
 
 def chunk_tokens(seq_lens: np.ndarray, num_kv_heads: int, block_size: int, threads: int) -> int:
-    """Token range of one work item: ~ITEMS_PER_THREAD equal items a thread, block-aligned."""
-    total = int(seq_lens.sum()) * num_kv_heads
+    """Token range of one work item: ~ITEMS_PER_THREAD items a thread, block-aligned.
+
+    Numba's static schedule gives each thread an equal count of items, so the chunk is then
+    shrunk (a few steps at most) until the longest sequence splits into equal pieces and the
+    item count is a multiple of `threads`: 2048 tokens × 3 kv heads on 2 threads as 9 items
+    of ≤ 768 tokens leave one thread 3584 token-heads and the other 2560; 12 of 512 split evenly."""
+    lens = seq_lens.tolist()
+    total, longest = sum(lens) * num_kv_heads, max(lens, default=0)
+    if longest == 0:
+        return block_size
     chunk = max(-(-total // (ITEMS_PER_THREAD * threads)), MIN_CHUNK)
-    return -(-chunk // block_size) * block_size
+    p0 = max(-(-longest // chunk), 1)  # pieces of the longest sequence
+    first = None
+    for p in range(p0, p0 + threads):
+        c = -(-(-(-longest // p)) // block_size) * block_size  # ceil(longest / p), block-aligned
+        if p > p0 and c < MIN_CHUNK:
+            break
+        first = first or c
+        if (num_kv_heads * sum(-(-n // c) for n in lens)) % threads == 0:
+            return c
+    return first
+
+
+class DecodeWork:
+    """What one decode step's host-tier attention needs besides q, computed once and reused by
+    every layer: block tables and lengths as numpy, the work items, the thread count."""
+
+    def __init__(self, pool: HostKVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 threads: int | None = None):
+        self.threads = resolve_threads(threads)
+        self.bt = block_tables.detach().to(torch.int32).contiguous().numpy()  # [B, max_blocks]
+        self.lens = seq_lens.detach().to(torch.int64).contiguous().numpy()  # [B]
+        self.items, self.pair_start = _work_items(tuple(self.lens.tolist()), pool.num_kv_heads, pool.block_size,
+                                                  self.threads)
 
 
 def decode_attention(
     pool: HostKVPool,
     layer: int,
     q: torch.Tensor,  # [B, Hq, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B]
+    block_tables: torch.Tensor | None,  # [B, max_blocks] int32 (None: given by work)
+    seq_lens: torch.Tensor | None,  # [B]
     scale: float,
     threads: int | None = None,
+    work: DecodeWork | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over its host-tier tokens → (out [B,Hq,D] f32, lse [B,Hq] f32).
 
+    work: the step's DecodeWork (tables, lengths, threads), so the layers of one step share it;
+    out: float32 tensors [B, Hq, D], [B, Hq] to write into (e.g. pinned staging buffers).
     Safe to call from a worker thread: the kernel runs without the GIL.
     """
     B, Hq, D = q.shape
     Hkv = pool.num_kv_heads
     if D != pool.head_dim or Hq % Hkv:
         raise ValueError(f"q {tuple(q.shape)} does not fit the pool (Hkv {Hkv}, D {pool.head_dim})")
-    n_threads = resolve_threads(threads)
-    qs = q.detach().to(torch.float32) * scale
-    qn = qs.contiguous().numpy()
-    bt = block_tables.detach().to(torch.int32).contiguous().numpy()
-    sl = seq_lens.detach().to(torch.int64).contiguous().numpy()
-    items, pair_start = _plan(sl, Hkv, chunk_tokens(sl, Hkv, pool.block_size, n_threads))
-    out = torch.empty((B, Hq, D), dtype=torch.float32)
-    lse = torch.empty((B, Hq), dtype=torch.float32)
-    on, ln = out.numpy(), lse.numpy()
-    if pool.dtype is KVDtype.BF16:
-        decode_float(_u16(pool.k[layer]), _u16(pool.v[layer]), qn, bt, items, pair_start, on, ln)
-    elif pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
-        return decode_attention_ref(pool, layer, q, block_tables, seq_lens, scale)
-    elif pool.dtype is KVDtype.INT8:
-        decode_int8(pool.k[layer].numpy(), pool.v[layer].numpy(), pool.k_scale[layer].numpy(),
-                    pool.v_scale[layer].numpy(), qn, bt, items, pair_start, on, ln)
+    if pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
+        if work is not None:
+            block_tables, seq_lens = torch.from_numpy(work.bt), torch.from_numpy(work.lens)
+        o, lse = decode_attention_ref(pool, layer, q, block_tables, seq_lens, scale)
+        if out is None:
+            return o, lse
+        out[0].copy_(o)
+        out[1].copy_(lse)
+        return out
+    # numpy, not torch, between the caller and the kernel: this runs once per layer and
+    # decode step, and each small torch op costs microseconds
+    if work is None:
+        bt = _numpy(block_tables, torch.int32)
+        items, pair_start = _work_items(tuple(seq_lens.tolist()), Hkv, pool.block_size, resolve_threads(threads))
     else:
-        t = pool.tails
-        decode_int4(pool.k[layer].numpy(), pool.v[layer].numpy(), _u16(pool.k_scale[layer]),
-                    _u16(pool.k_zero[layer]), _u16(pool.v_scale[layer]), _u16(pool.v_zero[layer]),
-                    _u16(t.k), _u16(t.v), t.slot[layer].numpy(), qn, bt, items, pair_start, on, ln, rotation.signs(D).numpy(),
-                    rotation.block(D), np.float32(rotation.inv_sqrt(D).item()))
-    return out, lse
+        resolve_threads(work.threads)  # thread counts are per calling thread in Numba
+        bt, items, pair_start = work.bt, work.items, work.pair_start
+    qn = _numpy(q, torch.float32) * np.float32(scale)
+    if out is None:
+        out = (torch.empty((B, Hq, D), dtype=torch.float32), torch.empty((B, Hq), dtype=torch.float32))
+    on, ln = out[0].numpy(), out[1].numpy()
+    a = pool.arrays
+    if pool.dtype is KVDtype.BF16:
+        decode_float(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
+    elif pool.dtype is KVDtype.INT8:
+        decode_int8(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items,
+                    pair_start, on, ln)
+    else:
+        t = pool.tails.arrays
+        decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer], a["v_scale"][layer],
+                    a["v_zero"][layer], t["k"], t["v"], t["slot"][layer], qn, bt, items, pair_start, on, ln,
+                    *rotation.numba_args(D))
+    return out

@@ -15,8 +15,6 @@ recent tokens of a sequence are read at bf16 precision (KIVI's full-precision re
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -99,25 +97,26 @@ def dequantize_keys(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor)
     return unpack(data).float() * scale.float()[..., None, :] + zero.float()[..., None, :]
 
 
-@dataclass
 class Tails:
-    """bf16 copies of the blocks being filled, S slots (grown on demand, never shrunk)."""
+    """bf16 copies of the blocks being filled: S slots shared by all layers (grown on demand,
+    never shrunk), a slot table per layer and a stack of free slots."""
 
-    k: torch.Tensor  # [S, Hkv, BS, D] bfloat16: keys as written
-    v: torch.Tensor  # [S, Hkv, BS, D] bfloat16: values @ R
-    slot: torch.Tensor  # [L, NB] int32: (layer, block)'s slot, -1 when the block is quantized
-    free: np.ndarray  # [S] int32: free slots are free[:n_free[0]] (a stack)
-    n_free: np.ndarray  # [1] int64
+    def __init__(self, L: int, NB: int, H: int, BS: int, D: int):
+        self.k = torch.zeros((0, H, BS, D), dtype=torch.bfloat16)  # [S, Hkv, BS, D]: keys as written
+        self.v = torch.zeros((0, H, BS, D), dtype=torch.bfloat16)  # [S, Hkv, BS, D]: values @ R
+        self.slot = torch.full((L, NB), -1, dtype=torch.int32)  # (layer, block)'s slot, -1: none
+        self.free = np.zeros(0, np.int32)  # [S]: the free slots are free[:n_free[0]] (a stack)
+        self.n_free = np.zeros(1, np.int64)
+        self._views()
 
-    @classmethod
-    def empty(cls, L: int, NB: int, H: int, BS: int, D: int) -> Tails:
-        z = torch.zeros((0, H, BS, D), dtype=torch.bfloat16)
-        return cls(z, z.clone(), torch.full((L, NB), -1, dtype=torch.int32), np.zeros(0, np.int32),
-                   np.zeros(1, np.int64))
+    def _views(self) -> None:
+        """`arrays`: what the Numba kernels take (bf16 as uint16 bits), remade when S grows."""
+        u16 = lambda t: t.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+        self.arrays = dict(k=u16(self.k), v=u16(self.v), slot=self.slot.numpy(), free=self.free, n_free=self.n_free)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * 2 + self.slot.numel() * 4
+        return 2 * self.k.numel() * 2 + self.slot.numel() * 4 + self.free.nbytes
 
     def reserve(self, n: int) -> None:
         """At least n free slots (doubling S as needed)."""
@@ -132,6 +131,7 @@ class Tails:
         free[:nf] = self.free[:nf]
         free[nf:nf + S2 - S] = np.arange(S2 - 1, S - 1, -1, dtype=np.int32)  # new slots, low ids on top
         self.free, self.n_free[0] = free, nf + S2 - S
+        self._views()
 
     def pop(self) -> int:
         self.n_free[0] -= 1

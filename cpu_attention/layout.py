@@ -42,8 +42,10 @@ through `int4.write` / `int4.gather`.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cpu_attention import int4
@@ -53,6 +55,7 @@ from cpu_attention.int4 import GROUP as INT4_GROUP
 # bytes per value cannot know BS, so they are counted at the planner's block of 16 tokens
 # (planner/search.py; larger blocks cost less, so its memory estimate errs on the safe side).
 INT4_KEY_BLOCK = 16
+_HALF = (torch.bfloat16, torch.float16)  # stored as bits; the kernels read them as uint16
 
 
 class KVDtype(str, enum.Enum):
@@ -102,7 +105,19 @@ class HostKVPool:
             self.k, self.v = mk((L, NB, H, BS, D // 2), torch.uint8), mk((L, NB, H, BS, D // 2), torch.uint8)
             self.k_scale, self.k_zero = mk((L, NB, H, D), torch.bfloat16), mk((L, NB, H, D), torch.bfloat16)
             self.v_scale, self.v_zero = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
-            self.tails = int4.Tails.empty(L, NB, H, BS, D)
+            self.tails = int4.Tails(L, NB, H, BS, D)
+
+    @functools.cached_property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The tensors above as numpy views (no copy), 16-bit floats as their uint16 bits: what
+        the Numba kernels take. Made once, as a torch index + view + .numpy() per layer costs
+        microseconds on every kernel call; they view the tensors made in __post_init__."""
+        out = {}
+        for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
+            t = getattr(self, name)
+            if t is not None:
+                out[name] = t.view(torch.int16).numpy().view(np.uint16) if t.dtype in _HALF else t.numpy()
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -122,12 +137,12 @@ class HostKVPool:
 
         bf16/int8/int4 go through the Numba append (`append.py`, same numbers as `quantize`).
         """
-        blocks, offs = slots // self.block_size, slots % self.block_size
         if self.dtype is not KVDtype.F32:
             from cpu_attention.append import write_numba  # numba loads lazily
 
-            write_numba(self, layer, blocks, offs, k, v)
+            write_numba(self, layer, slots, k, v)
             return
+        blocks, offs = slots // self.block_size, slots % self.block_size
         for name, x in (("k", k), ("v", v)):
             data, scale, zero = quantize(x, self.dtype)
             getattr(self, name)[layer, blocks, :, offs] = data

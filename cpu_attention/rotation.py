@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 SIGN_SEED = 20240531  # any fixed seed: readers and writers of one process must agree
@@ -61,3 +62,9 @@ def unrotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] → x @ R.T in float32, the inverse of `rotate`."""
     return (_fwht(x.float()) * inv_sqrt(x.shape[-1])) * signs(x.shape[-1])
 
+
+
+@functools.cache
+def numba_args(D: int) -> tuple[np.ndarray, int, np.float32]:
+    """(signs [D] float32, P, 1/√P as float32): the rotation as the Numba kernels take it."""
+    return signs(D).numpy(), block(D), np.float32(inv_sqrt(D).item())

@@ -70,9 +70,10 @@ def dequantize_nf4(
 
 
 class Nf4Kernel(str, enum.Enum):
-    AUTO = "auto"  # cuda: bitsandbytes (the fastest measured); cpu: torch
+    AUTO = "auto"  # cuda: GEMV for ≤ 2 rows, else bitsandbytes (the fastest measured); cpu: torch
     BNB = "bnb"  # bitsandbytes' CUDA kernels (gemv for 1 row, gemm / dequant + cuBLAS above)
     TRITON = "triton"  # gpu_ops.nf4_triton: one-row gemv, else fused dequant + tensor-core matmul
+    GEMV = "gemv"  # gpu_ops.nf4_gemv for ≤ 8 rows (decode), bitsandbytes above
     TORCH = "torch"  # dequantize, then F.linear: the reference, and the CPU path
 
 
@@ -96,6 +97,7 @@ class NF4Linear:
         self.shape = (int(shape[0]), int(shape[1]))
         self.compute_dtype = compute_dtype  # cuda only: the CPU path computes in x's dtype
         self.kernel = kernel
+        self.gemv_config: tuple[int, int, int, int] | None = None  # nf4_gemv's tiles; None: its default
         self._bnb_state = None
 
     @property
@@ -112,8 +114,10 @@ class NF4Linear:
     def pick(self, rows: int) -> Nf4Kernel:
         if self.device.type != "cuda":
             return Nf4Kernel.TORCH
-        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/RESULTS.md): bitsandbytes wins
-            return Nf4Kernel.BNB           # every shape at 1, 32 and 512 rows; Triton stays selectable
+        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/nf4_gemv.py): nf4_gemv wins at 1
+            # and 2 rows on every Llama-3-8B shape; from 4 rows bitsandbytes wins o and down, at 8 all
+            # but gate_up
+            return Nf4Kernel.GEMV if rows <= 2 and self.in_features % BLOCK == 0 else Nf4Kernel.BNB
         return self.kernel
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -143,6 +147,15 @@ def _bnb_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     return bnb.matmul_4bit(x.to(lin.compute_dtype), lin.packed.view(-1, 1), quant_state=lin.bnb_state(), bias=b)
 
 
+def _gemv_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
+    from gpu_ops.nf4_gemv import MAX_ROWS, nf4_gemv
+
+    if x.shape[0] > MAX_ROWS or lin.in_features % BLOCK:
+        return _bnb_linear(lin, x)
+    y = nf4_gemv(x, lin.packed, lin.absmax, lin.shape, config=lin.gemv_config)
+    return y if lin.bias is None else y + lin.bias.to(y.dtype)
+
+
 def _triton_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     from gpu_ops.nf4_triton import nf4_gemv, nf4_matmul
 
@@ -151,7 +164,8 @@ def _triton_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     return y if lin.bias is None else y + lin.bias.to(y.dtype)
 
 
-_KERNELS = {Nf4Kernel.TORCH: _torch_linear, Nf4Kernel.BNB: _bnb_linear, Nf4Kernel.TRITON: _triton_linear}
+_KERNELS = {Nf4Kernel.TORCH: _torch_linear, Nf4Kernel.BNB: _bnb_linear, Nf4Kernel.TRITON: _triton_linear,
+            Nf4Kernel.GEMV: _gemv_linear}
 
 
 def nf4_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device,

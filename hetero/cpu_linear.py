@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
+import cpu_attention._numba  # noqa: F401  (Numba codegen settings: before any kernel compiles)
+
 # Rows of x up to which the GEMV kernels beat dequantize + GEMM (measured on 2 cores).
 GEMV_MAX_ROWS = 8
 
@@ -161,22 +163,21 @@ def attn_in(x: torch.Tensor, pos: torch.Tensor, norm_w: torch.Tensor, eps: float
     """
     N, H = x.shape
     D = qkv.out_features // (num_heads + 2 * num_kv_heads)
-    q, k, v = torch.empty(N, num_heads, D), torch.empty(N, num_kv_heads, D), torch.empty(N, num_kv_heads, D)
+    # numpy buffers wrapped by from_numpy: a third of torch.empty + .numpy() per call, once per layer
+    q, k, v = (np.empty((N, heads, D), np.float32) for heads in (num_heads, num_kv_heads, num_kv_heads))
     _attn_in(x.numpy(), pos.numpy(), norm_w.numpy(), np.float32(eps), qkv._qn, qkv._sn, qkv._bn, cos.numpy(),
-             sin.numpy(), np.empty((N, H), np.float32), np.empty((N, qkv.out_features), np.float32), q.numpy(), k.numpy(),
-             v.numpy())
-    return q, k, v
+             sin.numpy(), np.empty((N, H), np.float32), np.empty((N, qkv.out_features), np.float32), q, k, v)
+    return torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
 
 
 def mlp_block(x: torch.Tensor, attn: torch.Tensor, o: Int8Linear, norm_w: torch.Tensor, eps: float,
               gate_up: Int8Linear, down: Int8Linear) -> torch.Tensor:
     """x [N, H] f32, attn [N, Hq, D] or [N, Hq·D] → the layer's output [N, H] (no biases); N ≤ GEMV_MAX_ROWS."""
     N, H = x.shape
-    out = torch.empty(N, H)
+    out = np.empty((N, H), np.float32)
     _mlp_block(x.numpy(), attn.float().numpy().reshape(N, -1), o._qn, o._sn, norm_w.numpy(), np.float32(eps), gate_up._qn, gate_up._sn,
-               down._qn, down._sn, np.empty((N, H), np.float32), np.empty((N, down.in_features), np.float32),
-               out.numpy())
-    return out
+               down._qn, down._sn, np.empty((N, H), np.float32), np.empty((N, down.in_features), np.float32), out)
+    return torch.from_numpy(out)
 
 
 # ---------------------------------------------------------------------------- torch twins

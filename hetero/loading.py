@@ -37,6 +37,7 @@ def load(
     threads: int | None = None,
     block_size: int = 32,
     gpu_kv_tokens: int | None = None,
+    stream_tokens: int | None = None,
     sub_batches: int | None = None,
     gpu_mem: str | int | None = None,
     cpu_mem: str | int | None = None,
@@ -53,7 +54,9 @@ def load(
     ctx_size: tokens per sequence (0: the model's, capped at 4096 unless asked);
     parallel: sequences the KV cache holds at full context; gpu_kv_tokens: each sequence's
     first tokens kept on the device tier (the rest on the host tier; with device cpu the
-    device tier is a CPU stand-in); sub_batches: 1 or 2 (None: automatic); sampling: default
+    device tier is a CPU stand-in); stream_tokens: at batch 1, how many of the host tier's first
+    tokens the device attends over after copying them up each step (None: the planner's choice;
+    with device cpu, the stand-in device); sub_batches: 1 or 2 (None: automatic); sampling: default
     sampling parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed, max_new_tokens).
     """
     path = Path(model) if model else demo_model_path()
@@ -83,7 +86,8 @@ def load(
 
         p = _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype, threads=threads,
                   sub_batches=sub_batches, block_size=block_size,
-                  gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx))
+                  gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx),
+                  stream_tokens=stream_tokens)
         check_weights_supported(p)
         fence_gpu_memory(p.budget.gpu_bytes, dev)
         fmt = {"nf4": WeightFormat.NF4, "bf16": WeightFormat.BF16, "f32": WeightFormat.F32}[p.weights.value]
@@ -103,7 +107,8 @@ def load(
     cache = TieredKVCache(cfg, host_tokens=(ctx - gpu_kv) * parallel + block_size * parallel,
                           gpu_tokens=gpu_kv * parallel, host_dtype=kv, gpu_tokens_per_seq=gpu_kv, device=dev,
                           block_size=block_size, pin=False)
-    runner = Runner(m, cache, threads=threads, sub_batches=sub_batches, max_batch=parallel, max_context=ctx)
+    runner = Runner(m, cache, threads=threads, sub_batches=sub_batches, max_batch=parallel, max_context=ctx,
+                    stream_tokens=stream_tokens or 0)
     info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx,
             "kv_tiers": f"{gpu_kv} tokens/seq on {dev.type} (bf16), the rest on the host ({kv.value})"}
     return Engine(m, tok, runner, ctx, defaults, info=info)

@@ -53,9 +53,10 @@ def runtime_from_plan(model: Model, plan: Plan, pin: bool = False, detailed_timi
         gpu_tokens_per_seq=kv.gpu_tokens if gpu_tokens else 0,
         device=dev,
         block_size=kv.block_size,
-        pin=pin,
+        pin=pin or kv.stream_tokens > 0,  # streamed blocks go up by DMA: pinned
     )
     log.info("KV: %d tokens/seq on %s (%s), %d on the host (%s), batch %d", kv.gpu_tokens, dev,
              kv.gpu_dtype.value, kv.host_tokens, kv.host_dtype.value, batch)
     return Runner(model, cache, threads=plan.threads, sub_batches=plan.sub_batches, detailed_timing=detailed_timing,
-                  max_batch=batch, max_context=plan.workload.ctx_size)
+                  max_batch=batch, max_context=plan.workload.ctx_size,
+                  stream_tokens=kv.stream_tokens if dev.type == "cuda" else 0)

@@ -1,14 +1,19 @@
-"""Each layer's two GPU segments of a split decode step, captured as CUDA graphs.
+"""Each layer's GPU segments of a split decode step, captured as CUDA graphs.
 
-    pre(i):  x → pre_attention → q, k, v; the new k/v into the device tier; the device tier's
-             attention → (o_g, lse_g)
-    post(i): merge with the host's (o_c, lse_c) → post_attention → x
+    pre(i):  x → pre_attention → q, k, v; the new k/v into the device tier; q, k, v (float32)
+             down into pinned staging (`down`)
+    attn(i): the device's attention shares → partial (o, lse) each: over its own tier, and over
+             the streamed host blocks (offload/stream.py; the runner waits for their copy first)
+             (only when there is a device tier or a streamer)
+    post(i): (o_c, lse_c) up from pinned staging (`up`), merged with the device's partials →
+             post_attention → x
 
-Between the two, outside any graph, q and the host-tier k/v go down, the CPU attends, and
-(o_c, lse_c) come up. A step then costs 2 graph launches a layer instead of ~40 kernel
-launches from Python. Inputs and outputs live in static buffers, one set per (sub-batch
-slot, batch size); new tokens whose KV goes to the host write their device-tier copy into
-the pool's scratch block, and a sequence with no device-tier tokens gets lse −inf there.
+Between pre and post, outside any graph, the CPU attends: it waits for pre's event, reads q and
+the new k/v from `down`, appends and attends, and writes (o, lse) into `up`. A step then costs
+2–3 graph launches and one event a layer; every copy is inside a graph. Inputs and outputs live
+in static buffers, one set per (sub-batch slot, batch size); new tokens whose KV goes to the host
+write their device-tier copy into the pool's scratch block, and a sequence with no device-tier
+tokens gets lse −inf there.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from gpu_ops.attention import decode_attention
 from gpu_ops.decode_step import no_sync_view
 from hetero.model import Model
 from offload.kv_cache import TieredKVCache
+from offload.stream import KVStreamer
 
 log = logging.getLogger(__name__)
 
@@ -28,57 +34,80 @@ log = logging.getLogger(__name__)
 class Captured:
     """Static buffers and graphs for one batch size."""
 
-    def __init__(self, model: Model, cache: TieredKVCache, B: int, mempool):
+    def __init__(self, model: Model, cache: TieredKVCache, B: int, mempool, streamer: KVStreamer | None = None):
         c, dev, dt = model.cfg, model.device, model.act_dtype
-        self.B, self.model, self.cache = B, model, cache
+        self.B, self.model, self.cache, self.streamer = B, model, cache, streamer
         self.gpu = cache.gpu
         z = lambda *s, dtype=dt: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
+        pin = lambda *s: torch.zeros(*s, dtype=torch.float32, pin_memory=True)  # noqa: E731
         self.x = z(B, c.hidden_size)
         self.pos = z(B, dtype=torch.int64)
+        self.down = dict(q=pin(B, c.num_heads, c.head_dim), k=pin(B, c.num_kv_heads, c.head_dim),
+                         v=pin(B, c.num_kv_heads, c.head_dim))
+        self.up = dict(o=pin(B, c.num_heads, c.head_dim), lse=pin(B, c.num_heads))
         self.o_c = z(B, c.num_heads, c.head_dim, dtype=torch.float32)
-        self.lse_c = torch.full((B, c.num_heads), float("-inf"), device=dev)
+        self.lse_c = z(B, c.num_heads, dtype=torch.float32)
         if self.gpu is not None:
             width = max(1, -(-cache.gpu_tokens_per_seq // cache.block_size))
             self.slots = torch.full((B,), self.gpu.scratch_block * cache.block_size, dtype=torch.int64, device=dev)
             self.tables = torch.full((B, width), self.gpu.scratch_block, dtype=torch.int32, device=dev)
             self.lens = z(B, dtype=torch.int32)
         self.pre: list[torch.cuda.CUDAGraph] = []
+        self.attn: list[torch.cuda.CUDAGraph] = []  # empty without a device tier or a streamer
         self.post: list[torch.cuda.CUDAGraph] = []
-        self.outs: list[tuple] = []
+        self.outs: list[tuple] = []  # per layer (q, k, v), pre's static outputs
         for i in range(c.num_layers):
             self._capture(i, mempool)
 
     def _pre(self, i: int):
         q, k, v = self.model.pre_attention(i, self.x, self.pos)
-        og = lg = None
         if self.gpu is not None:
             self.gpu.write(i, self.slots, k, v)  # host-bound rows land in the scratch block
-            og, lg = decode_attention(self.gpu, i, q, self.tables, self.lens, self.model.scale)
-        return q, k, v, og, lg
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            self.down[name].copy_(t, non_blocking=True)  # into pinned memory: a captured async copy
+        return q, k, v
 
-    def _post(self, i: int, og, lg):
-        o = self.o_c if og is None else merge_attention(og, lg, self.o_c, self.lse_c)[0]
+    def _attn(self, i: int, q) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        parts = []
+        if self.gpu is not None:
+            parts.append(decode_attention(self.gpu, i, q, self.tables, self.lens, self.model.scale))
+        if self.streamer is not None:  # lens 0 on a step that streams nothing: lse -inf, merged away
+            parts.append(self.streamer.attend(i, q, self.model.scale, wait=False))
+        return parts
+
+    def _post(self, i: int, parts) -> None:
+        self.o_c.copy_(self.up["o"], non_blocking=True)
+        self.lse_c.copy_(self.up["lse"], non_blocking=True)
+        o, lse = self.o_c, self.lse_c
+        for o_d, lse_d in parts:
+            o, lse = merge_attention(o_d, lse_d, o, lse)
         self.x.copy_(self.model.post_attention(i, self.x, o.to(self.x.dtype)))
 
     def _capture(self, i: int, mempool) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the graph (Triton compiles, cuBLAS handles)
-            outs = self._pre(i)
-            self._post(i, outs[3], outs[4])
+            q, k, v = self._pre(i)
+            self._post(i, self._attn(i, q))
         torch.cuda.current_stream().wait_stream(side)
-        g_pre, g_post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        g_pre, g_attn, g_post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(g_pre, pool=mempool):
-            outs = self._pre(i)
+            q, k, v = self._pre(i)
+        parts = []
+        if self.gpu is not None or self.streamer is not None:
+            with torch.cuda.graph(g_attn, pool=mempool):
+                parts = self._attn(i, q)
+            self.attn.append(g_attn)
         with torch.cuda.graph(g_post, pool=mempool):
-            self._post(i, outs[3], outs[4])
+            self._post(i, parts)
         self.pre.append(g_pre)
         self.post.append(g_post)
-        self.outs.append(outs)
+        self.outs.append((q, k, v))
 
     def load(self, x: torch.Tensor, pos: torch.Tensor, gpu_rows: list[int], gpu_slots: list[int],
              tables: torch.Tensor | None, lens: torch.Tensor | None) -> None:
-        """One step's inputs into the static buffers (asynchronous copies)."""
+        """One step's inputs into the static buffers (asynchronous copies); the CPU's share empty
+        (out 0, lse -inf) until a host job writes it."""
         self.x.copy_(x)
         self.pos.copy_(pos, non_blocking=True)
         if self.gpu is not None:
@@ -92,16 +121,16 @@ class Captured:
             if tables is not None:
                 self.tables[:, : tables.shape[1]].copy_(tables, non_blocking=True)
                 self.lens.copy_(lens, non_blocking=True)
-        self.o_c.zero_()
-        self.lse_c.fill_(float("-inf"))
+        self.up["o"].zero_()
+        self.up["lse"].fill_(float("-inf"))
 
 
 class SegmentGraphs:
     """Captured layer segments per (sub-batch slot, batch size), built on first use."""
 
-    def __init__(self, model: Model, cache: TieredKVCache, max_pos: int):
+    def __init__(self, model: Model, cache: TieredKVCache, max_pos: int, streamer: KVStreamer | None = None):
         self.model = no_sync_view(model, max_pos)  # same weights; its RoPE never syncs with the host
-        self.cache, self.max_pos = cache, max_pos
+        self.cache, self.max_pos, self.streamer = cache, max_pos, streamer
         self._sets: dict[tuple[int, int], Captured] = {}
 
     # Above this many rows a sub-batch runs eagerly: launches are then a small part of the GPU's
@@ -120,5 +149,7 @@ class SegmentGraphs:
             # One memory pool per set: a set's graphs replay in capture order (pre0, post0, pre1, …) so
             # they may share one, but two sub-batches' sets interleave, and a shared pool would let one
             # set's intermediates overwrite the other's live outputs.
-            self._sets[key] = Captured(self.model, self.cache, B, torch.cuda.graph_pool_handle())
+            # the streamer serves batch 1 only: its share lives in the one-row set of slot 0
+            streamer = self.streamer if (slot, B) == (0, 1) else None
+            self._sets[key] = Captured(self.model, self.cache, B, torch.cuda.graph_pool_handle(), streamer)
         return self._sets[key]

@@ -2,12 +2,13 @@
 
 Decode, per layer and sub-batch (DESIGN.md "one decode step"):
   start:  pre_attention (device) → new k/v into their tiers → q (and host-tier k/v) down on the
-          copy stream → the CPU worker attends over the host blocks (Numba, off the GIL)
-          while the device attends over its own blocks
+          copy stream → the device attends over its own blocks (queued) → the CPU attends over
+          the host blocks (Numba, off the GIL) meanwhile
   finish: wait for the CPU's (o, lse) → up → merge by log-sum-exp → post_attention (device)
 With two sub-batches the loop is skewed so the device runs one sub-batch's projections and MLP
-while the CPU attends for the other (NEO / APEX); with one, the device's share of attention
-overlaps the CPU's.
+while the CPU attends for the other (NEO / APEX): the CPU's share runs on the worker thread.
+With one, the main thread would only wait for the worker, so it runs the CPU's share itself
+while the device's share of attention (already queued) runs.
 
 Prefill runs layer by layer over the whole new chunk of a sequence: this layer's earlier KV
 (both tiers) is gathered to the device once, the new tokens attend to it and causally to
@@ -26,6 +27,7 @@ from gpu_ops import attention as gpu_attention
 from hetero.model import Model
 from offload.graphs import Captured, SegmentGraphs
 from offload.kv_cache import Slots, TieredKVCache
+from offload.stream import KVStreamer
 from offload.timers import GpuSpans, Metrics, StepTimes, now
 from offload.worker import CpuWorker
 
@@ -51,14 +53,20 @@ class Part:
     gpu_out: tuple[torch.Tensor, torch.Tensor] | None = None
     job: object = None
     cap: Captured | None = None  # this sub-batch's captured layer segments (CUDA graphs)
+    work: cpu_attention.DecodeWork | None = None  # the host tier's attention plan for this step
+    inline: bool = False  # the CPU's share runs in the main thread (one sub-batch)
+    streamed: bool = False  # the device attends over the host tier's first blocks (KVStreamer)
+    stream_out: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Runner:
     def __init__(self, model: Model, cache: TieredKVCache, threads: int | None = None,
                  sub_batches: int | None = None, detailed_timing: bool = False, max_batch: int = 1,
-                 graphs: bool = True, max_context: int | None = None):
+                 graphs: bool = True, max_context: int | None = None, stream_tokens: int = 0):
         """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows);
-        max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes)."""
+        max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes);
+        stream_tokens: at batch 1, how many of the host tier's first tokens the device attends over
+        after copying them up each step (see offload/stream.py)."""
         self.model, self.cache, self.threads = model, cache, threads
         self.cfg = model.cfg
         self.dev = model.device
@@ -75,8 +83,13 @@ class Runner:
         self.max_batch = max_batch
         self._graph_decoder = None
         self.segments = None  # per-layer CUDA graphs of the split step
+        self.streamer = None
+        if stream_tokens >= cache.block_size:
+            dt = torch.float32 if cache.host.dtype is cpu_attention.KVDtype.F32 else torch.bfloat16
+            self.streamer = KVStreamer(cache.host, stream_tokens, self.dev, dt)
         if graphs and SegmentGraphs.supported(model):
-            self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings)
+            self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings,
+                                          self.streamer)
 
     # ================================================================== decode
     @torch.inference_mode()
@@ -90,6 +103,12 @@ class Runner:
             self._record(st)
             return logits
         parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
+        for p in parts:
+            p.inline = len(parts) == 1
+        if self.streamer is not None:
+            self.streamer.idle()
+            if len(seqs) == 1 and parts[0].host_tables is not None:
+                self._begin_stream(parts[0])
         L = self.cfg.num_layers
         for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
             for p in parts:
@@ -98,6 +117,8 @@ class Runner:
                 if i < L:
                     self._start(i, p, st)
         logits = torch.cat([self.model.logits(p.x) for p in parts])  # a captured x is exactly [B, H]
+        if any(p.streamed for p in parts):
+            st.h2d_bytes += self.streamer.bytes_up
         if self.cuda:
             torch.cuda.synchronize(self.dev)
             st.gpu, st.transfer = self.spans.total_s(), self.xfer.total_s()
@@ -138,18 +159,21 @@ class Runner:
         if c.gpu is not None and any(c.seqs[s].gpu.num_tokens for s in ss):
             bt, lens = c.tables(ss, "gpu")
             gpu_tables = (bt.to(c.gpu.k.device), lens.to(c.gpu.k.device))
+        work = None
         if any(c.seqs[s].host.num_tokens for s in ss):
             host_tables = c.tables(ss, "host")
+            work = cpu_attention.DecodeWork(c.host, *host_tables, self.threads)
         pdev = c.gpu.k.device if c.gpu is not None else dev
         if self.segments is not None and b - a <= SegmentGraphs.MAX_ROWS:
             cap = self.segments.get(k, b - a)
             cap.load(self.model.embed(ids), torch.tensor(positions[a:b]), sl.gpu_rows, sl.gpu_slots,
                      *(c.tables(ss, "gpu") if c.gpu is not None else (None, None)))
+            # the graphs copy q, k, v down into cap.down and (o, lse) up from cap.up themselves
             return Part(seqs=ss, x=cap.x, pos=cap.pos, slots=sl, gpu_slots=None, gpu_rows=None,
-                        host_rows=torch.tensor(sl.host_rows, device=dev) if sl.host_rows else None,
+                        host_rows=torch.tensor(sl.host_rows) if sl.host_rows else None,
                         host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
-                        gpu_tables=None, host_tables=host_tables, cap=cap,
-                        buf=self._buffers(k, b - a) if host_tables is not None else None)
+                        gpu_tables=None, host_tables=host_tables, cap=cap, work=work,
+                        buf={**cap.down, **cap.up})
         return Part(
             seqs=ss,
             x=self.model.embed(ids),
@@ -161,26 +185,50 @@ class Runner:
             host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
             gpu_tables=gpu_tables,
             host_tables=host_tables,
+            work=work,
             buf=self._buffers(k, b - a) if self.cuda and host_tables is not None else None,
         )
+
+    def _begin_stream(self, p: Part) -> None:
+        """Give the host tier's first full blocks to the streamer (capped by the plan), the rest to the CPU."""
+        c, sv = self.cache, self.streamer
+        blocks = c.seqs[p.seqs[0]].host.blocks
+        n = min(sv.max_blocks, len(blocks) - 1)  # the last block takes this step's token: the CPU's
+        if n < 1:
+            return
+        sv.begin(blocks[:n])
+        bt, lens = p.host_tables
+        p.host_tables = (bt[:, n:], lens - n * c.block_size)
+        p.work = cpu_attention.DecodeWork(c.host, *p.host_tables, self.threads)
+        p.streamed = True
+        for layer in range(min(2, self.cfg.num_layers)):
+            sv.prefetch(layer)
 
     def _start(self, i: int, p: Part, st: StepTimes) -> None:
         span = self.spans.begin()
         if p.cap is not None:
             p.cap.pre[i].replay()
-            q, k, v, _, _ = p.cap.outs[i]
-            if p.host_tables is not None:
-                p.job = self._submit_host(i, p, q, k, v, st)
-            self.spans.end(span)
-            return
-        q, k, v = self.model.pre_attention(i, p.x, p.pos)
-        if p.gpu_rows is not None:
-            self.cache.gpu.write(i, p.gpu_slots, k[p.gpu_rows], v[p.gpu_rows])
-        if p.host_tables is not None:
-            p.job = self._submit_host(i, p, q, k, v, st)
-        if p.gpu_tables is not None:
+            q, k, v = p.cap.outs[i]
+        else:
+            q, k, v = self.model.pre_attention(i, p.x, p.pos)
+            if p.gpu_rows is not None:
+                self.cache.gpu.write(i, p.gpu_slots, k[p.gpu_rows], v[p.gpu_rows])
+        down = self._send_down(p, q, k, v, st) if p.host_tables is not None else None
+        if p.cap is not None and p.cap.attn:
+            if p.streamed:
+                self.streamer.ready(i)
+            p.cap.attn[i].replay()
+            if p.streamed:
+                self.streamer.release(i)
+        elif p.cap is None and p.gpu_tables is not None:
             p.gpu_out = gpu_attention.decode_attention(self.cache.gpu, i, q, *p.gpu_tables, self.model.scale)
+        if p.cap is None and p.streamed:
+            p.stream_out = self.streamer.attend(i, q, self.model.scale)
+        if p.streamed and i + 2 < self.cfg.num_layers:
+            self.streamer.prefetch(i + 2)
         self.spans.end(span)
+        if down is not None:
+            p.job = self.worker.submit(self._host_job, i, p, *down, inline=p.inline)
 
     def _finish(self, i: int, p: Part, st: StepTimes) -> None:
         o = lse = None
@@ -189,38 +237,43 @@ class Runner:
             o, lse, dt = p.job.wait()
             st.wait += now() - t
             st.cpu_attention += dt
-            if self.cuda:  # up from the pinned buffers: async DMAs on the compute stream
-                xs = self.xfer.begin()
+            if self.cuda:
                 st.h2d_bytes += o.numel() * 4 + lse.numel() * 4
-                if p.cap is not None:
-                    p.cap.o_c.copy_(o, non_blocking=True)
-                    p.cap.lse_c.copy_(lse, non_blocking=True)
-                else:
-                    o, lse = o.to(self.dev, non_blocking=True), lse.to(self.dev, non_blocking=True)
+            if self.cuda and p.cap is None:  # up from the pinned buffers: async DMAs on the compute stream
+                xs = self.xfer.begin()
+                o, lse = o.to(self.dev, non_blocking=True), lse.to(self.dev, non_blocking=True)
                 self.xfer.end(xs)
         span = self.spans.begin()
-        if p.cap is not None:
+        if p.cap is not None:  # the post graph copies (o, lse) up itself and merges the device's shares
             p.cap.post[i].replay()
             p.job = None
             self.spans.end(span)
             return
-        if p.gpu_out is not None:
-            o_g, lse_g = p.gpu_out
+        for o_g, lse_g in (x for x in (p.gpu_out, p.stream_out) if x is not None):
             o, lse = (o_g, lse_g) if o is None else merge_attention(o_g, lse_g, o.to(o_g.device), lse.to(o_g.device))
-        p.job = p.gpu_out = None
+        p.job = p.gpu_out = p.stream_out = None
         p.x = self.model.post_attention(i, p.x, o.to(self.dev, p.x.dtype))
         self.spans.end(span)
 
-    def _submit_host(self, i: int, p: Part, q, k, v, st: StepTimes):
-        """Send q and the host-tier k/v down, then queue the CPU's share of layer i."""
+    def _send_down(self, p: Part, q, k, v, st: StepTimes):
+        """Queue q and the host-bound new k/v down on the copy stream → (ready event, q, k, v) on the host."""
         hr = p.host_rows
         if not self.cuda:  # on the host already; every row is host-bound on a CPU-only run
             every = hr is not None and hr.numel() == k.shape[0]
             kh = None if hr is None else (k if every else k[hr])
             vh = None if hr is None else (v if every else v[hr])
-            return self.worker.submit(self._host_job, i, p, None, q, kh, vh)
+            return None, q, kh, vh
         B, n = q.shape[0], 0 if hr is None else hr.numel()
         buf = p.buf
+        st.d2h_bytes += (q.numel() + 2 * n * k.shape[1] * k.shape[2]) * 4
+        if p.cap is not None:  # pre's graph copied q, k, v of every row down already
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.dev))
+            if not n:
+                return ready, buf["q"], None, None
+            if n == B:
+                return ready, buf["q"], buf["k"], buf["v"]
+            return ready, buf["q"], (buf["k"], hr), (buf["v"], hr)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.dev))
         with torch.cuda.stream(self.copy_stream):
             xs = self.xfer.begin(self.copy_stream)
@@ -231,27 +284,23 @@ class Runner:
             self.xfer.end(xs, self.copy_stream)
             ready = torch.cuda.Event()
             ready.record(self.copy_stream)
-        st.d2h_bytes += (q.numel() + 2 * n * k.shape[1] * k.shape[2]) * 4
-        return self.worker.submit(self._host_job, i, p, ready, buf["q"][:B],
-                                  buf["k"][:n] if n else None, buf["v"][:n] if n else None)
+        return ready, buf["q"][:B], buf["k"][:n] if n else None, buf["v"][:n] if n else None
 
     @torch.inference_mode()  # thread-local: the worker needs its own
     def _host_job(self, i: int, p: Part, ready, q, kh, vh):
-        """Runs on the CPU worker: append the host-tier k/v, attend over the host blocks."""
+        """Runs on the CPU worker (or inline): append the host-tier k/v, attend over the host blocks."""
         if ready is not None:
             ready.synchronize()
         t = now()
+        if isinstance(kh, tuple):  # (all rows, the host-bound ones): picked now that the copy is done
+            kh, vh = kh[0][kh[1]], vh[0][vh[1]]
         if kh is not None:
             self.cache.host.write(i, p.host_slots, kh, vh)
-        o, lse = cpu_attention.decode_attention(self.cache.host, i, q.float(), *p.host_tables, self.model.scale,
-                                                threads=self.threads)
-        dt = now() - t
-        if p.buf is not None:  # pinned, so the copy up is a true async DMA
-            B = o.shape[0]
-            p.buf["o"][:B].copy_(o)
-            p.buf["lse"][:B].copy_(lse)
-            o, lse = p.buf["o"][:B], p.buf["lse"][:B]
-        return o, lse, dt
+        B = q.shape[0]
+        out = (p.buf["o"][:B], p.buf["lse"][:B]) if p.buf is not None else None  # pinned: the copy up is a true async DMA
+        o, lse = cpu_attention.decode_attention(self.cache.host, i, q.float(), None, None, self.model.scale,
+                                                work=p.work, out=out)
+        return o, lse, now() - t
 
     def _buffers(self, k: int, B: int) -> dict[str, torch.Tensor]:
         """Pinned staging buffers for sub-batch slot k, grown to at least B rows."""

@@ -22,8 +22,10 @@ class CpuWorker:
         """inline: run jobs in the caller's thread (CPU-only runs, where there is nothing to overlap)."""
         self._pool = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attention")
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Job:
-        if self._pool is None:
+    def submit(self, fn: Callable[..., Any], *args: Any, inline: bool = False) -> Job:
+        """inline: run now in the caller's thread, when the caller has nothing to do meanwhile
+        (one sub-batch: the main thread would only wait), which saves two thread hand-offs."""
+        if self._pool is None or inline:
             return Job(value=fn(*args))
         return Job(self._pool.submit(fn, *args))
 

@@ -48,6 +48,8 @@ def plan_cmd(
     kv_dtype: Optional[str] = _opt(None, "--kv-dtype", help="host-tier KV: auto|bf16|int8|int4"),
     gpu_kv_dtype: Optional[str] = _opt(None, "--gpu-kv-dtype", help="GPU-tier KV: auto|bf16|int8|int4"),
     gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="GPU-tier KV tokens per sequence"),
+    stream_tokens: Optional[int] = _opt(None, "--kv-stream-tokens",
+                                        help="host-tier KV tokens the GPU attends over after copying them up each step (batch 1)"),
     weights: str = _opt("auto", "--weights", help="auto|4bit|int8|bf16|f32 (int8: CPU only)"),
     weight_mode: str = _opt("auto", "--weight-mode", help="weights that do not fit the GPU: auto|stream|cpu"),
     device: str = _opt("auto", "--device", help="auto|cpu|cuda"),
@@ -65,7 +67,7 @@ def plan_cmd(
         budget = budget_from(hw, gpu_mem, cpu_mem)
         ov = overrides_from(device=device, weights=weights, kv_dtype=kv_dtype, gpu_kv_dtype=gpu_kv_dtype,
                             threads=threads, sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens,
-                            weight_mode=weight_mode)
+                            weight_mode=weight_mode, stream_tokens=stream_tokens)
         p = plan(cfg, hw, budget, wl, ov)
     except UserError as e:
         _fail(e)

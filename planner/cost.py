@@ -17,6 +17,11 @@ from planner.profile import HardwareProfile
 from planner.tensors import Group, Kind, WDtype, experts_touched, kv_bytes_per_token_layer, weight_groups
 
 GB = 1e9
+# Share of the measured PCIe rate streamed host KV gets inside a decode step. Measured about half
+# (H100 host, 2026-11-22 22:45 UTC: 753 MB a step in 26 ms at 8k), but planning with 0.5 chose
+# less streaming and measured slower (8k bf16 30.5 vs 38.2 tok/s, 32k bf16 13.1 vs 16.2; next
+# run), so plans use the full rate and over-predict streamed steps by ~10-20%.
+STREAM_PCIE_SHARE = 1.0
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
 
 
@@ -79,23 +84,26 @@ def decode_step(
     """One decode step of `batch` sequences at `context` tokens each.
 
     Per layer, with n sub-batches of B/n sequences:
-      g = Σ_sub (GPU GEMVs of resident and streamed groups) + GPU attention over T_g
-      c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c (+ a fixed cost per call)
-      p = streamed W / PCIe                       (copy stream, prefetched a layer ahead)
+      g = Σ_sub (GPU GEMVs of resident and streamed groups) + GPU attention over T_g (+ T_s)
+      c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c − T_s (+ a fixed cost per call)
+      p = streamed W / PCIe + T_s · kvb / PCIe    (copy streams, prefetched a layer or two ahead)
+      d = T_c · kvb / DRAM read                   (host KV leaves DRAM once, to the CPU or to PCIe)
       x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
-      n = 1: t = max(g_lin + max(g_att, c_att + x_att), p) + c_w + x_w
+      n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + c_w + x_w
              (attention overlaps across devices; CPU-mode weights stall the GPU)
       n = 2: t = max(g, c + x, p)   (sub-batch A's GPU work hides B's CPU work, NEO-style)
       t += n · per-layer overhead
     step = Σ_layers t + head (final norm, lm_head, embedding lookup) in the same way.
+    T_s: the host tier's first tokens the GPU attends over after copying them up (batch 1 only).
     """
     pairs = _pairs(cfg, placements)
     T_g, T_c = tier_tokens(kv, context)
+    T_s = min(kv.stream_tokens, T_c) if batch == 1 and hw.has_gpu else 0
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     gpu_gflops = hw.gpu_tflops * 1000 or 1e9
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
     terms = dict.fromkeys(("gpu weights", "gpu attention", "cpu attention", "cpu weights", "pcie weights",
-                           "transfers", "overhead"), 0.0)
+                           "pcie kv", "transfers", "overhead"), 0.0)
     nbytes = dict.fromkeys(terms, 0.0)
     total = 0.0
     for layer, groups in sorted(pairs.items(), key=lambda kv_: kv_[0] < 0):  # layers, then the head
@@ -115,23 +123,30 @@ def decode_step(
             if pl.mode is Mode.STREAM:
                 p += pl.nbytes / (hw.pcie_h2d_gbps * GB)
                 nbytes["pcie weights"] += pl.nbytes
-        g_att = c_att = x_att = 0.0
+        g_att = c_att = x_att = s_up = d = 0.0
         if layer >= 0:
+            T_cpu = T_c - T_s
             for b in sub:
                 g_att += attention_seconds(b, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_gbps or 1.0)
-                c_att += attention_seconds(b, T_c, kv.host_dtype, cfg, attn_rate) + (hw.cpu_attention_call_s if T_c else 0.0)
-                if T_c and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
+                g_att += attention_seconds(b, T_s, KVDtype.BF16, cfg, hw.gpu_attention_gbps or 1.0)
+                c_att += attention_seconds(b, T_cpu, kv.host_dtype, cfg, attn_rate) + (hw.cpu_attention_call_s if T_cpu else 0.0)
+                if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
                     x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
-            nbytes["gpu attention"] += batch * T_g * kv_bytes_per_token_layer(cfg, kv.gpu_dtype)
-            nbytes["cpu attention"] += batch * T_c * kv_bytes_per_token_layer(cfg, kv.host_dtype)
+            s_up = T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype) / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
+            if T_s:
+                d = T_c * kv_bytes_per_token_layer(cfg, kv.host_dtype) / (max(hw.dram_read_gbps, 1e-9) * GB)
+            nbytes["gpu attention"] += batch * (T_g + T_s) * kv_bytes_per_token_layer(cfg, kv.gpu_dtype)
+            nbytes["cpu attention"] += batch * T_cpu * kv_bytes_per_token_layer(cfg, kv.host_dtype)
+            nbytes["pcie kv"] += T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype)
         over = sub_batches * hw.layer_overhead_s if layer >= 0 else 0.0
         if sub_batches == 1:
-            t = max(g_lin + max(g_att, c_att + x_att), p) + c_w + x_w + over
+            t = max(g_lin + max(g_att, c_att + x_att), p + s_up, d) + c_w + x_w + over
         else:
             t = max(g_lin + g_att, c_att + c_w + x_att + x_w, p) + over
         total += t
         for k, v in (("gpu weights", g_lin), ("gpu attention", g_att), ("cpu attention", c_att),
-                     ("cpu weights", c_w), ("pcie weights", p), ("transfers", x_att + x_w), ("overhead", over)):
+                     ("cpu weights", c_w), ("pcie weights", p), ("pcie kv", s_up), ("transfers", x_att + x_w),
+                     ("overhead", over)):
             terms[k] += v
     return StepCost(total, terms, nbytes)
 

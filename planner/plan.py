@@ -82,6 +82,7 @@ class Overrides:
     sub_batches: int | None = None
     weight_mode: Mode | None = None  # STREAM or CPU for weights that do not fit on the GPU
     gpu_kv_tokens: int | None = None  # per sequence
+    stream_tokens: int | None = None  # host-tier tokens the GPU attends over after streaming them (batch 1)
     block_size: int | None = None
 
 
@@ -94,6 +95,9 @@ class KVPlan:
     host_dtype: KVDtype
     gpu_bytes: int  # whole batch
     host_bytes: int  # whole batch
+    # per sequence at batch 1: of the host tier's first tokens, how many the GPU attends over after
+    # copying them up over PCIe each step (they stay stored on the host; offload/stream.py)
+    stream_tokens: int = 0
 
 
 @dataclass(frozen=True)

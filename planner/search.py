@@ -58,6 +58,7 @@ class _Candidate:
     cost: StepCost
     order: str
     kv_reason: str = ""
+    stream_reason: str = ""
 
 
 def plan(
@@ -155,17 +156,19 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
             )
         for gpu_tokens, extra, kv_reason in _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_kv_dtype,
                                                                host_dtype, threads, readback):
-            kv = _kv(cfg, wl, block, gpu_tokens, gpu_kv_dtype, host_dtype)
-            mem = _memory(hw, budget, pl, kv, work + staging + extra)
-            try:
-                _check_host(mem, wl, host_dtype, ov)
-            except UserError as e:
-                err = err or e
-                continue
-            for n in subs:
-                cost = decode_step(cfg, hw, pl, kv, wl.batch, wl.decode_context, threads, n)
-                if best is None or cost.seconds < best.cost.seconds * (1 - 1e-9):
-                    best = _Candidate(pl, kv, n, mem, cost, order_name, kv_reason)
+            kv0 = _kv(cfg, wl, block, gpu_tokens, gpu_kv_dtype, host_dtype)
+            for stream, s_bytes, s_reason in _stream_options(cfg, hw, wl, ov, kv0, left - kv0.gpu_bytes - extra):
+                kv = replace(kv0, stream_tokens=stream)
+                mem = _memory(hw, budget, pl, kv, work + staging + extra + s_bytes)
+                try:
+                    _check_host(mem, wl, host_dtype, ov)
+                except UserError as e:
+                    err = err or e
+                    continue
+                for n in subs:
+                    cost = decode_step(cfg, hw, pl, kv, wl.batch, wl.decode_context, threads, n)
+                    if best is None or cost.seconds < best.cost.seconds * (1 - 1e-9):
+                        best = _Candidate(pl, kv, n, mem, cost, order_name, kv_reason, s_reason)
     if best is None:
         raise err
     return best
@@ -241,6 +244,40 @@ def _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, r
         balanced = int(wl.decode_context * a_c / (a_g + a_c)) // block * block
         if 0 < balanced < fit and balanced * per_tok + readback <= left:
             out.append((balanced, readback, "GPU and CPU attention finish together"))
+    return out
+
+
+STREAM_SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)  # of the host tier's tokens, tried for the GPU's streamed share
+
+
+def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int) -> int:
+    """Device memory the KV streamer needs (offload/stream.py): two layer slots of `tokens` tokens in
+    bf16, plus two of the host dtype's codes when they need dequantizing first."""
+    per = _kv_layer_bytes(cfg, KVDtype.BF16) + (_kv_layer_bytes(cfg, host_dt) if host_dt is not KVDtype.BF16 else 0)
+    return int(2 * tokens * per)
+
+
+def _stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int, int, str]]:
+    """(streamed tokens, staging bytes, reason) to try: none, and shares of the host tier that fit.
+    Batch 1 only: at larger batches two sub-batches already keep both devices busy."""
+    if ov.stream_tokens is not None:
+        if ov.stream_tokens and not hw.has_gpu:
+            raise UserError("--kv-stream-tokens needs a GPU: drop it or use --device cuda")
+        need = stream_staging_bytes(cfg, kv.host_dtype, ov.stream_tokens)
+        if ov.stream_tokens and need > left:
+            raise UserError(f"--kv-stream-tokens {ov.stream_tokens} needs {fs(need)} of staging on cuda:0, "
+                            f"{fs(max(0, left))} is left: lower it or raise --gpu-mem")
+        return [(ov.stream_tokens, need if ov.stream_tokens else 0, "set by the user")]
+    out = [(0, 0, "the CPU attends over the whole host tier")]
+    host = min(wl.decode_context - kv.gpu_tokens, kv.host_tokens)
+    if not hw.has_gpu or wl.batch != 1 or host < 2 * kv.block_size:
+        return out
+    for share in STREAM_SHARES:
+        n = int(host * share) // kv.block_size * kv.block_size
+        need = stream_staging_bytes(cfg, kv.host_dtype, n)
+        if n and need <= left:
+            out.append((n, need, f"the GPU attends over {share:.0%} of the host tier, copied up over PCIe "
+                                  "while the CPU attends over the rest"))
     return out
 
 
@@ -322,6 +359,11 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
                           "the GPU as weights or KV"))
     if ov.gpu_kv_tokens is None:
         out.append(Choice("GPU-tier KV", f"{best.kv.gpu_tokens} tokens a sequence", best.kv_reason))
+    if ov.stream_tokens is None and best.kv.stream_tokens:
+        other = alt(stream_tokens=0)
+        vs = f"; {other:.1f} tok/s without" if other else ""
+        out.append(Choice("streamed host KV", f"{best.kv.stream_tokens} tokens a step",
+                          f"{best.stream_reason}: predicts {me:.1f} tok/s{vs}"))
     if wl.batch >= 2 and ov.sub_batches is None:
         other = alt(sub_batches=3 - best.sub_batches)
         vs = f" vs {other:.1f} tok/s with {3 - best.sub_batches}" if other else ""

@@ -40,10 +40,10 @@ CASES = [  # (head dim, block size): every head dim, several block sizes
 ]
 
 
-def make(dtype: KVDtype, D: int, BS: int, lens: list[int], seed: int = 0, by_token: bool = False):
-    """A pool holding len(lens) sequences in shuffled blocks, plus their exact K/V (float64).
-    Each sequence is written in one call, or (by_token) as decode fills a cache: its first 3
-    tokens in one call, then one token a call."""
+def make(dtype: KVDtype, D: int, BS: int, lens: list[int], seed: int = 0, g: int = G, by_token: bool = False):
+    """A pool holding len(lens) sequences in shuffled blocks, plus their exact K/V (float64),
+    and queries for g query heads per kv head. Each sequence is written in one call, or
+    (by_token) as decode fills a cache: its first 3 tokens in one call, then one token a call."""
     gen = torch.Generator().manual_seed(seed)
     nbs = [-(-n // BS) for n in lens]
     NB = sum(nbs) + 2
@@ -64,16 +64,17 @@ def make(dtype: KVDtype, D: int, BS: int, lens: list[int], seed: int = 0, by_tok
         for a, b in zip(cuts, cuts[1:]):
             pool.write(0, slots[a:b], k[a:b], v[a:b])
         raw.append((k, v))
-    q = torch.randn(len(lens), HKV * G, D, generator=gen)
+    q = torch.randn(len(lens), HKV * g, D, generator=gen)
     return pool, bt, torch.tensor(lens), q, raw
 
 
 def exact_attention(q, raw, scale):
     """float64 attention over the unquantized K/V: out [B, Hq, D], lse [B, Hq]."""
     outs, lses = [], []
+    g = q.shape[1] // HKV
     for b, (k, v) in enumerate(raw):
-        kk = k.permute(1, 0, 2).repeat_interleave(G, 0)  # [Hq, n, D]
-        vv = v.permute(1, 0, 2).repeat_interleave(G, 0)
+        kk = k.permute(1, 0, 2).repeat_interleave(g, 0)  # [Hq, n, D]
+        vv = v.permute(1, 0, 2).repeat_interleave(g, 0)
         s = torch.einsum("hd,hnd->hn", q[b].double(), kk) * scale
         lse = torch.logsumexp(s, -1)
         outs.append(torch.einsum("hn,hnd->hd", torch.exp(s - lse[:, None]), vv))
@@ -101,6 +102,24 @@ def test_decode_matches_references(dtype, D, BS):
     # quantization error against the unquantized float64 attention, per sequence
     eo, el = exact_attention(q, raw, scale)
     for b, n in enumerate(LENS):
+        tol = INT4_ONE_ROW_TOL if (dtype is KVDtype.INT4 and n == 1) else QUANT_TOL[dtype]
+        assert rel(out[b], eo[b]) < tol, (b, n)
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4])
+@pytest.mark.parametrize("g", [1, 2, 4, 5, 6, 7, 8])
+def test_decode_every_group_size(dtype, g):
+    """The kernels do heads in groups of 4, then one group of 3, 2 or 1 (G = 3 is the main
+    test's): every remainder and more than one full group, odd lengths (odd last tiles)."""
+    D, BS, lens = 64, 16, [1, 17, 1000]
+    pool, bt, sl, q, raw = make(dtype, D, BS, lens, seed=g, g=g)
+    scale = 1 / math.sqrt(D)
+    out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=2)
+    ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
+    assert rel(out, ro) < 1e-4
+    assert (lse.double() - rl).abs().max() < 1e-4
+    eo, _ = exact_attention(q, raw, scale)
+    for b, n in enumerate(lens):
         tol = INT4_ONE_ROW_TOL if (dtype is KVDtype.INT4 and n == 1) else QUANT_TOL[dtype]
         assert rel(out[b], eo[b]) < tol, (b, n)
 
@@ -144,6 +163,26 @@ def test_decode_many_work_items_and_empty_sequence():
         ro, rl = decode_attention_ref(pool, 0, q[[0, 2]], bt[[0, 2]], sl[[0, 2]], scale, torch.float64)
         assert rel(out[[0, 2]], ro) < 1e-4
         assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
+
+
+@pytest.mark.parametrize("n,hkv,threads", [(2048, 3, 2), (2049, 3, 2), (2048, 3, 3), (32768, 8, 16), (100, 3, 2)])
+def test_work_split_is_even(n, hkv, threads):
+    """One sequence's items: equal (but the last of each kv head, as items are block-aligned) and
+    a count that is a multiple of the threads where the sequence is long enough to split, so
+    Numba's static schedule (an equal count of consecutive items a thread) hands every thread
+    the same tokens within a few percent."""
+    import numpy as np
+
+    from cpu_attention.decode import _plan, chunk_tokens
+
+    sl = np.array([n])
+    items, _ = _plan(sl, hkv, chunk_tokens(sl, hkv, 32, threads))
+    sizes = items[:, 3] - items[:, 2]
+    assert sizes.sum() == n * hkv
+    if n >= 1024:
+        assert len(items) % threads == 0
+        per_thread = sizes.reshape(threads, -1).sum(1)
+        assert per_thread.max() <= 1.05 * n * hkv / threads, per_thread
 
 
 @pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT4])

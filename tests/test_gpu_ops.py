@@ -247,7 +247,7 @@ def test_weight_cache_key_follows_the_source(tmp_path):
 # ---------------------------------------------------------------------------------- on the GPU
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [Nf4Kernel.BNB, Nf4Kernel.TRITON, Nf4Kernel.AUTO])
+@pytest.mark.parametrize("kernel", [Nf4Kernel.BNB, Nf4Kernel.TRITON, Nf4Kernel.GEMV, Nf4Kernel.AUTO])
 @pytest.mark.parametrize("rows", [1, 5, 32, 64, 100])
 def test_gpu_nf4_kernels_match_reference(kernel, rows):
     torch.manual_seed(rows)
@@ -262,6 +262,25 @@ def test_gpu_nf4_kernels_match_reference(kernel, rows):
     y = lin(x)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, N)
     assert rel_err(y, ref) < 1e-2
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape,config", [((97, 4160), None), ((1000, 832), None), ((4096, 1024), (16, 16, 4, 1)),
+                                          ((333, 2048), (32, 8, 4, 4)), ((600, 4096), (4, 64, 4, 1))])
+def test_gpu_nf4_gemv_matches_dequantized_reference(rows, shape, config):
+    """Split-K and not, odd N and K (K a multiple of 64 only), fresh inputs."""
+    from gpu_ops.nf4_gemv import Decode, nf4_gemv
+
+    torch.manual_seed(rows + shape[0])
+    w = torch.randn(shape, device="cuda") * 0.02
+    packed, absmax = quantize_nf4(w)
+    ref_w = dequantize_nf4(packed, absmax, shape).double()
+    x = torch.randn(rows, shape[1], device="cuda").bfloat16()
+    y = nf4_gemv(x, packed, absmax, shape, Decode.PRMT, config)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, shape[0]) and torch.isfinite(y).all()
+    assert rel_err(y, x.double() @ ref_w.T) < 1e-2
 
 
 @gpu
@@ -319,3 +338,24 @@ def test_gpu_nf4_logits_near_bf16(tiny, tmp_path, monkeypatch):
         table = torch.arange(4, dtype=torch.int32)
         outs[fmt] = prefill(model, pool, torch.tensor(PROMPT), 0, torch.arange(len(PROMPT)), table, all_logits=True)
     assert rel_err(outs[WeightFormat.NF4], outs[WeightFormat.BF16]) < NF4_LOGIT_ERR
+
+
+# ---------------------------------------------------------------------------------- NF4 decoders (PTX)
+def _decoder_words():
+    torch.manual_seed(5)
+    return [b * 0x01010101 for b in range(256)] + torch.randint(0, 1 << 32, (200,), dtype=torch.int64).tolist()
+
+
+def _expected_codes(word: int) -> list[int]:
+    """Element order: byte p gives element 2p (high nibble) then 2p + 1 (low nibble)."""
+    return [c for p in range(4) for c in ((word >> (8 * p + 4)) & 15, (word >> (8 * p)) & 15)]
+
+
+def test_prmt_decoder_gives_bf16_code_book_for_every_byte():
+    from gpu_ops.nf4_ptx import bf16_bits, prmt_asm, prmt_tables
+    from ptx_emu import run
+
+    asm, bits, tables = prmt_asm(), bf16_bits(), prmt_tables()
+    for word in _decoder_words():
+        out = run(asm, {8: word, **{9 + i: t for i, t in enumerate(tables)}})
+        assert [out[e] for e in range(8)] == [bits[c] << 16 for c in _expected_codes(word)], hex(word)

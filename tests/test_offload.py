@@ -51,6 +51,35 @@ def test_split_really_uses_both_tiers(folder):
     assert seen[-1] == (0, 0)  # the finished sequence has freed its blocks
 
 
+@pytest.mark.parametrize("stream_tokens", [4, 8, 12, 1000])
+@pytest.mark.parametrize("gpu_tokens", [0, 5])
+def test_streamed_host_kv_gives_single_tier_tokens(folder, single, gpu_tokens, stream_tokens):
+    """The device attends over the host tier's first blocks (copied up each step), the CPU over
+    the rest, merged with the device tier: same tokens and logits as one tier."""
+    e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=gpu_tokens, stream_tokens=stream_tokens)
+    tokens, streamed = [], []
+    for c in e.generate(PROMPT, max_new_tokens=24, temperature=0.0):
+        tokens.append(c.token)
+        streamed.append(len(e.runner.streamer.blocks))
+    assert tokens == single[0]
+    # at most the plan's share, and never the host tier's last block (it takes the new token)
+    host_blocks = -(-(len(PROMPT) + 23 - gpu_tokens) // 4)  # at the last step, the new token included
+    assert max(streamed) == min(stream_tokens // 4, host_blocks - 1)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8", "int4"])
+def test_streamed_quantized_host_kv_matches_cpu_attention(tiny, kv):
+    """Streamed blocks are dequantized on the device: logits agree with the CPU kernels' within
+    the bf16 staging's rounding."""
+    folder = tiny("llama_hd32")[0]
+    prompt = PROMPT * 3
+    want = [c.token for c in _engine(folder, kv_dtype=kv).generate(prompt, max_new_tokens=16, temperature=0.0)]
+    e = _engine(folder, kv_dtype=kv, stream_tokens=32)
+    got = [c.token for c in e.generate(prompt, max_new_tokens=16, temperature=0.0)]
+    assert got == want
+    assert len(e.runner.streamer.blocks) == 8
+
+
 @pytest.mark.parametrize("kv", ["bf16", "int8", "int4"])
 def test_split_with_quantized_host_tier_logits_within_tolerance(tiny, kv):  # noqa: D103
     folder = tiny("llama_hd32")[0]

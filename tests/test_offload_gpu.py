@@ -36,6 +36,20 @@ def test_cuda_split_matches_cpu(folder, reference, gpu_tokens, sub_batches):
     assert rel_err(e.logits(PROMPT), reference[1]) <= 1e-4
 
 
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+@pytest.mark.parametrize("gpu_tokens", [0, 5])
+def test_cuda_streamed_host_kv_matches_cpu(folder, reference, kv, gpu_tokens):
+    """Batch 1 with the host tier's first blocks copied up on the streamer's stream and attended on
+    the GPU (CUDA graphs for the layer segments): the CPU run's tokens."""
+    e = hetero.load(folder, device="cuda", weights="f32", kv_dtype=kv, tokenizer=False, block_size=4,
+                    gpu_kv_tokens=gpu_tokens, stream_tokens=12, parallel=1)
+    want = reference[0][0] if kv == "f32" else _greedy(
+        hetero.load(folder, device="cpu", weights="f32", kv_dtype=kv, tokenizer=False, block_size=4), [PROMPT])[0]
+    assert _greedy(e, [PROMPT]) == [want]
+    assert len(e.runner.streamer.blocks) == 3
+    assert e.runner.streamer.bytes_up > 0
+
+
 def test_forced_swap_mid_generation_changes_no_token(folder, reference):
     e = hetero.load(folder, device="cuda", weights="f32", kv_dtype="f32", tokenizer=False, block_size=4,
                     gpu_kv_tokens=24, parallel=1)

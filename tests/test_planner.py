@@ -130,6 +130,24 @@ def test_user_values_are_never_changed():
     assert p.device is Device.CPU and p.memory.gpu_used == 0
 
 
+def test_streamed_host_kv_only_at_batch_one_and_within_the_budget():
+    """At batch 1 with the KV on the host, the GPU takes a share of the host tier over PCIe when that
+    predicts faster; never at batch ≥ 2, never without a GPU, and a user's value stands."""
+    hw = HOSTS[8]
+    wl = Workload(32768, batch=1, gen_tokens=256)
+    p = plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), wl, Overrides(gpu_kv_tokens=0))
+    assert 0 < p.kv.stream_tokens < p.kv.host_tokens and p.kv.stream_tokens % p.kv.block_size == 0
+    assert p.memory.gpu_used <= p.memory.gpu_budget
+    off = plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), wl, Overrides(gpu_kv_tokens=0, stream_tokens=0))
+    assert off.kv.stream_tokens == 0
+    assert p.prediction.decode_tok_s > off.prediction.decode_tok_s
+    assert any(c.setting == "streamed host KV" for c in p.choices)
+    assert plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), WL, Overrides(gpu_kv_tokens=0)).kv.stream_tokens == 0
+    assert plan(LLAMA3_8B, HOSTS[None], workload=wl).kv.stream_tokens == 0
+    with pytest.raises(UserError, match="kv-stream-tokens"):
+        plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), wl, Overrides(gpu_kv_tokens=0, stream_tokens=10**7))
+
+
 def test_no_fit_says_by_how_much_where_and_which_option():
     with pytest.raises(UserError) as e:
         plan(LLAMA3_70B, HOSTS[None], Budget(0, 48 * GIB), WL)

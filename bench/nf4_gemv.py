@@ -1,0 +1,177 @@
+"""NF4 matrix-vector kernels at decode shapes: check against the dequantized reference, then time.
+
+    python bench/nf4_gemv.py --out DIR [--rows 1,2,4,8] [--sweep] [--step]
+
+First a correctness pass (odd shapes, 1/3/8 rows, split-K and not), then per Llama-3-8B linear
+shape and row count: bitsandbytes, the earlier Triton one-row kernel and `gpu_ops.nf4_gemv`
+(with --sweep several tile shapes at 1 row), µs a call inside a CUDA graph with copies rotated
+so that L2 does not serve them, and GB/s of NF4 bytes (+ x and y). --step adds the graphed
+batch-1 decode step of the whole model: bitsandbytes vs nf4_gemv with this run's best tiles.
+Full JSON and log under DIR; a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gpu_decode import build_model, decode_case, graph_ms, hbm_gbps, linears, set_kernel  # noqa: E402
+from gpu_ops.attention import AttnKernel  # noqa: E402
+from gpu_ops.nf4 import Nf4Kernel, dequantize_nf4, nf4_linear  # noqa: E402
+from gpu_ops.nf4_gemv import Decode, gemv_config, nf4_gemv  # noqa: E402
+from gpu_ops.nf4_triton import nf4_gemv as old_gemv  # noqa: E402
+from hetero.config import LLAMA3_8B  # noqa: E402
+
+log = logging.getLogger("bench")
+DEV = torch.device("cuda")
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+# (BLOCK_N, H, warps, split-K) tried at 1 row with --sweep, beside the default (gemv_config); the
+# first list on the narrow shapes, the second on the wide ones; shapes K does not divide are skipped
+SWEEP = [(4, 128, 8, 1), (2, 128, 4, 1), (8, 128, 8, 1), (4, 64, 4, 1), (8, 64, 8, 1), (4, 64, 4, 7), (4, 32, 4, 1),
+         (16, 16, 4, 1), (8, 16, 2, 1)]
+SWEEP_WIDE = [(4, 128, 8, 1), (8, 64, 8, 1), (16, 16, 4, 1)]
+
+
+def check(decodes: list[Decode]) -> list[dict]:
+    """‖y − ref‖/‖ref‖ against x·W_deqᵀ in float64, fresh random inputs each case."""
+    out = []
+    cases = [((384, 1024), None), ((1000, 832), None), ((4096, 1024), (16, 16, 4, 1))]
+    for (n, k), cfg in cases:
+        w = torch.randn(n, k, device=DEV) * 0.02
+        lin = nf4_linear(w, None, DEV)
+        ref_w = dequantize_nf4(lin.packed, lin.absmax, (n, k)).double()
+        for m in (1, 3, 8):
+            x = torch.randn(m, k, device=DEV).bfloat16()
+            ref = x.double() @ ref_w.T
+            for d in decodes:
+                y = nf4_gemv(x, lin.packed, lin.absmax, (n, k), d, cfg)
+                torch.cuda.synchronize()
+                err = float((y.double() - ref).norm() / ref.norm())
+                ok = y.shape == (m, n) and bool(torch.isfinite(y).all()) and err < 1e-2
+                out.append({"N": n, "K": k, "rows": m, "decode": d.name, "config": cfg or gemv_config(n, k, 132),
+                            "rel_err": err, "ok": ok})
+                log.info("check %s", json.dumps(out[-1]))
+    return out
+
+
+def _time(fn_of_copy, copies) -> float:
+    it = iter(range(1 << 30))
+    return 1e3 * graph_ms(lambda: fn_of_copy(copies[next(it) % len(copies)]), calls=len(copies) * 4)
+
+
+def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=lambda rows: None) -> list[dict]:
+    res = []
+    for name, (n, k) in SHAPES.items():
+        copies = [nf4_linear(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02, None, DEV)
+                  for _ in range(max(1, min(8, -(-200_000_000 // (n * k // 2)))))]
+        for m in rows_list:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            nbytes = copies[0].nbytes + 2 * m * (k + n)
+            row = {"shape": name, "N": n, "K": k, "rows": m, "bytes": nbytes}
+            for c in copies:
+                c.kernel = Nf4Kernel.BNB
+            row["bnb_us"] = _time(lambda c: c(x), copies)
+            if m == 1:
+                row["old_us"] = _time(lambda c: old_gemv(x, c.packed, c.absmax, (n, k)), copies)
+            configs = [None] + ([c for c in (SWEEP if n < 16384 else SWEEP_WIDE) if k % (32 * c[1] * c[3]) == 0]
+                                if sweep and m == 1 else [])
+            for d in decodes:
+                for cfg in configs:
+                    key = f"{d.name.lower()}_{'default' if cfg is None else '%dx%dw%ds%d' % cfg}_us"
+                    try:
+                        row[key] = _time(lambda c: nf4_gemv(x, c.packed, c.absmax, (n, k), d, cfg), copies)
+                    except Exception as e:  # noqa: BLE001  a benchmark reports what failed and goes on
+                        log.warning("%s %s rows %d %s failed: %r", name, d.name, m, cfg, e)
+            ours = {kk: v for kk, v in row.items() if kk.endswith("_us") and kk.split("_")[0] in ("prmt", "gather")}
+            if ours:
+                row["best"] = min(ours, key=ours.get)
+                row["best_us"] = ours[row["best"]]
+            res.append(row)
+            save(res)
+            log.info("linear %s", json.dumps(row))
+        del copies
+        torch.cuda.empty_cache()
+    return res
+
+
+def best_configs(rows: list[dict]) -> dict[tuple[int, int], tuple[int, int, int, int] | None]:
+    """(N, K) → the fastest nf4_gemv tile config measured at 1 row (None: the default)."""
+    out = {}
+    for r in rows:
+        if r["rows"] == 1 and "best" in r:
+            tag = r["best"].split("_")[1]
+            out[(r["N"], r["K"])] = None if tag == "default" else tuple(int(v) for v in re.findall(r"\d+", tag))
+    return out
+
+
+def step_cases(hbm: float, configs: dict) -> list[dict]:
+    """Graphed batch-1 decode of the whole model (ctx 128): bitsandbytes vs nf4_gemv linears, the
+    latter with each shape's best tile config of this run."""
+    model = build_model(LLAMA3_8B)
+    for lin in linears(model):
+        lin.gemv_config = configs.get(lin.shape)
+    out = []
+    for kern in (Nf4Kernel.BNB, Nf4Kernel.GEMV):
+        set_kernel(model, kern)
+        c = decode_case(model, 1, 128, 32, AttnKernel.AUTO, hbm, graphs=True)
+        c["linear"] = kern.value
+        out.append(c)
+        log.info("decode %s", json.dumps(c))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--decode", default="prmt")
+    ap.add_argument("--sweep", action="store_true", help="try the SWEEP tile shapes at 1 row")
+    ap.add_argument("--step", action="store_true", help="also the whole-model batch-1 decode step")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        handlers=[logging.FileHandler(args.out / "nf4_gemv.log"), logging.StreamHandler()])
+    decodes = [Decode[d.upper()] for d in args.decode.split(",")]
+    t0 = time.perf_counter()
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res["hbm_gbps"] = hbm = hbm_gbps()
+    res["check"] = [] if args.no_check else check(decodes)
+    res["check_s"] = time.perf_counter() - t0
+    (args.out / "nf4_gemv.json").write_text(json.dumps(res, indent=1))
+    save = lambda rows: (args.out / "nf4_gemv.json").write_text(json.dumps({**res, "linears": rows}, indent=1))  # noqa: E731
+    res["linears"] = shape_table([int(r) for r in args.rows.split(",")], decodes, args.sweep, save)
+    if args.step:
+        res["step_configs"] = {f"{n}x{k}": c for (n, k), c in best_configs(res["linears"]).items()}
+        res["decode"] = step_cases(hbm, best_configs(res["linears"]))
+        (args.out / "nf4_gemv.json").write_text(json.dumps(res, indent=1))
+
+    bad = [c for c in res["check"] if not c["ok"]]
+    print(f"\n{res['device']}: HBM copy {hbm:.0f} GB/s; check: {len(res['check']) - len(bad)}/{len(res['check'])} ok, "
+          f"max rel err {max([c['rel_err'] for c in res['check']], default=0):.2e}")
+    for c in bad:
+        print("  FAILED", c)
+    print(f"{'linear':8} {'rows':>4} {'bound':>6} {'bnb µs':>7} {'old µs':>7} {'ours µs':>8} {'bnb GB/s':>8} "
+          f"{'ours GB/s':>9}  best")
+    for r in res["linears"]:
+        gb = lambda us: r["bytes"] / us / 1e3 if us else 0  # noqa: E731
+        print(f"{r['shape']:8} {r['rows']:>4} {r['bytes'] / hbm / 1e3:6.1f} {r['bnb_us']:7.1f} {r.get('old_us', 0):7.1f} "
+              f"{r.get('best_us', 0):8.1f} {gb(r['bnb_us']):8.0f} {gb(r.get('best_us')):9.0f}  {r.get('best', '')}")
+    for c in res.get("decode", []):
+        print(f"decode b1 ctx128 graph lin={c['linear']:6} {c['step_ms']:6.2f} ms {c['tok_s']:7.1f} tok/s "
+              f"(bound {c['bound_tok_s']:.0f})")
+    if "step_configs" in res:
+        print("step configs:", res["step_configs"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""PTX text of the NF4 decoder that `gpu_ops.nf4_gemv` inlines (plain Python: tests read it without a GPU).
+
+It turns one int32 of packed codes (bitsandbytes order: byte p holds element 2p in its high
+nibble, 2p + 1 in its low one) into the 8 elements' code-book values (bf16, widened to float32),
+in element order. tests/test_gpu_ops.py runs it through a small PTX emulator for every byte.
+"""
+from __future__ import annotations
+
+import torch
+
+from gpu_ops.nf4 import NF4_CODE
+
+
+def bf16_bits() -> list[int]:
+    return [int(v) & 0xFFFF for v in NF4_CODE.to(torch.bfloat16).view(torch.int16)]
+
+
+def prmt_tables() -> tuple[int, int, int, int, int, int, int, int]:
+    """(hi bytes of codes 0-3, 4-7, 8-11, 12-15, then the low bytes likewise) as 32-bit words."""
+    bits = bf16_bits()
+    words = []
+    for shift in (8, 0):
+        for base in (0, 4, 8, 12):
+            words.append(sum(((bits[base + i] >> shift) & 0xFF) << (8 * i) for i in range(4)))
+    return tuple(words)
+
+
+def prmt_asm() -> str:
+    """PTX: one int32 of packed codes ($8) → 8 float32 ($0..$7) in element order.
+
+    $9..$16 are the code book's bytes (`prmt_tables`), passed in so that they stay in registers.
+    `prmt.b32 d, a, b, c` sets byte i of d to byte (c >> 4i) & 7 of the 8 bytes {b, a}: one
+    looks up 4 codes among 8 entries (selectors q & 0x7777: the code's low 3 bits), a second
+    picks each byte from the entries-0-7 or the 8-15 result by the code's bit 3 (selector
+    i + 4·bit3), a third pairs low and high bytes into bf16 pairs, split by and/shl. The word's
+    nibbles, low to high, are elements 1, 0, 3, 2, 5, 4, 7, 6.
+
+    One line (PTX statements end at ';'): torch.compile re-emits the kernel's source with this
+    string as a plain literal, which a newline inside would break.
+    """
+    return " ".join(line.strip() for line in _PRMT_ASM.splitlines())
+
+
+_PRMT_ASM = """{
+.reg .b32 q7, q7h, t, th, ha, hb, la, lb, h0, l0, h1, l1, p0, p1, p2, p3;
+and.b32 q7, $8, 0x77777777;
+shr.u32 q7h, q7, 16;
+shr.u32 t, $8, 1;
+and.b32 t, t, 0x44444444;
+or.b32 t, t, 0x32103210;
+shr.u32 th, t, 16;
+prmt.b32 ha, $9, $10, q7;
+prmt.b32 hb, $11, $12, q7;
+prmt.b32 h0, ha, hb, t;
+prmt.b32 la, $13, $14, q7;
+prmt.b32 lb, $15, $16, q7;
+prmt.b32 l0, la, lb, t;
+prmt.b32 ha, $9, $10, q7h;
+prmt.b32 hb, $11, $12, q7h;
+prmt.b32 h1, ha, hb, th;
+prmt.b32 la, $13, $14, q7h;
+prmt.b32 lb, $15, $16, q7h;
+prmt.b32 l1, la, lb, th;
+prmt.b32 p0, l0, h0, 0x5140;
+prmt.b32 p1, l0, h0, 0x7362;
+prmt.b32 p2, l1, h1, 0x5140;
+prmt.b32 p3, l1, h1, 0x7362;
+and.b32 $0, p0, 0xffff0000;
+shl.b32 $1, p0, 16;
+and.b32 $2, p1, 0xffff0000;
+shl.b32 $3, p1, 16;
+and.b32 $4, p2, 0xffff0000;
+shl.b32 $5, p2, 16;
+and.b32 $6, p3, 0xffff0000;
+shl.b32 $7, p3, 16;
+}"""

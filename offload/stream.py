@@ -1,0 +1,134 @@
+"""Host-tier KV the device attends over: the first blocks of a sequence's host tier, copied up
+over PCIe each step, a layer ahead, while the CPU attends over the rest.
+
+At batch 1 nothing else overlaps the CPU's attention (the next layer needs its output), so
+the host tier's read rate is the CPU kernel's alone, ~55 GB/s on the GPU host; PCIe adds ~55
+GB/s of its own, limited together by DRAM (~85–100 GB/s). The plan's `stream_tokens` says how
+many of the host tier's first tokens take the PCIe road; they stay stored on the host.
+
+Per layer i, two staging slots (i % 2) on the device:
+    copy stream:    wait slot free → copy the layer's blocks up (one copy per run of
+                    consecutive blocks per tensor) → event `copied[slot]`
+    compute stream: wait `copied[slot]` → dequantize into a bf16 pool slot → paged attention
+                    → (o, lse) → event `free[slot]`
+Layer i + 2's copy is queued right after layer i's attention, so each copy has a whole layer
+of time to land. On a CPU stand-in device the same code runs without streams.
+"""
+from __future__ import annotations
+
+import torch
+
+from cpu_attention import HostKVPool, dequantize
+from gpu_ops import attention as gpu_attention
+from gpu_ops.kv_pool import GpuKVPool
+
+_PARTS = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
+# Copies go up in pieces of at most this. Small pieces cost the main thread ~20 µs of launch each
+# (2 MB pieces: 244 µs a layer at 8k, bench/step_trace.py), and a small upload waits ~40 µs behind
+# a 24 MB copy whole or in 12 pieces alike (bench/pcie_probe.py): so pieces are large.
+PIECE_BYTES = 64 * 2**20
+
+
+def runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive block ids as (first id, position in the list, count): one copy each."""
+    out: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(blocks):
+        if out and out[-1][0] + out[-1][2] == b:
+            first, at, n = out[-1]
+            out[-1] = (first, at, n + 1)
+        else:
+            out.append((b, pos, 1))
+    return out
+
+
+class KVStreamer:
+    def __init__(self, host: HostKVPool, max_tokens: int, device: torch.device, dtype: torch.dtype):
+        """Staging for up to max_tokens streamed tokens of one sequence, on `device`, attended in `dtype`."""
+        self.host, self.device = host, device
+        self.max_blocks = max(1, max_tokens // host.block_size)
+        self.cuda = device.type == "cuda"
+        # the two slots are the two "layers" of a pool the paged-attention kernels already read
+        self.pool = GpuKVPool(2, self.max_blocks, host.num_kv_heads, host.block_size, host.head_dim,
+                              device=device, dtype=dtype)
+        # a host tier already in the attended dtype is copied straight into the pool's slots
+        self.direct = host.k.dtype == dtype
+        if self.direct:
+            self.raw = [dict(k=self.pool.k[s, : self.max_blocks], v=self.pool.v[s, : self.max_blocks]) for s in range(2)]
+        else:  # codes (and scales, zeros) land here, then dequantize into the pool's slot
+            parts = {n: getattr(host, n) for n in _PARTS if getattr(host, n) is not None}  # [L, NB, ...] each
+            self.raw = [{n: torch.empty(self.max_blocks, *t.shape[2:], dtype=t.dtype, device=device)
+                         for n, t in parts.items()} for _ in range(2)]
+        self.table = torch.arange(self.max_blocks, dtype=torch.int32, device=device)[None]
+        self.lens = torch.zeros(1, dtype=torch.int32, device=device)  # streamed tokens this step (static: graphs read it)
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copied = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        self.blocks: list[int] = []
+        self.bytes_up = 0
+
+    @property
+    def nbytes(self) -> int:
+        raw = 0 if self.direct else sum(t.numel() * t.element_size() for r in self.raw for t in r.values())
+        return self.pool.nbytes + raw
+
+    def begin(self, blocks: list[int]) -> None:
+        """This step streams these host blocks (a sequence's first ones, all full)."""
+        if len(blocks) > self.max_blocks:
+            raise ValueError(f"{len(blocks)} blocks to stream, staging holds {self.max_blocks}")
+        self.blocks, self._runs, self.bytes_up = blocks, runs(blocks), 0
+        self.lens.fill_(len(blocks) * self.host.block_size)
+
+    def idle(self) -> None:
+        """A step that streams nothing: the (captured) attention over the slots then sees no token."""
+        self.blocks = []
+        self.lens.zero_()
+
+    def prefetch(self, layer: int) -> None:
+        """Queue layer's blocks up into slot layer % 2 (after that slot's last reader is done)."""
+        slot = layer % 2
+        raw = self.raw[slot]
+        if not self.cuda:
+            self._copy(layer, raw)
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.free[slot])  # never recorded yet: returns at once
+            self._copy(layer, raw)
+            self.copied[slot].record(self.stream)
+
+    def _copy(self, layer: int, raw: dict[str, torch.Tensor]) -> None:
+        for name, dst in raw.items():
+            src = getattr(self.host, name)[layer]
+            per = max(1, PIECE_BYTES // (src[0].numel() * src.element_size()))  # blocks a piece
+            for first, at, n in self._runs:
+                for j in range(0, n, per):
+                    m = min(per, n - j)
+                    dst[at + j:at + j + m].copy_(src[first + j:first + j + m], non_blocking=True)
+                self.bytes_up += src[first:first + n].numel() * src.element_size()
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device's attention over the streamed blocks of layer → (o [1, Hq, D] f32, lse [1, Hq]).
+
+        Static shapes (the whole slot, `lens` masks it), so a CUDA graph can hold it; wait=False
+        there, and the caller waits for `copied[slot]` before the replay and records `free[slot]` after."""
+        slot = layer % 2
+        raw = self.raw[slot]
+        if wait and self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
+        for name in ("k", "v") if not self.direct else ():
+            sc, zr = raw.get(f"{name}_scale"), raw.get(f"{name}_zero")
+            getattr(self.pool, name)[slot, : self.max_blocks].copy_(
+                dequantize(raw[name], self.host.dtype, sc, zr))  # [max_blocks, Hkv, BS, D]
+        out = gpu_attention.decode_attention(self.pool, slot, q, self.table, self.lens, scale)
+        if wait:
+            self.release(layer)
+        return out
+
+    def ready(self, layer: int) -> None:
+        """Make the current stream wait for layer's blocks (before a captured attend's replay)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.copied[layer % 2])
+
+    def release(self, layer: int) -> None:
+        """Layer's slot may be overwritten once the current stream's work so far is done."""
+        if self.cuda:
+            self.free[layer % 2].record(torch.cuda.current_stream(self.device))
