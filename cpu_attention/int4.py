@@ -185,7 +185,8 @@ def write(pool, layer: int, blocks: torch.Tensor, offs: torch.Tensor, k: torch.T
 
 
 def gather(pool, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of whole blocks [nb, Hkv, BS, D] float32 (values rotated back), tails included."""
+    """K, V of whole blocks [nb, Hkv, BS, D] float32 (values rotated back), a block being
+    filled read from its tail."""
     L = layer
     k = dequantize_keys(pool.k[L, block_table], pool.k_scale[L, block_table], pool.k_zero[L, block_table])
     y = rows(pool.v[L, block_table], pool.v_scale[L, block_table], pool.v_zero[L, block_table])

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpu_attention import int4
+from cpu_attention import int4, rotation
 from cpu_attention.int4 import GROUP as INT4_GROUP
 
 # int4 keys carry a bf16 scale and zero per channel and block, 4 / BS bytes a value: a dtype's
@@ -153,20 +153,20 @@ class HostKVPool:
 
     def gather(self, layer: int, block_table: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of one sequence's first n_tokens: [Hkv, n_tokens, D] float32 (int4:
-        values rotated back, so both are what was written up to quantization)."""
+        values rotated back, blocks being filled read from their tails, so both are what was
+        written up to quantization)."""
         if self.dtype is KVDtype.INT4:
             kv = int4.gather(self, layer, block_table)  # [nb, Hkv, BS, D] each
         else:
-            kv = []
-            for name in ("k", "v"):
-                scale, zero = getattr(self, f"{name}_scale"), getattr(self, f"{name}_zero")
-                kv.append(dequantize(
-                    getattr(self, name)[layer, block_table],  # [nb, Hkv, BS, ...]
-                    self.dtype,
-                    None if scale is None else scale[layer, block_table],
-                    None if zero is None else zero[layer, block_table],
-                ))  # [nb, Hkv, BS, D]
+            parts = {n: t[layer, block_table] for n, t in self.parts().items()}  # [nb, Hkv, BS, ...]
+            kv = dequantize_blocks(self.dtype, parts)
         return tuple(x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :n_tokens] for x in kv)
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The per-block tensors by name ([L, NB, ...] each: k, v and whichever scales and zeros
+        the dtype has), what copying a block means (int4's tails aside)."""
+        names = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -193,3 +193,17 @@ def dequantize(
     if dtype is KVDtype.INT8:
         return data.float() * scale[..., None]
     return int4.dequantize_values(data, scale, zero)
+
+
+def dequantize_blocks(dtype: KVDtype, parts: dict[str, torch.Tensor],
+                      rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks as a pool stores them (`HostKVPool.parts` indexed by layer and block ids:
+    [nb, Hkv, ...] each, on any device) → K, V [nb, Hkv, BS, D] float32. int4: complete
+    blocks only (their codes; a block being filled is in its tail, see `int4.gather`), and
+    with rotated=True V comes as y = v @ R: attention over it gives out @ R, which
+    `rotation.unrotate` turns back for D² per query row instead of D² per token."""
+    if dtype is KVDtype.INT4:
+        k = int4.dequantize_keys(parts["k"], parts["k_scale"], parts["k_zero"])
+        y = int4.rows(parts["v"], parts["v_scale"], parts["v_zero"])
+        return k, (y if rotated else rotation.unrotate(y))
+    return tuple(dequantize(parts[n], dtype, parts.get(f"{n}_scale"), parts.get(f"{n}_zero")) for n in ("k", "v"))

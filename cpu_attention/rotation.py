@@ -28,15 +28,19 @@ def block(D: int) -> int:
 
 
 @functools.cache
-def signs(D: int) -> torch.Tensor:
+def signs(D: int, device: torch.device | None = None) -> torch.Tensor:
     """The fixed ±1 per channel [D] float32 (random signs stop the Hadamard from mapping a
-    constant channel offset to a single spike)."""
+    constant channel offset to a single spike), on `device` (default: the CPU). Cached per
+    device, so a CUDA graph that rotates finds its copy made before capture."""
+    if device is not None and torch.device(device).type != "cpu":
+        return signs(D).to(device)
     gen = torch.Generator().manual_seed(SIGN_SEED)
     return (torch.randint(0, 2, (D,), generator=gen) * 2 - 1).float()
 
 
 def inv_sqrt(D: int) -> torch.Tensor:
-    """1/√P rounded to float32, as a 0-d tensor so torch multiplies in float32."""
+    """1/√P rounded to float32, as a 0-d CPU tensor (torch multiplies by it in float32 on any
+    device, as by a scalar)."""
     return torch.tensor(1.0 / math.sqrt(block(D)), dtype=torch.float32)
 
 
@@ -55,13 +59,12 @@ def _fwht(x: torch.Tensor) -> torch.Tensor:
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] → x @ R in float32 (see the module doc for the op order)."""
-    return _fwht(x.float() * signs(x.shape[-1])) * inv_sqrt(x.shape[-1])
+    return _fwht(x.float() * signs(x.shape[-1], x.device)) * inv_sqrt(x.shape[-1])
 
 
 def unrotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] → x @ R.T in float32, the inverse of `rotate`."""
-    return (_fwht(x.float()) * inv_sqrt(x.shape[-1])) * signs(x.shape[-1])
-
+    return (_fwht(x.float()) * inv_sqrt(x.shape[-1])) * signs(x.shape[-1], x.device)
 
 
 @functools.cache

@@ -3,11 +3,16 @@
 Every path but the CUDA streams runs here: any split of a sequence's KV between the tiers and
 any swap history must give the single-tier tokens, and logits within the tier dtypes' tolerance.
 """
+import math
+
 import pytest
+import torch
 
 import hetero
 from conftest import rel_err
+from cpu_attention import HostKVPool, KVDtype, decode_attention
 from offload.blocks import TierTable
+from offload.stream import KVStreamer
 
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 8, 64, 33, 2, 11, 90, 91, 92, 93, 94, 95, 1, 2]
 
@@ -78,6 +83,32 @@ def test_streamed_quantized_host_kv_matches_cpu_attention(tiny, kv):
     got = [c.token for c in e.generate(prompt, max_new_tokens=16, temperature=0.0)]
     assert got == want
     assert len(e.runner.streamer.blocks) == 8
+
+
+def test_streamer_int4_dequantizes_like_the_cpu_kernel():
+    """The streamer's device-side int4 path (keys per channel and block, values left rotated and
+    the output rotated back) on the CPU stand-in: the CPU kernel's result over the same complete
+    blocks, within the bf16 staging's rounding; a block still being filled is refused."""
+    gen = torch.Generator().manual_seed(4)
+    L, H, BS, D = 2, 2, 8, 64
+    host = HostKVPool(L, 6, H, BS, D, KVDtype.INT4)
+    n = 3 * BS + 5  # three complete blocks and one being filled
+    k = torch.randn(n, H, D, generator=gen) + 3 * torch.randn(D, generator=gen)  # channel offsets
+    v = torch.randn(n, H, D, generator=gen)
+    blocks = torch.tensor([4, 1, 2, 5])
+    slots = blocks[torch.arange(n) // BS] * BS + torch.arange(n) % BS
+    for layer in range(L):
+        host.write(layer, slots, k * (layer + 1), v)
+    sv = KVStreamer(host, 3 * BS, torch.device("cpu"), torch.bfloat16)
+    sv.begin([4, 1, 2])
+    q = torch.randn(1, 3 * H, D, generator=gen)
+    for layer in range(L):
+        sv.prefetch(layer)
+        o, lse = sv.attend(layer, q, 1 / math.sqrt(D))
+        ro, rl = decode_attention(host, layer, q, blocks[None, :3].int(), torch.tensor([3 * BS]), 1 / math.sqrt(D))
+        assert rel_err(o, ro) < 1e-2 and (lse - rl).abs().max() < 5e-2
+    with pytest.raises(ValueError, match="being filled"):
+        sv.begin([4, 5])
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8", "int4"])
