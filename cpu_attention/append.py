@@ -194,14 +194,21 @@ def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv):
 
 @numba.njit(**WJIT)
 def tail_slots_needed(tail_slot, slots, block_size):
-    """Free tail slots a write to flat `slots` may take (int4.slots_needed): one per distinct
-    block without a tail. tail_slot [NB] int32 of the layer."""
-    blocks = np.unique(slots // block_size)
-    n = 0
-    for b in blocks:
-        if tail_slot[b] < 0:
-            n += 1
-    return n
+    """`int4.slots_needed` for flat slots [T]; tail_slot [NB] int32 of the layer."""
+    blocks = slots // block_size
+    ub = np.unique(blocks)
+    ends = np.zeros(ub.shape[0], np.bool_)
+    for t in range(slots.shape[0]):
+        if slots[t] % block_size == block_size - 1:
+            ends[np.searchsorted(ub, blocks[t])] = True
+    n, completed = 0, 0
+    for i in range(ub.shape[0]):
+        if tail_slot[ub[i]] < 0:
+            if ends[i]:
+                completed = 1
+            else:
+                n += 1
+    return n + completed
 
 
 @numba.njit(**WJIT)

@@ -141,10 +141,27 @@ class Tails:
         self.free[self.n_free[0]] = s
         self.n_free[0] += 1
 
+    def release(self, blocks: list[int]) -> None:
+        """Blocks given back to the pool's allocator: their tails (any layer) become free slots."""
+        if not blocks:
+            return
+        slot = self.arrays["slot"]
+        b = np.asarray(blocks, np.int64)
+        held = slot[:, b]
+        for s in held[held >= 0].tolist():
+            self.push(s)
+        slot[:, b] = -1
 
-def slots_needed(tail_slot: np.ndarray, blocks: np.ndarray) -> int:
-    """Free slots a write to `blocks` may take: one per distinct block without a tail."""
-    return int((tail_slot[np.unique(blocks)] < 0).sum())
+
+def slots_needed(tail_slot: np.ndarray, blocks: np.ndarray, offs: np.ndarray, BS: int) -> int:
+    """Free slots a write to (blocks, offs) takes at its peak (`write` frees a completed block's
+    slot before it opens the next block): one per block without a tail that stays incomplete,
+    plus one if some block without a tail is completed."""
+    ub, inv = np.unique(blocks, return_inverse=True)
+    ends = np.zeros(len(ub), bool)
+    ends[inv[offs == BS - 1]] = True
+    new = tail_slot[ub] < 0
+    return int((new & ~ends).sum()) + int((new & ends).any())
 
 
 def write(pool, layer: int, blocks: torch.Tensor, offs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -164,7 +181,7 @@ def write(pool, layer: int, blocks: torch.Tensor, offs: torch.Tensor, k: torch.T
     L = layer
     BS = pool.block_size
     order = np.argsort(blocks.numpy(), kind="stable")
-    t.reserve(slots_needed(t.slot[L].numpy(), blocks.numpy()))
+    t.reserve(slots_needed(t.slot[L].numpy(), blocks.numpy(), offs.numpy(), BS))
     for b in dict.fromkeys(blocks.numpy()[order].tolist()):
         sel = torch.from_numpy(order[blocks.numpy()[order] == b])
         os_ = offs[sel]

@@ -131,6 +131,12 @@ class HostKVPool:
         """Host bytes one token's K and V take over all layers."""
         return self.nbytes / (self.num_blocks * self.block_size)
 
+    def release(self, blocks: list[int]) -> None:
+        """The cache gave these blocks back to its allocator: int4 frees their tails (a block
+        freed while being filled would otherwise keep its slot until reused)."""
+        if self.dtype is KVDtype.INT4:
+            self.tails.release(blocks)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in
         (int4: `int4.write`'s rule; a block's tokens must be written in order).

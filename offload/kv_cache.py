@@ -145,6 +145,8 @@ class TieredKVCache:
             tier.num_tokens -= d
             keep = -(-tier.num_tokens // self.block_size)
             alloc.free(tier.blocks[keep:])
+            if tier is s.host:
+                self.host.release(tier.blocks[keep:])
             del tier.blocks[keep:]
             drop -= d
 
@@ -153,6 +155,7 @@ class TieredKVCache:
         if s is not None:
             self.gpu_alloc.free(s.gpu.blocks)
             self.host_alloc.free(s.host.blocks)
+            self.host.release(s.host.blocks)
 
     def rename(self, old: int, new: int) -> None:
         self.seqs[new] = self.seqs.pop(old)
@@ -226,6 +229,7 @@ class TieredKVCache:
         s.ordered = False
         s.gpu_limit = max(s.gpu_limit, s.gpu.num_tokens)
         self.host_alloc.free(move)
+        self.host.release(move)
         self.swapped_in_blocks += len(move)
         return len(move)
 

@@ -294,6 +294,23 @@ def test_int4_appends_like_the_twin():
     assert torch.equal(k[:, 32:36], ref[:, 32:36])  # block 4: tokens 40..43 in its tail
 
 
+def test_int4_tail_slots_reserved_at_peak_and_released():
+    """Whole blocks written in one call (a swap out, a prefill) borrow one tail slot at a time;
+    blocks left incomplete keep one each until completed or released."""
+    BS, D, H = 8, 32, 2
+    pool = HostKVPool(1, 64, H, BS, D, KVDtype.INT4)
+    t = pool.tails
+    x = torch.randn(40 * BS, H, D)
+    pool.write(0, torch.arange(40 * BS), x, x)  # 40 complete blocks
+    assert t.k.shape[0] == 8 and int(t.n_free[0]) == 8  # the minimum growth, not 40 slots
+    slots = torch.tensor([50 * BS, 50 * BS + 1, 51 * BS, 52 * BS + 3])  # 50, 51 open; 52 had no offset 0
+    pool.write(0, slots, x[:4], x[:4])
+    assert [int(t.slot[0, b]) >= 0 for b in (50, 51, 52)] == [True, True, True]
+    assert int(t.n_free[0]) == 8 - 3
+    pool.release([50, 52, 7])  # 7: a quantized block, nothing to free
+    assert int(t.n_free[0]) == 8 - 1 and int(t.slot[0, 50]) < 0 and int(t.slot[0, 51]) >= 0
+
+
 def test_rotation_is_orthonormal_and_inverted():
     for D in (64, 96, 128, 256):
         R = rotation.rotate(torch.eye(D))

@@ -111,6 +111,15 @@ def test_streamer_int4_dequantizes_like_the_cpu_kernel():
         sv.begin([4, 5])
 
 
+def test_int4_tails_go_back_with_their_blocks(tiny):
+    """Sequences finished mid-block free their int4 tails along with their host blocks."""
+    e = _engine(tiny("llama_hd32")[0], kv_dtype="int4")
+    list(e.generate([PROMPT, PROMPT[:7]], max_new_tokens=6, temperature=0.0))
+    t = e.cache.host.tails
+    assert t.k.shape[0] > 0 and int(t.n_free[0]) == t.k.shape[0]
+    assert bool((t.slot < 0).all())
+
+
 @pytest.mark.parametrize("kv", ["bf16", "int8", "int4"])
 def test_split_with_quantized_host_tier_logits_within_tolerance(tiny, kv):  # noqa: D103
     folder = tiny("llama_hd32")[0]
