@@ -116,7 +116,8 @@ class Tails:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * 2 + self.slot.numel() * 4 + self.free.nbytes
+        """The slots' bytes (the slot table is counted by the pool)."""
+        return 2 * self.k.numel() * 2 + self.free.nbytes
 
     def reserve(self, n: int) -> None:
         """At least n free slots (doubling S as needed)."""

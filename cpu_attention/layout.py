@@ -51,10 +51,6 @@ import torch
 from cpu_attention import int4, rotation
 from cpu_attention.int4 import GROUP as INT4_GROUP
 
-# int4 keys carry a bf16 scale and zero per channel and block, 4 / BS bytes a value: a dtype's
-# bytes per value cannot know BS, so they are counted at the planner's block of 16 tokens
-# (planner/search.py; larger blocks cost less, so its memory estimate errs on the safe side).
-INT4_KEY_BLOCK = 16
 _HALF = (torch.bfloat16, torch.float16)  # stored as bits; the kernels read them as uint16
 
 
@@ -66,14 +62,25 @@ class KVDtype(str, enum.Enum):
 
     @property
     def bytes_per_value(self) -> float:
-        """Bytes per stored K or V element, scales and zero points included."""
-        return {KVDtype.F32: 4.0, KVDtype.BF16: 2.0, KVDtype.INT8: 1.0, KVDtype.INT4: 0.5}[self] + self.overhead_per_value
+        """Bytes of one stored K or V code, without scales, zeros or tails (`token_bytes` has them)."""
+        return {KVDtype.F32: 4.0, KVDtype.BF16: 2.0, KVDtype.INT8: 1.0, KVDtype.INT4: 0.5}[self]
 
-    @property
-    def overhead_per_value(self) -> float:
-        if self is KVDtype.INT4:  # values: bf16 scale + zero per group; keys: per channel and block
-            return (4.0 / INT4_GROUP + 4.0 / INT4_KEY_BLOCK) / 2
-        return 0.0  # int8's 4-byte scale per token-head is counted by the pool (depends on D)
+
+def token_bytes(dtype: KVDtype, num_kv_heads: int, head_dim: int, block_size: int) -> float:
+    """Host bytes of one token's K and V in one layer of a pool (the module doc's formulas;
+    `HostKVPool.bytes_per_token` / L exactly), int4's tails not included (`tail_bytes`)."""
+    H, D, BS = num_kv_heads, head_dim, block_size
+    if dtype is KVDtype.INT8:
+        return 2 * H * (D + 4)
+    if dtype is KVDtype.INT4:
+        return H * (D + D / 8 + 4 * D / BS) + 4 / BS
+    return 2 * H * D * dtype.bytes_per_value
+
+
+def tail_bytes(dtype: KVDtype, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    """Host bytes an int4 pool adds per sequence and layer while a block is being filled: one
+    bf16 tail of K and V (0 for the other dtypes)."""
+    return 4 * num_kv_heads * block_size * head_dim if dtype is KVDtype.INT4 else 0
 
 
 @dataclass
@@ -121,14 +128,16 @@ class HostKVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: codes, scales and zeros (int4: not its tails, which grow with the blocks
-        being filled, Hkv · BS · D · 4 bytes each per layer: `tails.nbytes`)."""
+        """Bytes held: codes, scales, zeros (int4: and the tail-slot table; not the tails
+        themselves, which grow with the blocks being filled: `tails.nbytes`)."""
         ts = [self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero]
+        if self.dtype is KVDtype.INT4:
+            ts.append(self.tails.slot)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     @property
     def bytes_per_token(self) -> float:
-        """Host bytes one token's K and V take over all layers."""
+        """Host bytes one token's K and V take over all layers (`token_bytes` × L)."""
         return self.nbytes / (self.num_blocks * self.block_size)
 
     def release(self, blocks: list[int]) -> None:
