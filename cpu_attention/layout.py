@@ -8,36 +8,35 @@ sequence has one block table):
     bf16   k, v              bfloat16     [L, NB, Hkv, BS, D]          bf16 bits; kernels read them as uint16
     int8   k, v              int8         [L, NB, Hkv, BS, D]          round(x / scale)
            k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|x| / 127 per token and head
-    int4   k                 uint8        [L, NB, Hkv, BS, D // 2]     4-bit codes, two a byte: byte 16g + i of a
-                                                                        row holds element 32g + i in its low nibble,
-                                                                        32g + 16 + i in its high one
-           k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code * scale + zero,
-                                                                        range [min, max] over the block's BS keys
-           v                 uint8        [L, NB, Hkv, BS, D // 2]     codes of y = v @ R (rotation.py), same order
-           v_scale, v_zero   bfloat16     [L, NB, Hkv, BS, D // 32]    per token and group of 32: y ≈ code * scale
-                                                                        + zero (range: [min, max] shrunk about its
-                                                                        centre by the CLIPS factor of least
-                                                                        squared error)
-           tails             int4.Tails   k, v [S, Hkv, BS, D] bf16    blocks not yet complete, unquantized (keys,
-                                                                        values @ R); slot [L, NB] says which
+    int4   k                 uint8        [L, NB, Hkv, BS, D // 2]     key codes, two a byte (`int4.py`: nibble order)
+           k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code · scale + zero
+           v                 uint8        [L, NB, Hkv, BS, D // 2]     codes of y = v @ R (`rotation.py`), same order
+           v_scale, v_zero   bfloat16     [L, NB, Hkv, BS, D // 32]    per token and group of 32: y ≈ code · scale + zero
+           tails.slot        int32        [L, NB]                      the block's tail slot; −1: the block is quantized
+           tails.k, tails.v  bfloat16     [S, Hkv, BS, D]              blocks being filled, unquantized (keys, y); S grows
 
 L layers, NB blocks, Hkv kv heads, BS tokens a block, D head dim. Token t of a sequence lives
 in block `block_table[t // BS]` at offset `t % BS`; its flat slot is `block * BS + offset`.
 Within a block one head's BS × D values are contiguous, so a decode kernel walking one
 (sequence, kv head) streams contiguous runs of BS × D elements.
 
-int4 (`int4.py` says why and states the append rule): values per token in groups of 32
-along the head dim, as the issue prescribes, after a fixed orthonormal rotation R that
-spreads outlier channels; keys per channel over each block's tokens (KIVI), because
-per-token groups of 32 lose too much on real keys; a block is quantized once complete, until
-then its tokens stay in a bf16 tail. The rotation is internal to the pool: `write` rotates
-values, `gather` rotates them back, the decode kernel rotates its output back. Scales and
-zeros are bf16: widening them is a 16-bit shift, and bf16's 8-bit mantissa is far finer
-than the 16 levels (codes are rounded against the stored scale and zero, so their rounding
-only moves the grid).
+Bytes of one token's K and V in one layer (`token_bytes`, what the planner counts): f32
+8·Hkv·D, bf16 4·Hkv·D, int8 2·Hkv·(D + 4), int4 Hkv·(D + D/8 + 4·D/BS) + 4/BS (codes,
+value scales and zeros, the block's key scales and zeros and its tail-slot entry spread over
+its BS tokens; Hkv 8, D 128, BS 16: 1408.25 bytes, 2/3 of int8's 2112), plus for int4 one
+tail per sequence being filled and layer, 4·Hkv·BS·D bytes (`tail_bytes`).
+
+int4 (`int4.py` gives the exact bytes, says why, and states the append rule): values per
+token in groups of 32 along the head dim, as the issue prescribes, after a fixed orthonormal
+rotation R that spreads outlier channels; keys per channel over each block's tokens (KIVI),
+because per-token groups of 32 lose too much on real keys; a block is quantized once
+complete, until then its tokens stay in a bf16 tail. The rotation is internal to the pool:
+`write` rotates values, `gather` rotates them back, the decode kernel rotates its output
+back. Blocks freed by the cache must be `release`d, so their tails go back to the free slots.
 
 `quantize`/`dequantize` are the per-token formats (bf16, int8, int4 values); int4 blocks go
-through `int4.write` / `int4.gather`.
+through `int4.write` / `int4.gather`, and whole complete blocks of any dtype through
+`dequantize_blocks` (the streamer does that on the GPU).
 """
 from __future__ import annotations
 

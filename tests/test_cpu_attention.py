@@ -92,6 +92,8 @@ def test_decode_matches_references(dtype, D, BS):
     if dtype is KVDtype.INT4 and D % 32:
         pytest.skip("int4 groups of 32 need head_dim % 32 == 0")
     pool, bt, sl, q, raw = make(dtype, D, BS, LENS, seed=D + BS)
+    if dtype is KVDtype.INT4:  # each sequence's last block is partly filled, so in its bf16 tail
+        assert int((pool.tails.slot[0] >= 0).sum()) == sum(n % BS != 0 for n in LENS)
     scale = 1 / math.sqrt(D)
     out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=2)
     assert out.shape == q.shape and lse.shape == q.shape[:2]
@@ -126,8 +128,9 @@ def test_decode_every_group_size(dtype, g):
 
 @pytest.mark.parametrize("D,BS", [c for c in CASES if c[0] % 32 == 0])
 def test_int4_decode_after_token_by_token_appends(D, BS):
-    """int4 keys filled one token at a time (each block's per-channel range grows and its
-    codes are re-rounded): the kernel still matches the reference and the accuracy bound holds."""
+    """int4 filled as decode fills it, one token a call: every block but a sequence's last is
+    quantized when its last token comes, the last stays in its bf16 tail; the kernel (tiles
+    over quantized blocks and a tail) matches the reference and the accuracy bound holds."""
     pool, bt, sl, q, raw = make(KVDtype.INT4, D, BS, LENS, seed=D + BS + 1, by_token=True)
     scale = 1 / math.sqrt(D)
     out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=2)
