@@ -119,7 +119,7 @@ def decode_step(
                     if g.kind is not Kind.EMBED and hw.has_gpu:
                         x_w += 2 * hop_seconds(b * cfg.hidden_size * 2, hw)
                 else:
-                    g_lin += gemv_seconds(rb, flops, hw.gpu_gemv_gbps, gpu_gflops)
+                    g_lin += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b), gpu_gflops)
                     nbytes["gpu weights"] += rb
             if pl.mode is Mode.STREAM:
                 p += pl.nbytes / (hw.pcie_h2d_gbps * GB)

@@ -182,8 +182,9 @@ def cpu_dtype(weights: WDtype) -> WDtype:
 def _fill(
     groups: list[Group], weights: WDtype, modes: tuple[Mode, Mode], cap: int, order: dict, embed_gpu: bool,
 ) -> tuple[tuple[Placement, ...], int]:
-    """First fit in priority order; streamed groups need two GPU staging buffers (double
-    buffering) of the largest streamed group, so refill with that reserved until stable."""
+    """First fit in priority order; streamed weights need two GPU staging slots (double buffering,
+    offload/weights.py) each as large as the largest layer's streamed groups together (the head —
+    final norm and lm_head — counting as one layer), so refill with that reserved until stable."""
     staging = 0
     for _ in range(4):
         room = cap - staging
@@ -194,8 +195,11 @@ def _fill(
                 on.add(i)
                 room -= n
         off = [groups[i] for i in range(len(groups)) if i not in on and groups[i].kind is not Kind.EMBED]
-        streamed = [g for g in off if _mode(g, modes) is Mode.STREAM]
-        need = 2 * max((g.nbytes(g.dtype_for(weights)) for g in streamed), default=0)
+        per_layer: dict[int, int] = {}
+        for g in off:
+            if _mode(g, modes) is Mode.STREAM:
+                per_layer[g.layer] = per_layer.get(g.layer, 0) + g.nbytes(g.dtype_for(weights))
+        need = 2 * max(per_layer.values(), default=0)
         if need <= staging:
             break
         staging = need
@@ -379,13 +383,14 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
     return out
 
 
-def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype) -> str:
+def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype, batch: int = 1) -> str:
     t, b = c.cost.terms, c.cost.nbytes
     key = max(t, key=t.get)
     share = f" ({100 * t[key] / c.cost.seconds:.0f}% of the step)"
     gb = lambda k: f"{b[k] / 1e9:.2f} GB"  # noqa: E731
     if key == "gpu weights":
-        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_gemv_gbps:.0f} GB/s" + share
+        rows = -(-batch // c.sub_batches)
+        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_linear_gbps(rows):.0f} GB/s" + share
     if key == "gpu attention":
         return f"GPU attention: {gb(key)} of {c.kv.gpu_dtype.value} KV at {hw.gpu_attention_gbps:.0f} GB/s" + share
     if key == "cpu attention":
@@ -410,7 +415,7 @@ def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choice
         prefill_tok_s=wl.prompt_tokens / prefill if prefill else 0.0,
         decode_tok_s=wl.batch / c.cost.seconds,
         decode_step_ms=1e3 * c.cost.seconds,
-        bottleneck=_bottleneck(cfg, hw, c, threads, weights),
+        bottleneck=_bottleneck(cfg, hw, c, threads, weights, wl.batch),
         step_terms_ms={k: 1e3 * v for k, v in c.cost.terms.items()},
         cpu_share=cpu_b / max(cpu_b + gpu_b, 1.0),
         gpu_share=gpu_b / max(cpu_b + gpu_b, 1.0),

@@ -191,3 +191,46 @@ def test_prefill_in_pieces_matches_one_pass(folder, single, monkeypatch):
     e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=5)
     assert rel_err(e.logits(PROMPT), single[1]) <= 1e-5
     assert _greedy(e) == single[0]
+
+
+LONG = [(7 * i + 3) % 160 for i in range(480)]  # finishes first: it reaches the context (512) after 32 tokens
+
+
+def test_swapped_blocks_come_back_when_room_frees(folder):
+    """Three sequences share a device tier sized for two: the third's prefill swaps blocks out; when
+    the long one finishes (it reaches the context), the next step swaps them back in by itself.
+    The tokens are the single-tier run's."""
+    prompts = [PROMPT, PROMPT[::-1], LONG]
+    want = [[] for _ in prompts]
+    for c in _engine(folder, kv_dtype="f32").generate(prompts, max_new_tokens=40, temperature=0.0):
+        want[c.index].append(c.token)
+
+    e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=24, parallel=2)  # device tier: 48 tokens
+    got = [[] for _ in prompts]
+    at_finish = None
+    for c in e.generate(prompts, max_new_tokens=40, temperature=0.0):
+        got[c.index].append(c.token)
+        if c.index == 2 and c.finish_reason:
+            at_finish = (e.cache.swapped_out_blocks, e.cache.swapped_in_blocks, len(got[0]))
+    assert got == want
+    assert len(got[2]) == 32 and len(got[0]) == 40
+    out_before, in_before, step = at_finish
+    assert out_before > 0 and in_before == 0  # nothing came back while the device tier was full
+    assert e.cache.swapped_in_blocks > 0 and e.metrics.swapped_in_blocks == e.cache.swapped_in_blocks
+    assert step < 40
+
+
+def test_swap_in_keeps_the_plans_host_blocks(folder):
+    """Only blocks a swap took off the device come back, and never past what the next step needs."""
+    e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=8, parallel=2)  # device tier: 16 tokens, 4 blocks
+    c = e.cache
+    c.reserve(0, 20)  # 8 on the device (the plan's share), 12 on the host by plan
+    assert c.swap_in_free_room() == 0 and c.seqs[0].host.num_tokens == 12
+    c.reserve(1, 8)
+    c.reserve(2, 8)  # the device tier is full: 2 blocks of sequence 0 (the largest) swap out
+    assert c.seqs[0].swapped == 2 and c.seqs[0].gpu.num_tokens == 0
+    c.free(1)  # 2 device blocks free again
+    assert c.swap_in_free_room(keep_free=1) == 1  # the next step needs one of them
+    assert c.swap_in_free_room() == 1 and c.seqs[0].swapped == 0
+    assert c.seqs[0].gpu.num_tokens == 8 and c.seqs[0].host.num_tokens == 12  # the plan's split again
+    assert c.swap_in_free_room() == 0

@@ -205,3 +205,20 @@ def test_sizes():
     with pytest.raises(UserError, match="8GiB"):
         parse_size("eight")
     assert format_size(8 * GIB) == "8.00 GiB" and format_size(1002 * 2**20) == "1002 MiB" and format_size(12) == "12 B"
+
+
+def test_staging_holds_a_whole_layer_of_streamed_groups():
+    """Streamed weights move a layer at a time into two device slots (offload/weights.py): the
+    reservation is twice the largest layer's streamed groups together, not the largest group."""
+    from planner.search import _PRIORITY, _fill
+
+    groups = weight_groups(LLAMA3_70B)
+    pl, staging = _fill(groups, WDtype.NF4, (Mode.STREAM, Mode.STREAM), 20 * GIB, _PRIORITY, True)
+    per_layer: dict[int, int] = {}
+    for x in pl:
+        if x.mode is Mode.STREAM:
+            per_layer[x.layer] = per_layer.get(x.layer, 0) + x.nbytes
+    both = [i for i in per_layer if {Kind.ATTN, Kind.MLP} <= {x.kind for x in pl if x.layer == i and x.mode is Mode.STREAM}]
+    assert both  # some layers stream attention and MLP together
+    assert staging == 2 * max(per_layer.values())
+    assert sum(x.nbytes for x in pl if x.on_gpu) + staging <= 20 * GIB
