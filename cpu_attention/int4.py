@@ -233,9 +233,9 @@ def write(pool, layer: int, blocks: torch.Tensor, offs: torch.Tensor, k: torch.T
             t.slot[L, b] = -1
 
 
-def gather(pool, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather(pool, layer: int | slice, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of whole blocks [nb, Hkv, BS, D] float32 (values rotated back), a block being
-    filled read from its tail."""
+    filled read from its tail; layer a slice: [layers, nb, Hkv, BS, D]."""
     L = layer
     k = dequantize_keys(pool.k[L, block_table], pool.k_scale[L, block_table], pool.k_zero[L, block_table])
     y = rows(pool.v[L, block_table], pool.v_scale[L, block_table], pool.v_zero[L, block_table])

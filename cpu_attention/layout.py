@@ -176,6 +176,16 @@ class HostKVPool:
             kv = dequantize_blocks(self.dtype, parts)
         return tuple(x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :n_tokens] for x in kv)
 
+    def blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of whole blocks in every layer, [L, n, Hkv, BS, D]: what moving them to another
+        tier copies. bf16/f32 as stored; int8/int4 dequantized to float32 (int4: values rotated
+        back, a block being filled read from its tail)."""
+        if self.dtype in (KVDtype.BF16, KVDtype.F32):
+            return self.k[:, block_ids], self.v[:, block_ids]
+        if self.dtype is KVDtype.INT4:
+            return int4.gather(self, slice(None), block_ids)
+        return dequantize_blocks(self.dtype, {n: t[:, block_ids] for n, t in self.parts().items()})
+
     def parts(self) -> dict[str, torch.Tensor]:
         """The per-block tensors by name ([L, NB, ...] each: k, v and whichever scales and zeros
         the dtype has), what copying a block means (int4's tails aside)."""
