@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpu_attention import HostKVPool, KVDtype, dequantize
+from cpu_attention import HostKVPool, KVDtype
 from gpu_ops.kv_pool import GpuKVPool
 from hetero.config import ModelConfig
 from hetero.errors import UserError
@@ -155,6 +155,8 @@ class TieredKVCache:
             tier.num_tokens -= d
             keep = -(-tier.num_tokens // self.block_size)
             alloc.free(tier.blocks[keep:])
+            if tier is s.host:
+                self.host.release(tier.blocks[keep:])
             del tier.blocks[keep:]
             drop -= d
 
@@ -163,6 +165,7 @@ class TieredKVCache:
         if s is not None:
             self.gpu_alloc.free(s.gpu.blocks)
             self.host_alloc.free(s.host.blocks)
+            self.host.release(s.host.blocks)
 
     def rename(self, old: int, new: int) -> None:
         self.seqs[new] = self.seqs.pop(old)
@@ -237,6 +240,7 @@ class TieredKVCache:
         s.gpu_limit = max(s.gpu_limit, s.gpu.num_tokens)
         s.swapped = max(0, s.swapped - len(move))
         self.host_alloc.free(move)  # its bytes were copied into staging (or the device) already
+        self.host.release(move)
         self.swapped_in_blocks += len(move)
         return len(move)
 
@@ -264,15 +268,15 @@ class TieredKVCache:
     def _copy_up(self, src: list[int], dst: list[int]) -> None:
         """Whole host blocks src → device blocks dst, every layer, in the device tier's dtype."""
         g = self.gpu
-        idx = torch.tensor(src)
         names = ("k", "v")
+        blocks = dict(zip(names, self.host.blocks(torch.tensor(src))))  # [L, n, Hkv, BS, D] each, dequantized
         if not self.cuda:  # the stand-in: a plain copy
             for name in names:
-                getattr(g, name)[:, dst] = self._host_blocks(name, idx).to(g.k.dtype)
+                getattr(g, name)[:, dst] = blocks[name].to(g.k.dtype)
             return
         staged = {}
-        for name in names:  # [L, n, Hkv, BS, D] in pinned memory: the copies up are true async DMAs
-            x = self._host_blocks(name, idx)
+        for name in names:  # in pinned memory: the copies up are true async DMAs
+            x = blocks[name]
             staged[name] = torch.empty(x.shape, dtype=g.k.dtype, pin_memory=True)
             staged[name].copy_(x)
         compute = torch.cuda.current_stream(g.k.device)
@@ -283,15 +287,6 @@ class TieredKVCache:
                     for layer in range(self.cfg.num_layers):
                         getattr(g, name)[layer, first:first + n].copy_(staged[name][layer, at:at + n], non_blocking=True)
         compute.wait_stream(self.copy_stream)  # before any attention reads them
-
-    def _host_blocks(self, name: str, idx: torch.Tensor) -> torch.Tensor:
-        """Host blocks idx of k or v, every layer, dequantized: [L, n, Hkv, BS, D]."""
-        h = self.host
-        scale, zero = getattr(h, f"{name}_scale"), getattr(h, f"{name}_zero")
-        data = getattr(h, name)[:, idx]
-        if scale is None:
-            return data
-        return dequantize(data, h.dtype, scale[:, idx], None if zero is None else zero[:, idx])
 
 
 def _block_slots(blocks: list[int], bs: int, device: torch.device) -> torch.Tensor:
