@@ -114,7 +114,12 @@ def test_decode_every_group_size(dtype, g):
     """The kernels do heads in groups of 4, then one group of 3, 2 or 1 (G = 3 is the main
     test's): every remainder and more than one full group, odd lengths (odd last tiles)."""
     D, BS, lens = 64, 16, [1, 17, 1000]
-    pool, bt, sl, q, raw = make(dtype, D, BS, lens, seed=g, g=g)
+    _check_kernel(dtype, D, lens, *make(dtype, D, BS, lens, seed=g, g=g))
+
+
+def _check_kernel(dtype, D, lens, pool, bt, sl, q, raw):
+    """The kernel against its float64 reference over the same stored KV (1e-4), and against exact
+    attention over the unquantized KV within the dtype's bound."""
     scale = 1 / math.sqrt(D)
     out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=2)
     ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
@@ -131,15 +136,7 @@ def test_int4_decode_after_token_by_token_appends(D, BS):
     """int4 filled as decode fills it, one token a call: every block but a sequence's last is
     quantized when its last token comes, the last stays in its bf16 tail; the kernel (tiles
     over quantized blocks and a tail) matches the reference and the accuracy bound holds."""
-    pool, bt, sl, q, raw = make(KVDtype.INT4, D, BS, LENS, seed=D + BS + 1, by_token=True)
-    scale = 1 / math.sqrt(D)
-    out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=2)
-    ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
-    assert rel(out, ro) < 1e-4
-    assert (lse.double() - rl).abs().max() < 1e-4
-    eo, _ = exact_attention(q, raw, scale)
-    for b, n in enumerate(LENS):
-        assert rel(out[b], eo[b]) < (INT4_ONE_ROW_TOL if n == 1 else QUANT_TOL[KVDtype.INT4]), (b, n)
+    _check_kernel(KVDtype.INT4, D, LENS, *make(KVDtype.INT4, D, BS, LENS, seed=D + BS + 1, by_token=True))
 
 
 def test_decode_split_merges_to_full():
