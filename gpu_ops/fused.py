@@ -7,14 +7,16 @@ adds), each ~1.5 µs even inside a CUDA graph (bench/RESULTS.md, gpu_ops). Here 
     rms_norm → qkv GEMV → rope (q and k in place) → [the runtime's KV write + attention]
     → o GEMV + residual → rms_norm → gate_up GEMV + silu·up → down GEMV + residual
 
-with the residual adds and SwiGLU in the GEMV's epilogue (`nf4_gemv(residual=, swiglu=)`;
-`silu_mul` stays as the separate kernel for other callers and as the epilogue's check). The arithmetic is the
-torch path's (`hetero.model`), rounding included: float32 inside each kernel, bf16 where
-torch rounds to bf16 (after the norm's scaling, after each projection, after each add).
+with the residual adds and SwiGLU in the GEMV's epilogue (`nf4_gemv(residual=, swiglu=)`).
+The arithmetic is the torch path's (`hetero.model`), rounding included: float32 inside each
+kernel, bf16 where torch rounds to bf16 (after the norm's scaling, after each projection, after
+each add). Every kernel here is launched with PDL where the GPU has it (`gpu_ops.pdl`).
 
-It applies only where its kernels are the fastest measured: CUDA, bf16 activations, rows
-that `NF4Linear.pick` sends to our GEMV (≤ 2), NF4 weights without biases, no q/k norm, a
-dense MLP. Anything else takes the torch path unchanged.
+The whole layer applies only where its kernels are the fastest measured: CUDA, bf16
+activations, rows that `NF4Linear.pick` sends to our GEMV (≤ 2), NF4 weights without biases,
+no q/k norm, a dense MLP (`applies`). Elsewhere on CUDA bf16 (prefill, larger batches, other
+weights) `hetero.model` still takes `rms_norm`, `rope_` and `silu_mul` from here: one kernel
+each instead of ~7, ~9 and 3 torch ops.
 """
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_ops import pdl
-
 from gpu_ops.nf4 import NF4Linear, Nf4Kernel
 from gpu_ops.nf4_gemv import nf4_gemv
 
