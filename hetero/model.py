@@ -163,7 +163,7 @@ class Model:
             return cpu_linear.attn_in(x, pos, lw.attn_norm, c.rms_norm_eps, lw.qkv, cos, sin, c.num_heads,
                                       c.num_kv_heads)
         ops = self._gpu_ops(x, lw.attn_norm)
-        qkv = lw.qkv((ops or _TORCH_OPS).rms_norm(x, lw.attn_norm, c.rms_norm_eps)).to(self.act_dtype)
+        qkv = lw.qkv((ops or _TorchOps).rms_norm(x, lw.attn_norm, c.rms_norm_eps)).to(self.act_dtype)
         if ops is not None and lw.q_norm is None and qkv.is_contiguous() and c.head_dim & (c.head_dim - 1) == 0:
             cos, sin = self.rope.tables(pos)  # RoPE of q and k in one kernel, in place
             ops.rope_(qkv, pos, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)
@@ -191,7 +191,7 @@ class Model:
                                         c.rms_norm_eps, lw.gate_up, lw.down)
         x = x + lw.o(attn.reshape(attn.shape[0], -1)).to(self.act_dtype)
         ops = self._gpu_ops(x, lw.mlp_norm)
-        h = (ops or _TORCH_OPS).rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
+        h = (ops or _TorchOps).rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
         if lw.ffn is not None:
             return x + lw.ffn(h).to(h.dtype)
         return x + feed_forward(c, lw, h, silu_mul=ops.silu_mul if ops is not None else None)
@@ -223,7 +223,7 @@ class Model:
         return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
 
 
-class _TORCH_OPS:  # the ops gpu_ops.fused replaces, where it does not
+class _TorchOps:  # the ops gpu_ops.fused replaces, where it does not
     rms_norm = staticmethod(rms_norm)
 
 
