@@ -102,6 +102,9 @@ class Runner:
         if stream_tokens >= cache.block_size:
             dt = torch.float32 if cache.host.dtype is cpu_attention.KVDtype.F32 else torch.bfloat16
             self.streamer = KVStreamer(cache.host, stream_tokens, self.dev, dt)
+        for copier in (self.streamer, self.weights):  # their copies up count as transfer time
+            if copier is not None:
+                copier.timer = self.xfer
         if graphs and SegmentGraphs.supported(model) and not host_compute:
             self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings,
                                           self.streamer)

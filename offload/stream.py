@@ -73,6 +73,7 @@ class KVStreamer:
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.blocks: list[int] = []
         self.bytes_up = 0
+        self.timer = None  # a GpuSpans the copies are timed with (the runner's transfer timer)
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +103,10 @@ class KVStreamer:
             return
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.free[slot])  # never recorded yet: returns at once
+            span = self.timer.begin(self.stream) if self.timer is not None else None
             self._copy(layer, raw)
+            if span is not None:
+                self.timer.end(span, self.stream)
             self.copied[slot].record(self.stream)
 
     def _copy(self, layer: int, raw: dict[str, torch.Tensor]) -> None:

@@ -18,7 +18,8 @@ class StepTimes:
     gpu: float = 0.0  # GPU segments (projections, MLP, GPU attention), from CUDA events
     cpu_attention: float = 0.0  # host-tier attention kernels, in the worker thread
     wait: float = 0.0  # main thread blocked on the CPU's share
-    transfer: float = 0.0  # q/k/v down and (o, lse) up, from CUDA events on the copy stream
+    transfer: float = 0.0  # CUDA events on the copy streams: q/k/v down and (o, lse) up outside the
+    # layer graphs, and host KV blocks and weights copied up a layer ahead (these overlap the rest)
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     tokens: int = 0
