@@ -1,8 +1,11 @@
-"""PTX text of the NF4 decoder that `gpu_ops.nf4_gemv` inlines (plain Python: tests read it without a GPU).
+"""PTX text of the NF4 decoders that `gpu_ops.nf4_gemv` and `gpu_ops.nf4_mma` inline (plain Python:
+tests read it without a GPU).
 
-It turns one int32 of packed codes (bitsandbytes order: byte p holds element 2p in its high
-nibble, 2p + 1 in its low one) into the 8 elements' code-book values (bf16, widened to float32),
-in element order. tests/test_gpu_ops.py runs it through a small PTX emulator for every byte.
+Each turns one int32 of packed codes (bitsandbytes order: byte p holds element 2p in its high
+nibble, 2p + 1 in its low one) into the 8 elements' code-book values, in element order: bf16
+widened to float32 (`prmt_asm`, for the GEMV's FMAs) or bf16 bits (`prmt_bf16_asm`, a
+tensor-core operand), the latter optionally times the group's absmax. tests/test_gpu_ops.py
+runs them through a small PTX emulator for every byte.
 """
 from __future__ import annotations
 
@@ -39,6 +42,26 @@ def prmt_asm() -> str:
     string as a plain literal, which a newline inside would break.
     """
     return " ".join(line.strip() for line in _PRMT_ASM.splitlines())
+
+
+def prmt_bf16_asm(scaled: bool) -> str:
+    """PTX: one int32 of packed codes ($8) → 8 bf16 (int16 bits, $0..$7) in element order.
+
+    `prmt_asm`'s lookup (tables in $9..$16) up to the bf16 pairs p0..p3 (element 2i in the high
+    half of p_i), which are unpacked into 16-bit registers. scaled: $17 holds the group's absmax
+    (float32 bits) and each pair is multiplied by it rounded to bf16, one bf16x2 fma with a -0
+    addend a pair (FP pipe, not the integer one the lookup loads): bf16(bf16(code) · bf16(absmax)),
+    within a bf16 ulp of bitsandbytes' bf16(code · absmax) rounded once from float32.
+    """
+    lines = _PRMT_ASM.splitlines()
+    regs, lookup = lines[1:2], lines[2: lines.index("and.b32 $0, p0, 0xffff0000;")]
+    scale = []
+    if scaled:
+        regs += [".reg .b32 s2, z;", ".reg .f32 sf;"]
+        scale = ["mov.b32 sf, $17;", "cvt.rn.bf16x2.f32 s2, sf, sf;", "mov.b32 z, 0x80008000;"]
+        scale += [f"fma.rn.bf16x2 p{i}, p{i}, s2, z;" for i in range(4)]
+    unpack = [f"mov.b32 {{${2 * i + 1}, ${2 * i}}}, p{i};" for i in range(4)]  # {low half, high half}
+    return " ".join(["{", *regs, *lookup, *scale, *unpack, "}"])
 
 
 _PRMT_ASM = """{

@@ -470,3 +470,23 @@ def test_prmt_decoder_gives_bf16_code_book_for_every_byte():
     for word in _decoder_words():
         out = run(asm, {8: word, **{9 + i: t for i, t in enumerate(tables)}})
         assert [out[e] for e in range(8)] == [bits[c] << 16 for c in _expected_codes(word)], hex(word)
+
+
+@pytest.mark.parametrize("absmax", [None, 1.0, 0.0173, 3.1e-5])
+def test_prmt_bf16_decoder_gives_codes_times_absmax_for_every_byte(absmax):
+    """nf4_mma's decoder: bf16 bits of the code (None), or bf16(bf16(code) · bf16(absmax))."""
+    import struct
+
+    from gpu_ops.nf4_ptx import prmt_bf16_asm, prmt_tables
+    from ptx_emu import run
+
+    book = NF4_CODE.to(torch.bfloat16)
+    inputs = {9 + i: t for i, t in enumerate(prmt_tables())}
+    if absmax is not None:
+        book = (book.float() * torch.tensor(absmax).bfloat16().float()).bfloat16()
+        inputs[17] = struct.unpack("<I", struct.pack("<f", absmax))[0]
+    bits = [int(v) & 0xFFFF for v in book.view(torch.int16)]
+    asm = prmt_bf16_asm(absmax is not None)
+    for word in _decoder_words():
+        out = run(asm, {8: word, **inputs})
+        assert [out[e] for e in range(8)] == [bits[c] for c in _expected_codes(word)], hex(word)
