@@ -23,7 +23,7 @@ from triton.runtime import interpreter  # noqa: E402
 
 from gpu_ops.nf4 import dequantize_nf4, quantize_nf4  # noqa: E402
 from gpu_ops.nf4_gemv import Decode  # noqa: E402
-from gpu_ops.nf4_mma import MmaConfig, Scale, _counters, nf4_mma  # noqa: E402
+from gpu_ops.nf4_mma import MmaConfig, Scale, _counters, mma_config, nf4_mma  # noqa: E402
 
 # Against x · W_deqᵀ in float64: the bf16 output's rounding (‖Δy‖/‖y‖ ≈ 1.6e-3 on these random
 # sums) plus the code book's (SUM) or each weight's (WEIGHT) rounding to bf16: 2.0-2.6e-3 measured.
@@ -54,7 +54,7 @@ def main() -> int:
     configs = [MmaConfig(block_n=32, block_k=64, split=1), MmaConfig(block_n=16, block_k=128, split=1),
                MmaConfig(block_n=64, block_k=64, split=3), MmaConfig(block_n=32, block_k=128, split=2),
                MmaConfig(block_n=32, block_k=64, split=2, scale=Scale.SUM),
-               MmaConfig(block_n=16, block_k=64, split=1, scale=Scale.SUM)]
+               MmaConfig(block_n=16, block_k=64, split=1, scale=Scale.SUM), None]  # None: default_config
     for (n, k), cfg, rows in itertools.product(shapes, configs, (3, 17, 33)):
         w = torch.randn(n, k) * 0.02
         packed, absmax = quantize_nf4(w)
@@ -74,7 +74,7 @@ def main() -> int:
         ok = (y.shape == (rows, n) and err < TOL and res_ok and again and counters_clear
               and bool(torch.isfinite(y).all()))
         fails += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} N={n:4} K={k:4} rows={rows:2} {cfg.fit(k).tag:22} rel err {err:.2e} "
+        print(f"{'ok  ' if ok else 'FAIL'} N={n:4} K={k:4} rows={rows:2} {(cfg or mma_config(n, k, rows, 8)).fit(k).tag:22} rel err {err:.2e} "
               f"(vs bf16 weights {err_bnb:.2e}) residual {res_ok} repeatable {again} counters 0 {counters_clear}")
     print(f"{fails} failed")
     return int(fails > 0)
