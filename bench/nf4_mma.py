@@ -4,7 +4,7 @@
 
 1. HBM read bandwidth (a streaming Triton read and torch's sum; the best is the bounds' divisor),
    and the copy rate the other benches report.
-2. Every kernel variant of the grid (KERNELS × BLOCK_M 16/32/64 × split-K or not) is compiled in
+2. Every kernel variant of the grid (KERNELS × BLOCK_M × split-K or not) is compiled in
    worker processes, in parallel, and run once there on a small odd shape against the dequantized
    reference: a variant that fails to compile, faults or is wrong is reported and skipped (a
    fault there cannot poison this process's CUDA context); variants a worker did not finish
@@ -42,7 +42,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_ops.nf4 import NF4Linear, Nf4Kernel, dequantize_nf4, quantize_nf4  # noqa: E402
-from gpu_ops.nf4_mma import MmaConfig, Scale, block_m, mma_config, nf4_mma  # noqa: E402
+from gpu_ops.nf4_mma import MmaConfig, Scale, mma_config, nf4_mma, row_bucket  # noqa: E402
 
 log = logging.getLogger("bench")
 DEV = torch.device("cuda")
@@ -54,18 +54,21 @@ WIDE_N = 16384  # N at or above: no split-K (enough tiles for every SM)
 SPLITS = (1, 2, 4, 8)
 L2_ROTATION_BYTES = 256 << 20
 OK_ERR = 1e-2
-# the grid: tiles, warps, stages, scale placement (split is swept per shape); the defaults of
-# gpu_ops.nf4_mma.default_config (64/128 × 128, 4 warps, 3 stages) are in it
-KERNELS = [MmaConfig(64, 128, 4, 3), MmaConfig(128, 128, 4, 3), MmaConfig(64, 256, 4, 3), MmaConfig(128, 256, 8, 3),
-           MmaConfig(128, 128, 8, 2), MmaConfig(256, 128, 8, 2), MmaConfig(64, 128, 4, 2), MmaConfig(128, 128, 4, 4),
-           MmaConfig(256, 256, 8, 3), MmaConfig(64, 64, 4, 4),
-           MmaConfig(64, 64, 4, 3, scale=Scale.SUM), MmaConfig(128, 64, 4, 3, scale=Scale.SUM),
-           MmaConfig(128, 64, 8, 4, scale=Scale.SUM)]
+# the grid: tiles, warps, stages, scale placement and orientation (split is swept per shape); the
+# default of gpu_ops.nf4_mma.default_config (x·Wᵀ, 128 × 128, 8 warps, 3 stages) is in it.
+# bench/nf4_mma_sass.py: none of these spills (256 × 256 did); x·Wᵀ's loops are the leanest
+# (~5.3 SASS instructions a weight), W·xᵀ's serialize their wgmmas (A from registers)
+KERNELS = [MmaConfig(128, 128, 8, 3), MmaConfig(128, 128, 8, 2), MmaConfig(128, 128, 4, 3), MmaConfig(64, 128, 4, 3),
+           MmaConfig(256, 128, 8, 2), MmaConfig(128, 256, 8, 3), MmaConfig(128, 64, 8, 3, scale=Scale.SUM),
+           MmaConfig(128, 128, 4, 3, swap=True), MmaConfig(64, 128, 4, 3, swap=True),
+           MmaConfig(256, 128, 8, 2, swap=True), MmaConfig(128, 256, 8, 3, swap=True),
+           MmaConfig(128, 64, 4, 3, scale=Scale.SUM, swap=True)]
 
 
 def kernel_tag(c: MmaConfig) -> str:
     """A config's compile-time part (split is a launch argument, only split-or-not is compiled in)."""
-    return f"n{c.block_n}k{c.block_k}w{c.warps}s{c.stages}{'-sum' if c.scale is Scale.SUM else ''}"
+    return f"n{c.block_n}k{c.block_k}w{c.warps}s{c.stages}{'-sum' if c.scale is Scale.SUM else ''}" \
+           f"{'-swap' if c.swap else ''}"
 
 
 # ---------------------------------------------------------------------------------- HBM
@@ -121,7 +124,7 @@ def _compile_one(task: tuple[dict, int, bool]) -> dict:
     cfg = MmaConfig(**{**fields, "scale": Scale(fields["scale"]), "split": 2 if split else 1})
     key = _variant(cfg, bm, split)
     try:
-        N, K, rows = 320, 1024, bm // 2 + 1
+        N, K, rows = 320, 1024, bm // 2 + 1  # rows: a BLOCK_M of bm in either orientation
         torch.manual_seed(0)
         packed, absmax = quantize_nf4(torch.randn(N, K, device=DEV) * 0.02)
         x = torch.randn(rows, K, device=DEV, dtype=torch.bfloat16)
@@ -136,9 +139,9 @@ def _compile_one(task: tuple[dict, int, bool]) -> dict:
         return {"variant": key, "ok": False, "error": repr(e)[-3000:]}
 
 
-def precompile(bms: list[int], workers: int, timeout_s: float) -> dict[str, dict]:
+def precompile(rows_list: list[int], workers: int, timeout_s: float) -> dict[str, dict]:
     tasks = [(dict(dataclasses.asdict(k), scale=int(k.scale)), bm, split)
-             for k in KERNELS for bm in bms for split in (False, True)]
+             for k in KERNELS for bm in sorted({k.block_m(r) for r in rows_list}) for split in (False, True)]
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
     ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
@@ -212,7 +215,7 @@ def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadlin
         x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
         ref = _reference(packed, absmax, n, k, x)
         nbytes = nf4_bytes + 2 * rows * (k + n)
-        row = {"shape": name, "N": n, "K": k, "rows": rows, "block_m": block_m(rows), "bytes": nbytes,
+        row = {"shape": name, "N": n, "K": k, "rows": rows, "bucket": row_bucket(rows), "bytes": nbytes,
                "copies": n_copies, "configs": {}, "failed": {}}
         default = mma_config(n, k, rows, sms)
         cands = [default]
@@ -226,7 +229,7 @@ def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadlin
             if cfg in seen:
                 continue
             seen.add(cfg)
-            if _variant(cfg, block_m(rows), cfg.split > 1) in bad_variants:  # failed in a worker: not here
+            if _variant(cfg, cfg.block_m(rows), cfg.split > 1) in bad_variants:  # failed in a worker: not here
                 continue
             try:
                 y = nf4_mma(x, packed, absmax, (n, k), cfg)
@@ -264,12 +267,12 @@ def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadlin
 
 # ---------------------------------------------------------------------------------- tables
 def configs_text(rows: list[dict]) -> str:
-    """CONFIGS for gpu_ops/nf4_mma.py: per (N, K, BLOCK_M) the config with the least µs summed over
+    """CONFIGS for gpu_ops/nf4_mma.py: per (N, K, row bucket) the config with the least µs summed over
     the bucket's measured row counts (among those measured, correct, at every one of them)."""
     lines = ["CONFIGS: dict[tuple[int, int, int], MmaConfig] = {"]
     by_bucket: dict[tuple[int, int, int], list[dict]] = {}
     for r in rows:
-        by_bucket.setdefault((r["N"], r["K"], r["block_m"]), []).append(r)
+        by_bucket.setdefault((r["N"], r["K"], r["bucket"]), []).append(r)
     for key, rs in sorted(by_bucket.items()):
         tags = set.intersection(*({t for t, c in r["configs"].items() if c["ok"]} for r in rs))
         if not tags:
@@ -277,8 +280,10 @@ def configs_text(rows: list[dict]) -> str:
         best = min(tags, key=lambda t: sum(r["configs"][t]["us"] for r in rs))
         c = rs[0]["configs"][best]["config"]
         us = ", ".join(f"{r['rows']}: {r['configs'][best]['us']:.1f}" for r in rs)
+        extra = (", scale=Scale.SUM" if c["scale"] == "SUM" else "") + (", swap=True" if c["swap"] else "")
+        lines.append(f"    # µs at rows {us}")
         lines.append(f"    {key}: MmaConfig(block_n={c['block_n']}, block_k={c['block_k']}, warps={c['warps']}, "
-                     f"stages={c['stages']}, split={c['split']}, scale=Scale.{c['scale']}),  # µs at rows {us}")
+                     f"stages={c['stages']}, split={c['split']}{extra}),")
     lines.append("}")
     return "\n".join(lines)
 
@@ -327,7 +332,7 @@ def main() -> None:
     log.info("HBM %s", json.dumps(res["hbm_gbps"]))
     bad_variants: set[str] = set()  # variants not compiled in workers (timeout, --workers 0) run here
     if args.workers:
-        res["compile"] = precompile(sorted({block_m(r) for r in rows_list}), args.workers, timeout_s=150)
+        res["compile"] = precompile(rows_list, args.workers, timeout_s=150)
         bad_variants = {k for k, r in res["compile"].items() if not r["ok"]}
     save()
     sms = torch.cuda.get_device_properties(0).multi_processor_count

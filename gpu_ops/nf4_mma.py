@@ -8,16 +8,23 @@ bytes moved a weight, ~300 GB/s of NF4 bytes on an H100); our first tensor-core 
 steps, [32, BN] byte tiles loaded across rows) was 2x slower still. This one reads each weight
 byte once, contiguously, and decodes it in registers.
 
-Swap AB: the MMA computes yᵀ = W · xᵀ, so a [BLOCK_N, BLOCK_K] weight tile is the MMA's A
-operand (its M, ≥ 64, filled by output features) and the few rows of x are its N (BLOCK_M = 16,
-32 or 64 ≥ rows: the weights are read once whatever the row count).
-
 Layout (`gpu_ops.nf4`, as stored, no repacking): packed [N, K/2] uint8 read as int32 words
 [N, K/8], 8 codes a word (byte p: element 2p high nibble, 2p + 1 low); absmax float32 [N, K/64].
-A step loads [BLOCK_N, BLOCK_K/8] words (each row BLOCK_K/2 contiguous bytes) and prefetches the
-next step's while it computes. Decode: the code book's bytes in 8 registers, looked up with PTX
-`prmt` (`nf4_ptx.prmt_bf16_asm`, ~22 integer ops for 8 codes, no memory), 8 bf16 a word joined
-into the tile in K order; the [BLOCK_K, BLOCK_M] slice of xᵀ comes from L2.
+A program owns BLOCK_N output features (and all ≤ 64 rows, so the weights are read once); a step
+loads [BLOCK_N, BLOCK_K/8] words (each row BLOCK_K/2 contiguous bytes) and prefetches the next
+step's while it computes. Decode: the code book's bytes in 8 registers, looked up with PTX `prmt`
+(`nf4_ptx.prmt_bf16_asm`, 16 prmt + 5 shift/logic ops for 8 codes, no memory), 8 bf16 a word
+joined into the [BLOCK_N, BLOCK_K] tile in K order; x's tile comes from L2.
+
+Orientation (`MmaConfig.swap`):
+- x·Wᵀ (default): x [64, BK] is wgmma's A and the decoded tile, stored to shared memory, its B:
+  both operands from shared memory, the MMAs asynchronous. wgmma's M is 64, so fewer rows are
+  zero-padded (the tensor cores have the time: at 64 MACs a weight, HBM speed needs ~80% of an
+  H100's bf16 rate).
+- W·xᵀ (swap AB): the decoded tile is A, from registers, and the rows of x are the MMA's N
+  (BLOCK_M = 16/32/64): no padding, but Triton routes the tile through shared memory into the
+  A-fragment layout and, with one warpgroup, ptxas serializes the wgmmas
+  (bench/nf4_mma_sass.py counts both; bench/nf4_mma.py times them).
 
 Scale (`Scale`): WEIGHT multiplies the decoded codes by absmax in bf16 before the dot (one bf16x2
 fma a pair in the decoder: bf16(bf16(code)·bf16(absmax)), within a bf16 ulp of bitsandbytes'
@@ -66,21 +73,23 @@ class Scale(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class MmaConfig:
-    """Tiles and launch of one nf4_mma call; BLOCK_M follows the row count (`block_m`)."""
+    """Tiles and launch of one nf4_mma call; BLOCK_M follows from the rows (`block_m`)."""
 
     block_n: int = 128  # output features a program
     block_k: int = 128  # codes of K a step (a multiple of the 64-code group)
-    warps: int = 4
+    warps: int = 8
     stages: int = 3  # Triton's software pipelining of the x tiles (weights: prefetched one step ahead)
     split: int = 1  # programs along K per output tile
     scale: Scale = Scale.WEIGHT
+    swap: bool = False  # True: yᵀ = W·xᵀ, the decoded tile the MMA's A; False: y = x·Wᵀ, it is B
 
     def __post_init__(self):
         pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
         if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.block_k) and self.block_k >= BLOCK
-                and self.split >= 1 and (self.scale is Scale.WEIGHT or self.block_k == BLOCK)):
+                and self.split >= 1 and (self.scale is Scale.WEIGHT or self.block_k == BLOCK)
+                and (self.swap or self.warps >= 4)):
             raise ValueError(f"{self}: block_n a power of two ≥ 16, block_k a power of two ≥ {BLOCK} "
-                             f"(= {BLOCK} with Scale.SUM), split ≥ 1")
+                             f"(= {BLOCK} with Scale.SUM), split ≥ 1, ≥ 4 warps (a warpgroup) unless swap")
 
     def fit(self, K: int) -> MmaConfig:
         """The same config with block_k, then split, lowered until block_k · split divides K."""
@@ -92,32 +101,36 @@ class MmaConfig:
                 s -= 1
         return dataclasses.replace(self, block_k=bk, split=s)
 
+    def block_m(self, rows: int) -> int:
+        """Rows of x a program: the row bucket with swap (the MMA's N), else 64 (wgmma's M, zero-padded)."""
+        return row_bucket(rows) if self.swap else 64
+
     @property
     def tag(self) -> str:
         return (f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}x{self.split}"
-                f"{'' if self.scale is Scale.WEIGHT else '-sum'}")
+                f"{'-sum' if self.scale is Scale.SUM else ''}{'-swap' if self.swap else ''}")
 
 
-# (N, K, BLOCK_M) → the fastest config measured on an H100 (bench/nf4_mma.py prints these lines);
+# (N, K, row bucket) → the fastest config measured on an H100 (bench/nf4_mma.py prints these lines);
 # other shapes take `default_config`
 CONFIGS: dict[tuple[int, int, int], MmaConfig] = {}
 
 
-def block_m(rows: int) -> int:
+def row_bucket(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
 def default_config(N: int, K: int, rows: int, sms: int) -> MmaConfig:
-    """A guess for shapes the table lacks: 128-feature tiles (64 for narrow W), 128-code steps,
+    """A guess for shapes the table lacks: 128 × 128 tiles of x·Wᵀ (the leanest loop in
+    bench/nf4_mma_sass.py's count: ~5.3 instructions a weight, no wgmma serialization), 8 warps,
     and the smallest split (≤ 8) that gives every SM a program."""
-    bn = 128 if N >= 64 * sms else 64
-    tiles, steps = triton.cdiv(N, bn), max(1, K // 128)
+    tiles, steps = triton.cdiv(N, 128), max(1, K // 128)
     split = next((d for d in range(1, 9) if steps % d == 0 and tiles * d >= sms), 1)
-    return MmaConfig(block_n=bn, block_k=128, split=split).fit(K)
+    return MmaConfig(split=split).fit(K)
 
 
 def mma_config(N: int, K: int, rows: int, sms: int) -> MmaConfig:
-    cfg = CONFIGS.get((N, K, block_m(rows)))
+    cfg = CONFIGS.get((N, K, row_bucket(rows)))
     return default_config(N, K, rows, sms) if cfg is None else cfg.fit(K)
 
 
@@ -150,43 +163,70 @@ def _decode_tile(q, s, t0, t1, t2, t3, t4, t5, t6, t7, book_ptr, DECODE: tl.cons
 def _load_scales(a_rows, k, words, SCALE: tl.constexpr, DECODE: tl.constexpr):
     """absmax for the step at code k: per word [BN, W] (WEIGHT) or the step's one group [BN, 1] (SUM)."""
     if SCALE == 1:
-        return tl.load(a_rows + k // 64)
-    ptrs = a_rows + (k // 64 + words // 8)[None, :]
-    if DECODE == 0:
-        return _load_f32(ptrs)  # takes q's layout: no shuffle before the decoder
-    return tl.load(ptrs)
+        s = tl.load(a_rows + k // 64)
+    elif DECODE == 0:
+        s = _load_f32(a_rows + (k // 64 + words // 8)[None, :])  # takes q's layout: no shuffle before the decoder
+    else:
+        s = tl.load(a_rows + (k // 64 + words // 8)[None, :])
+    return s  # (one return: Triton wants every return of a function to have one type)
 
 
 @triton.jit
-def _mma(w, xt, acc, s, SCALE: tl.constexpr, DOT_F32: tl.constexpr):
+def _mma(w, xk, acc, s, SCALE: tl.constexpr, DOT_F32: tl.constexpr, SWAP: tl.constexpr):
+    """acc + the step's product: W·xᵀ [BN, BM] (SWAP: w is the MMA's A, xk = xᵀ [BK, BM]) or
+    x·Wᵀ [BM, BN] (xk = x [BM, BK] is A, the decoded tile B, read by the MMA from shared memory)."""
+    if SWAP:
+        a, b = w, xk
+    else:
+        a, b = xk, tl.trans(w)
+        s = tl.trans(s)  # SUM: [BN, 1] → [1, BN]
     if DOT_F32:  # exact products: for checks (Triton's CPU interpreter mishandles bf16 dots)
-        w, xt = w.to(tl.float32), xt.to(tl.float32)
+        a, b = a.to(tl.float32), b.to(tl.float32)
         if SCALE == 1:
-            return acc + tl.dot(w, xt, input_precision="ieee") * s
-        return tl.dot(w, xt, acc, input_precision="ieee")
+            return acc + tl.dot(a, b, input_precision="ieee") * s
+        return tl.dot(a, b, acc, input_precision="ieee")
     if SCALE == 1:
-        return acc + tl.dot(w, xt) * s
-    return tl.dot(w, xt, acc)
+        return acc + tl.dot(a, b) * s
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _store_y(y_ptr, res_ptr, acc, offs_n, offs_m, ok, stride_ym, stride_rm, RES: tl.constexpr):
-    """acc [BN, BM] (= yᵀ tile) → y[m, n] bf16, + res[m, n] rounded as torch's res + y.to(bf16)."""
+def _tile(n_vals, m_vals, SWAP: tl.constexpr):
+    """n_vals[n] + m_vals[m] over the accumulator's tile: [BN, BM] if SWAP, else [BM, BN]."""
+    if SWAP:
+        t = n_vals[:, None] + m_vals[None, :]
+    else:
+        t = m_vals[:, None] + n_vals[None, :]
+    return t
+
+
+@triton.jit
+def _tile_mask(n_ok, m_ok, SWAP: tl.constexpr):
+    if SWAP:
+        t = n_ok[:, None] & m_ok[None, :]
+    else:
+        t = m_ok[:, None] & n_ok[None, :]
+    return t
+
+
+@triton.jit
+def _store_y(y_ptr, res_ptr, acc, y_off, r_off, ok, RES: tl.constexpr):
+    """acc → y bf16 at y_off, + res (at r_off) rounded as torch's res + y.to(bf16)."""
     out = acc.to(tl.bfloat16)
     if RES:
-        r = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=ok, other=0.0)
+        r = tl.load(res_ptr + r_off, mask=ok, other=0.0)
         out = (out.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
-    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out, mask=ok)
+    tl.store(y_ptr + y_off, out, mask=ok)
 
 
 @triton.jit(do_not_specialize=["M", "splits"])
 def _nf4_mma_kernel(
     x_ptr, w32_ptr, absmax_ptr, book_ptr, y_ptr, res_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_ym, stride_rm, k_per_split, splits,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr, SWAP: tl.constexpr,
     DECODE: tl.constexpr, SPLIT: tl.constexpr, RES: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    """yᵀ tile [BLOCK_N features, BLOCK_M rows] over codes [pid_s·k_per_split, +k_per_split)."""
+    """Output tile of BLOCK_N features × BLOCK_M rows over codes [pid_s·k_per_split, +k_per_split)."""
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     W: tl.constexpr = BLOCK_K // 8  # int32 words a row a step
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -194,10 +234,11 @@ def _nf4_mma_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     words = tl.arange(0, W)
-    kk = tl.arange(0, BLOCK_K)
     w_rows = w32_ptr + rows.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
     a_rows = absmax_ptr + rows.to(tl.int64)[:, None] * (K // 64)  # [BN, 1]
-    x_cols = x_ptr + offs_m[None, :] * stride_xm  # [1, BM]: xᵀ's columns
+    kk = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + _tile(kk, offs_m * stride_xm, SWAP)  # step 0 of xᵀ [BK, BM] (SWAP) or x [BM, BK]
+    x_ok = _tile_mask(kk < BLOCK_K, m_ok, SWAP)
     # the PRMT tables (unused by GATHER), loaded, not immediates, so that they stay in registers
     tab = book_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 16
     t0, t1, t2, t3 = tl.load(tab), tl.load(tab + 1), tl.load(tab + 2), tl.load(tab + 3)
@@ -207,33 +248,38 @@ def _nf4_mma_kernel(
     s = _load_scales(a_rows, k_first, words, SCALE, DECODE)
     if PDL:  # weights and scales are constant: loaded above while the previous kernel ends; x is not
         gdc_wait()
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i in range(0, k_per_split, BLOCK_K):  # (not range(k_first, ...): Triton's interpreter rejects it)
         k = k_first + i
         more = i + BLOCK_K < k_per_split  # the next step's weights load while this one computes
         k_next = k_first + tl.minimum(i + BLOCK_K, k_per_split - BLOCK_K)
         q_next = tl.load(w_rows + (k_next // 8 + words)[None, :], mask=more, other=0)
         s_next = _load_scales(a_rows, k_next, words, SCALE, DECODE)
-        xt = tl.load(x_cols + (k + kk)[:, None], mask=m_ok[None, :], other=0.0)  # [BK, BM] bf16
+        xk = tl.load(x_tile + k, mask=x_ok, other=0.0)  # bf16, from L2
         w = _decode_tile(q, s, t0, t1, t2, t3, t4, t5, t6, t7, book_ptr, DECODE, SCALE == 0)  # [BN, BK] bf16
-        acc = _mma(w, xt, acc, s, SCALE, DOT_F32)
+        acc = _mma(w, xk, acc, s, SCALE, DOT_F32, SWAP)
         q, s = q_next, s_next
     if PDL:
         gdc_launch_dependents()
-    ok = (offs_n < N)[:, None] & m_ok[None, :]
+    ok = _tile_mask(offs_n < N, m_ok, SWAP)
+    y_off = _tile(offs_n, offs_m * stride_ym, SWAP)
+    r_off = _tile(offs_n, offs_m * stride_rm, SWAP)
     if SPLIT:
-        mn = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM] offsets in one [M, N] partial
+        mn = _tile(offs_n, offs_m * N, SWAP)  # offsets in one [M, N] partial
         tl.store(part_ptr + pid_s * M * N + mn, acc, mask=ok)
         tl.debug_barrier()  # every thread's partials are written before the counter says so
         tile = pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == splits - 1:  # the last of the tile's programs
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            total = tl.zeros_like(acc)
             for j in range(0, splits):  # in split order whoever arrives last: deterministic
                 total += tl.load(part_ptr + j * M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
-            _store_y(y_ptr, res_ptr, total, offs_n, offs_m, ok, stride_ym, stride_rm, RES)
+            _store_y(y_ptr, res_ptr, total, y_off, r_off, ok, RES)
             tl.store(count_ptr + tile, 0)  # ready for the next launch
     else:
-        _store_y(y_ptr, res_ptr, acc, offs_n, offs_m, ok, stride_ym, stride_rm, RES)
+        _store_y(y_ptr, res_ptr, acc, y_off, r_off, ok, RES)
 
 
 @functools.cache
@@ -254,7 +300,7 @@ def nf4_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: 
     if K % BLOCK or not 1 <= M <= MAX_ROWS:
         raise ValueError(f"nf4_mma takes 1..{MAX_ROWS} rows and K divisible by {BLOCK}, got x {tuple(x.shape)}, W {shape}")
     cfg = (config or mma_config(N, K, M, _sms(x.device))).fit(K)
-    BM = block_m(M)
+    BM = cfg.block_m(M)
     x = x.to(torch.bfloat16)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -273,7 +319,7 @@ def nf4_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: 
     _nf4_mma_kernel[grid](
         x, packed.view(torch.int32), absmax, _book(x.device), y, res, part, counts,
         M, N, K, x.stride(0), y.stride(0), res.stride(0), K // cfg.split, cfg.split,
-        BLOCK_N=cfg.block_n, BLOCK_M=BM, BLOCK_K=cfg.block_k, SCALE=int(cfg.scale), DECODE=int(decode),
+        BLOCK_N=cfg.block_n, BLOCK_M=BM, BLOCK_K=cfg.block_k, SCALE=int(cfg.scale), SWAP=cfg.swap, DECODE=int(decode),
         SPLIT=cfg.split > 1, RES=residual is not None, DOT_F32=dot_f32, PDL=pdl.enabled(x.device),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch(x.device),
     )

@@ -47,20 +47,24 @@ def prmt_asm() -> str:
 def prmt_bf16_asm(scaled: bool) -> str:
     """PTX: one int32 of packed codes ($8) → 8 bf16 (int16 bits, $0..$7) in element order.
 
-    `prmt_asm`'s lookup (tables in $9..$16) up to the bf16 pairs p0..p3 (element 2i in the high
-    half of p_i), which are unpacked into 16-bit registers. scaled: $17 holds the group's absmax
-    (float32 bits) and each pair is multiplied by it rounded to bf16, one bf16x2 fma with a -0
-    addend a pair (FP pipe, not the integer one the lookup loads): bf16(bf16(code) · bf16(absmax)),
-    within a bf16 ulp of bitsandbytes' bf16(code · absmax) rounded once from float32.
+    `prmt_asm`'s lookup (tables in $9..$16), its last 4 prmt pairing the bytes the other way
+    round: p_i holds elements 2i (low half) and 2i + 1 (high), memory order, so that the compiler
+    finds the pair it packs for a store or an MMA operand already made (no prmt to repack it).
+    scaled: $17 holds the group's absmax (float32 bits) and each pair is multiplied by it rounded
+    to bf16, one bf16x2 fma with a -0 addend a pair (FP pipe, not the integer one the lookup
+    loads): bf16(bf16(code) · bf16(absmax)), within a bf16 ulp of bitsandbytes' bf16(code · absmax)
+    rounded once from float32.
     """
     lines = _PRMT_ASM.splitlines()
-    regs, lookup = lines[1:2], lines[2: lines.index("and.b32 $0, p0, 0xffff0000;")]
+    regs, lookup = lines[1:2], lines[2: lines.index("prmt.b32 p0, l0, h0, 0x5140;")]
+    lookup += ["prmt.b32 p0, l0, h0, 0x4051;", "prmt.b32 p1, l0, h0, 0x6273;",  # {low, high} = elements {2i, 2i + 1}
+               "prmt.b32 p2, l1, h1, 0x4051;", "prmt.b32 p3, l1, h1, 0x6273;"]
     scale = []
     if scaled:
         regs += [".reg .b32 s2, z;", ".reg .f32 sf;"]
         scale = ["mov.b32 sf, $17;", "cvt.rn.bf16x2.f32 s2, sf, sf;", "mov.b32 z, 0x80008000;"]
         scale += [f"fma.rn.bf16x2 p{i}, p{i}, s2, z;" for i in range(4)]
-    unpack = [f"mov.b32 {{${2 * i + 1}, ${2 * i}}}, p{i};" for i in range(4)]  # {low half, high half}
+    unpack = [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};" for i in range(4)]  # {low half, high half}
     return " ".join(["{", *regs, *lookup, *scale, *unpack, "}"])
 
 

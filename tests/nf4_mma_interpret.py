@@ -51,10 +51,11 @@ def main() -> int:
     torch.manual_seed(0)
     fails = 0
     shapes = [(97, 128), (40, 320), (130, 256)]  # N not a multiple of any tile; K = 64·{2, 5, 4}
-    configs = [MmaConfig(block_n=32, block_k=64, split=1), MmaConfig(block_n=16, block_k=128, split=1),
-               MmaConfig(block_n=64, block_k=64, split=3), MmaConfig(block_n=32, block_k=128, split=2),
-               MmaConfig(block_n=32, block_k=64, split=2, scale=Scale.SUM),
-               MmaConfig(block_n=16, block_k=64, split=1, scale=Scale.SUM), None]  # None: default_config
+    configs = [MmaConfig(block_n=32, block_k=64, swap=True), MmaConfig(block_n=16, block_k=128, swap=True),
+               MmaConfig(block_n=64, block_k=64, split=3, swap=True), MmaConfig(block_n=32, block_k=128, split=2),
+               MmaConfig(block_n=32, block_k=64, split=2, scale=Scale.SUM, swap=True),
+               MmaConfig(block_n=16, block_k=64, scale=Scale.SUM), MmaConfig(block_n=64, block_k=128, warps=4),
+               None]  # None: default_config
     for (n, k), cfg, rows in itertools.product(shapes, configs, (3, 17, 33)):
         w = torch.randn(n, k) * 0.02
         packed, absmax = quantize_nf4(w)

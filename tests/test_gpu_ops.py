@@ -296,18 +296,20 @@ def _mma_configs():
 
     return [((97, 4160), None),  # K = 64 · 65: block_k falls to 64
             ((1000, 832), None),
-            ((333, 2048), MmaConfig(block_n=64, block_k=128, split=4)),
+            ((333, 2048), MmaConfig(block_n=64, block_k=128, warps=4, split=4, swap=True)),
             ((4096, 1024), MmaConfig(block_n=128, block_k=64, split=2, scale=Scale.SUM)),
-            ((600, 4096), MmaConfig(block_n=128, block_k=256, warps=8, stages=2)),
-            ((6144, 4096), MmaConfig(block_n=256, block_k=128, warps=8, split=1))]
+            ((600, 4096), MmaConfig(block_n=128, block_k=256, warps=8, stages=2, swap=True)),
+            ((6144, 4096), MmaConfig(block_n=256, block_k=128, warps=8, stages=2)),
+            ((1000, 2048), MmaConfig(block_n=128, block_k=64, warps=4, split=3, scale=Scale.SUM, swap=True))]
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [3, 17, 32, 64])
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_gpu_nf4_mma_matches_dequantized_reference(rows, case):
-    """N not a multiple of the tile, K a multiple of 64 only, split-K and not, both scale placements."""
+    """N not a multiple of the tile, K a multiple of 64 only, split-K and not, both scale placements
+    and both orientations (x·Wᵀ, W·xᵀ)."""
     from gpu_ops.nf4_mma import nf4_mma
 
     shape, config = _mma_configs()[case]
