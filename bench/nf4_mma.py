@@ -56,10 +56,12 @@ L2_ROTATION_BYTES = 256 << 20
 OK_ERR = 1e-2
 # the grid: tiles, warps, stages, scale placement and orientation (split is swept per shape); the
 # default of gpu_ops.nf4_mma.default_config (x·Wᵀ, 128 × 128, 8 warps, 3 stages) is in it.
-# bench/nf4_mma_sass.py: none of these spills (256 × 256 did); x·Wᵀ's loops are the leanest
-# (~5.3 SASS instructions a weight), W·xᵀ's serialize their wgmmas (A from registers)
-KERNELS = [MmaConfig(128, 128, 8, 3), MmaConfig(128, 128, 8, 2), MmaConfig(128, 128, 4, 3), MmaConfig(64, 128, 4, 3),
-           MmaConfig(256, 128, 8, 2), MmaConfig(128, 256, 8, 3), MmaConfig(128, 64, 8, 3, scale=Scale.SUM),
+# bench/nf4_mma_sass.py: none of these spills (256 × 256 did; 64 × 256 × 4 warps took 255 registers);
+# x·Wᵀ's loops are the leanest (~5.3 SASS instructions a weight), W·xᵀ's with 4 warps serialize
+# their wgmmas (A from registers)
+KERNELS = [MmaConfig(128, 128, 8, 3), MmaConfig(128, 128, 8, 2), MmaConfig(128, 128, 8, 4), MmaConfig(128, 128, 4, 3),
+           MmaConfig(64, 128, 4, 3), MmaConfig(256, 128, 8, 2), MmaConfig(128, 256, 8, 3),
+           MmaConfig(128, 64, 8, 3), MmaConfig(128, 64, 8, 3, scale=Scale.SUM),
            MmaConfig(128, 128, 4, 3, swap=True), MmaConfig(64, 128, 4, 3, swap=True),
            MmaConfig(256, 128, 8, 2, swap=True), MmaConfig(128, 256, 8, 3, swap=True),
            MmaConfig(128, 64, 4, 3, scale=Scale.SUM, swap=True)]
