@@ -179,7 +179,8 @@ def _mma(w, xk, acc, s, SCALE: tl.constexpr, DOT_F32: tl.constexpr, SWAP: tl.con
         a, b = w, xk
     else:
         a, b = xk, tl.trans(w)
-        s = tl.trans(s)  # SUM: [BN, 1] → [1, BN]
+        if SCALE == 1:
+            s = tl.trans(s)  # the group's absmax [BN, 1] → [1, BN]
     if DOT_F32:  # exact products: for checks (Triton's CPU interpreter mishandles bf16 dots)
         a, b = a.to(tl.float32), b.to(tl.float32)
         if SCALE == 1:
@@ -202,6 +203,7 @@ def _tile(n_vals, m_vals, SWAP: tl.constexpr):
 
 @triton.jit
 def _tile_mask(n_ok, m_ok, SWAP: tl.constexpr):
+    """n_ok[n] & m_ok[m] over the accumulator's tile."""
     if SWAP:
         t = n_ok[:, None] & m_ok[None, :]
     else:
