@@ -79,9 +79,10 @@ class Nf4Kernel(str, enum.Enum):
 
 
 GEMV_K_MULTIPLE = 256  # the Triton one-row kernel steps K by 4 groups of 64
-# Rows that AUTO sends to nf4_mma: a guess before any measurement (bitsandbytes is slowest, at
-# ~300 GB/s, from 16 rows where it dequantizes and calls cuBLAS); bench/nf4_mma.py decides it.
-MMA_AUTO_ROWS = range(16, 65)
+# Rows that AUTO sends to nf4_mma: measured on an H100 (bench/nf4_mma.py), its sum over a Llama-3-8B
+# step's linears beats nf4_gemv and bitsandbytes at every row count from 4 to 64 (3.8 ms vs 6.1
+# and 10.6 at 4 rows, 4.2 vs 12.6 bnb at 32); ≤ 2 rows stay with nf4_gemv (the fused decode layer).
+MMA_AUTO_ROWS = range(3, 65)
 
 
 class NF4Linear:
@@ -118,9 +119,8 @@ class NF4Linear:
     def pick(self, rows: int) -> Nf4Kernel:
         if self.device.type != "cuda":
             return Nf4Kernel.TORCH
-        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/nf4_gemv.py): nf4_gemv wins at 1
-            # and 2 rows on every Llama-3-8B shape; from 4 rows bitsandbytes wins o and down, at 8 all
-            # but gate_up
+        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/nf4_gemv.py, bench/nf4_mma.py):
+            # nf4_gemv at 1 and 2 rows, nf4_mma from 3 to 64, bitsandbytes (dequantize + cuBLAS) above
             if self.in_features % BLOCK:
                 return Nf4Kernel.BNB
             if rows <= 2:

@@ -111,9 +111,40 @@ class MmaConfig:
                 f"{'-sum' if self.scale is Scale.SUM else ''}{'-swap' if self.swap else ''}")
 
 
-# (N, K, row bucket) → the fastest config measured on an H100 (bench/nf4_mma.py prints these lines);
-# other shapes take `default_config`
-CONFIGS: dict[tuple[int, int, int], MmaConfig] = {}
+# (N, K, row bucket) → the fastest config measured on an H100 (bench/nf4_mma.py, 2026-11-23 04:07
+# UTC, bench/RESULTS.md); other shapes take `default_config`
+CONFIGS: dict[tuple[int, int, int], MmaConfig] = {
+    # µs at rows 4: 11.4, 8: 11.4, 16: 11.6
+    (4096, 4096, 16): MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=8, swap=True),
+    # µs at rows 32: 13.5
+    (4096, 4096, 32): MmaConfig(block_n=128, block_k=256, warps=8, stages=3, split=4, swap=True),
+    # µs at rows 64: 16.2
+    (4096, 4096, 64): MmaConfig(block_n=128, block_k=256, warps=8, stages=3, split=4),
+    # µs at rows 4: 30.0, 8: 30.1, 16: 30.6
+    (4096, 14336, 16): MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=8, swap=True),
+    # µs at rows 32: 36.4
+    (4096, 14336, 32): MmaConfig(block_n=128, block_k=128, warps=4, stages=3, split=8, swap=True),
+    # µs at rows 64: 39.5
+    (4096, 14336, 64): MmaConfig(block_n=128, block_k=64, warps=8, stages=3, split=8),
+    # µs at rows 4: 15.2, 8: 15.2, 16: 15.5
+    (6144, 4096, 16): MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=8, swap=True),
+    # µs at rows 32: 15.9
+    (6144, 4096, 32): MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=4, swap=True),
+    # µs at rows 64: 19.1
+    (6144, 4096, 64): MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=4),
+    # µs at rows 4: 56.3, 8: 57.2, 16: 57.2
+    (28672, 4096, 16): MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=1, swap=True),
+    # µs at rows 32: 59.0
+    (28672, 4096, 32): MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=1, swap=True),
+    # µs at rows 64: 74.5
+    (28672, 4096, 64): MmaConfig(block_n=128, block_k=64, warps=4, stages=3, split=1, scale=Scale.SUM, swap=True),
+    # µs at rows 4: 198.6, 8: 202.2, 16: 199.4
+    (128256, 4096, 16): MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=1, swap=True),
+    # µs at rows 32: 220.1
+    (128256, 4096, 32): MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=1, swap=True),
+    # µs at rows 64: 286.7
+    (128256, 4096, 64): MmaConfig(block_n=128, block_k=64, warps=4, stages=3, split=1, scale=Scale.SUM, swap=True),
+}
 
 
 def row_bucket(rows: int) -> int:
@@ -121,12 +152,13 @@ def row_bucket(rows: int) -> int:
 
 
 def default_config(N: int, K: int, rows: int, sms: int) -> MmaConfig:
-    """A guess for shapes the table lacks: 128 × 128 tiles of x·Wᵀ (the leanest loop in
-    bench/nf4_mma_sass.py's count: ~5.3 instructions a weight, no wgmma serialization), 8 warps,
-    and the smallest split (≤ 8) that gives every SM a program."""
-    tiles, steps = triton.cdiv(N, 128), max(1, K // 128)
+    """For shapes the table lacks, what won on most of its shapes up to 32 rows: 64 × 128 tiles
+    of W·xᵀ (swap), 4 warps, and the smallest split (≤ 8) that gives every SM a program. (The
+    x·Wᵀ loop counts fewer instructions in bench/nf4_mma_sass.py, but measured slower at ≤ 32
+    rows: it pads the rows to 64.)"""
+    tiles, steps = triton.cdiv(N, 64), max(1, K // 128)
     split = next((d for d in range(1, 9) if steps % d == 0 and tiles * d >= sms), 1)
-    return MmaConfig(split=split).fit(K)
+    return MmaConfig(block_n=64, block_k=128, warps=4, stages=3, split=split, swap=True).fit(K)
 
 
 def mma_config(N: int, K: int, rows: int, sms: int) -> MmaConfig:
