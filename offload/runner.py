@@ -61,6 +61,7 @@ class Part:
     inline: bool = False  # the CPU's share runs in the main thread (one sub-batch)
     streamed: bool = False  # the device attends over the host tier's first blocks (KVStreamer)
     stream_out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ready: torch.cuda.Event | None = None  # recorded when a layer's q (and k, v) are down; reused layer after layer
 
 
 class Runner:
@@ -300,8 +301,10 @@ class Runner:
         B, n = q.shape[0], 0 if hr is None else hr.numel()
         buf = p.buf
         st.d2h_bytes += (q.numel() + 2 * n * k.shape[1] * k.shape[2]) * 4
+        if p.ready is None:  # one event a sub-batch: its host job waits on it before the next record
+            p.ready = torch.cuda.Event()
+        ready = p.ready
         if p.cap is not None:  # pre's graph copied q, k, v of every row down already
-            ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.dev))
             if not n:
                 return ready, buf["q"], None, None
@@ -316,7 +319,6 @@ class Runner:
                 buf["k"][:n].copy_(k[hr].float(), non_blocking=True)
                 buf["v"][:n].copy_(v[hr].float(), non_blocking=True)
             self.xfer.end(xs, self.copy_stream)
-            ready = torch.cuda.Event()
             ready.record(self.copy_stream)
         return ready, buf["q"][:B], buf["k"][:n] if n else None, buf["v"][:n] if n else None
 
