@@ -31,9 +31,15 @@ HKV, G = 2, 3  # odd group size on purpose
 # a gaussian group of 32 leave ~8% rms error per row (measured 8.0-8.2% here even with the
 # clip search), so that single case gets 1e-1; every longer sequence must meet 8e-2.
 QUANT_TOL = {KVDtype.BF16: 4e-3, KVDtype.INT8: 2e-2, KVDtype.INT4: 8e-2}
+# int8 scores are integer dot products with q rounded to int16 (per head, 2^-16 of its largest
+# element): that shifts all of a head's scores alike by about q's rounding error · the keys'
+# channel means, which the output does not see (softmax) but its log-sum-exp does (measured
+# up to 8e-5 here, vs the 1e-2 of int8 keys themselves)
+LSE_TOL = {KVDtype.BF16: 1e-4, KVDtype.INT8: 3e-4, KVDtype.INT4: 1e-4}
 INT4_ONE_ROW_TOL = 1e-1
-CASES = [  # (head dim, block size): every head dim, several block sizes
-    (64, 16), (80, 5), (96, 32), (128, 16), (256, 7),
+CASES = [  # (head dim, block size): every head dim, several block sizes; 72 and 36 are not
+    # multiples of every vector width, so they also run the kernels' fallbacks (`decode_*_any`)
+    (64, 16), (80, 5), (96, 32), (128, 16), (256, 7), (72, 16), (36, 9),
 ]
 
 
@@ -91,7 +97,7 @@ def test_decode_matches_references(dtype, D, BS):
     # kernel exactness: the same dequantized pool in float64
     ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
     assert rel(out, ro) < 1e-4
-    assert (lse.double() - rl).abs().max() < 1e-4
+    assert (lse.double() - rl).abs().max() < LSE_TOL[dtype]
     # quantization error against the unquantized float64 attention, per sequence
     eo, el = exact_attention(q, raw, scale)
     for b, n in enumerate(LENS):
@@ -110,7 +116,7 @@ def test_decode_every_group_size(dtype, g):
     out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=2)
     ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
     assert rel(out, ro) < 1e-4
-    assert (lse.double() - rl).abs().max() < 1e-4
+    assert (lse.double() - rl).abs().max() < LSE_TOL[dtype]
     eo, _ = exact_attention(q, raw, scale)
     for b, n in enumerate(lens):
         tol = INT4_ONE_ROW_TOL if (dtype is KVDtype.INT4 and n == 1) else QUANT_TOL[dtype]
