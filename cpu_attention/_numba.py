@@ -305,6 +305,36 @@ def _load_widened(builder, dtype, base, index, lanes):
     return builder.sitofp(raw, f32v)
 
 
+def _widen_chunk(builder, dtype, base, index, lanes, paired):
+    """The elements at base[index:] as float32 vectors of `lanes`, each with its offset in the
+    chunk: one vector, or for `paired` uint16 (bf16 bits) 2·lanes elements in one load, split
+    into the even elements (shifted into the high half) and the odd ones (masked in place):
+    one instruction a vector instead of a widening move and a shift. The pair layout (each
+    2·lanes chunk as its evens then its odds) is what q and the accumulator then use."""
+    ir, _ = _ir()
+    if not paired:
+        return [(_load_widened(builder, dtype, base, index, lanes), 0)]
+    i32v, f32v = ir.VectorType(ir.IntType(32), lanes), ir.VectorType(ir.FloatType(), lanes)
+    raw = builder.load(_vec_ptr(builder, base, index, i32v), align=2)
+    even = builder.shl(raw, ir.Constant(i32v, [16] * lanes))
+    odd = builder.and_(raw, ir.Constant(i32v, [0xFFFF0000 - (1 << 32)] * lanes))
+    return [(builder.bitcast(even, f32v), 0), (builder.bitcast(odd, f32v), lanes)]
+
+
+def _d_loops(builder, intp, D, W, paired, body):
+    """body(c, pr) over the head dim D: chunks of 2W in pair layout (pr true) while they fit
+    when `paired`, then chunks of W."""
+    from numba.core import cgutils
+
+    start = intp(0)
+    if paired:
+        start = builder.mul(builder.sdiv(D, intp(2 * W)), intp(2 * W))
+        with cgutils.for_range_slice(builder, intp(0), start, intp(2 * W), intp) as (c, _):
+            body(c, True)
+    with cgutils.for_range_slice(builder, start, D, intp(W), intp) as (c, _):
+        body(c, False)
+
+
 def _splat(builder, x, lanes):
     ir, _ = _ir()
     vty = ir.VectorType(x.type, lanes)
@@ -396,8 +426,8 @@ def _dots_codegen(ng, T, W, integer):
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(avty, [avty] * 3),
                                                  f"llvm.fmuladd.v{W}f32")
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(avty, None)) for _ in range(T)] for _ in range(ng)]
-        with cgutils.for_range_slice(builder, intp(0), D, intp(step), intp) as (c, _):
-            if integer:
+        if integer:
+            with cgutils.for_range_slice(builder, intp(0), D, intp(step), intp) as (c, _):
                 i16v = ir.VectorType(ir.IntType(16), step)
                 i8v = ir.VectorType(ir.IntType(8), step)
                 xs = [builder.sext(builder.load(_vec_ptr(builder, k.data, builder.add(r, c), i8v), align=1), i16v)
@@ -406,12 +436,17 @@ def _dots_codegen(ng, T, W, integer):
                     qv = builder.load(_vec_ptr(builder, q.data, builder.add(qrows[i], c), i16v), align=2)
                     for t in range(T):
                         builder.store(builder.add(builder.load(accs[i][t]), _madd(builder, qv, xs[t])), accs[i][t])
-            else:
-                xs = [_load_widened(builder, kdtype, k.data, builder.add(r, c), W) for r in rows]
-                for i in range(ng):
-                    qv = builder.load(_vec_ptr(builder, q.data, builder.add(qrows[i], c), avty), align=4)
-                    for t in range(T):
-                        builder.store(builder.call(fma, [qv, xs[t], builder.load(accs[i][t])]), accs[i][t])
+        else:
+            def body(c, pr):
+                xs = [_widen_chunk(builder, kdtype, k.data, builder.add(r, c), W, pr) for r in rows]
+                for p, (_, off) in enumerate(xs[0]):
+                    for i in range(ng):
+                        qv = builder.load(_vec_ptr(builder, q.data, builder.add(qrows[i], builder.add(c, intp(off))),
+                                                   avty), align=4)
+                        for t in range(T):
+                            builder.store(builder.call(fma, [qv, xs[t][p][0], builder.load(accs[i][t])]), accs[i][t])
+
+            _d_loops(builder, intp, D, W, kdtype == types.uint16, body)
         add = builder.add if integer else builder.fadd
         sums = _lane_sums(builder, [builder.load(a) for row in accs for a in row], add)
         Lr = sums[0].type.count
@@ -437,8 +472,8 @@ def make_dots(ng: int, T: int = DOT_TOKENS, W: int = VEC, IW: int = IVEC):
     """An intrinsic dots(q, g, k, r0, r1, s, sj): for heads i < ng and tokens t < T,
     s[g+i, sj+t] = q[g+i] · k[min(r0+t, r1-1)].
 
-    q [G, D] float32: k [R, D] uint16 (bf16 bits), int8 or float32, W-lane float32 vectors,
-    D % W == 0. q int16: k int8, integer dot products (IW int32 lanes of int16 pairs, exact:
+    q [G, D] float32: k [R, D] uint16 (bf16 bits; then q in the pair layout of W lanes,
+    `to_pair_layout`), int8 or float32, W-lane float32 vectors, D % W == 0. q int16: k int8, integer dot products (IW int32 lanes of int16 pairs, exact:
     |sum| < 2^31 for D ≤ 512), written to s as float32, D % 2IW == 0. s [G, S] float32; all
     C-contiguous. Rows past r1 repeat row r1-1, so a caller may step r0 by T to r1 and give s
     at least T-1 spare columns. No bounds checks."""
@@ -471,7 +506,7 @@ def _accumulate_codegen(ng, C, W):
         arow = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
         regs = [[cgutils.alloca_once(builder, f32v) for _ in range(C)] for _ in range(ng)]
 
-        def one_pass(c0, cc):  # acc[g+i, c0 : c0 + cc*W] += Σ_t p[g+i, pj+t] v[r0+t, same]
+        def one_pass(c0, cc, pr):  # acc[g+i, c0 : c0 + cc*W] += Σ_t p[g+i, pj+t] v[r0+t, same]
             ptrs = [[_vec_ptr(builder, acc.data, builder.add(arow[i], builder.add(c0, intp(c * W))), f32v)
                      for c in range(cc)] for i in range(ng)]
             for i in range(ng):
@@ -479,7 +514,8 @@ def _accumulate_codegen(ng, C, W):
                     builder.store(builder.load(ptrs[i][c], align=4), regs[i][c])
             with cgutils.for_range_slice(builder, intp(0), n, intp(1), intp) as (t, _):
                 row = builder.add(builder.mul(builder.add(r0, t), D), c0)
-                xs = [_load_widened(builder, vdtype, v.data, builder.add(row, intp(c * W)), W) for c in range(cc)]
+                xs = [x for c in range(0, cc, 2 if pr else 1)
+                      for x, _ in _widen_chunk(builder, vdtype, v.data, builder.add(row, intp(c * W)), W, pr)]
                 for i in range(ng):
                     w = _splat(builder, builder.load(builder.gep(p.data, [builder.add(prow[i], t)], inbounds=True)), W)
                     for c in range(cc):
@@ -488,11 +524,18 @@ def _accumulate_codegen(ng, C, W):
                 for c in range(cc):
                     builder.store(builder.load(regs[i][c]), ptrs[i][c], align=4)
 
+        # C vectors a pass over the head dim, then one pair (2 vectors) or vector at a time
+        paired = vdtype == types.uint16
         full = builder.mul(builder.sdiv(D, intp(C * W)), intp(C * W))
         with cgutils.for_range_slice(builder, intp(0), full, intp(C * W), intp) as (c0, _):
-            one_pass(c0, C)
+            one_pass(c0, C, paired)
+        if paired:
+            pairs = builder.mul(builder.sdiv(D, intp(2 * W)), intp(2 * W))
+            with cgutils.for_range_slice(builder, full, pairs, intp(2 * W), intp) as (c0, _):
+                one_pass(c0, 2, True)
+            full = pairs
         with cgutils.for_range_slice(builder, full, D, intp(W), intp) as (c0, _):
-            one_pass(c0, 1)
+            one_pass(c0, 1, False)
         return context.get_dummy_value()
 
     return codegen
@@ -503,8 +546,11 @@ def make_accumulate(ng: int, C: int = ACC_CHUNKS, W: int = VEC):
     acc[g+i] += Σ_{t<n} p[g+i, pj+t] · v[r0+t] (float32), the accumulator held in registers,
     C vectors of W lanes a head at a time, over the n rows.
 
-    p [G, S] float32; v [R, D] uint16 (bf16 bits), int8 or float32; acc [G, D] float32; all
-    C-contiguous; D % W == 0. No bounds checks."""
+    p [G, S] float32; v [R, D] uint16 (bf16 bits; then acc is in the pair layout of W lanes,
+    `to_pair_layout`, and C even), int8 or float32; acc [G, D] float32; all C-contiguous;
+    D % W == 0. No bounds checks."""
+    if C % 2:
+        raise ValueError(f"C must be even (bf16 values are widened two vectors a load), got {C}")
 
     @intrinsic
     def accumulate(typingctx, p, g, pj, v, r0, n, acc):
@@ -518,3 +564,33 @@ def make_accumulate(ng: int, C: int = ACC_CHUNKS, W: int = VEC):
 
 def _c_array_2d(t, dtype) -> bool:
     return isinstance(t, types.Array) and t.dtype == dtype and t.ndim == 2 and t.layout == "C"
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def to_pair_layout(x, out):
+    """out = x [G, D] in the pair layout of VEC lanes (how bf16 rows are widened, `_widen_chunk`):
+    each whole chunk of 2·VEC elements as its even elements, then its odd ones; a last chunk
+    of VEC elements as it is."""
+    G, D = x.shape
+    full = D // (2 * VEC) * (2 * VEC)
+    for g in range(G):
+        for c in range(0, full, 2 * VEC):
+            for i in range(VEC):
+                out[g, c + i] = x[g, c + 2 * i]
+                out[g, c + VEC + i] = x[g, c + 2 * i + 1]
+        for d in range(full, D):
+            out[g, d] = x[g, d]
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def from_pair_layout(x, out):
+    """The inverse of `to_pair_layout`."""
+    G, D = x.shape
+    full = D // (2 * VEC) * (2 * VEC)
+    for g in range(G):
+        for c in range(0, full, 2 * VEC):
+            for i in range(VEC):
+                out[g, c + 2 * i] = x[g, c + i]
+                out[g, c + 2 * i + 1] = x[g, c + VEC + i]
+        for d in range(full, D):
+            out[g, d] = x[g, d]

@@ -39,8 +39,8 @@ import torch
 from numba import prange
 
 from cpu_attention._numba import (
-    DOT_TOKENS, IVEC, JIT, VEC, exp_neg, f16_to_f32, line_elems, make_accumulate, make_dots, prefetch, resolve_threads,
-    widen,
+    DOT_TOKENS, IVEC, JIT, VEC, exp_neg, f16_to_f32, from_pair_layout, line_elems, make_accumulate, make_dots, prefetch,
+    resolve_threads, to_pair_layout, widen,
 )
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
@@ -375,7 +375,8 @@ def _quantize_q(qh, q16, qsc):
 def decode_float(k, v, q, bt, items, pair_start, out, lse):
     """k, v [NB, Hkv, BS, D] uint16 (bf16 bits); q [B, Hq, D] f32 pre-scaled;
     bt [B, MB]; items/pair_start from _plan; writes out [B, Hq, D], lse [B, Hq].
-    D % VEC == 0 (else `decode_float_any`)."""
+    D % VEC == 0 (else `decode_float_any`). q and the accumulator are kept in the pair layout
+    in which bf16 rows are widened (`_numba.to_pair_layout`)."""
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
     G = q.shape[1] // k.shape[1]
@@ -388,8 +389,9 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse):
         s = np.empty((G, TL + DOT_TOKENS), np.float32)
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
-        acc = np.zeros((G, D), np.float32)
-        qh = q[b, h * G:(h + 1) * G]
+        acc = np.zeros((G, D), np.float32)  # pair layout, as qh
+        qh = np.empty((G, D), np.float32)
+        to_pair_layout(q[b, h * G:(h + 1) * G], qh)
         t = t0
         while t < t1:
             n = min(TL, t1 - t)
@@ -397,7 +399,7 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse):
             _softmax_tile(s, n, m, l, acc)
             _tile_accumulate(s, v, h, bt, b, t, n, BS, acc)
             t += n
-        part_o[it] = acc
+        from_pair_layout(acc, part_o[it])
         part_m[it] = m
         part_l[it] = l
     for p in prange(pair_start.shape[0] - 1):
