@@ -594,3 +594,118 @@ def from_pair_layout(x, out):
                 out[g, c + 2 * i + 1] = x[g, c + VEC + i]
         for d in range(full, D):
             out[g, d] = x[g, d]
+
+
+def _madd_masks(E):
+    """Shuffle masks that interleave two <E x i16> rows a, b token by token the way x86's
+    punpcklwd / punpckhwd do (per 128-bit lane: words 0-3, then 4-7, of a and b alternating),
+    so pmaddwd of the result with a (w_a, w_b) pair sums w_a a[d] + w_b b[d] per element d."""
+    lo = [x for k in range(E // 8) for i in range(4) for x in (8 * k + i, E + 8 * k + i)]
+    hi = [x for k in range(E // 8) for i in range(4, 8) for x in (8 * k + i, E + 8 * k + i)]
+    return lo, hi
+
+
+def _accumulate_int8_codegen(ng, C, IW):
+    """Codegen of `accumulate_int8`: see `make_accumulate_int8`."""
+
+    def codegen(context, builder, sig, args):
+        ir, cgutils = _ir()
+        w16, wsc, g, pj, v, r0, n, acc = _args(context, builder, sig, args)
+        intp = context.get_value_type(types.intp)
+        E = 2 * IW  # elements of a chunk: one int8 load per row, two int32 accumulators per head
+        i8v, i16v = ir.VectorType(ir.IntType(8), E), ir.VectorType(ir.IntType(16), E)
+        i32v, f32v = ir.VectorType(ir.IntType(32), IW), ir.VectorType(ir.FloatType(), IW)
+        lo_mask, hi_mask = _madd_masks(E)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), f"llvm.fmuladd.v{IW}f32")
+        D = builder.extract_value(v.shape, 1)
+        S = builder.extract_value(w16.shape, 1)
+        wrow = [builder.add(builder.mul(builder.add(g, intp(i)), S), pj) for i in range(ng)]
+        arow = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
+        regs = [[cgutils.alloca_once(builder, i32v) for _ in range(C)] for _ in range(ng)]
+        zero_i32 = ir.Constant(i32v, None)
+        i16p = ir.IntType(16).as_pointer()
+
+        def step(c0, nch, ra, rb, wpair):  # regs += pmaddwd(interleave(v[ra], v[rb]), w pairs)
+            for k in range(nch):
+                off = builder.add(c0, intp(k * E))
+                a = builder.sext(builder.load(_vec_ptr(builder, v.data, builder.add(ra, off), i8v), align=1), i16v)
+                b = (ir.Constant(i16v, None) if rb is None else
+                     builder.sext(builder.load(_vec_ptr(builder, v.data, builder.add(rb, off), i8v), align=1), i16v))
+                lo, hi = _shuffle(builder, a, b, lo_mask), _shuffle(builder, a, b, hi_mask)
+                for i in range(ng):
+                    for m, x in ((2 * k, lo), (2 * k + 1, hi)):
+                        builder.store(builder.add(builder.load(regs[i][m]), _madd(builder, x, wpair[i])), regs[i][m])
+
+        def one_pass(c0, nch):  # acc[g+i, c0 : c0 + nch*E] (madd layout) += wsc[g+i] Σ_t w16[g+i, pj+t] v[r0+t]
+            for i in range(ng):
+                for m in range(2 * nch):
+                    builder.store(zero_i32, regs[i][m])
+            with cgutils.for_range_slice(builder, intp(0), builder.sdiv(n, intp(2)), intp(1), intp) as (tp, _):
+                t = builder.mul(tp, intp(2))
+                ra = builder.mul(builder.add(r0, t), D)
+                wp = []
+                for i in range(ng):  # the (w_t, w_t+1) int16 pair as one 32-bit lane, splat
+                    ptr = builder.bitcast(builder.gep(w16.data, [builder.add(wrow[i], t)], inbounds=True),
+                                          ir.IntType(32).as_pointer())
+                    wp.append(builder.bitcast(_splat(builder, builder.load(ptr, align=2), IW), i16v))
+                step(c0, nch, ra, builder.add(ra, D), wp)
+            odd = builder.icmp_signed("!=", builder.srem(n, intp(2)), intp(0))
+            with builder.if_then(odd):  # the last token pairs with zeros at weight 0
+                t = builder.sub(n, intp(1))
+                wp = []
+                for i in range(ng):
+                    w = builder.load(builder.bitcast(builder.gep(w16.data, [builder.add(wrow[i], t)], inbounds=True), i16p))
+                    wp.append(builder.bitcast(_splat(builder, builder.zext(w, ir.IntType(32)), IW), i16v))
+                step(c0, nch, builder.mul(builder.add(r0, t), D), None, wp)
+            for i in range(ng):
+                sc = _splat(builder, builder.load(builder.gep(wsc.data, [builder.add(g, intp(i))], inbounds=True)), IW)
+                for m in range(2 * nch):
+                    ptr = _vec_ptr(builder, acc.data, builder.add(arow[i], builder.add(c0, intp(m * IW))), f32v)
+                    val = builder.call(fma, [sc, builder.sitofp(builder.load(regs[i][m]), f32v), builder.load(ptr, align=4)])
+                    builder.store(val, ptr, align=4)
+
+        full = builder.mul(builder.sdiv(D, intp(C * IW)), intp(C * IW))
+        with cgutils.for_range_slice(builder, intp(0), full, intp(C * IW), intp) as (c0, _):
+            one_pass(c0, C // 2)
+        with cgutils.for_range_slice(builder, full, D, intp(E), intp) as (c0, _):
+            one_pass(c0, 1)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def make_accumulate_int8(ng: int, C: int = ACC_CHUNKS, IW: int = IVEC):
+    """An intrinsic accumulate_int8(w16, wsc, g, pj, v, r0, n, acc): for heads i < ng,
+    acc[g+i] += wsc[g+i] · Σ_{t<n} w16[g+i, pj+t] · v[r0+t], the sum in exact int32 arithmetic
+    (token pairs interleaved, pmaddwd / vpdpwssd), C int32 vectors of IW lanes a head at a time
+    in registers over the n rows, then converted and added to acc.
+
+    w16 [G, S] int16 weights (n ≤ 256: |sum| < 2^31), wsc [G] float32 their scales;
+    v [R, D] int8; acc [G, D] float32 in the madd layout (`from_madd_layout`); all C-contiguous;
+    D % 2IW == 0. No bounds checks."""
+    if C % 2:
+        raise ValueError(f"C must be even (a chunk of int8 elements fills two int32 vectors), got {C}")
+
+    @intrinsic
+    def accumulate_int8(typingctx, w16, wsc, g, pj, v, r0, n, acc):
+        if not (_c_array_2d(w16, types.int16) and isinstance(wsc, types.Array) and wsc.dtype == types.float32
+                and wsc.ndim == 1 and wsc.layout == "C" and _c_array_2d(v, types.int8)
+                and _c_array_2d(acc, types.float32)):
+            return None
+        return types.void(w16, wsc, g, pj, v, r0, n, acc), _accumulate_int8_codegen(ng, C, IW)
+
+    return accumulate_int8
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def from_madd_layout(x, out):
+    """out = x [G, D] back from the madd layout of IVEC lanes (`_madd_masks`): in each chunk
+    of 2·IVEC elements, position p < IVEC holds element 8(p // 4) + p % 4 and IVEC + p holds
+    the element 4 further."""
+    G, D = x.shape
+    for g in range(G):
+        for c in range(0, D, 2 * IVEC):
+            for p in range(IVEC):
+                d = c + 8 * (p // 4) + p % 4
+                out[g, d] = x[g, c + p]
+                out[g, d + 4] = x[g, c + IVEC + p]

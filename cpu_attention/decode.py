@@ -39,8 +39,8 @@ import torch
 from numba import prange
 
 from cpu_attention._numba import (
-    DOT_TOKENS, IVEC, JIT, VEC, exp_neg, f16_to_f32, from_pair_layout, line_elems, make_accumulate, make_dots, prefetch,
-    resolve_threads, to_pair_layout, widen,
+    DOT_TOKENS, IVEC, JIT, VEC, bits_to_f32, exp_neg, f16_to_f32, f32_to_bits, from_madd_layout, from_pair_layout,
+    line_elems, make_accumulate, make_accumulate_int8, make_dots, prefetch, resolve_threads, to_pair_layout, widen,
 )
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
@@ -263,6 +263,8 @@ def _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse):
 # one specialization per head-group size; tiles span whole blocks.
 _DOT1, _DOT2, _DOT3, _DOT4 = (make_dots(ng) for ng in (1, 2, 3, 4))
 _ACC1, _ACC2, _ACC3, _ACC4 = (make_accumulate(ng) for ng in (1, 2, 3, 4))
+_IACC1, _IACC2, _IACC3, _IACC4 = (make_accumulate_int8(ng) for ng in (1, 2, 3, 4))
+INT_SUM_TOKENS = 256  # tokens an int8 value pass sums in int32: 256 · 32767 · 127 < 2^31
 Q16 = np.float32(32767.0)  # int16 levels of a quantized query's largest element
 
 
@@ -356,6 +358,52 @@ def _tile_accumulate(p, v, h, bt, b, t, n, BS, acc):
 
 
 @numba.njit(inline="always", **JIT)
+def _accumulate_rows_int8(w16, wsc, pj, vb, r0, n, acc):
+    """`_accumulate_rows` for int8 values and int16 weights (scales wsc [G]), acc in the madd layout."""
+    G = acc.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _IACC4(w16, wsc, g, pj, vb, r0, n, acc)
+        g += 4
+    r = G - g
+    if r == 3:
+        _IACC3(w16, wsc, g, pj, vb, r0, n, acc)
+    elif r == 2:
+        _IACC2(w16, wsc, g, pj, vb, r0, n, acc)
+    elif r == 1:
+        _IACC1(w16, wsc, g, pj, vb, r0, n, acc)
+
+
+@numba.njit(inline="always", **JIT)
+def _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc):
+    """acc += wsc · (w16[:, :n] · V) of tokens t .. t+n-1, block by block, INT_SUM_TOKENS at most a pass."""
+    u = 0
+    while u < n:
+        blk, off = bt[b, (t + u) // BS], (t + u) % BS
+        nb = min(BS - off, n - u, INT_SUM_TOKENS)
+        _accumulate_rows_int8(w16, wsc, u, v[blk, h], off, nb, acc)
+        u += nb
+
+
+@numba.njit(inline="always", **JIT)
+def _quantize_weights(p, vsc, n, w16, wsc):
+    """w16[g, j] = round(p[g, j] vsc[j] / wsc[g]) for j < n, wsc[g] = max_j p[g, j] vsc[j] / 32767:
+    a tile's softmax weights times the value token scales as int16 per head (relative error
+    ≤ 2^-16 of the tile's largest weight), for the integer value sums."""
+    G = p.shape[0]
+    for g in range(G):
+        mx = np.uint32(0)
+        for j in range(n):  # the weights are >= 0, so their bits order as they do: a max that vectorizes
+            mx = max(mx, f32_to_bits(p[g, j] * vsc[j]))
+        wmax = bits_to_f32(mx)
+        sc = wmax / Q16 if wmax > 0 else np.float32(1.0)
+        wsc[g] = sc
+        inv = np.float32(1.0) / sc
+        for j in range(n):
+            w16[g, j] = np.int16(np.rint(p[g, j] * vsc[j] * inv))
+
+
+@numba.njit(inline="always", **JIT)
 def _quantize_q(qh, q16, qsc):
     """q16[g] = round(qh[g] / qsc[g]) with qsc[g] = max|qh[g]| / 32767: int16 queries for the
     integer scores (relative error ≤ 2^-16 of the largest element, far below int8 K's)."""
@@ -409,9 +457,10 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse):
 @numba.njit(parallel=True, **JIT)
 def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
     """k, v [NB, Hkv, BS, D] int8; ks, vs [NB, Hkv, BS] f32; rest as decode_float.
-    Scores in integers (int16 q · int8 k, `_quantize_q`), then × q scale × token scale; the V
-    token scales multiply the G weights, not the D codes. D % (2 IVEC) == 0 and D % VEC == 0
-    (else `decode_int8_any`)."""
+    Scores in integers (int16 q · int8 k, `_quantize_q`), then × q scale × token scale; the
+    weights × the V token scales in int16 (`_quantize_weights`) and the value sums in integers
+    too (`make_accumulate_int8`), into an accumulator in the madd layout. D % (2 IVEC) == 0
+    and D % VEC == 0 (else `decode_int8_any`)."""
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
     G = q.shape[1] // k.shape[1]
@@ -422,14 +471,15 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
     for it in prange(NI):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
         s = np.empty((G, TL + DOT_TOKENS), np.float32)
-        pw = np.empty((G, TL), np.float32)
+        w16 = np.empty((G, TL), np.int16)
+        wsc = np.empty(G, np.float32)
         ksc = np.empty(TL, np.float32)
         vsc = np.empty(TL, np.float32)
         q16 = np.empty((G, D), np.int16)
         qsc = np.empty(G, np.float32)
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
-        acc = np.zeros((G, D), np.float32)
+        acc = np.zeros((G, D), np.float32)  # madd layout
         _quantize_q(q[b, h * G:(h + 1) * G], q16, qsc)
         t = t0
         while t < t1:
@@ -446,12 +496,10 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
                 for j in range(n):
                     s[g, j] *= qsc[g] * ksc[j]
             _softmax_tile(s, n, m, l, acc)
-            for g in range(G):
-                for j in range(n):
-                    pw[g, j] = s[g, j] * vsc[j]
-            _tile_accumulate(pw, v, h, bt, b, t, n, BS, acc)
+            _quantize_weights(s, vsc, n, w16, wsc)
+            _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc)
             t += n
-        part_o[it] = acc
+        from_madd_layout(acc, part_o[it])
         part_m[it] = m
         part_l[it] = l
     for p in prange(pair_start.shape[0] - 1):
