@@ -10,7 +10,7 @@ bf16 and int8, per tile (whole blocks, about TOKENS_PER_TILE tokens): the scores
 heads block by block into s [G, tile] (`_tile_scores`), one online-softmax step for the whole
 tile (`_softmax_tile`: max, one rescale of the accumulator, a vectorized polynomial exp),
 then the V accumulation block by block (`_tile_accumulate`). The two hot loops are vector
-micro-kernels written as LLVM IR (`_numba.make_dots`, `make_accumulate`): a pass scores
+micro-kernels written as LLVM IR (`_simd.make_dots`, `make_accumulate`): a pass scores
 DOT_TOKENS tokens × up to four heads with every partial sum in registers, reduced together
 by a shuffle butterfly, and accumulates a block's tokens into up to four heads × a few
 vectors of the accumulator held in registers. bf16 is widened by a shift into the high half;
@@ -39,8 +39,11 @@ import torch
 from numba import prange
 
 from cpu_attention._numba import (
-    DOT_TOKENS, IVEC, JIT, VEC, bits_to_f32, exp_neg, f16_to_f32, f32_to_bits, from_madd_layout, from_pair_layout,
-    line_elems, make_accumulate, make_accumulate_int8, make_dots, prefetch, resolve_threads, to_pair_layout, widen,
+    JIT, bits_to_f32, exp_neg, f16_to_f32, f32_to_bits, line_elems, prefetch, resolve_threads, widen,
+)
+from cpu_attention._simd import (
+    DOT_TOKENS, IVEC, VEC, from_madd_layout, from_pair_layout, make_accumulate, make_accumulate_int8, make_dots,
+    to_pair_layout,
 )
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
@@ -143,15 +146,25 @@ def _scores_group(q, g, ng, kt, n, s, pk, pv, pn):
 
 
 @numba.njit(inline="always", **JIT)
+def _row_max(x, n):
+    """max(x[:n]) (-inf if n == 0) for finite or -inf float32 x, as a max over int32 keys that order as
+    the floats do (negative floats' magnitude bits flipped): an integer max vectorizes, while a
+    float one without fastmath's no-NaN flag stays a scalar chain of one compare per element."""
+    mx = np.int32(-(2**31))
+    for j in range(n):
+        b = np.int32(f32_to_bits(x[j]))
+        mx = max(mx, b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+    return bits_to_f32(mx ^ ((mx >> np.int32(31)) & np.int32(0x7FFFFFFF))) if n > 0 else NEG_INF
+
+
+@numba.njit(inline="always", **JIT)
 def _softmax_tile(s, n, m, l, acc):
     """Online softmax step over a tile of n scores s [G, TILE] → weights in place; the running
     max m [G], sum l [G] and accumulator acc [G, D] are rescaled once per tile, not per token."""
     G, D = acc.shape
     for g in range(G):
         sg = s[g]
-        mx = NEG_INF
-        for j in range(n):
-            mx = max(mx, sg[j])
+        mx = _row_max(sg, n)
         if mx > m[g]:
             corr = exp_neg(m[g] - mx)  # 0 while m is -inf
             l[g] *= corr
@@ -259,7 +272,7 @@ def _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse):
         lse[b, hq] = M + np.log(L)
 
 
-# Vector micro-kernels for the bf16 / int8 paths (`_numba.make_dots` / `make_accumulate`),
+# Vector micro-kernels for the bf16 / int8 paths (`_simd.make_dots` / `make_accumulate`),
 # one specialization per head-group size; tiles span whole blocks.
 _DOT1, _DOT2, _DOT3, _DOT4 = (make_dots(ng) for ng in (1, 2, 3, 4))
 _ACC1, _ACC2, _ACC3, _ACC4 = (make_accumulate(ng) for ng in (1, 2, 3, 4))
@@ -424,7 +437,7 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse):
     """k, v [NB, Hkv, BS, D] uint16 (bf16 bits); q [B, Hq, D] f32 pre-scaled;
     bt [B, MB]; items/pair_start from _plan; writes out [B, Hq, D], lse [B, Hq].
     D % VEC == 0 (else `decode_float_any`). q and the accumulator are kept in the pair layout
-    in which bf16 rows are widened (`_numba.to_pair_layout`)."""
+    in which bf16 rows are widened (`_simd.to_pair_layout`)."""
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
     G = q.shape[1] // k.shape[1]
