@@ -43,6 +43,7 @@ def chat(
     gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="KV tokens per sequence kept on the GPU"),
     stream_tokens: Optional[int] = _opt(None, "--kv-stream-tokens",
                                         help="host KV tokens the GPU attends over after copying them up each step (batch 1; default: planner)"),
+    weight_mode: str = _opt("auto", "--weight-mode", help="weights that do not fit the GPU: auto|stream|cpu"),
     plan: Optional[str] = _opt(None, "--plan", help="run exactly this saved plan (hetero plan --json > plan.json)"),
     system: Optional[str] = _opt(None, "-s", "--system", help="system message"),
     temperature: Optional[float] = _opt(None, "--temp", "--temperature"),
@@ -66,7 +67,8 @@ def chat(
             err.print("[dim]loading…[/dim]")
         engine = hetero.load(model or model_arg, device=device, weights=weights, kv_dtype=kv_dtype,
                              ctx_size=ctx_size, threads=threads, gpu_mem=gpu_mem, cpu_mem=cpu_mem,
-                             gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, plan=plan)
+                             gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, weight_mode=weight_mode,
+                             plan=plan)
         if interactive:
             err.print(f"[dim]{' · '.join(f'{k} {v}' for k, v in engine.info.items())}[/dim]")
         session = ChatSession(engine, sys.stdout, err, system=system,

@@ -4,7 +4,7 @@
 # tests:   the GPU tests (default: offload + gpu_ops)
 # attn:    bench/cpu_attention.py for bf16 and int8, first as the engine runs it, then again with
 #          Numba's default CPU features (256-bit vectors on AVX-512 Xeons): the A/B of 512-bit vectors
-# gpudecode: bench/gpu_decode.py (all-GPU decode and prefill, per-linear NF4 kernels)
+# gpudecode: bench/gpu_decode.py (all-GPU decode and prefill, per-linear NF4 kernels; GPUDECODE_ARGS="--only b1")
 # trace:   bench/step_trace.py for each of TRACE (workload names, "_" for spaces; needs the offload stage's profile)
 # probe:   bench/pcie_probe.py (host→device copy rates from a large pinned pool, beside the CPU kernels)
 # offload: bench/offload_decode.py (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
@@ -36,8 +36,8 @@ for stage in $STAGES; do
         --dtypes ${ATTN_DTYPES:-bf16,int8} --out "$OUT/attn256" > "$OUT/attn256/stdout.log" 2>&1
       tail -6 "$OUT/attn256/stdout.log" ;;
     gpudecode)
-      timeout ${GPUDECODE_TIMEOUT:-300} python3 bench/gpu_decode.py --out "$OUT" --budget-s 150 2>&1 \
-        | tee "$OUT/gpu_decode_stdout.log" | grep -v "^20..-" | tail -32 ;;
+      timeout ${GPUDECODE_TIMEOUT:-300} python3 bench/gpu_decode.py --out "$OUT" --budget-s 150 ${GPUDECODE_ARGS:-} 2>&1 \
+        | tee "$OUT/gpu_decode_stdout.log" | grep -v "^20..-" | tail -${GPUDECODE_TAIL:-32} ;;
     trace)
       for w in ${TRACE:-"8k bf16"}; do
         timeout 150 python3 bench/step_trace.py --workload "${w//_/ }" --profile "${TRACE_PROFILE:-$OUT/profile.json}" 2>&1 \

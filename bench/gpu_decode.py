@@ -157,8 +157,10 @@ def shape_table(cfg: ModelConfig, hbm: float, rows_list: list[int]) -> list[dict
 
 
 def decode_case(model: Model, batch: int, ctx: int, block_size: int, attn: AttnKernel, hbm: float,
-                graphs: bool = True, compile: bool = False, steps: int = 30) -> dict:
+                graphs: bool = True, compile: bool = False, steps: int = 30, fused: bool = True,
+                kernels: bool = False) -> dict:
     cfg = model.cfg
+    model.gpu_fusion = fused
     mb = ctx // block_size + 1
     pool = GpuKVPool(cfg.num_layers, batch * mb, cfg.num_kv_heads, block_size, cfg.head_dim)
     for t in (pool.k, pool.v):  # random KV, filled layer by layer to bound the temporary
@@ -175,15 +177,36 @@ def decode_case(model: Model, batch: int, ctx: int, block_size: int, attn: AttnK
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     ms = cuda_ms(step, 3, steps)
+    top = kernel_table(step) if kernels else None
     w_bytes = sum(lin.nbytes for lin in linears(model)) + batch * cfg.hidden_size * 2
     kv_bytes = batch * (ctx + 1) * cfg.kv_bytes_per_token(2.0)
     bound_ms = (w_bytes + kv_bytes) / hbm / 1e6
     del dec, pool
     torch.cuda.empty_cache()
-    return {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "compile": compile,
-            "first_call_s": first_s, "step_ms": ms,
+    return {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "compile": compile, "fused": fused,
+            "kernels": top, "first_call_s": first_s, "step_ms": ms,
             "tok_s": batch / ms * 1e3, "bound_tok_s": batch / bound_ms * 1e3, "weight_bytes": w_bytes,
             "kv_bytes": kv_bytes}
+
+
+def kernel_table(step, reps: int = 5) -> dict:
+    """GPU kernels of one step (torch.profiler over `reps` steps): count, busy µs, top names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            per.setdefault(e.name[:70], []).append(e.device_time)
+    n = sum(len(v) for v in per.values()) / reps
+    busy = sum(sum(v) for v in per.values()) / reps
+    top = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:14]
+    return {"kernels_per_step": n, "busy_us_per_step": busy,
+            "top": [(name, len(v) / reps, sum(v) / reps) for name, v in top]}
 
 
 def prefill_case(model: Model, T: int, hbm: float, tflops: float, block_size: int = 32) -> dict:
@@ -208,12 +231,19 @@ def prefill_case(model: Model, T: int, hbm: float, tflops: float, block_size: in
             "memory_bound_ms": bytes_ / hbm / 1e6}
 
 
+def case_name(batch, ctx, linear, attn, graphs, compile, fused) -> str:
+    return (f"decode b{batch} ctx{ctx} lin={linear} attn={attn}{'' if graphs else ' eager'}"
+            f"{' compiled' if compile else ''}{'' if fused else ' unfused'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="4 layers: a smoke run, figures not comparable")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd decode cases")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no compiled case after this many seconds")
+    ap.add_argument("--only", default="", help="comma-separated decode case names to run (see the table), e.g. 'b1'"
+                    " for every batch-1 case; prefill and the per-linear table are skipped when set")
     args = ap.parse_args()
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -228,7 +258,7 @@ def main() -> None:
     res["hbm_gbps"] = hbm = hbm_gbps()
     res["matmul_tflops"] = tflops = matmul_tflops()
     log.info("HBM copy %.0f GB/s, bf16 matmul %.0f TFLOP/s", hbm, tflops)
-    res["linears"] = shape_table(cfg, hbm, [1, 32, 512])
+    res["linears"] = [] if args.only else shape_table(cfg, hbm, [1, 32, 512])
     t0 = time.perf_counter()
     model = build_model(cfg)
     torch.cuda.synchronize()
@@ -237,31 +267,40 @@ def main() -> None:
     log.info("model built in %.1f s: NF4 linears %.2f GiB", res["build_s"], res["weight_gib"])
     res["decode"] = cases = []
     out_json = args.out / "gpu_decode.json"
-    plan = [  # (linear kernel, batch, ctx, attention, graphs, compile); compiled cases last (slow to build)
-        (Nf4Kernel.AUTO, 1, 128, AttnKernel.AUTO, True, False),  # AUTO: our GEMV at ≤ 2 rows, bitsandbytes above
-        (Nf4Kernel.BNB, 1, 128, AttnKernel.AUTO, True, False),
-        (Nf4Kernel.AUTO, 1, 128, AttnKernel.AUTO, False, False),
-        (Nf4Kernel.TRITON, 1, 128, AttnKernel.AUTO, True, False),
-        (Nf4Kernel.AUTO, 32, 2048, AttnKernel.AUTO, True, False),
-        (Nf4Kernel.TRITON, 32, 2048, AttnKernel.AUTO, True, False),
-        (Nf4Kernel.AUTO, 32, 2048, AttnKernel.TORCH, True, False),
+    A = AttnKernel.AUTO
+    plan = [  # (linear kernel, batch, ctx, attention, graphs, compile, fused); compiled cases last (slow to build)
+        (Nf4Kernel.AUTO, 1, 128, A, True, False, True),  # AUTO: our GEMV at ≤ 2 rows (fused layer), bnb above
+        (Nf4Kernel.AUTO, 1, 128, A, True, False, False),  # the same without gpu_ops.fused: torch's ops
+        (Nf4Kernel.BNB, 1, 128, A, True, False, True),
+        (Nf4Kernel.AUTO, 1, 128, A, False, False, True),
+        (Nf4Kernel.TRITON, 1, 128, A, True, False, True),
+        (Nf4Kernel.AUTO, 32, 2048, A, True, False, True),
+        (Nf4Kernel.TRITON, 32, 2048, A, True, False, True),
+        (Nf4Kernel.AUTO, 32, 2048, AttnKernel.TORCH, True, False, True),
     ]
     if not args.no_compile:
-        plan += [(Nf4Kernel.AUTO, 1, 128, AttnKernel.AUTO, True, True),
-                 (Nf4Kernel.AUTO, 32, 2048, AttnKernel.AUTO, True, True)]
-    res["prefill"] = prefill_case(model, 512, hbm, tflops)
-    log.info("prefill %s", json.dumps(res["prefill"]))
+        plan += [(Nf4Kernel.AUTO, 1, 128, A, True, True, True), (Nf4Kernel.AUTO, 1, 128, A, True, True, False),
+                 (Nf4Kernel.AUTO, 32, 2048, A, True, True, True)]
+    if args.only:
+        keep = set(args.only.split(","))
+        plan = [c for c in plan if case_name(c[1], c[2], c[0].value, c[3].value, c[4], c[5], c[6]) in keep
+                or f"b{c[1]}" in keep]
+    else:
+        res["prefill"] = prefill_case(model, 512, hbm, tflops)
+        log.info("prefill %s", json.dumps(res["prefill"]))
     out_json.write_text(json.dumps(res, indent=1))
-    for kern, batch, ctx, attn, graphs, comp in plan:
+    for kern, batch, ctx, attn, graphs, comp, fused in plan:
         if comp and time.perf_counter() - started > args.budget_s:
             log.info("skipping compiled b%d: past --budget-s", batch)
             continue
         set_kernel(model, kern)
         try:
-            c = decode_case(model, batch, ctx, 32, attn, hbm, graphs, comp)
+            c = decode_case(model, batch, ctx, 32, attn, hbm, graphs, comp, fused=fused,
+                            kernels=batch == 1 and graphs and not comp)
         except Exception as e:  # noqa: BLE001  a benchmark reports what failed and goes on
             log.exception("decode case failed")
-            c = {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "compile": comp, "error": repr(e)}
+            c = {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "compile": comp, "fused": fused,
+                 "error": repr(e)}
         c["linear"] = kern.value
         cases.append(c)
         log.info("decode %s", json.dumps(c))
@@ -276,12 +315,21 @@ def main() -> None:
               f"{r.get('triton_gbps', 0):8.0f} {r.get('gemv_gbps', 0):9.0f}")
     print(f"{'case':44} {'tok/s':>8} {'bound':>8} {'% bound':>7}")
     for c in cases:
-        name = (f"decode b{c['batch']} ctx{c['ctx']} lin={c['linear']} attn={c['attn']}"
-                f"{'' if c['graphs'] else ' eager'}{' compiled' if c['compile'] else ''}")
+        name = case_name(c["batch"], c["ctx"], c["linear"], c["attn"], c["graphs"], c["compile"], c["fused"])
         if "error" in c:
             print(f"{name:44} FAILED {c['error'][:60]}")
         else:
             print(f"{name:44} {c['tok_s']:8.0f} {c['bound_tok_s']:8.0f} {100 * c['tok_s'] / c['bound_tok_s']:6.0f}%")
+    for c in cases:
+        k = c.get("kernels")
+        if k:
+            print(f"\n{case_name(c['batch'], c['ctx'], c['linear'], c['attn'], c['graphs'], c['compile'], c['fused'])}: "
+                  f"{k['kernels_per_step']:.0f} kernels a step, busy {k['busy_us_per_step']:.0f} µs of "
+                  f"{1e3 * c['step_ms']:.0f}")
+            for name, n, us in k["top"]:
+                print(f"  {us:8.1f} µs {n:6.0f}×  {name}")
+    if "prefill" not in res:
+        return
     p = res["prefill"]
     print(f"{'prefill 512 eager':44} {p['tok_s']:8.0f} {p['bound_tok_s']:8.0f} {100 * p['tok_s'] / p['bound_tok_s']:6.0f}%")
     print(f"{'prefill 512 CUDA graph':44} {p['graph_tok_s']:8.0f} {p['bound_tok_s']:8.0f} "

@@ -140,11 +140,20 @@ def model_bytes(model) -> int:
     return n
 
 
+def workload(name: str) -> tuple:
+    """A WORKLOADS row by name; 'NAME sN' is NAME with N streamed tokens."""
+    base, _, n = name.rpartition(" s")
+    if base and n.isdigit():
+        return (name, *next(w for w in WORKLOADS if w[0] == base)[1:7], int(n))
+    return next(w for w in WORKLOADS if w[0] == name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="", help="comma-separated workload names")
+    ap.add_argument("--only", default="", help="comma-separated workload names; a name + ' s<N>' (e.g. '8k bf16 s3072')"
+                    " runs that workload with N streamed tokens")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this workload, print its row
     ap.add_argument("--profile", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -153,7 +162,7 @@ def main() -> None:
                         handlers=[logging.FileHandler(args.out / "offload_decode.log"), logging.StreamHandler()])
     if args.one:  # one workload in a fresh process: nothing left over from another's allocations
         prof = HardwareProfile.from_json(args.profile.read_text())
-        name, ctx, batch, kv, mem, gpu_tok, sb, stream = next(w for w in WORKLOADS if w[0] == args.one)
+        name, ctx, batch, kv, mem, gpu_tok, sb, stream = workload(args.one)
         model = _gpu_decode_bench().build_model(LLAMA3_8B)
         row = run_workload(model, prof, name, ctx, batch, kv, mem, gpu_tok, steps=8 if args.quick else 24,
                            sub_batches=sb, stream_tokens=stream)
@@ -165,9 +174,7 @@ def main() -> None:
     (args.out / "profile.json").write_text(prof.to_json())
     log.info("profile: %s", json.dumps(prof.to_dict()))
     rows = []
-    for name, *_ in WORKLOADS:
-        if args.only and name not in args.only.split(","):
-            continue
+    for name in args.only.split(",") if args.only else [w[0] for w in WORKLOADS]:
         cmd = [sys.executable, __file__, "--one", name, "--profile", str(args.out / "profile.json"), "--out", str(args.out)]
         r = subprocess.run(cmd + (["--quick"] if args.quick else []), capture_output=True, text=True)
         found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]

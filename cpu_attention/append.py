@@ -2,8 +2,10 @@
 
 A decode step appends one token per sequence in each of 32 layers; the torch version
 (`layout.quantize` + indexed stores) costs hundreds of microseconds a call in small-op
-overhead, this one a few. Same numbers as `layout.quantize` (round half to even, the same
-float32 formulas, the same int4 clip search), without fastmath so divisions stay exact.
+overhead, this one a few. Same bits as the torch twins (`layout.quantize`; int4:
+`int4.write`, whose docstring states the rule): round half to even, the same float32
+formulas in the same order, the same rotation butterflies and clip search, without fastmath
+so every operation rounds as torch's does.
 """
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import numba
 import numpy as np
 import torch
 
-from cpu_attention._numba import f16_to_f32, f32_to_bf16, f32_to_f16
-from cpu_attention.layout import INT4_CLIPS, INT4_GROUP, HostKVPool, KVDtype
+from cpu_attention import int4, rotation
+from cpu_attention._numba import bf16_to_f32, f32_to_bf16, hadamard_rotate
+from cpu_attention.layout import HostKVPool, KVDtype
 
 WJIT = dict(nogil=True, cache=True)
-_INT4_CLIPS = np.array(INT4_CLIPS, np.float32)
+_INT4_CLIPS = np.array(int4.CLIPS, np.float32)
 
 
 @numba.njit(**WJIT)
@@ -43,36 +46,140 @@ def write_int8(dst, sc, blocks, offs, x):
 
 
 @numba.njit(**WJIT)
-def write_int4(dst, sc, zr, blocks, offs, x, clips, group):
-    """dst [NB, Hkv, BS, D/2] uint8; sc, zr [NB, Hkv, BS, D/group] uint16 (f16 bits)."""
-    codes = np.empty(group, np.uint8)
-    best = np.empty(group, np.uint8)
-    for t in range(x.shape[0]):
-        b, o = blocks[t], offs[t]
-        for h in range(x.shape[1]):
-            for gr in range(x.shape[2] // group):
-                xg = x[t, h, gr * group:(gr + 1) * group]
-                lo, hi = xg.min(), xg.max()
-                best_err = np.float32(np.inf)
-                bs16 = bz16 = np.uint16(0)
-                for f in clips:
-                    c = (hi + lo) / np.float32(2.0)
-                    s16 = f32_to_f16(max((hi - lo) * f / np.float32(15.0), np.float32(2.0**-14)))
-                    z16 = f32_to_f16(c - (hi - lo) * f / np.float32(2.0))
-                    s, z = f16_to_f32(s16), f16_to_f32(z16)
-                    err = np.float32(0.0)
-                    for i in range(group):
-                        q = min(max(np.rint((xg[i] - z) / s), np.float32(0.0)), np.float32(15.0))
-                        codes[i] = np.uint8(q)
-                        e = q * s + z - xg[i]
-                        err += e * e
-                    if err < best_err:
-                        best_err, bs16, bz16 = err, s16, z16
-                        best[:] = codes
-                sc[b, h, o, gr] = bs16
-                zr[b, h, o, gr] = bz16
-                for i in range(group // 2):
-                    dst[b, h, o, gr * (group // 2) + i] = best[2 * i] | (best[2 * i + 1] << np.uint8(4))
+def _quantize_row(y, dst, sc, zr, clips, min_scale, group, codes, best, e2):
+    """One rotated value row y [D] float32 → dst [D/2] uint8, sc, zr [D/group] uint16 (bf16
+    bits): per group, of the CLIPS ranges the one of least squared error (int4.quantize_rows).
+    codes, best [group] uint8 and e2 [group] float32 are scratch. The codes and squared errors
+    are one loop (elementwise, so it vectorizes), their sum a second (in order, as before):
+    one loop with the running sum stayed scalar, ~3x slower."""
+    half = group // 2
+    for gr in range(y.shape[0] // group):
+        yg = y[gr * group:(gr + 1) * group]
+        lo, hi = yg.min(), yg.max()
+        best_err = np.float32(np.inf)
+        bs16 = bz16 = np.uint16(0)
+        for f in clips:
+            c = (hi + lo) / np.float32(2.0)
+            s16 = f32_to_bf16(max((hi - lo) * f / np.float32(15.0), min_scale))
+            z16 = f32_to_bf16(c - (hi - lo) * f / np.float32(2.0))
+            s, z = bf16_to_f32(s16), bf16_to_f32(z16)
+            for i in range(group):
+                q = min(max(np.rint((yg[i] - z) / s), np.float32(0.0)), np.float32(15.0))
+                codes[i] = np.uint8(q)
+                e = q * s + z - yg[i]
+                e2[i] = e * e
+            err = np.float32(0.0)
+            for i in range(group):
+                err += e2[i]
+            if err < best_err:
+                best_err, bs16, bz16 = err, s16, z16
+                best[:] = codes[:group]
+        sc[gr], zr[gr] = bs16, bz16
+        for i in range(half):
+            dst[gr * half + i] = best[i] | (best[half + i] << np.uint8(4))
+
+
+@numba.njit(**WJIT)
+def _pack_row(codes, dst, group):
+    """codes [D] (0..15) → dst [D/2] in layout.py's nibble order."""
+    half = group // 2
+    for gr in range(codes.shape[0] // group):
+        for i in range(half):
+            dst[gr * half + i] = codes[gr * group + i] | (codes[gr * group + half + i] << np.uint8(4))
+
+
+@numba.njit(**WJIT)
+def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group):
+    """Block b's int4 data from tail slot (int4.quantize_keys / quantize_rows): keys per channel
+    over the BS rows, values per row and group."""
+    H, BS, D = tk.shape[1], tk.shape[2], tk.shape[3]
+    lo, hi = np.empty(D, np.float32), np.empty(D, np.float32)
+    s, z = np.empty(D, np.float32), np.empty(D, np.float32)
+    y = np.empty(D, np.float32)
+    codes, best = np.empty(max(D, group), np.uint8), np.empty(group, np.uint8)
+    e2 = np.empty(group, np.float32)
+    for h in range(H):
+        for d in range(D):
+            lo[d] = hi[d] = bf16_to_f32(tk[slot, h, 0, d])
+        for o in range(1, BS):
+            for d in range(D):
+                x = bf16_to_f32(tk[slot, h, o, d])
+                lo[d], hi[d] = min(lo[d], x), max(hi[d], x)
+        for d in range(D):
+            s16 = f32_to_bf16(max((hi[d] - lo[d]) / np.float32(15.0), min_scale))
+            z16 = f32_to_bf16(lo[d])
+            ks[b, h, d], kz[b, h, d] = s16, z16
+            s[d], z[d] = bf16_to_f32(s16), bf16_to_f32(z16)
+        for o in range(BS):
+            for d in range(D):
+                x = bf16_to_f32(tk[slot, h, o, d])
+                codes[d] = np.uint8(min(max(np.rint((x - z[d]) / s[d]), np.float32(0.0)), np.float32(15.0)))
+            _pack_row(codes[:D], kd[b, h, o], group)
+            for d in range(D):
+                y[d] = bf16_to_f32(tv[slot, h, o, d])
+            _quantize_row(y, vd[b, h, o], vs[b, h, o], vz[b, h, o], clips, min_scale, group, codes, best, e2)
+
+
+@numba.njit(**WJIT)
+def _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group):
+    """Block b's int4 data back into tail slot, rounded to bf16 (int4.write, step 1)."""
+    H, BS, D = tk.shape[1], tk.shape[2], tk.shape[3]
+    half = group // 2
+    for h in range(H):
+        for o in range(BS):
+            for gr in range(D // group):
+                a, z = bf16_to_f32(vs[b, h, o, gr]), bf16_to_f32(vz[b, h, o, gr])
+                for i in range(half):
+                    byte = kd[b, h, o, gr * half + i]
+                    for e, c in ((gr * group + i, byte & np.uint8(15)), (gr * group + half + i, byte >> np.uint8(4))):
+                        tk[slot, h, o, e] = f32_to_bf16(np.float32(c) * bf16_to_f32(ks[b, h, e]) + bf16_to_f32(kz[b, h, e]))
+                    byte = vd[b, h, o, gr * half + i]
+                    tv[slot, h, o, gr * group + i] = f32_to_bf16(np.float32(byte & np.uint8(15)) * a + z)
+                    tv[slot, h, o, gr * group + half + i] = f32_to_bf16(np.float32(byte >> np.uint8(4)) * a + z)
+
+
+@numba.njit(**WJIT)
+def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, order, blocks, offs, xk, xv,
+               clips, min_scale, signs, P, inv_sqrt_p, group):
+    """One layer of an int4 pool: kd, vd [NB, Hkv, BS, D/2] uint8; ks, kz [NB, Hkv, D] and vs, vz
+    [NB, Hkv, BS, D/group] uint16 (bf16 bits); tails tk, tv [S, Hkv, BS, D] uint16 (bf16 bits),
+    tail_slot [NB] int32, free slots free[:n_free[0]] (enough of them: Tails.reserve); order:
+    the tokens sorted by block (stably); xk, xv [T, Hkv, D] float32; signs, P, inv_sqrt_p: the
+    rotation. The rule, step by step, is int4.write's."""
+    T, H, D = xk.shape
+    BS = kd.shape[2]
+    y = np.empty(D, np.float32)
+    r0 = 0
+    while r0 < T:
+        b = blocks[order[r0]]
+        r1 = r0
+        starts = ends = False
+        while r1 < T and blocks[order[r1]] == b:
+            starts = starts or offs[order[r1]] == 0
+            ends = ends or offs[order[r1]] == BS - 1
+            r1 += 1
+        s = tail_slot[b]
+        if s < 0:  # 1. take a tail; a block written before comes back into it
+            n_free[0] -= 1
+            s = free[n_free[0]]
+            tail_slot[b] = s
+            if not starts:
+                _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, s, b, group)
+        for r in range(r0, r1):  # 2. the tokens, in call order
+            t = order[r]
+            o = offs[t]
+            for h in range(H):
+                for d in range(D):
+                    tk[s, h, o, d] = f32_to_bf16(xk[t, h, d])
+                hadamard_rotate(xv[t, h], signs, P, inv_sqrt_p, y)
+                for d in range(D):
+                    tv[s, h, o, d] = f32_to_bf16(y[d])
+        if ends:  # 3. complete: quantize, free the tail
+            _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, s, b, clips, min_scale, group)
+            free[n_free[0]] = s
+            n_free[0] += 1
+            tail_slot[b] = -1
+        r0 = r1
 
 
 @numba.njit(**WJIT)
@@ -92,18 +199,42 @@ def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv):
 
 
 @numba.njit(**WJIT)
-def write_kv_int4(k, v, ks, vs, kz, vz, layer, slots, block_size, xk, xv, clips, group):
-    """As write_kv_bf16 for packed int4 codes and their group scales and zeros (see write_int4)."""
-    blocks, offs = slots // block_size, slots % block_size
-    write_int4(k[layer], ks[layer], kz[layer], blocks, offs, xk, clips, group)
-    write_int4(v[layer], vs[layer], vz[layer], blocks, offs, xv, clips, group)
+def tail_slots_needed(tail_slot, slots, block_size):
+    """`int4.slots_needed` for flat slots [T]; tail_slot [NB] int32 of the layer."""
+    blocks = slots // block_size
+    ub = np.unique(blocks)
+    ends = np.zeros(ub.shape[0], np.bool_)
+    for t in range(slots.shape[0]):
+        if slots[t] % block_size == block_size - 1:
+            ends[np.searchsorted(ub, blocks[t])] = True
+    n, completed = 0, 0
+    for i in range(ub.shape[0]):
+        if tail_slot[ub[i]] < 0:
+            if ends[i]:
+                completed = 1
+            else:
+                n += 1
+    return n + completed
+
+
+@numba.njit(**WJIT)
+def write_kv_int4(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, slots, xk, xv,
+                  clips, min_scale, signs, P, inv_sqrt_p, group):
+    """As write_kv_bf16 for an int4 pool (`write_int4`'s arguments, all layers; tail_slot
+    [L, NB]): blocks, offsets and the tokens' stable order by block are computed here."""
+    BS = k.shape[3]
+    blocks, offs = slots // BS, slots % BS
+    write_int4(k[layer], ks[layer], kz[layer], v[layer], vs[layer], vz[layer], tk, tv, tail_slot[layer],
+               free, n_free, np.argsort(blocks, kind="mergesort"), blocks, offs, xk, xv, clips, min_scale,
+               signs, P, inv_sqrt_p, group)
 
 
 def write_numba(pool: HostKVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """HostKVPool.write's body for bf16/int8/int4: torch tensors in, pool updated in place.
 
     One Numba call per layer for k and v together, on the pool's cached numpy views
-    (`HostKVPool.arrays`): a decode step's 30-32 appends are Python overhead more than work."""
+    (`HostKVPool.arrays`): a decode step's 30-32 appends are Python overhead more than work.
+    int4 first makes sure the tails have a free slot for every block the write may open."""
     a = pool.arrays
     sl = np.asarray(slots.numpy(), np.int64)
     xk, xv = _f32(k), _f32(v)
@@ -112,8 +243,12 @@ def write_numba(pool: HostKVPool, layer: int, slots: torch.Tensor, k: torch.Tens
     elif pool.dtype is KVDtype.INT8:
         write_kv_int8(a["k"], a["v"], a["k_scale"], a["v_scale"], layer, sl, pool.block_size, xk, xv)
     else:
-        write_kv_int4(a["k"], a["v"], a["k_scale"], a["v_scale"], a["k_zero"], a["v_zero"], layer, sl,
-                      pool.block_size, xk, xv, _INT4_CLIPS, INT4_GROUP)
+        tails = pool.tails
+        tails.reserve(tail_slots_needed(tails.arrays["slot"][layer], sl, pool.block_size))
+        t = tails.arrays
+        write_kv_int4(a["k"], a["v"], a["k_scale"], a["k_zero"], a["v_scale"], a["v_zero"], t["k"], t["v"],
+                      t["slot"], t["free"], t["n_free"], layer, sl, xk, xv, _INT4_CLIPS,
+                      np.float32(int4.MIN_SCALE), *rotation.numba_args(pool.head_dim), int4.GROUP)
 
 
 def _f32(x: torch.Tensor) -> np.ndarray:

@@ -20,14 +20,15 @@ D codes. While a block is scored, the next block's rows are prefetched a few row
 Head dims that are not a multiple of the vector width go to `decode_*_any`: the same
 algorithm one block a tile with LLVM's vectorized loops (`_scores`, `_accumulate`).
 
-int4 (tiles of one block, at most TILE): the scores with `_scores` (two tokens × a group of
-up to four heads a pass, each K element loaded once per group), `_softmax_tile`, then
-`_accumulate` (the same head groups × two tokens a pass); G is split into groups of four
-and one group of the rest, each a specialization of one helper by its constant size. int4
-rows are first widened into an L1-resident float32 tile (code × group scale + group zero) in
-a permuted order (even elements then odd ones, which is how the nibbles come out of the
-bytes); q is permuted the same way and the output is un-permuted at the end. While a tile
-computes, the next tile's rows are prefetched one row per token.
+int4, per tile (up to TILE tokens over one or more blocks): the scores with `_scores` (two
+tokens × a group of up to four heads a pass, each K element loaded once per group), one
+`_softmax_tile` step, then `_accumulate` (the same head groups × two tokens a pass); G is
+split into groups of four and one group of the rest, each a specialization of one helper by
+its constant size. int4 rows are first widened into L1-resident float32 tiles by
+straight-line vector code (`widen_nibbles`): code × scale + zero, V's per token and group,
+K's per block and channel (a block still being filled is read from its bf16 tail); the
+output is rotated back (int4 V is stored rotated, `rotation.py`). While a tile computes, the
+next tile's rows are prefetched one row per token.
 """
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ import numpy as np
 import torch
 from numba import prange
 
+from cpu_attention import rotation
 from cpu_attention._numba import (
-    JIT, bits_to_f32, exp_neg, f16_to_f32, f32_to_bits, line_elems, prefetch, resolve_threads, widen,
+    JIT, bits_to_f32, exp_neg, f32_to_bits, hadamard_unrotate, line_elems, prefetch, resolve_threads, widen,
+    widen_nibbles, widen_nibbles_by,
 )
 from cpu_attention._simd import (
     DOT_TOKENS, IVEC, VEC, from_madd_layout, from_pair_layout, make_accumulate, make_accumulate_int8, make_dots,
@@ -596,37 +599,51 @@ def decode_int8_any(k, v, ks, vs, q, bt, items, pair_start, out, lse):
 
 
 @numba.njit(inline="always", **JIT)
-def _widen_int4(x, sc, zr, n, out, hg):
-    """Packed rows x [n, D/2] with group scales/zeros sc, zr [n, D/32] (f16 bits) → out[:n]
-    [., D] float32, each row's even elements first then its odd ones (see module doc).
-
-    hg (bytes per group, 16) comes in as a runtime value on purpose: with the constant, LLVM
-    unrolls the 16-byte loop into scalar code before its loop vectorizer sees it (measured
-    ~1.7x slower)."""
-    half = x.shape[1]
-    NG = sc.shape[1]
+def _widen_int4(x, sc, zr, n, out):
+    """Packed rows x [n, D/2] with per-token group scales/zeros sc, zr [n, D/32] (bf16 bits)
+    → out[:n] [., D] float32 (code × scale + zero, in element order)."""
+    half, NG = x.shape[1], sc.shape[1]
     for j in range(n):
-        xr, o, sr, zz = x[j], out[j], sc[j], zr[j]
         for gr in range(NG):
-            a = f16_to_f32(sr[gr])
-            z = f16_to_f32(zz[gr])
-            xs = xr[gr * hg:(gr + 1) * hg]
-            lo = o[gr * hg:(gr + 1) * hg]
-            hi = o[half + gr * hg:half + (gr + 1) * hg]
-            for i in range(hg):
-                byte = np.int32(xs[i])
-                lo[i] = np.float32(byte & np.int32(15)) * a + z
-                hi[i] = np.float32(byte >> np.int32(4)) * a + z
+            widen_nibbles(x, j * half + gr * HALF_GROUP, widen(sc[j, gr]), widen(zr[j, gr]),
+                          out, 2 * j * half + gr * INT4_GROUP)
+
+
+@numba.njit(inline="always", **JIT)
+def _widen_int4_keys(x, aw, zw, n, out):
+    """Packed key rows x [n, D/2] → out[:n] [., D] float32: code × aw + zw, with aw, zw [D]
+    (float32) the block's per-channel scale and zero."""
+    half = x.shape[1]
+    for j in range(n):
+        for i in range(0, half, HALF_GROUP):
+            widen_nibbles_by(x, j * half + i, aw, zw, 2 * i, out, 2 * (j * half + i))
+
+
+@numba.njit(inline="always", **JIT)
+def _widen_rows(x, n, out):
+    """Rows x [n, D] (uint16 bf16 bits) → out[:n] float32."""
+    for j in range(n):
+        xr, o = x[j], out[j]
+        for d in range(x.shape[1]):
+            o[d] = widen(xr[d])
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse, hg):
-    """k, v [NB, Hkv, BS, D/2] uint8; scales/zeros [NB, Hkv, BS, D/32] uint16 (f16 bits);
-    q [B, Hq, D] f32 pre-scaled and permuted (evens, odds); out comes back permuted too;
-    hg = INT4_GROUP // 2 packed bytes a group (see _widen_int4)."""
+def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, out, lse, signs, P, c):
+    """k [NB, Hkv, BS, D/2] uint8 with ks, kz [NB, Hkv, D] uint16 (bf16 bits: per block and
+    channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz [NB, Hkv, BS, D/32] (per
+    token and group); a block b with tail[b] >= 0 is not complete and is read from the bf16
+    tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; signs, P, c:
+    the rotation R (`_numba.hadamard_unrotate`).
+
+    A tile is up to TILE tokens over one or more blocks (widening is per block anyway, and
+    the score / softmax / accumulate passes cost less a token over longer tiles). V's output
+    Σ p (vR) = (Σ p v) R is rotated back after the merge (in Numba: as a torch GEMM, torch's
+    intra-op threads would spin on the kernel's cores)."""
     NI = items.shape[0]
     BS, D = k.shape[2], 2 * k.shape[3]
-    G = q.shape[1] // k.shape[1]
+    Hkv = k.shape[1]
+    G = q.shape[1] // Hkv
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
@@ -634,30 +651,49 @@ def decode_int4(k, v, ks, vs, kz, vz, q, bt, items, pair_start, out, lse, hg):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
         kb = np.empty((TILE, D), np.float32)
         vb = np.empty((TILE, D), np.float32)
+        aw = np.empty(D, np.float32)
+        zw = np.empty(D, np.float32)
         s = np.empty((G, TILE), np.float32)
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
         qh = q[b, h * G:(h + 1) * G]
         t = t0
-        blk, off, n = _next_tile(bt, b, t, t1, BS)
         while t < t1:
-            nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (blk, off, 0)
+            n = 0
+            while n < TILE and t + n < t1:  # the tile's tokens, block by block
+                blk, off, nb = _next_tile(bt, b, t + n, t1, BS)
+                nb = min(nb, TILE - n)
+                ts = tail[blk]
+                if ts >= 0:
+                    _widen_rows(tk[ts, h, off:off + nb], nb, kb[n:])
+                    _widen_rows(tv[ts, h, off:off + nb], nb, vb[n:])
+                else:
+                    ka, kzr = ks[blk, h], kz[blk, h]
+                    for d in range(D):
+                        aw[d] = widen(ka[d])
+                        zw[d] = widen(kzr[d])
+                    _widen_int4_keys(k[blk, h, off:off + nb], aw, zw, nb, kb[n:])
+                    _widen_int4(v[blk, h, off:off + nb], vs[blk, h, off:off + nb], vz[blk, h, off:off + nb], nb,
+                                vb[n:])
+                n += nb
+            nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (0, 0, 0)
             if noff == 0 and nn > 0:
-                for a in (ks, vs, kz, vz):
-                    _prefetch_row(a[nblk, h].reshape(1, -1), 0)
-            _widen_int4(k[blk, h, off:off + n], ks[blk, h, off:off + n], kz[blk, h, off:off + n], n, kb, hg)
-            _widen_int4(v[blk, h, off:off + n], vs[blk, h, off:off + n], vz[blk, h, off:off + n], n, vb, hg)
+                _prefetch_row(ks[nblk, h].reshape(1, -1), 0)
+                _prefetch_row(kz[nblk, h].reshape(1, -1), 0)
+                _prefetch_row(vs[nblk, h].reshape(1, -1), 0)
+                _prefetch_row(vz[nblk, h].reshape(1, -1), 0)
             _scores(qh, kb, n, s, k[nblk, h, noff:], v[nblk, h, noff:], nn)
             _softmax_tile(s, n, m, l, acc)
             _accumulate(s, vb, n, acc)
             t += n
-            blk, off, n = nblk, noff, nn
         part_o[it] = acc
         part_m[it] = m
         part_l[it] = l
     for p in prange(pair_start.shape[0] - 1):
         _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+        for g in range(G):
+            hadamard_unrotate(out[p // Hkv, (p % Hkv) * G + g], signs, P, c)
 
 
 def _numpy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
@@ -751,8 +787,6 @@ def decode_attention(
         resolve_threads(work.threads)  # thread counts are per calling thread in Numba
         bt, items, pair_start = work.bt, work.items, work.pair_start
     qn = _numpy(q, torch.float32) * np.float32(scale)
-    if pool.dtype is KVDtype.INT4:
-        qn = np.concatenate([qn[..., 0::2], qn[..., 1::2]], axis=-1)
     if out is None:
         out = (torch.empty((B, Hq, D), dtype=torch.float32), torch.empty((B, Hq), dtype=torch.float32))
     on, ln = out[0].numpy(), out[1].numpy()
@@ -765,8 +799,8 @@ def decode_attention(
         kernel(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
                on, ln)
     else:
-        decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], a["k_zero"][layer],
-                    a["v_zero"][layer], qn, bt, items, pair_start, on, ln, HALF_GROUP)
-        perm = on.copy()
-        on[..., 0::2], on[..., 1::2] = perm[..., : D // 2], perm[..., D // 2:]
+        t = pool.tails.arrays
+        decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer], a["v_scale"][layer],
+                    a["v_zero"][layer], t["k"], t["v"], t["slot"][layer], qn, bt, items, pair_start, on, ln,
+                    *rotation.numba_args(D))
     return out

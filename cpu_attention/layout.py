@@ -8,18 +8,35 @@ sequence has one block table):
     bf16   k, v              bfloat16     [L, NB, Hkv, BS, D]          bf16 bits; kernels read them as uint16
     int8   k, v              int8         [L, NB, Hkv, BS, D]          round(x / scale)
            k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|x| / 127 per token and head
-    int4   k, v              uint8        [L, NB, Hkv, BS, D // 2]     two 4-bit codes per byte, element 2i
-                                                                        in the low nibble, 2i+1 in the high
-           k_scale, v_scale  float16      [L, NB, Hkv, BS, D // 32]    range / 15 per group of 32
-           k_zero, v_zero    float16      [L, NB, Hkv, BS, D // 32]    range start: x ≈ code * scale + zero
-                                                                        (range: [min, max] shrunk about its
-                                                                        centre by the INT4_CLIPS factor of
-                                                                        least squared error)
+    int4   k                 uint8        [L, NB, Hkv, BS, D // 2]     key codes, two a byte (`int4.py`: nibble order)
+           k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code · scale + zero
+           v                 uint8        [L, NB, Hkv, BS, D // 2]     codes of y = v @ R (`rotation.py`), same order
+           v_scale, v_zero   bfloat16     [L, NB, Hkv, BS, D // 32]    per token and group of 32: y ≈ code · scale + zero
+           tails.slot        int32        [L, NB]                      the block's tail slot; −1: the block is quantized
+           tails.k, tails.v  bfloat16     [S, Hkv, BS, D]              blocks being filled, unquantized (keys, y); S grows
 
 L layers, NB blocks, Hkv kv heads, BS tokens a block, D head dim. Token t of a sequence lives
 in block `block_table[t // BS]` at offset `t % BS`; its flat slot is `block * BS + offset`.
 Within a block one head's BS × D values are contiguous, so a decode kernel walking one
 (sequence, kv head) streams contiguous runs of BS × D elements.
+
+Bytes of one token's K and V in one layer (`token_bytes`, what the planner counts): f32
+8·Hkv·D, bf16 4·Hkv·D, int8 2·Hkv·(D + 4), int4 Hkv·(D + D/8 + 4·D/BS) + 4/BS (codes,
+value scales and zeros, the block's key scales and zeros and its tail-slot entry spread over
+its BS tokens; Hkv 8, D 128, BS 16: 1408.25 bytes, 2/3 of int8's 2112), plus for int4 one
+tail per sequence being filled and layer, 4·Hkv·BS·D bytes (`tail_bytes`).
+
+int4 (`int4.py` gives the exact bytes, says why, and states the append rule): values per
+token in groups of 32 along the head dim, as the issue prescribes, after a fixed orthonormal
+rotation R that spreads outlier channels; keys per channel over each block's tokens (KIVI),
+because per-token groups of 32 lose too much on real keys; a block is quantized once
+complete, until then its tokens stay in a bf16 tail. The rotation is internal to the pool:
+`write` rotates values, `gather` rotates them back, the decode kernel rotates its output
+back. Blocks freed by the cache must be `release`d, so their tails go back to the free slots.
+
+`quantize`/`dequantize` are the per-token formats (bf16, int8, int4 values); int4 blocks go
+through `int4.write` / `int4.gather`, and whole complete blocks of any dtype through
+`dequantize_blocks` (the streamer does that on the GPU).
 """
 from __future__ import annotations
 
@@ -30,8 +47,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-INT4_GROUP = 32
-INT4_CLIPS = (1.0, 0.94, 0.88, 0.82)  # range shrink factors tried per int4 group
+from cpu_attention import int4, rotation
+from cpu_attention.int4 import GROUP as INT4_GROUP
+
 _HALF = (torch.bfloat16, torch.float16)  # stored as bits; the kernels read them as uint16
 
 
@@ -43,14 +61,25 @@ class KVDtype(str, enum.Enum):
 
     @property
     def bytes_per_value(self) -> float:
-        """Bytes per stored K or V element, scales and zero points included."""
-        return {KVDtype.F32: 4.0, KVDtype.BF16: 2.0, KVDtype.INT8: 1.0, KVDtype.INT4: 0.5}[self] + self.overhead_per_value
+        """Bytes of one stored K or V code, without scales, zeros or tails (`token_bytes` has them)."""
+        return {KVDtype.F32: 4.0, KVDtype.BF16: 2.0, KVDtype.INT8: 1.0, KVDtype.INT4: 0.5}[self]
 
-    @property
-    def overhead_per_value(self) -> float:
-        if self is KVDtype.INT4:
-            return 4.0 / INT4_GROUP  # fp16 scale + fp16 zero per group
-        return 0.0  # int8's 4-byte scale per token-head is counted by the pool (depends on D)
+
+def token_bytes(dtype: KVDtype, num_kv_heads: int, head_dim: int, block_size: int) -> float:
+    """Host bytes of one token's K and V in one layer of a pool (the module doc's formulas;
+    `HostKVPool.bytes_per_token` / L exactly), int4's tails not included (`tail_bytes`)."""
+    H, D, BS = num_kv_heads, head_dim, block_size
+    if dtype is KVDtype.INT8:
+        return 2 * H * (D + 4)
+    if dtype is KVDtype.INT4:
+        return H * (D + D / 8 + 4 * D / BS) + 4 / BS
+    return 2 * H * D * dtype.bytes_per_value
+
+
+def tail_bytes(dtype: KVDtype, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    """Host bytes an int4 pool adds per sequence and layer while a block is being filled: one
+    bf16 tail of K and V (0 for the other dtypes)."""
+    return 4 * num_kv_heads * block_size * head_dim if dtype is KVDtype.INT4 else 0
 
 
 @dataclass
@@ -80,8 +109,9 @@ class HostKVPool:
         else:
             G = D // INT4_GROUP
             self.k, self.v = mk((L, NB, H, BS, D // 2), torch.uint8), mk((L, NB, H, BS, D // 2), torch.uint8)
-            self.k_scale, self.v_scale = mk((L, NB, H, BS, G), torch.float16), mk((L, NB, H, BS, G), torch.float16)
-            self.k_zero, self.v_zero = mk((L, NB, H, BS, G), torch.float16), mk((L, NB, H, BS, G), torch.float16)
+            self.k_scale, self.k_zero = mk((L, NB, H, D), torch.bfloat16), mk((L, NB, H, D), torch.bfloat16)
+            self.v_scale, self.v_zero = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
+            self.tails = int4.Tails(L, NB, H, BS, D)
 
     @functools.cached_property
     def arrays(self) -> dict[str, np.ndarray]:
@@ -97,16 +127,27 @@ class HostKVPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held: codes, scales, zeros (int4: and the tail-slot table; not the tails
+        themselves, which grow with the blocks being filled: `tails.nbytes`)."""
         ts = [self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero]
+        if self.dtype is KVDtype.INT4:
+            ts.append(self.tails.slot)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     @property
     def bytes_per_token(self) -> float:
-        """Host bytes one token's K and V take over all layers."""
+        """Host bytes one token's K and V take over all layers (`token_bytes` × L)."""
         return self.nbytes / (self.num_blocks * self.block_size)
 
+    def release(self, blocks: list[int]) -> None:
+        """The cache gave these blocks back to its allocator: int4 frees their tails (a block
+        freed while being filled would otherwise keep its slot until reused)."""
+        if self.dtype is KVDtype.INT4:
+            self.tails.release(blocks)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in.
+        """Store k, v [T, Hkv, D] (any float dtype) at flat slots [T], quantizing on the way in
+        (int4: `int4.write`'s rule; a block's tokens must be written in order).
 
         bf16/int8/int4 go through the Numba append (`append.py`, same numbers as `quantize`).
         """
@@ -125,24 +166,36 @@ class HostKVPool:
                 getattr(self, f"{name}_zero")[layer, blocks, :, offs] = zero
 
     def gather(self, layer: int, block_table: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K, V of one sequence's first n_tokens: [Hkv, n_tokens, D] float32."""
-        out = []
-        for name in ("k", "v"):
-            data = getattr(self, name)[layer, block_table]  # [nb, Hkv, BS, ...]
-            scale = getattr(self, f"{name}_scale")
-            zero = getattr(self, f"{name}_zero")
-            x = dequantize(
-                data,
-                self.dtype,
-                None if scale is None else scale[layer, block_table],
-                None if zero is None else zero[layer, block_table],
-            )  # [nb, Hkv, BS, D]
-            out.append(x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :n_tokens])
-        return out[0], out[1]
+        """Dequantized K, V of one sequence's first n_tokens: [Hkv, n_tokens, D] float32 (int4:
+        values rotated back, blocks being filled read from their tails, so both are what was
+        written up to quantization)."""
+        if self.dtype is KVDtype.INT4:
+            kv = int4.gather(self, layer, block_table)  # [nb, Hkv, BS, D] each
+        else:
+            parts = {n: t[layer, block_table] for n, t in self.parts().items()}  # [nb, Hkv, BS, ...]
+            kv = dequantize_blocks(self.dtype, parts)
+        return tuple(x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :n_tokens] for x in kv)
+
+    def blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of whole blocks in every layer, [L, n, Hkv, BS, D]: what moving them to another
+        tier copies. bf16/f32 as stored; int8/int4 dequantized to float32 (int4: values rotated
+        back, a block being filled read from its tail)."""
+        if self.dtype in (KVDtype.BF16, KVDtype.F32):
+            return self.k[:, block_ids], self.v[:, block_ids]
+        if self.dtype is KVDtype.INT4:
+            return int4.gather(self, slice(None), block_ids)
+        return dequantize_blocks(self.dtype, {n: t[:, block_ids] for n, t in self.parts().items()})
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The per-block tensors by name ([L, NB, ...] each: k, v and whichever scales and zeros
+        the dtype has), what copying a block means (int4's tails aside)."""
+        names = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """x [..., D] → (data, scale, zero) in the pool's layout for `dtype`."""
+    """x [..., D] → (data, scale, zero) in the pool's per-token layout for `dtype` (int4: values,
+    as a complete block holds them)."""
     if dtype is KVDtype.F32:
         return x.float(), None, None
     if dtype is KVDtype.BF16:
@@ -152,31 +205,7 @@ def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tenso
         scale = x.abs().amax(-1).clamp_min(1e-8) / 127.0
         q = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
         return q, scale, None
-    g = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    # Clip search: of a few ranges shrunk towards the group's centre, keep the one with the
-    # least squared error (clipping the two extremes often beats 16 coarser levels; ~10%
-    # lower rms error on gaussian groups than plain min-max).
-    best_err = best_scale = best_zero = best_codes = None
-    for f in INT4_CLIPS:
-        c = (hi + lo) / 2
-        scale = ((hi - lo) * f / 15.0).clamp_min(2.0**-14).to(torch.float16)  # fp16-normal
-        zero = (c - (hi - lo) * f / 2).to(torch.float16)
-        sf, zf = scale.float()[..., None], zero.float()[..., None]
-        codes = torch.round((g - zf) / sf).clamp(0, 15)
-        err = ((codes * sf + zf - g) ** 2).sum(-1)
-        if best_err is None:
-            best_err, best_scale, best_zero, best_codes = err, scale, zero, codes
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_scale = torch.where(better, scale, best_scale)
-            best_zero = torch.where(better, zero, best_zero)
-            best_codes = torch.where(better[..., None], codes, best_codes)
-    scale, zero, codes = best_scale, best_zero, best_codes.to(torch.uint8)
-    codes = codes.reshape(*x.shape)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, scale, zero
+    return int4.quantize_values(x)
 
 
 def dequantize(
@@ -187,8 +216,18 @@ def dequantize(
         return data.float()
     if dtype is KVDtype.INT8:
         return data.float() * scale[..., None]
-    lo, hi = (data & 0xF), (data >> 4)
-    codes = torch.stack([lo, hi], dim=-1).reshape(*data.shape[:-1], data.shape[-1] * 2).float()
-    g = codes.reshape(*codes.shape[:-1], -1, INT4_GROUP)
-    x = g * scale.float()[..., None] + zero.float()[..., None]
-    return x.reshape(codes.shape)
+    return int4.dequantize_values(data, scale, zero)
+
+
+def dequantize_blocks(dtype: KVDtype, parts: dict[str, torch.Tensor],
+                      rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks as a pool stores them (`HostKVPool.parts` indexed by layer and block ids:
+    [nb, Hkv, ...] each, on any device) → K, V [nb, Hkv, BS, D] float32. int4: complete
+    blocks only (their codes; a block being filled is in its tail, see `int4.gather`), and
+    with rotated=True V comes as y = v @ R: attention over it gives out @ R, which
+    `rotation.unrotate` turns back for D² per query row instead of D² per token."""
+    if dtype is KVDtype.INT4:
+        k = int4.dequantize_keys(parts["k"], parts["k_scale"], parts["k_zero"])
+        y = int4.rows(parts["v"], parts["v_scale"], parts["v_zero"])
+        return k, (y if rotated else rotation.unrotate(y))
+    return tuple(dequantize(parts[n], dtype, parts.get(f"{n}_scale"), parts.get(f"{n}_zero")) for n in ("k", "v"))

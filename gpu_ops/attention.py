@@ -36,15 +36,18 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [B] int32, tier tokens per sequence (the new token included)
     scale: float,
     kernel: AttnKernel = AttnKernel.AUTO,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ (out [B, Hq, D] float32, lse [B, Hq] float32). No host sync: capturable in a CUDA graph."""
+    """→ (out [B, Hq, D] out_dtype, lse [B, Hq] float32). No host sync: capturable in a CUDA graph.
+    (out_dtype bf16 where nothing merges the result: the Triton kernels write it, no cast kernel.)"""
     if kernel is AttnKernel.AUTO:
         kernel = AttnKernel.TRITON if triton_ok(pool, q) else AttnKernel.TORCH
     if kernel is AttnKernel.TRITON:
         from gpu_ops.attention_triton import paged_decode
 
-        return paged_decode(pool, layer, q, block_tables, seq_lens, scale)
-    return decode_attention_torch(pool, layer, q, block_tables, seq_lens, scale)
+        return paged_decode(pool, layer, q, block_tables, seq_lens, scale, out_dtype=out_dtype)
+    o, lse = decode_attention_torch(pool, layer, q, block_tables, seq_lens, scale)
+    return o.to(out_dtype), lse
 
 
 def triton_ok(pool: GpuKVPool, q: torch.Tensor) -> bool:

@@ -15,6 +15,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from gpu_ops import pdl
 
 from gpu_ops.kv_pool import GpuKVPool
 
@@ -25,8 +28,12 @@ def _decode_kernel(
     layer_off, head_stride, block_stride,  # element offset of the layer; strides of heads, blocks
     MB, blocks_per_split, scale, B, Hq,
     G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.arange(0, GP)
     d = tl.arange(0, D)
     t = tl.arange(0, BS)
@@ -61,8 +68,35 @@ def _decode_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     dst = (sp * B + b) * Hq + h * G + rows  # [GP]
-    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], out, mask=row_ok[:, None])
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + dst, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, S, BH, SP: tl.constexpr, D: tl.constexpr,
+                         CH: tl.constexpr, PDL: tl.constexpr = False):
+    """out[r] = Σ_s e^{lse[s, r] - L} o[s, r], L = log Σ_s e^{lse[s, r]}, for row r = (b, hq)."""
+    r = tl.program_id(0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    sp = tl.arange(0, SP)
+    lse = tl.load(lse_ptr + sp * BH + r, mask=sp < S, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    m_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    tot = tl.sum(tl.exp(lse - m_safe), 0)
+    big = tl.where(tot == 0.0, float("-inf"), m_safe + tl.log(tl.where(tot == 0.0, 1.0, tot)))
+    big_safe = tl.where(tot == 0.0, 0.0, big)
+    d = tl.arange(0, D)
+    c = tl.arange(0, CH)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, S, CH):
+        ok = s0 + c < S
+        w = tl.exp(tl.load(lse_ptr + (s0 + c) * BH + r, mask=ok, other=float("-inf")) - big_safe)
+        o = tl.load(o_ptr + ((s0 + c) * BH + r)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    tl.store(out_ptr + r * D + d, acc.to(out_ptr.dtype.element_ty))
+    tl.store(out_lse_ptr + r, big)
 
 
 @functools.cache
@@ -72,26 +106,31 @@ def _sms(device: torch.device) -> int:
 
 def paged_decode(
     pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, dot_f32: bool = False,
+    scale: float, dot_f32: bool = False, out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D], lse [B, Hq]) float32."""
+    """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq] float32)."""
     B, Hq, D = q.shape
     Hkv, BS = pool.num_kv_heads, pool.block_size
     G = Hq // Hkv
     MB = block_tables.shape[1]
     # splits: about 8 programs an SM (enough loads in flight to keep HBM busy), ≥ 4 blocks a split
-    S = max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4))
+    # from 32 blocks on; below that a block a split (short contexts at batch 1: 8 programs walking
+    # 5 blocks in turn took 8.5 µs, the latency of a chain of dependent dots)
+    S = max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4 if MB >= 32 else MB))
     per = -(-MB // S)
-    o = torch.empty((S, B, Hq, D), dtype=torch.float32, device=q.device)
+    o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=q.device)
     lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
     k = pool.k
     _decode_kernel[(B, Hkv, S)](
         q.to(pool.dtype).contiguous(), k, pool.v, block_tables.contiguous(), seq_lens.to(torch.int32).contiguous(), o, lse,
         layer * k.stride(0), k.stride(2), k.stride(1), MB, per, scale, B, Hq,
-        G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, num_warps=4, num_stages=2,
+        G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, PDL=pdl.enabled(q.device),
+        num_warps=4, num_stages=2, **pdl.launch(q.device),
     )
     if S == 1:
         return o[0], lse[0]
-    total = torch.logsumexp(lse, dim=0)  # [B, Hq]; -inf where every split was empty
-    w = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)).nan_to_num(0.0)  # [S, B, Hq]
-    return (o * w[..., None]).sum(0), total
+    out = torch.empty((B, Hq, D), dtype=out_dtype, device=q.device)
+    total = torch.empty((B, Hq), dtype=torch.float32, device=q.device)  # -inf where every split was empty
+    _merge_splits_kernel[(B * Hq,)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, CH=16,
+                                    PDL=pdl.enabled(q.device), num_warps=4, **pdl.launch(q.device))
+    return out, total

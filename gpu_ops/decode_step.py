@@ -125,10 +125,11 @@ class GpuDecoder:
         m = self.model
         x = m.embed(ids)
         for i in range(m.cfg.num_layers):
-            q, k, v = m.pre_attention(i, x, pos)
-            self.pool.write(i, slots, k, v)
-            o, _ = decode_attention(self.pool, i, q, tables, lens, m.scale, self.attn)
-            x = m.post_attention(i, x, o.to(x.dtype))
+            q, k, v = m.pre_attention(i, x, pos, kv_out=(self.pool.k, self.pool.v, i, slots, self.pool.block_size))
+            if k is not None:  # not stored by the fused kernels
+                self.pool.write(i, slots, k, v)
+            o, _ = decode_attention(self.pool, i, q, tables, lens, m.scale, self.attn, out_dtype=x.dtype)
+            x = m.post_attention(i, x, o)
         return m.logits(x)
 
 

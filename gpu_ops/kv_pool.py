@@ -9,6 +9,8 @@ memory no sequence owns.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +60,24 @@ class GpuKVPool:
 @torch.library.custom_op("hetero::kv_write", mutates_args=("k_pool", "v_pool"))
 def kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, block_size: int) -> None:
+    if k_pool.is_cuda and _fused_write(k_pool, k, v):  # one kernel instead of four
+        from gpu_ops.fused import kv_write as fused_write
+
+        return fused_write(k_pool, v_pool, layer, slots, k, v, block_size)
     blocks, offs = slots // block_size, slots % block_size
     k_pool[layer, blocks, :, offs] = k.to(k_pool.dtype)
     v_pool[layer, blocks, :, offs] = v.to(v_pool.dtype)
+
+
+def _fused_write(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    D = pool.shape[-1]
+    return (D & (D - 1) == 0 and pool.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1
+            and _has_triton())
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @kv_write.register_fake

@@ -26,6 +26,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from gpu_ops import pdl
 
 from gpu_ops.nf4 import NF4_CODE
 from gpu_ops.nf4_ptx import prmt_asm, prmt_tables
@@ -92,17 +95,23 @@ def _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xrow_ptr, xw, H: tl.constexpr):
 
 @triton.jit
 def _nf4_gemv_kernel(
-    x32_ptr, w32_ptr, absmax_ptr, book_ptr, out_ptr,
-    N, KW, stride_xm, words_per_split,
+    x32_ptr, w32_ptr, absmax_ptr, book_ptr, out_ptr, res_ptr,
+    N, KW, stride_xm, words_per_split, stride_rm,
     M: tl.constexpr, BLOCK_N: tl.constexpr, H: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
+    RES: tl.constexpr, SWIGLU: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """out[s, m, n] (float32 partials if SPLIT, else bf16 y[m, n]) for rows [pid_n·BN, +BN) of W.
+    """out[s, m, n] (float32 partials if SPLIT, else bf16 y[m, n], plus res[m, n] if RES) for
+    rows [pid_n·BN, +BN) of W.
 
     A step covers H half groups (32 codes, 4 int32 words, one 16-byte load) of each row.
     """
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rows, N - 1)  # clamp: out-of-range rows re-read row N-1, their results are dropped
+    if SWIGLU:  # W = [gate; up], N = 2F: the program's rows pair gate row n with up row F + n
+        i = tl.arange(0, BLOCK_N)
+        rows = tl.minimum(pid_n * (BLOCK_N // 2) + i // 2, N // 2 - 1) + (i % 2) * (N // 2)
+    else:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(rows, N - 1)  # clamp: out-of-range rows re-read row N-1, their results are dropped
     h = tl.arange(0, H)
     w = tl.arange(0, 4 * H)
     w_rows = w32_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]; KW = K / 8 int32 words a row
@@ -124,6 +133,8 @@ def _nf4_gemv_kernel(
     k_first = pid_s * words_per_split
     q = tl.load(w_rows + (k_first + w)[None, :])  # [BN, 4H] int32: 8 codes each
     sc = _load_scales(a_rows, k_first, h, DECODE)  # [BN, H]
+    if PDL:  # weights and scales are constant: loaded above while the previous kernel ends; x is not
+        gdc_wait()
     for i in range(0, words_per_split, 4 * H):  # (not range(k_first, ...): Triton's interpreter rejects it)
         kw = k_first + i  # word index along K of this step
         # prefetch the next step while this one computes (masked off after the last step; the
@@ -153,24 +164,48 @@ def _nf4_gemv_kernel(
         if M > 7:
             acc7 += sc * _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, x32_ptr + 7 * stride_xm, xw, H)
         q, sc = q_next, sc_next
+    if PDL:
+        gdc_launch_dependents()
+    if SWIGLU:
+        F = N // 2
+        offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out = out_ptr + offs
+        ok = offs < F
+        _store_swiglu(out, acc0, ok, BLOCK_N)
+        if M > 1:
+            _store_swiglu(out + F, acc1, ok, BLOCK_N)
+        if M > 2:
+            _store_swiglu(out + 2 * F, acc2, ok, BLOCK_N)
+        if M > 3:
+            _store_swiglu(out + 3 * F, acc3, ok, BLOCK_N)
+        if M > 4:
+            _store_swiglu(out + 4 * F, acc4, ok, BLOCK_N)
+        if M > 5:
+            _store_swiglu(out + 5 * F, acc5, ok, BLOCK_N)
+        if M > 6:
+            _store_swiglu(out + 6 * F, acc6, ok, BLOCK_N)
+        if M > 7:
+            _store_swiglu(out + 7 * F, acc7, ok, BLOCK_N)
+        return
     offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
     out = out_ptr + pid_s * M * N + offs
-    _store_row(out, acc0, ok, SPLIT)
+    res = res_ptr + offs
+    _store_row(out, acc0, ok, SPLIT, res, RES)
     if M > 1:
-        _store_row(out + N, acc1, ok, SPLIT)
+        _store_row(out + N, acc1, ok, SPLIT, res + stride_rm, RES)
     if M > 2:
-        _store_row(out + 2 * N, acc2, ok, SPLIT)
+        _store_row(out + 2 * N, acc2, ok, SPLIT, res + 2 * stride_rm, RES)
     if M > 3:
-        _store_row(out + 3 * N, acc3, ok, SPLIT)
+        _store_row(out + 3 * N, acc3, ok, SPLIT, res + 3 * stride_rm, RES)
     if M > 4:
-        _store_row(out + 4 * N, acc4, ok, SPLIT)
+        _store_row(out + 4 * N, acc4, ok, SPLIT, res + 4 * stride_rm, RES)
     if M > 5:
-        _store_row(out + 5 * N, acc5, ok, SPLIT)
+        _store_row(out + 5 * N, acc5, ok, SPLIT, res + 5 * stride_rm, RES)
     if M > 6:
-        _store_row(out + 6 * N, acc6, ok, SPLIT)
+        _store_row(out + 6 * N, acc6, ok, SPLIT, res + 6 * stride_rm, RES)
     if M > 7:
-        _store_row(out + 7 * N, acc7, ok, SPLIT)
+        _store_row(out + 7 * N, acc7, ok, SPLIT, res + 7 * stride_rm, RES)
 
 
 @triton.jit
@@ -183,12 +218,24 @@ def _load_scales(a_rows, kw, h, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _store_row(ptr, acc, ok, SPLIT: tl.constexpr):
+def _store_row(ptr, acc, ok, SPLIT: tl.constexpr, res, RES: tl.constexpr):
     y = tl.sum(acc, axis=1)
     if SPLIT:
         tl.store(ptr, y, mask=ok)
+    elif RES:  # torch's res + y.to(bf16): y rounded to bf16 first, the sum rounded again
+        r = tl.load(res, mask=ok, other=0.0).to(tl.float32)
+        tl.store(ptr, (y.to(tl.bfloat16).to(tl.float32) + r).to(tl.bfloat16), mask=ok)
     else:
         tl.store(ptr, y.to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
+def _store_swiglu(ptr, acc, ok, BLOCK_N: tl.constexpr):
+    """silu(gate) · up from the interleaved (gate, up) row sums, each rounded to bf16 first as
+    torch's gate_up output is: (F.silu(g.float()) * u.float()).to(bf16)."""
+    y = tl.sum(acc, axis=1).to(tl.bfloat16).to(tl.float32)  # [BN]: g0, u0, g1, u1, ...
+    g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+    tl.store(ptr, (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16), mask=ok)
 
 
 @functools.cache
@@ -219,8 +266,13 @@ def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int, int]:
 
 
 def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int],
-             decode: Decode = Decode.PRMT, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M ≤ 8, K] bf16, W [N, K] as NF4 (K a multiple of 64) → y [M, N] bf16.
+             decode: Decode = Decode.PRMT, config: tuple[int, int, int, int] | None = None,
+             residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    """x [M ≤ 8, K] bf16, W [N, K] as NF4 (K a multiple of 64) → y [M, N] bf16 (+ residual
+    [M, N] bf16, added in the kernel's epilogue as torch would add it).
+
+    swiglu: W is [gate; up] (N = 2F) and the result is silu(x·gateᵀ) · (x·upᵀ), [M, F] bf16,
+    computed in the epilogue (no split-K, no residual).
 
     config: (BLOCK_N, H, warps, split-K), default `gemv_config`; H a power of two, K divisible
     by 32·H·split."""
@@ -235,12 +287,29 @@ def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape:
     x32 = x.view(torch.int32)  # bf16 pairs: x[2i] in the low half
     w32 = packed.view(torch.int32)
     grid = (triton.cdiv(N, BN), S)
+    if residual is not None and (residual.shape != (M, N) or residual.dtype != torch.bfloat16
+                                 or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be bf16 [{M}, {N}] with unit stride, got {residual.dtype} {tuple(residual.shape)}")
+    if swiglu:
+        if N % 2 or BN % 2 or residual is not None:
+            raise ValueError(f"swiglu needs an even N and tile, and no residual: W {shape}, tile {BN}")
+        y = torch.empty((M, N // 2), dtype=torch.bfloat16, device=x.device)
+        grid = (triton.cdiv(N // 2, BN // 2), 1)
+        _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), y, y, N, K // 8, x32.stride(0), K // 8, 0,
+                               M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=False, RES=False, SWIGLU=True,
+                               PDL=pdl.enabled(x.device), num_warps=warps, **pdl.launch(x.device))
+        return y
     if S == 1:
         y = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
-        _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), y, N, K // 8, x32.stride(0), K // 8,
-                               M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=False, num_warps=warps)
+        res = y if residual is None else residual
+        _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), y, res, N, K // 8, x32.stride(0), K // 8,
+                               res.stride(0), M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=False,
+                               RES=residual is not None, PDL=pdl.enabled(x.device), num_warps=warps,
+                               **pdl.launch(x.device))
         return y
     part = torch.empty((S, M, N), dtype=torch.float32, device=x.device)
-    _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), part, N, K // 8, x32.stride(0), K // 8 // S,
-                           M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=True, num_warps=warps)
-    return part.sum(0).to(torch.bfloat16)
+    _nf4_gemv_kernel[grid](x32, w32, absmax, _book(x.device), part, part, N, K // 8, x32.stride(0), K // 8 // S,
+                           0, M=M, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=True, RES=False,
+                           PDL=pdl.enabled(x.device), num_warps=warps, **pdl.launch(x.device))
+    y = part.sum(0).to(torch.bfloat16)
+    return y if residual is None else residual + y

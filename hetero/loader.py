@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -16,6 +18,7 @@ from hetero.config import ModelConfig
 from hetero.cpu_linear import Int8Linear
 from hetero.errors import UserError
 from hetero.model import Dense, LayerWeights, Linear, Model
+from planner.tensors import Kind
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,17 @@ class WeightFormat(str, enum.Enum):
             raise UserError(f"--weights {value!r} is not one of auto, 4bit, int8, bf16, f32") from None
 
 
+@dataclass(frozen=True)
+class Home:
+    """Where one weight group is stored and in which format (offload.placement derives it from a plan)."""
+
+    fmt: WeightFormat
+    device: torch.device
+
+
+Homes = Callable[[int, Kind], Home]  # (layer, group kind) → its home; layer -1: embedding and head
+
+
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, fmt: WeightFormat, device: torch.device) -> Linear:
     if fmt is WeightFormat.F32:
         return Dense(w.float().to(device), None if b is None else b.float().to(device))
@@ -53,15 +67,16 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, fmt: WeightFormat, devi
 
 
 def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
-               embed_device: torch.device | None = None) -> Model:
+               embed_device: torch.device | None = None, homes: Homes | None = None) -> Model:
     """embed_device: where the embedding table lives (the CPU, when the plan keeps it off the GPU:
-    a step reads one row per token)."""
+    a step reads one row per token). homes: each weight group's storage (device and format) when
+    not every group is `fmt` on `device`; a group kept on the host in a device format (streamed
+    weights) is made on `device` first, so a GPU quantizes it, then moved there, one matrix at a time."""
     cfg: ModelConfig = ck.config
     act = torch.float32 if fmt in (WeightFormat.F32, WeightFormat.INT8) or device.type == "cpu" else torch.bfloat16
     keep = torch.float32 if act == torch.float32 else torch.bfloat16
     get = ck.get
     has = ck.tensors.__contains__
-    small = lambda name: get(name).to(device, keep)  # noqa: E731  norms, biases
     nf4 = None
     if fmt is WeightFormat.NF4:  # quantized once, then read back from the disk cache
         from gpu_ops.weight_cache import NF4Cache
@@ -69,50 +84,76 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
         nf4 = NF4Cache(ck.path)
         log.info("NF4 weights %s %s", "from the cache" if nf4.hit else "quantized now, cached in", nf4.path)
 
-    def lin(name: str, weight, b: torch.Tensor | None = None) -> Linear:
+    home = homes or (lambda layer, kind: Home(fmt, device))
+
+    def lin(where: Home, name: str, weight, b: torch.Tensor | None = None) -> Linear:
         """`weight()` reads (and fuses) the source tensor; a cache hit never calls it."""
-        if nf4 is not None:
-            return nf4.linear(name, weight, b, device)
-        return make_linear(weight(), b, fmt, device)
+        if where.fmt is WeightFormat.NF4 and nf4 is not None:
+            made = nf4.linear(name, weight, b, device)
+        else:
+            made = make_linear(weight(), b, where.fmt, device if where.fmt is WeightFormat.NF4 else where.device)
+        return move_linear(made, where.device)
+
+    def vec(where: Home, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:  # norms, router
+        return get(name).to(where.device, dtype or keep)
 
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        attn, norms = home(i, Kind.ATTN), home(i, Kind.NORMS)
         qkv_b = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
         lw = LayerWeights(
-            attn_norm=small(p + "input_layernorm.weight"),
-            qkv=lin(a + "qkv", lambda: torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]), qkv_b),
-            o=lin(a + "o", lambda: get(a + "o_proj.weight")),
-            mlp_norm=small(p + "post_attention_layernorm.weight"),
+            attn_norm=vec(norms, p + "input_layernorm.weight"),
+            qkv=lin(attn, a + "qkv", lambda: torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]), qkv_b),
+            o=lin(attn, a + "o", lambda: get(a + "o_proj.weight")),
+            mlp_norm=vec(norms, p + "post_attention_layernorm.weight"),
         )
         if cfg.qk_norm:
-            lw.q_norm, lw.k_norm = small(a + "q_norm.weight"), small(a + "k_norm.weight")
+            lw.q_norm, lw.k_norm = vec(attn, a + "q_norm.weight"), vec(attn, a + "k_norm.weight")
         m = p + "mlp."
         if cfg.moe_layers[i]:
-            lw.router = get(m + "gate.weight").to(device, torch.float32)
+            ex = home(i, Kind.EXPERTS)
+            lw.router = vec(ex, m + "gate.weight", torch.float32)
             for e in range(cfg.num_experts):
                 x = f"{m}experts.{e}."
                 gu = lambda: torch.cat([get(x + "gate_proj.weight"), get(x + "up_proj.weight")])  # noqa: E731
-                lw.experts.append((lin(x + "gate_up", gu), lin(x + "down", lambda: get(x + "down_proj.weight"))))
+                lw.experts.append((lin(ex, x + "gate_up", gu), lin(ex, x + "down", lambda: get(x + "down_proj.weight"))))
         else:
-            lw.gate_up = lin(m + "gate_up", lambda: torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
-            lw.down = lin(m + "down", lambda: get(m + "down_proj.weight"))
+            mlp = home(i, Kind.MLP)
+            lw.gate_up = lin(mlp, m + "gate_up", lambda: torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
+            lw.down = lin(mlp, m + "down", lambda: get(m + "down_proj.weight"))
         layers.append(lw)
 
     embed = get("model.embed_tokens.weight")
     head_w = embed if cfg.tie_word_embeddings or not has("lm_head.weight") else get("lm_head.weight")
     rope_freqs = get("rope_freqs") if has("rope_freqs") else None
-    lm_head = lin("lm_head", lambda: head_w)
+    lm_head = lin(home(-1, Kind.LM_HEAD), "lm_head", lambda: head_w)
     if nf4 is not None:
         nf4.save()
     return Model(
         cfg,
         embed=embed.to(embed_device or device, keep),
-        norm=small("model.norm.weight"),
+        norm=vec(home(-1, Kind.FINAL_NORM), "model.norm.weight"),
         lm_head=lm_head,
         layers=layers,
         device=device,
         act_dtype=act,
         rope_freqs=rope_freqs,
     )
+
+
+def move_linear(lin: Linear, device: torch.device) -> Linear:
+    """The same linear with its tensors on `device` (in place; a no-op where they are already)."""
+    from gpu_ops.nf4 import NF4Linear
+
+    if isinstance(lin, NF4Linear):
+        if lin.device != device:
+            lin.packed, lin.absmax = lin.packed.to(device), lin.absmax.to(device)
+            lin.bias = None if lin.bias is None else lin.bias.to(device)
+    elif isinstance(lin, Dense):
+        lin.weight = lin.weight.to(device)
+        lin.bias = None if lin.bias is None else lin.bias.to(device)
+    elif device.type != "cpu":
+        raise UserError(f"{type(lin).__name__} weights are computed by the CPU only; they cannot live on {device}")
+    return lin

@@ -39,6 +39,7 @@ def load(
     gpu_kv_tokens: int | None = None,
     stream_tokens: int | None = None,
     sub_batches: int | None = None,
+    weight_mode: str | None = None,
     gpu_mem: str | int | None = None,
     cpu_mem: str | int | None = None,
     plan: "str | Path | Plan | None" = None,
@@ -56,8 +57,11 @@ def load(
     first tokens kept on the device tier (the rest on the host tier; with device cpu the
     device tier is a CPU stand-in); stream_tokens: at batch 1, how many of the host tier's first
     tokens the device attends over after copying them up each step (None: the planner's choice;
-    with device cpu, the stand-in device); sub_batches: 1 or 2 (None: automatic); sampling: default
-    sampling parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed, max_new_tokens).
+    with device cpu, the stand-in device); sub_batches: 1 or 2 (None: automatic); weight_mode:
+    stream|cpu, how weights that do not fit the GPU budget run (None/"auto": the planner's choice);
+    sampling: default sampling parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed,
+    max_new_tokens). With device cpu and a `plan`, the plan runs with the CPU standing in for the GPU
+    (its device-tier KV and weights in host memory; slow for 4-bit weights, meant for tests).
     """
     path = Path(model) if model else demo_model_path()
     ck = open_checkpoint(path)
@@ -70,6 +74,8 @@ def load(
     if kv is KVDtype.INT4 and cfg.head_dim % INT4_GROUP:
         raise UserError(f"--kv-dtype int4 needs a head dim divisible by {INT4_GROUP} ({cfg.name} has "
                         f"{cfg.head_dim}): use --kv-dtype int8")
+    if weight_mode not in (None, "auto", "stream", "cpu"):
+        raise UserError(f"--weight-mode {weight_mode!r} is not one of auto, stream, cpu")
     limit = cfg.max_position_embeddings
     if cfg.sliding_window:
         limit = min(limit, cfg.sliding_window)
@@ -78,24 +84,25 @@ def load(
         raise UserError(f"--ctx-size {ctx} exceeds what {path.name} supports ({limit} tokens)")
     tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
     defaults = defaults_from_generation_config(path if path.is_dir() else None).update(**sampling)
-    if dev.type == "cuda":
+    if dev.type == "cuda" or plan is not None:
         # the planner imports hetero.config: imported here, not at module level, to keep the cycle open
-        from offload.build import check_weights_supported, fence_gpu_memory, runtime_from_plan
+        from offload.build import check_plan_supported, fence_gpu_memory, load_from_plan, runtime_from_plan
+        from offload.placement import FORMATS
         from planner.report import summary_line
-        from planner.tensors import Kind
 
         p = _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype, threads=threads,
-                  sub_batches=sub_batches, block_size=block_size,
+                  sub_batches=sub_batches, block_size=block_size, weight_mode=weight_mode,
                   gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx),
                   stream_tokens=stream_tokens)
-        check_weights_supported(p)
-        fence_gpu_memory(p.budget.gpu_bytes, dev)
-        fmt = {"nf4": WeightFormat.NF4, "bf16": WeightFormat.BF16, "f32": WeightFormat.F32}[p.weights.value]
+        check_plan_supported(p)
+        if dev.type == "cuda":
+            fence_gpu_memory(p.budget.gpu_bytes, dev)
+        fmt = FORMATS[p.weights]
         log.info("loading %s: %s weights on %s; %s", path, fmt.value, dev, summary_line(p))
-        embed_dev = dev if p.placement(-1, Kind.EMBED).on_gpu else torch.device("cpu")
-        m = load_model(ck, fmt, dev, embed_device=embed_dev)
-        torch.cuda.empty_cache()  # quantization temporaries: give their blocks back before the KV pools
-        runner = runtime_from_plan(m, p)
+        m, placed = load_from_plan(ck, p, dev)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # quantization temporaries: give their blocks back before the KV pools
+        runner = runtime_from_plan(m, p, weights=placed)
         info = {"model": str(path), "device": str(dev), "weights": fmt.value, "ctx_size": ctx,
                 "plan": summary_line(p), "predicted": f"{p.prediction.decode_tok_s:.1f} tok/s decode "
                 f"({p.prediction.bottleneck})"}

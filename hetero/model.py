@@ -8,6 +8,7 @@ same math runs over dense, int8 or 4-bit weights on either device.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -53,6 +54,9 @@ class LayerWeights:
     down: Linear | None = None
     router: torch.Tensor | None = None  # MoE: [E, H]
     experts: list[tuple[Linear, Linear]] = field(default_factory=list)  # (gate_up, down) per expert
+    # The whole feed-forward, h [N, H] → [N, H], when it is computed elsewhere (offload.host_compute:
+    # by the CPU, from host copies of the weights above); None: this module's math over the fields above.
+    ffn: Linear | None = None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,18 +142,35 @@ class Model:
         self.device, self.act_dtype = device, act_dtype
         self.rope = Rope(cfg, device, rope_freqs)
         self.scale = cfg.head_dim ** -0.5
+        self.gpu_fusion = True  # few-row CUDA layers through gpu_ops.fused where it applies (bench A/B: False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_w[ids.to(self.embed_w.device)].to(self.device, self.act_dtype)  # [N, H]
 
-    def pre_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor):
-        """x [N, H], pos [N] → q [N, Hq, D], k, v [N, Hkv, D]."""
+    def pre_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, kv_out: tuple | None = None):
+        """x [N, H], pos [N] → q [N, Hq, D], k, v [N, Hkv, D].
+
+        kv_out: (k_pool, v_pool, layer, slots, block_size) of a GPU KV pool that the new k, v
+        should go to; where the fused kernels can store them there themselves, they do and k, v
+        come back None (the caller writes them otherwise)."""
         c, lw = self.cfg, self.layers[i]
+        fused = self._gpu_fused(lw, x)
+        if fused is not None:  # 3 kernels: norm, projection, RoPE (+ the KV write)
+            cos, sin = self.rope.tables(pos)
+            return fused.pre_attention(c, lw, x, pos, cos, sin, kv_out)
         if self._fused_decode(lw, x):  # one Numba call: norm, projection, RoPE
             cos, sin = self.rope.tables(pos)
             return cpu_linear.attn_in(x, pos, lw.attn_norm, c.rms_norm_eps, lw.qkv, cos, sin, c.num_heads,
                                       c.num_kv_heads)
-        qkv = lw.qkv(rms_norm(x, lw.attn_norm, c.rms_norm_eps)).to(self.act_dtype)
+        ops = self._gpu_ops(x, lw.attn_norm)
+        qkv = lw.qkv((ops or _TorchOps).rms_norm(x, lw.attn_norm, c.rms_norm_eps)).to(self.act_dtype)
+        if ops is not None and lw.q_norm is None and qkv.is_contiguous() and c.head_dim & (c.head_dim - 1) == 0:
+            cos, sin = self.rope.tables(pos)  # RoPE of q and k in one kernel, in place
+            ops.rope_(qkv, pos, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            N = qkv.shape[0]
+            return (q.view(N, c.num_heads, c.head_dim), k.view(N, c.num_kv_heads, c.head_dim),
+                    v.view(N, c.num_kv_heads, c.head_dim))
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.reshape(-1, c.num_heads, c.head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
@@ -162,36 +183,81 @@ class Model:
     def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [N, H] residual stream, attn [N, Hq, D] → the layer's output [N, H]."""
         c, lw = self.cfg, self.layers[i]
+        fused = self._gpu_fused(lw, x)
+        if fused is not None:  # 4 kernels: O + residual, norm, gate_up + SiLU·up, down + residual
+            return fused.post_attention(c, lw, x, attn)
         if self._fused_decode(lw, x) and lw.router is None:  # one Numba call for the rest of the layer
             return cpu_linear.mlp_block(x, attn, lw.o, lw.mlp_norm,
                                         c.rms_norm_eps, lw.gate_up, lw.down)
         x = x + lw.o(attn.reshape(attn.shape[0], -1)).to(self.act_dtype)
-        h = rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
-        return x + (self._moe(lw, h) if lw.router is not None else _swiglu(lw.gate_up, lw.down, h))
+        ops = self._gpu_ops(x, lw.mlp_norm)
+        h = (ops or _TorchOps).rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
+        if lw.ffn is not None:
+            return x + lw.ffn(h).to(h.dtype)
+        return x + feed_forward(c, lw, h, silu_mul=ops.silu_mul if ops is not None else None)
 
     def _fused_decode(self, lw: LayerWeights, x: torch.Tensor) -> bool:
         """Whether this layer's decode step runs in the fused int8 kernels (CPU, few rows, no q/k norm)."""
         return (x.shape[0] <= cpu_linear.GEMV_MAX_ROWS and x.dtype == torch.float32 and lw.q_norm is None
                 and isinstance(lw.qkv, Int8Linear) and isinstance(lw.o, Int8Linear) and lw.o.bias is None
+                and lw.ffn is None
                 and (lw.router is not None or isinstance(lw.gate_up, Int8Linear) and isinstance(lw.down, Int8Linear)))
 
-    def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        probs = torch.softmax(F.linear(h.float(), lw.router.float()), dim=-1)  # [N, E]
-        w, idx = probs.topk(c.num_experts_per_tok, dim=-1)
-        if c.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True)
-        out = torch.zeros_like(h)
-        for e in idx.unique().tolist():
-            tok, slot = (idx == e).nonzero(as_tuple=True)
-            gate_up, down = lw.experts[e]
-            y = _swiglu(gate_up, down, h[tok])
-            out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
-        return out
+    def _gpu_ops(self, x: torch.Tensor, w: torch.Tensor):
+        """gpu_ops.fused for its elementwise kernels (norm, RoPE, SiLU·up: one kernel each instead
+        of ~7) on CUDA bf16 activations at any row count (prefill, large batches), else None."""
+        if not (self.gpu_fusion and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+                and x.is_contiguous()) or torch.compiler.is_compiling():  # inductor fuses these itself (and
+            return None  # mis-tracks the in-place RoPE kernel: compiled tokens differed from eager)
+        return _gpu_fused_module()
+
+    def _gpu_fused(self, lw: LayerWeights, x: torch.Tensor):
+        """gpu_ops.fused if this layer's step takes its kernels (CUDA, few rows, NF4), else None."""
+        if not (self.gpu_fusion and x.is_cuda) or torch.compiler.is_compiling():
+            return None
+        fused = _gpu_fused_module()
+        return fused if fused is not None and fused.applies(lw, x) else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] → float32 logits [N, V]."""
         return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+
+
+class _TorchOps:  # the ops gpu_ops.fused replaces, where it does not
+    rms_norm = staticmethod(rms_norm)
+
+
+@functools.cache
+def _gpu_fused_module():
+    try:
+        from gpu_ops import fused
+    except ImportError:  # no Triton: the torch path
+        return None
+    return fused
+
+
+def feed_forward(c: ModelConfig, lw: LayerWeights, h: torch.Tensor, silu_mul=None) -> torch.Tensor:
+    """The layer's MLP or routed experts over the normed h [N, H] → [N, H] (residual not added).
+    silu_mul: a one-kernel silu(gate)·up over [N, 2F] (gpu_ops.fused) for the dense MLP."""
+    if lw.router is not None:
+        return _moe(c, lw, h)
+    if silu_mul is not None:
+        return lw.down(silu_mul(lw.gate_up(h))).to(h.dtype)
+    return _swiglu(lw.gate_up, lw.down, h)
+
+
+def _moe(c: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(F.linear(h.float(), lw.router.float()), dim=-1)  # [N, E]
+    w, idx = probs.topk(c.num_experts_per_tok, dim=-1)
+    if c.norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for e in idx.unique().tolist():
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        gate_up, down = lw.experts[e]
+        y = _swiglu(gate_up, down, h[tok])
+        out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
+    return out
 
 
 def _swiglu(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""Carry out a `Plan`: size the KV tiers, fence GPU memory to the budget, make the runner.
+"""Carry out a `Plan`: load the weights where it puts them, size the KV tiers, fence GPU memory
+to the budget, make the runner.
 
-The planner decides; this module only does what the plan says, and refuses plainly what the
-runtime cannot do yet (weights the plan leaves on the host).
+The planner decides; this module only does what the plan says (offload/placement.py for the
+weights), and refuses plainly what the runtime cannot do (`check_plan_supported`). The model's
+device may be the CPU standing in for the GPU (tests): then both KV tiers and the weight
+staging are host memory, and every path but the CUDA streams runs.
 """
 from __future__ import annotations
 
@@ -9,28 +12,24 @@ import logging
 
 import torch
 
-from hetero.errors import UserError
+from hetero.checkpoint import Checkpoint
+from hetero.loader import load_model
 from hetero.model import Model
 from offload.kv_cache import TieredKVCache
+from offload.placement import FORMATS, PlacedWeights, check_plan_supported, place_weights, weight_homes
 from offload.runner import Runner
-from planner.plan import Device, Mode, Plan
+from planner.plan import Plan
 from planner.tensors import Kind
 
 log = logging.getLogger(__name__)
 
 
-def check_weights_supported(plan: Plan) -> None:
-    """Every weight group but the embedding (a row lookup, fine on the host) must be resident on
-    the plan's device: streaming weights over PCIe is not built yet."""
-    off = [p for p in plan.placements if p.kind is not Kind.EMBED
-           and (p.mode is not Mode.RESIDENT or (plan.device is Device.CUDA and not p.on_gpu))]
-    if off and plan.device is Device.CUDA:
-        need = sum(p.nbytes for p in off) / 2**30
-        raise UserError(
-            f"the plan leaves {len(off)} weight groups ({need:.1f} GiB) on the host to be "
-            f"{off[0].mode.value}ed; this runtime keeps all weights on the GPU: raise --gpu-mem by "
-            f"{need:.1f} GiB or use a smaller model"
-        )
+def load_from_plan(ck: Checkpoint, plan: Plan, device: torch.device) -> tuple[Model, PlacedWeights]:
+    """The checkpoint's model with every weight group where `plan` puts it (see offload/placement.py)."""
+    check_plan_supported(plan)
+    embed_dev = device if plan.placement(-1, Kind.EMBED).on_gpu else torch.device("cpu")
+    model = load_model(ck, FORMATS[plan.weights], device, embed_device=embed_dev, homes=weight_homes(plan, device))
+    return model, place_weights(model, plan)
 
 
 def fence_gpu_memory(budget_bytes: int, device: torch.device) -> None:
@@ -40,11 +39,13 @@ def fence_gpu_memory(budget_bytes: int, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), index)
 
 
-def runtime_from_plan(model: Model, plan: Plan, pin: bool = False, detailed_timing: bool = False) -> Runner:
-    """The tiered KV cache and runner for `plan` (KV sized for the plan's batch at its context)."""
+def runtime_from_plan(model: Model, plan: Plan, pin: bool = False, detailed_timing: bool = False,
+                      weights: PlacedWeights | None = None) -> Runner:
+    """The tiered KV cache and runner for `plan` (KV sized for the plan's batch at its context).
+    weights: from `load_from_plan` (None: every weight is on the model's device)."""
     kv, batch = plan.kv, plan.workload.batch
     dev = model.device
-    gpu_tokens = kv.gpu_tokens * batch if dev.type == "cuda" else 0
+    gpu_tokens = kv.gpu_tokens * batch
     cache = TieredKVCache(
         model.cfg,
         host_tokens=kv.host_tokens * batch + kv.block_size * batch,
@@ -53,10 +54,10 @@ def runtime_from_plan(model: Model, plan: Plan, pin: bool = False, detailed_timi
         gpu_tokens_per_seq=kv.gpu_tokens if gpu_tokens else 0,
         device=dev,
         block_size=kv.block_size,
-        pin=pin or kv.stream_tokens > 0,  # streamed blocks go up by DMA: pinned
+        pin=dev.type == "cuda" and (pin or kv.stream_tokens > 0),  # streamed blocks go up by DMA: pinned
     )
     log.info("KV: %d tokens/seq on %s (%s), %d on the host (%s), batch %d", kv.gpu_tokens, dev,
              kv.gpu_dtype.value, kv.host_tokens, kv.host_dtype.value, batch)
     return Runner(model, cache, threads=plan.threads, sub_batches=plan.sub_batches, detailed_timing=detailed_timing,
                   max_batch=batch, max_context=plan.workload.ctx_size,
-                  stream_tokens=kv.stream_tokens if dev.type == "cuda" else 0)
+                  stream_tokens=kv.stream_tokens, weights=weights)

@@ -6,6 +6,12 @@ over the tokens it is given, so each tier holds a *set* of blocks: only a tier's
 may be partly filled, and a block can move between tiers whole (swap out / swap in) without
 renumbering anything. The device tier may be a CPU stand-in (same layout, on the host) so
 every path but the CUDA streams runs in CI.
+
+Swapping: when a sequence needs device blocks and the device tier is full, full blocks of other
+sequences move to the host (`swap_out`, counted per sequence in `SeqKV.swapped`). Between steps,
+when the device tier has free blocks again (a sequence finished), `swap_in_free_room` moves
+swapped-out blocks back; blocks the plan put on the host stay there. Blocks go up from pinned
+staging on a copy stream, and the compute stream waits for them there, not the host.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from gpu_ops.kv_pool import GpuKVPool
 from hetero.config import ModelConfig
 from hetero.errors import UserError
 from offload.blocks import BlockAllocator, OutOfBlocks, TierTable
+from offload.stream import runs
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +36,7 @@ class SeqKV:
     host: TierTable
     gpu_limit: int  # tokens this sequence may keep on the device tier
     ordered: bool = True  # device tier holds positions [0, g), host the rest: no swap happened
+    swapped: int = 0  # of its host blocks, how many the device tier held before a swap out
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +89,8 @@ class TieredKVCache:
         self.scale = cfg.head_dim ** -0.5
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
+        self.cuda = self.gpu is not None and self.gpu.k.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.gpu.k.device) if self.cuda else None
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -145,6 +155,8 @@ class TieredKVCache:
             tier.num_tokens -= d
             keep = -(-tier.num_tokens // self.block_size)
             alloc.free(tier.blocks[keep:])
+            if tier is s.host:
+                self.host.release(tier.blocks[keep:])
             del tier.blocks[keep:]
             drop -= d
 
@@ -153,6 +165,7 @@ class TieredKVCache:
         if s is not None:
             self.gpu_alloc.free(s.gpu.blocks)
             self.host_alloc.free(s.host.blocks)
+            self.host.release(s.host.blocks)
 
     def rename(self, old: int, new: int) -> None:
         self.seqs[new] = self.seqs.pop(old)
@@ -204,12 +217,16 @@ class TieredKVCache:
         s.host.add_full_blocks(dst)
         s.ordered = False
         s.gpu_limit = s.gpu.num_tokens
+        s.swapped += len(move)
         self.gpu_alloc.free(move)
         self.swapped_out_blocks += len(move)
         return len(move)
 
     def swap_in(self, seq: int, max_blocks: int) -> int:
-        """Move up to max_blocks full host blocks of `seq` to the device tier (dequantized to its dtype)."""
+        """Move up to max_blocks full host blocks of `seq` to the device tier (dequantized to its dtype).
+
+        On CUDA the blocks go up from pinned staging on the copy stream, and the compute stream
+        waits for that copy before its next work (the host does not wait)."""
         if self.gpu is None:
             return 0
         s = self.seqs[seq]
@@ -217,17 +234,59 @@ class TieredKVCache:
         if not move:
             return 0
         dst = self.gpu_alloc.allocate(len(move))
-        dev = self.gpu.k.device
-        slots = _block_slots(dst, self.block_size, dev)
-        for layer in range(self.cfg.num_layers):
-            k, v = self.host.gather(layer, torch.tensor(move), len(move) * self.block_size)  # [Hkv, n*BS, D]
-            self.gpu.write(layer, slots, k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev))
+        self._copy_up(move, dst)
         s.gpu.add_full_blocks(dst)
         s.ordered = False
         s.gpu_limit = max(s.gpu_limit, s.gpu.num_tokens)
-        self.host_alloc.free(move)
+        s.swapped = max(0, s.swapped - len(move))
+        self.host_alloc.free(move)  # its bytes were copied into staging (or the device) already
+        self.host.release(move)
         self.swapped_in_blocks += len(move)
         return len(move)
+
+    def swap_in_free_room(self, keep_free: int = 0) -> int:
+        """Between steps: move swapped-out blocks back to the device tier while it has more than
+        `keep_free` free blocks (what the step about to run needs there), the sequences with the
+        most swapped-out blocks first. Returns the blocks moved."""
+        moved = 0
+        for seq in sorted((q for q in self.seqs if self.seqs[q].swapped), key=lambda q: -self.seqs[q].swapped):
+            room = self.gpu_alloc.num_free - keep_free
+            if room <= 0:
+                break
+            moved += self.swap_in(seq, min(room, self.seqs[seq].swapped))
+        return moved
+
+    def gpu_blocks_needed(self, seqs: list[int], n: int) -> int:
+        """Device-tier blocks `reserve(seq, n)` will allocate for each of seqs (without swapping)."""
+        need = 0
+        for q in seqs:
+            s = self.seqs.get(q)
+            if s is not None:
+                need += s.gpu.blocks_needed(max(0, min(n, s.gpu_limit - s.gpu.num_tokens)))
+        return need
+
+    def _copy_up(self, src: list[int], dst: list[int]) -> None:
+        """Whole host blocks src → device blocks dst, every layer, in the device tier's dtype."""
+        g = self.gpu
+        names = ("k", "v")
+        blocks = dict(zip(names, self.host.blocks(torch.tensor(src))))  # [L, n, Hkv, BS, D] each, dequantized
+        if not self.cuda:  # the stand-in: a plain copy
+            for name in names:
+                getattr(g, name)[:, dst] = blocks[name].to(g.k.dtype)
+            return
+        staged = {}
+        for name in names:  # in pinned memory: the copies up are true async DMAs
+            x = blocks[name]
+            staged[name] = torch.empty(x.shape, dtype=g.k.dtype, pin_memory=True)
+            staged[name].copy_(x)
+        compute = torch.cuda.current_stream(g.k.device)
+        self.copy_stream.wait_stream(compute)  # the blocks' last readers (a freed sequence's) are done
+        with torch.cuda.stream(self.copy_stream):
+            for first, at, n in runs(dst):
+                for name in names:
+                    for layer in range(self.cfg.num_layers):
+                        getattr(g, name)[layer, first:first + n].copy_(staged[name][layer, at:at + n], non_blocking=True)
+        compute.wait_stream(self.copy_stream)  # before any attention reads them
 
 
 def _block_slots(blocks: list[int], bs: int, device: torch.device) -> torch.Tensor:

@@ -17,6 +17,7 @@ themselves in one SDPA call, and the new k/v are written to their tiers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,9 @@ from offload.kv_cache import Slots, TieredKVCache
 from offload.stream import KVStreamer
 from offload.timers import GpuSpans, Metrics, StepTimes, now
 from offload.worker import CpuWorker
+
+if TYPE_CHECKING:
+    from offload.placement import PlacedWeights
 
 PREFILL_CHUNK = 2048  # tokens per projection/MLP pass and per attention query block in prefill
 PREFILL_PIECE = 8192  # tokens of a prompt prefilled layer by layer before the next piece starts
@@ -62,12 +66,22 @@ class Part:
 class Runner:
     def __init__(self, model: Model, cache: TieredKVCache, threads: int | None = None,
                  sub_batches: int | None = None, detailed_timing: bool = False, max_batch: int = 1,
-                 graphs: bool = True, max_context: int | None = None, stream_tokens: int = 0):
+                 graphs: bool = True, max_context: int | None = None, stream_tokens: int = 0,
+                 weights: PlacedWeights | None = None):
         """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows);
         max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes);
         stream_tokens: at batch 1, how many of the host tier's first tokens the device attends over
-        after copying them up each step (see offload/stream.py)."""
+        after copying them up each step (see offload/stream.py); weights: the plan's streamed and
+        CPU-computed weight groups (offload/placement.py; None: all on the model's device).
+
+        Streamed weights keep the per-layer CUDA graphs (the graphs read the staging slots, whose
+        addresses never change; the copy and the wait for it happen between replays), but not the
+        whole-step graph of an all-device step, which would have to wait inside itself. CPU-computed
+        groups wait for the CPU in the middle of a layer: with any of them, decode runs eagerly."""
         self.model, self.cache, self.threads = model, cache, threads
+        self.weights = weights.streamer if weights is not None else None
+        self.host_compute = weights.host if weights is not None else None
+        host_compute = self.host_compute is not None
         self.cfg = model.cfg
         self.dev = model.device
         self.cuda = self.dev.type == "cuda"
@@ -79,7 +93,8 @@ class Runner:
         self.xfer = GpuSpans(detailed_timing and self.cuda)
         self._bufs: dict[int, dict[str, torch.Tensor]] = {}
         # the all-GPU graph decoder embeds inside its graph: only when the table is on the device
-        self.graphs = graphs and self.cuda and cache.gpu is not None and model.embed_w.device == model.device
+        self.graphs = (graphs and self.cuda and cache.gpu is not None and model.embed_w.device == model.device
+                       and (weights is None or weights.device_only))
         self.max_batch = max_batch
         self._graph_decoder = None
         self.segments = None  # per-layer CUDA graphs of the split step
@@ -87,7 +102,7 @@ class Runner:
         if stream_tokens >= cache.block_size:
             dt = torch.float32 if cache.host.dtype is cpu_attention.KVDtype.F32 else torch.bfloat16
             self.streamer = KVStreamer(cache.host, stream_tokens, self.dev, dt)
-        if graphs and SegmentGraphs.supported(model):
+        if graphs and SegmentGraphs.supported(model) and not host_compute:
             self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings,
                                           self.streamer)
 
@@ -96,6 +111,11 @@ class Runner:
     def decode(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each sequence (tokens at positions) → float32 logits [B, V]."""
         t0, st = now(), StepTimes(tokens=len(seqs))
+        # between steps: blocks swapped out earlier come back where sequences have left room,
+        # short of what this step's new tokens take on the device tier
+        moved_in = self.cache.swap_in_free_room(keep_free=self.cache.gpu_blocks_needed(seqs, 1))
+        if moved_in and self.cuda:
+            st.h2d_bytes += moved_in * self.cache.gpu.nbytes // (self.cache.gpu.num_blocks + 1)
         slots = [self.cache.reserve(s, 1) for s in seqs]
         if self.graphs and all(sl.gpu_rows and not self.cache.seqs[s].host.num_tokens for s, sl in zip(seqs, slots)):
             logits = self._decode_on_gpu(seqs, tokens, positions, slots)  # everything on the GPU: one graph
@@ -105,20 +125,31 @@ class Runner:
         parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
         for p in parts:
             p.inline = len(parts) == 1
+        moved = self._weight_bytes()
         if self.streamer is not None:
             self.streamer.idle()
             if len(seqs) == 1 and parts[0].host_tables is not None:
                 self._begin_stream(parts[0])
         L = self.cfg.num_layers
+        self._begin_pass()
         for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
-            for p in parts:
+            for k, p in enumerate(parts):
                 if i > 0:
                     self._finish(i - 1, p, st)
+                    if k == len(parts) - 1:
+                        self._release(i - 1)  # layer i-1's weights: last use queued
                 if i < L:
+                    if k == 0:
+                        self._ready(i)  # layer i's weights: the device waits for them (streamed)
                     self._start(i, p, st)
+        self._ready(L)
         logits = torch.cat([self.model.logits(p.x) for p in parts])  # a captured x is exactly [B, H]
+        self._release(L)
         if any(p.streamed for p in parts):
             st.h2d_bytes += self.streamer.bytes_up
+        up, down = self._weight_bytes()
+        st.h2d_bytes += up - moved[0]
+        st.d2h_bytes += down - moved[1]
         if self.cuda:
             torch.cuda.synchronize(self.dev)
             st.gpu, st.transfer = self.spans.total_s(), self.xfer.total_s()
@@ -344,7 +375,9 @@ class Runner:
         host_blocks = torch.tensor(s.host.blocks[: -(-prior_host // c.block_size)], dtype=torch.int64)
         pos = torch.arange(start, len(tokens), device=dev)
         x = m.embed(torch.tensor(tokens[start:]))
+        self._begin_pass()
         for i in range(self.cfg.num_layers):
+            self._ready(i)
             q, k, v = self._chunked(lambda a, b: m.pre_attention(i, x[a:b], pos[a:b]), T)
             kp, vp = self._prior_kv(i, gpu_blocks, prior_gpu, host_blocks, prior_host, q.dtype)
             c.write(i, slots, k, v)
@@ -353,7 +386,32 @@ class Runner:
             o = torch.cat([_causal_tail_attention(q[a:b], keys[:, : keys.shape[1] - T + b], vals[:, : keys.shape[1] - T + b],
                                                   m.scale) for a, b in _blocks(T)])
             x = self._chunked(lambda a, b: m.post_attention(i, x[a:b], o[a:b]), T)
-        return m.logits(x if all_logits else x[-1:])
+            self._release(i)
+        self._ready(self.cfg.num_layers)
+        logits = m.logits(x if all_logits else x[-1:])
+        self._release(self.cfg.num_layers)
+        return logits
+
+    # ------------------------------------------------------------------ streamed weights
+    def _weight_bytes(self) -> tuple[int, int]:
+        """(up, down) bytes moved for weights so far: streamed weights, CPU-computed groups' activations."""
+        up = self.weights.bytes_up if self.weights is not None else 0
+        hc = self.host_compute
+        return up + (hc.bytes_up if hc is not None else 0), hc.bytes_down if hc is not None else 0
+
+    def _begin_pass(self) -> None:
+        if self.weights is not None:
+            self.weights.reset()  # a pass cut short by an error may have left a layer in use
+
+    def _ready(self, layer: int) -> None:
+        """Before layer's first use in a pass (layer L: the head); see offload/weights.py."""
+        if self.weights is not None:
+            self.weights.ready(layer)
+
+    def _release(self, layer: int) -> None:
+        """After layer's last use in a pass is queued."""
+        if self.weights is not None:
+            self.weights.release(layer)
 
     def _prior_kv(self, i, gpu_blocks, n_gpu, host_blocks, n_host, dtype):
         """This layer's cached K, V of the sequence from both tiers, on the device: [Hkv, P, D] each."""

@@ -13,16 +13,23 @@ Per layer i, two staging slots (i % 2) on the device:
                     → (o, lse) → event `free[slot]`
 Layer i + 2's copy is queued right after layer i's attention, so each copy has a whole layer
 of time to land. On a CPU stand-in device the same code runs without streams.
+
+Dequantizing on the device is `layout.dequantize_blocks`, the CPU readers' own twin: int8 by
+token scales; int4 keys by the block's per-channel scales and zeros, values by their group
+scales and zeros, left rotated (y = v @ R), so the attention output is what gets rotated
+back (`rotation.unrotate`, its signs on the device), as in the CPU kernel.
+Streamed blocks are complete, so an int4 block is always in its codes, never in a bf16 tail
+(`begin` checks the last one, the only one that could be being filled).
 """
 from __future__ import annotations
 
 import torch
 
-from cpu_attention import HostKVPool, dequantize
+from cpu_attention import HostKVPool, KVDtype, rotation
+from cpu_attention.layout import dequantize_blocks
 from gpu_ops import attention as gpu_attention
 from gpu_ops.kv_pool import GpuKVPool
 
-_PARTS = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
 # Copies go up in pieces of at most this. Small pieces cost the main thread ~20 µs of launch each
 # (2 MB pieces: 244 µs a layer at 8k, bench/step_trace.py), and a small upload waits ~40 µs behind
 # a 24 MB copy whole or in 12 pieces alike (bench/pcie_probe.py): so pieces are large.
@@ -55,9 +62,10 @@ class KVStreamer:
         if self.direct:
             self.raw = [dict(k=self.pool.k[s, : self.max_blocks], v=self.pool.v[s, : self.max_blocks]) for s in range(2)]
         else:  # codes (and scales, zeros) land here, then dequantize into the pool's slot
-            parts = {n: getattr(host, n) for n in _PARTS if getattr(host, n) is not None}  # [L, NB, ...] each
             self.raw = [{n: torch.empty(self.max_blocks, *t.shape[2:], dtype=t.dtype, device=device)
-                         for n, t in parts.items()} for _ in range(2)]
+                         for n, t in host.parts().items()} for _ in range(2)]  # [max_blocks, Hkv, ...] each
+            if host.dtype is KVDtype.INT4:  # the signs on the device before a graph captures `attend`
+                rotation.signs(host.head_dim, self.pool.k.device)
         self.table = torch.arange(self.max_blocks, dtype=torch.int32, device=device)[None]
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)  # streamed tokens this step (static: graphs read it)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -75,6 +83,8 @@ class KVStreamer:
         """This step streams these host blocks (a sequence's first ones, all full)."""
         if len(blocks) > self.max_blocks:
             raise ValueError(f"{len(blocks)} blocks to stream, staging holds {self.max_blocks}")
+        if blocks and self.host.dtype is KVDtype.INT4 and bool((self.host.tails.slot[:, blocks[-1]] >= 0).any()):
+            raise ValueError(f"host block {blocks[-1]} is still being filled (int4 tail): stream complete blocks only")
         self.blocks, self._runs, self.bytes_up = blocks, runs(blocks), 0
         self.lens.fill_(len(blocks) * self.host.block_size)
 
@@ -114,11 +124,13 @@ class KVStreamer:
         raw = self.raw[slot]
         if wait and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
-        for name in ("k", "v") if not self.direct else ():
-            sc, zr = raw.get(f"{name}_scale"), raw.get(f"{name}_zero")
-            getattr(self.pool, name)[slot, : self.max_blocks].copy_(
-                dequantize(raw[name], self.host.dtype, sc, zr))  # [max_blocks, Hkv, BS, D]
+        if not self.direct:  # int4: V stays rotated (y = v @ R) and the output is rotated back
+            k, v = dequantize_blocks(self.host.dtype, raw, rotated=True)  # [max_blocks, Hkv, BS, D] f32 each
+            self.pool.k[slot, : self.max_blocks].copy_(k)
+            self.pool.v[slot, : self.max_blocks].copy_(v)
         out = gpu_attention.decode_attention(self.pool, slot, q, self.table, self.lens, scale)
+        if self.host.dtype is KVDtype.INT4:
+            out = (rotation.unrotate(out[0]), out[1])
         if wait:
             self.release(layer)
         return out

@@ -149,7 +149,8 @@ def render_profile(hw: HardwareProfile, console: Console) -> None:
             ("PCIe small-copy latency", f"{hw.pcie_latency_s * 1e6:.1f} µs"),
             ("HBM copy (read + write)", f"{hw.hbm_gbps:.0f} GB/s"),
             ("GPU attention (bf16 KV)", f"{hw.gpu_attention_gbps:.0f} GB/s of KV"),
-            (f"GPU GEMV ({hw.gpu_gemv_dtype})", f"{hw.gpu_gemv_gbps:.0f} GB/s of weights"),
+            (f"GPU GEMV ({hw.gpu_gemv_dtype})", f"{hw.gpu_gemv_gbps:.0f} GB/s of weights at 1 row, "
+                                                f"{hw.gpu_linear_gbps(32):.0f} at 32"),
             ("GPU bf16 matmul", f"{hw.gpu_tflops:.0f} TFLOP/s"),
         ]
     for what, value in rows:

@@ -51,11 +51,11 @@ def gemv_seconds(nbytes: float, flops: float, gbps: float, gflops: float) -> flo
     return max(nbytes / (gbps * GB), flops / (gflops * GB))
 
 
-def attention_seconds(batch: int, tokens: int, dtype: KVDtype, cfg: ModelConfig, gbps: float) -> float:
+def attention_seconds(batch: int, tokens: int, dtype: KVDtype, cfg: ModelConfig, gbps: float, block_size: int) -> float:
     """Decode attention of one layer reads each cached token's K and V once: B · T · kvb(dt) / rate."""
     if tokens <= 0 or batch <= 0:
         return 0.0
-    return batch * tokens * kv_bytes_per_token_layer(cfg, dtype) / (gbps * GB)
+    return batch * tokens * kv_bytes_per_token_layer(cfg, dtype, block_size) / (gbps * GB)
 
 
 def hop_seconds(nbytes: float, hw: HardwareProfile) -> float:
@@ -99,6 +99,7 @@ def decode_step(
     pairs = _pairs(cfg, placements)
     T_g, T_c = tier_tokens(kv, context)
     T_s = min(kv.stream_tokens, T_c) if batch == 1 and hw.has_gpu else 0
+    BS = kv.block_size
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     gpu_gflops = hw.gpu_tflops * 1000 or 1e9
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
@@ -118,7 +119,7 @@ def decode_step(
                     if g.kind is not Kind.EMBED and hw.has_gpu:
                         x_w += 2 * hop_seconds(b * cfg.hidden_size * 2, hw)
                 else:
-                    g_lin += gemv_seconds(rb, flops, hw.gpu_gemv_gbps, gpu_gflops)
+                    g_lin += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b), gpu_gflops)
                     nbytes["gpu weights"] += rb
             if pl.mode is Mode.STREAM:
                 p += pl.nbytes / (hw.pcie_h2d_gbps * GB)
@@ -127,17 +128,17 @@ def decode_step(
         if layer >= 0:
             T_cpu = T_c - T_s
             for b in sub:
-                g_att += attention_seconds(b, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_gbps or 1.0)
-                g_att += attention_seconds(b, T_s, KVDtype.BF16, cfg, hw.gpu_attention_gbps or 1.0)
-                c_att += attention_seconds(b, T_cpu, kv.host_dtype, cfg, attn_rate) + (hw.cpu_attention_call_s if T_cpu else 0.0)
+                g_att += attention_seconds(b, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_gbps or 1.0, BS)
+                g_att += attention_seconds(b, T_s, KVDtype.BF16, cfg, hw.gpu_attention_gbps or 1.0, BS)
+                c_att += attention_seconds(b, T_cpu, kv.host_dtype, cfg, attn_rate, BS) + (hw.cpu_attention_call_s if T_cpu else 0.0)
                 if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
                     x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
-            s_up = T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype) / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
+            s_up = T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
             if T_s:
-                d = T_c * kv_bytes_per_token_layer(cfg, kv.host_dtype) / (max(hw.dram_read_gbps, 1e-9) * GB)
-            nbytes["gpu attention"] += batch * (T_g + T_s) * kv_bytes_per_token_layer(cfg, kv.gpu_dtype)
-            nbytes["cpu attention"] += batch * T_cpu * kv_bytes_per_token_layer(cfg, kv.host_dtype)
-            nbytes["pcie kv"] += T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype)
+                d = T_c * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (max(hw.dram_read_gbps, 1e-9) * GB)
+            nbytes["gpu attention"] += batch * (T_g + T_s) * kv_bytes_per_token_layer(cfg, kv.gpu_dtype, BS)
+            nbytes["cpu attention"] += batch * T_cpu * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
+            nbytes["pcie kv"] += T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
         over = sub_batches * hw.layer_overhead_s if layer >= 0 else 0.0
         if sub_batches == 1:
             t = max(g_lin + max(g_att, c_att + x_att), p + s_up, d) + c_w + x_w + over
@@ -168,7 +169,7 @@ def prefill_seconds(
     """
     pairs = _pairs(cfg, placements)
     L = cfg.num_layers
-    kv_bf16 = kv_bytes_per_token_layer(cfg, KVDtype.BF16)
+    kv_bf16 = kv_bytes_per_token_layer(cfg, KVDtype.BF16, kv.block_size)
     active_gpu = active_cpu = streamed = cpu_bytes = 0.0
     for layer, groups in pairs.items():
         for g, pl in groups:

@@ -23,7 +23,7 @@ from cpu_attention.layout import KVDtype
 
 log = logging.getLogger(__name__)
 
-FORMAT = 5  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
+FORMAT = 6  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3
 
 # Stated constants (not measured; bench/offload_decode.py prints predictions beside measurements).
@@ -70,7 +70,8 @@ class HardwareProfile:
     hbm_gbps: float = 0.0  # device copy, (read + write bytes) / s
     gpu_attention_gbps: float = 0.0  # decode attention over GPU-resident bf16 KV, KV bytes / s
     gpu_gemv_gbps: float = 0.0  # 4-bit (or bf16, see gpu_gemv_dtype) matrix-vector, weight bytes / s
-    gpu_gemv_dtype: str = ""  # "nf4" when bitsandbytes measured it, else "bf16"
+    gpu_gemv_dtype: str = ""  # "nf4" when the engine's NF4 kernels measured it, else "bf16"
+    gpu_gemm_gbps: float = 0.0  # the same weights times 32 rows (a decode batch), weight bytes / s; 0: as gemv
     gpu_tflops: float = 0.0  # dense bf16 matmul
     layer_overhead_s: float = LAYER_OVERHEAD_S
     cpu_attention_call_s: float = CPU_ATTENTION_CALL_S
@@ -93,6 +94,11 @@ class HardwareProfile:
         r = below[-1]
         return min(r.gbps * threads / r.threads, max(r.gbps, self.dram_read_gbps)) if threads > r.threads \
             else r.gbps * threads / r.threads
+
+    def gpu_linear_gbps(self, rows: int) -> float:
+        """Weight bytes / s of a GPU linear over `rows` rows: the GEMV rate up to 2 rows (the engine's
+        matrix-vector kernel), the 32-row rate above (another kernel: bitsandbytes' dequantize + GEMM)."""
+        return self.gpu_gemm_gbps if rows > 2 and self.gpu_gemm_gbps > 0 else self.gpu_gemv_gbps
 
     def best_threads(self) -> int:
         return self.physical_cores
@@ -387,27 +393,43 @@ def _measure_gpu(notes: list[str], quick: bool) -> dict[str, Any]:
 
 
 def _measure_gemv(dev: torch.device, notes: list[str], quick: bool) -> dict[str, Any]:
-    """One token through a 4096 × 14336-like projection (Llama-3-8B's MLP), many times."""
+    """A 14336 × 4096 projection (Llama-3-8B's MLP) at 1 and at 32 rows through the engine's own
+    NF4 linear (`gpu_ops.nf4.NF4Linear`: our GEMV at ≤ 2 rows, bitsandbytes above), replayed in a
+    CUDA graph as the decode step runs it; bf16 weights where bitsandbytes or Triton is missing."""
     from planner.tensors import WDtype
 
     sync = torch.cuda.synchronize
     rows, cols = (4096, 4096) if quick else (14336, 4096)
-    x = torch.randn(1, cols, device=dev, dtype=torch.bfloat16)
     loops = 20
     try:
-        import bitsandbytes as bnb
-    except ImportError:
-        notes.append("bitsandbytes is not installed: GPU GEMV rate measured in bf16, 4-bit assumed as fast per byte")
-        w = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
-        t = _best(lambda: [x @ w.T for _ in range(loops)], 3, sync)
-        return {"gpu_gemv_gbps": rows * cols * 2 * loops / t / 1e9, "gpu_gemv_dtype": "bf16"}
+        import bitsandbytes  # noqa: F401
+        import triton  # noqa: F401
+
+        from gpu_ops.nf4 import nf4_linear
+        lins = [nf4_linear(torch.randn(rows, cols, device=dev) * 0.02, None, dev) for _ in range(4)]
+        nbytes, dtype = WDtype.NF4.nbytes(rows * cols), "nf4"
+    except (ImportError, RuntimeError) as e:  # no bitsandbytes / Triton, or no kernels for this GPU
+        notes.append(f"NF4 kernels unavailable ({e!r:.80}): GPU linear rates measured in bf16")
+        ws = [torch.randn(rows, cols, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+        lins = [lambda x, w=w: x @ w.T for w in ws]
+        nbytes, dtype = rows * cols * 2, "bf16"
+    out = {"gpu_gemv_dtype": dtype}
+    for key, m in (("gpu_gemv_gbps", 1), ("gpu_gemm_gbps", 32)):
+        x = torch.randn(m, cols, device=dev, dtype=torch.bfloat16)
+        run = lambda: [lins[i % 4](x) for i in range(loops)]  # noqa: E731  4 copies: not from L2
+        t = _best(_graphed(run, dev), 3, sync)
+        out[key] = nbytes * loops / t / 1e9
+    return out
+
+
+def _graphed(fn, dev: torch.device):
+    """fn captured in a CUDA graph (after a warm-up call): its replay; fn itself if capture fails."""
+    fn()
+    torch.cuda.synchronize(dev)
     try:
-        lin = bnb.nn.Linear4bit(cols, rows, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4").to(dev)
-        with torch.no_grad():
-            t = _best(lambda: [lin(x) for _ in range(loops)], 3, sync)
-    except RuntimeError as e:  # a bitsandbytes build without kernels for this GPU
-        notes.append(f"bitsandbytes failed ({e}); GPU GEMV rate measured in bf16")
-        w = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
-        t = _best(lambda: [x @ w.T for _ in range(loops)], 3, sync)
-        return {"gpu_gemv_gbps": rows * cols * 2 * loops / t / 1e9, "gpu_gemv_dtype": "bf16"}
-    return {"gpu_gemv_gbps": WDtype.NF4.nbytes(rows * cols) * loops / t / 1e9, "gpu_gemv_dtype": "nf4"}
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+    except RuntimeError:
+        return fn
+    return g.replay

@@ -18,7 +18,7 @@ from planner.cost import StepCost, decode_step, prefill_seconds
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
 from planner.profile import HardwareProfile
-from planner.tensors import Group, Kind, WDtype, kv_bytes_per_token_layer, weight_groups
+from planner.tensors import Group, Kind, WDtype, kv_bytes_per_seq_layer, kv_bytes_per_token_layer, weight_groups
 from planner.units import format_size as fs
 
 GIB = 1024**3
@@ -136,13 +136,13 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     work = workspace_bytes(cfg, wl)
     # Prefill reads host-tier KV back a layer at a time, double-buffered: reserve that first
     # whenever the whole batch's KV cannot sit on the GPU beside every weight.
-    readback = int(2 * wl.ctx_size * _kv_layer_bytes(cfg, KVDtype.BF16))
+    readback = int(2 * wl.ctx_size * _kv_layer_bytes(cfg, KVDtype.BF16, block))
     all_weights = sum(g.nbytes(g.dtype_for(weights)) for g in groups)
-    full_kv = wl.batch * wl.ctx_size * cfg.num_layers * _kv_layer_bytes(cfg, gpu_kv_dtype)
+    full_kv = wl.batch * wl.ctx_size * cfg.num_layers * _kv_layer_bytes(cfg, gpu_kv_dtype, block)
     if budget.gpu_bytes - work - all_weights < full_kv or ov.gpu_kv_tokens is not None and ov.gpu_kv_tokens < wl.ctx_size:
         work += readback
         readback = 0
-    user_kv = int(wl.batch * (ov.gpu_kv_tokens or 0) * cfg.num_layers * _kv_layer_bytes(cfg, gpu_kv_dtype))
+    user_kv = int(wl.batch * (ov.gpu_kv_tokens or 0) * cfg.num_layers * _kv_layer_bytes(cfg, gpu_kv_dtype, block))
     best, err = None, None
     for mode, (order_name, order), embed_gpu in itertools.product(modes, orders, (True, False)):
         pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv, order, embed_gpu)
@@ -182,8 +182,9 @@ def cpu_dtype(weights: WDtype) -> WDtype:
 def _fill(
     groups: list[Group], weights: WDtype, modes: tuple[Mode, Mode], cap: int, order: dict, embed_gpu: bool,
 ) -> tuple[tuple[Placement, ...], int]:
-    """First fit in priority order; streamed groups need two GPU staging buffers (double
-    buffering) of the largest streamed group, so refill with that reserved until stable."""
+    """First fit in priority order; streamed weights need two GPU staging slots (double buffering,
+    offload/weights.py) each as large as the largest layer's streamed groups together (the head —
+    final norm and lm_head — counting as one layer), so refill with that reserved until stable."""
     staging = 0
     for _ in range(4):
         room = cap - staging
@@ -194,8 +195,11 @@ def _fill(
                 on.add(i)
                 room -= n
         off = [groups[i] for i in range(len(groups)) if i not in on and groups[i].kind is not Kind.EMBED]
-        streamed = [g for g in off if _mode(g, modes) is Mode.STREAM]
-        need = 2 * max((g.nbytes(g.dtype_for(weights)) for g in streamed), default=0)
+        per_layer: dict[int, int] = {}
+        for g in off:
+            if _mode(g, modes) is Mode.STREAM:
+                per_layer[g.layer] = per_layer.get(g.layer, 0) + g.nbytes(g.dtype_for(weights))
+        need = 2 * max(per_layer.values(), default=0)
         if need <= staging:
             break
         staging = need
@@ -217,15 +221,15 @@ def _mode(g: Group, modes: tuple[Mode, Mode]) -> Mode:
     return modes[0] if g.kind is Kind.EXPERTS else modes[1]
 
 
-def _kv_layer_bytes(cfg: ModelConfig, dt: KVDtype) -> float:
-    return kv_bytes_per_token_layer(cfg, dt)
+def _kv_layer_bytes(cfg: ModelConfig, dt: KVDtype, block: int) -> float:
+    return kv_bytes_per_token_layer(cfg, dt, block)
 
 
 def _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, readback):
     """(GPU-tier tokens per sequence, extra GPU bytes, reason) to try: as many as fit, and the
     split where GPU and CPU attention take equal time, if smaller. `readback` is the prefill
     buffer a host tier needs when it was not reserved already."""
-    per_tok = wl.batch * cfg.num_layers * _kv_layer_bytes(cfg, gpu_dt)
+    per_tok = wl.batch * cfg.num_layers * _kv_layer_bytes(cfg, gpu_dt, block)
     fit = min(wl.ctx_size, int(left // per_tok) // block * block)
     if ov.gpu_kv_tokens is not None:
         if ov.gpu_kv_tokens > wl.ctx_size:
@@ -239,8 +243,8 @@ def _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, r
         return [(ov.gpu_kv_tokens, 0, "set by the user")]
     out = [(fit, 0, "the whole context fits" if fit == wl.ctx_size else "what fits after the weights")]
     if hw.gpu_attention_gbps and fit:
-        a_g = _kv_layer_bytes(cfg, gpu_dt) / hw.gpu_attention_gbps
-        a_c = _kv_layer_bytes(cfg, host_dt) / max(hw.cpu_attention_rate(host_dt, threads), 1e-9)
+        a_g = _kv_layer_bytes(cfg, gpu_dt, block) / hw.gpu_attention_gbps
+        a_c = _kv_layer_bytes(cfg, host_dt, block) / max(hw.cpu_attention_rate(host_dt, threads), 1e-9)
         balanced = int(wl.decode_context * a_c / (a_g + a_c)) // block * block
         if 0 < balanced < fit and balanced * per_tok + readback <= left:
             out.append((balanced, readback, "GPU and CPU attention finish together"))
@@ -250,10 +254,10 @@ def _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, r
 STREAM_SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)  # of the host tier's tokens, tried for the GPU's streamed share
 
 
-def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int) -> int:
+def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int, block: int) -> int:
     """Device memory the KV streamer needs (offload/stream.py): two layer slots of `tokens` tokens in
     bf16, plus two of the host dtype's codes when they need dequantizing first."""
-    per = _kv_layer_bytes(cfg, KVDtype.BF16) + (_kv_layer_bytes(cfg, host_dt) if host_dt is not KVDtype.BF16 else 0)
+    per = _kv_layer_bytes(cfg, KVDtype.BF16, block) + (_kv_layer_bytes(cfg, host_dt, block) if host_dt is not KVDtype.BF16 else 0)
     return int(2 * tokens * per)
 
 
@@ -263,7 +267,7 @@ def _stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int,
     if ov.stream_tokens is not None:
         if ov.stream_tokens and not hw.has_gpu:
             raise UserError("--kv-stream-tokens needs a GPU: drop it or use --device cuda")
-        need = stream_staging_bytes(cfg, kv.host_dtype, ov.stream_tokens)
+        need = stream_staging_bytes(cfg, kv.host_dtype, ov.stream_tokens, kv.block_size)
         if ov.stream_tokens and need > left:
             raise UserError(f"--kv-stream-tokens {ov.stream_tokens} needs {fs(need)} of staging on cuda:0, "
                             f"{fs(max(0, left))} is left: lower it or raise --gpu-mem")
@@ -274,7 +278,7 @@ def _stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int,
         return out
     for share in STREAM_SHARES:
         n = int(host * share) // kv.block_size * kv.block_size
-        need = stream_staging_bytes(cfg, kv.host_dtype, n)
+        need = stream_staging_bytes(cfg, kv.host_dtype, n, kv.block_size)
         if n and need <= left:
             out.append((n, need, f"the GPU attends over {share:.0%} of the host tier, copied up over PCIe "
                                   "while the CPU attends over the rest"))
@@ -285,9 +289,10 @@ def _kv(cfg, wl, block, gpu_tokens, gpu_dt, host_dt) -> KVPlan:
     host_tokens = wl.ctx_size - gpu_tokens
     host_tokens = -(-host_tokens // block) * block
     L = cfg.num_layers
+    # host: the tokens, plus what each sequence holds besides them (int4: the block being filled, in bf16)
+    per_seq = host_tokens * _kv_layer_bytes(cfg, host_dt, block) + kv_bytes_per_seq_layer(cfg, host_dt, block)
     return KVPlan(block, gpu_tokens, host_tokens, gpu_dt, host_dt,
-                  int(wl.batch * gpu_tokens * L * _kv_layer_bytes(cfg, gpu_dt)),
-                  int(wl.batch * host_tokens * L * _kv_layer_bytes(cfg, host_dt)))
+                  int(wl.batch * gpu_tokens * L * _kv_layer_bytes(cfg, gpu_dt, block)), int(wl.batch * L * per_seq))
 
 
 def _memory(hw, budget, pl, kv, workspace) -> Memory:
@@ -378,13 +383,14 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
     return out
 
 
-def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype) -> str:
+def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype, batch: int = 1) -> str:
     t, b = c.cost.terms, c.cost.nbytes
     key = max(t, key=t.get)
     share = f" ({100 * t[key] / c.cost.seconds:.0f}% of the step)"
     gb = lambda k: f"{b[k] / 1e9:.2f} GB"  # noqa: E731
     if key == "gpu weights":
-        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_gemv_gbps:.0f} GB/s" + share
+        rows = -(-batch // c.sub_batches)
+        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_linear_gbps(rows):.0f} GB/s" + share
     if key == "gpu attention":
         return f"GPU attention: {gb(key)} of {c.kv.gpu_dtype.value} KV at {hw.gpu_attention_gbps:.0f} GB/s" + share
     if key == "cpu attention":
@@ -409,7 +415,7 @@ def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choice
         prefill_tok_s=wl.prompt_tokens / prefill if prefill else 0.0,
         decode_tok_s=wl.batch / c.cost.seconds,
         decode_step_ms=1e3 * c.cost.seconds,
-        bottleneck=_bottleneck(cfg, hw, c, threads, weights),
+        bottleneck=_bottleneck(cfg, hw, c, threads, weights, wl.batch),
         step_terms_ms={k: 1e3 * v for k, v in c.cost.terms.items()},
         cpu_share=cpu_b / max(cpu_b + gpu_b, 1.0),
         gpu_share=gpu_b / max(cpu_b + gpu_b, 1.0),

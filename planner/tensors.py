@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from cpu_attention.layout import KVDtype
+from cpu_attention.layout import KVDtype, tail_bytes, token_bytes
 from hetero.config import ModelConfig
 
 NF4_BLOCK = 64  # bitsandbytes NF4: one fp32 absmax per 64 weights
@@ -100,7 +100,13 @@ def experts_touched(E: int, k: int, tokens: int) -> float:
     return E * (1.0 - (1.0 - k / E) ** tokens) if E else 0.0
 
 
-def kv_bytes_per_token_layer(cfg: ModelConfig, dtype: KVDtype) -> float:
-    """K and V of one token in one layer, scales included (int8: a fp32 scale per token-head)."""
-    per_value = dtype.bytes_per_value + (4.0 / cfg.head_dim if dtype is KVDtype.INT8 else 0.0)
-    return 2 * cfg.kv_size * per_value
+def kv_bytes_per_token_layer(cfg: ModelConfig, dtype: KVDtype, block_size: int) -> float:
+    """K and V of one token in one layer as the host pool stores them (`cpu_attention.layout.
+    token_bytes`): scales and zeros included, int4's per-block key scales at this block size."""
+    return token_bytes(dtype, cfg.num_kv_heads, cfg.head_dim, block_size)
+
+
+def kv_bytes_per_seq_layer(cfg: ModelConfig, dtype: KVDtype, block_size: int) -> int:
+    """Host bytes a sequence adds per layer besides its tokens: int4's bf16 tail of the block
+    being filled (`cpu_attention.layout.tail_bytes`), 0 for the other dtypes."""
+    return tail_bytes(dtype, cfg.num_kv_heads, cfg.head_dim, block_size)

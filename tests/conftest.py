@@ -35,6 +35,11 @@ def _spec(arch: str):
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                              rope_theta=500000.0)
         return cfg, tf.LlamaForCausalLM
+    if arch == "llama_4l":  # four layers: three or more streamed layers cycle through two staging slots
+        return tf.LlamaConfig(**{**COMMON, "num_hidden_layers": 4}), tf.LlamaForCausalLM
+    if arch == "llama_wide":  # 30 MB of bf16 weights a layer: a GPU budget test can see where they live
+        return tf.LlamaConfig(**{**COMMON, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8,
+                                 "num_hidden_layers": 4, "initializer_range": 0.03}), tf.LlamaForCausalLM
     if arch == "llama_hd32":  # head_dim 32: int4 KV groups need it
         return tf.LlamaConfig(**COMMON, head_dim=32), tf.LlamaForCausalLM
     if arch == "mistral":
@@ -85,3 +90,33 @@ def tiny(tmp_path_factory):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def forced_plan(folder, force=None, weights=None, host_dtype=None, sub_batches=1, gpu_tokens=8, kv="f32",
+                budget_gib=8, **overrides):
+    """The planner's plan for a tiny checkpoint on a synthetic 24 GiB GPU (everything fits), with the
+    groups in `force` ((layer, kind) → Mode) moved off the GPU as a plan that did not fit would put
+    them (CPU-computed ones stored as `host_dtype` when given). Batch 2, context 64, block 4."""
+    import dataclasses
+
+    from cpu_attention.layout import KVDtype
+    from hetero.checkpoint import open_checkpoint
+    from planner import Budget, HardwareProfile, Overrides, Workload, plan
+    from planner.plan import Device, Mode, Placement
+    from planner.tensors import WDtype
+
+    cfg = open_checkpoint(folder).config
+    p = plan(cfg, HardwareProfile.synthetic(24), Budget(int(budget_gib * 2**30), 16 * 2**30),
+             Workload(64, batch=2, gen_tokens=16),
+             Overrides(weights=weights or WDtype.F32, kv_dtype=KVDtype(kv), block_size=4, threads=1,
+                       sub_batches=sub_batches, gpu_kv_tokens=gpu_tokens, **overrides))
+    force = force or {}
+    out = []
+    for x in p.placements:
+        mode = force.get((x.layer, x.kind))
+        if mode is None:
+            out.append(x)
+        else:
+            dt = host_dtype if mode is Mode.CPU and host_dtype else x.dtype
+            out.append(Placement(x.layer, x.kind, Device.CPU, dt, mode, x.nbytes))
+    return dataclasses.replace(p, placements=tuple(out))

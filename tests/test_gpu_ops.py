@@ -91,9 +91,10 @@ def _pool(device, L=2, NB=40, Hkv=2, BS=16, D=32, seed=0):
     return pool, host
 
 
-def _check_decode(device, kernel, tol):
+def _check_decode(device, kernel, tol, MB=9):
+    """MB 9: the Triton kernel's one-block splits and their merge; 36: splits of 9 blocks."""
     pool, host = _pool(device)
-    B, MB, Hq = 4, 9, 6
+    B, Hq = 4, 6
     tables = torch.stack([torch.randperm(pool.num_blocks)[:MB] for _ in range(B)]).int()
     lens = torch.tensor([1, 77, MB * pool.block_size, 0], dtype=torch.int32)  # the last: no tokens
     q = torch.randn(B, Hq, pool.head_dim).to(pool.dtype)
@@ -134,14 +135,14 @@ def test_split_tiers_merge_to_the_whole():
 
 
 # ---------------------------------------------------------------------------------- the decode step
-def _tiny_separated(tmp_path):
+def _tiny_separated(tmp_path, **overrides):
     """A tiny random llama whose greedy choices are far apart: lm_head rows are a permutation of
     the (unit-variance) embeddings and the layers perturb the residual stream without drowning
     it, so bf16 and float32 runs pick the same tokens (min top-2 gap ≈ 0.39 of the top logit)."""
     import transformers as tf
 
     torch.manual_seed(3)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**COMMON, "initializer_range": 0.1})).eval()
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**COMMON, "initializer_range": 0.1, **overrides})).eval()
     with torch.no_grad():
         e = torch.randn_like(model.model.embed_tokens.weight)
         model.model.embed_tokens.weight.copy_(e)
@@ -287,6 +288,7 @@ def test_gpu_nf4_gemv_matches_dequantized_reference(rows, shape, config):
 @pytest.mark.gpu
 def test_gpu_decode_attention_triton_matches_reference():
     _check_decode("cuda", AttnKernel.TRITON, 1e-2)
+    _check_decode("cuda", AttnKernel.TRITON, 1e-2, MB=36)
     _check_decode("cuda", AttnKernel.TORCH, 1e-5)
 
 
@@ -338,6 +340,115 @@ def test_gpu_nf4_logits_near_bf16(tiny, tmp_path, monkeypatch):
         table = torch.arange(4, dtype=torch.int32)
         outs[fmt] = prefill(model, pool, torch.tensor(PROMPT), 0, torch.arange(len(PROMPT)), table, all_logits=True)
     assert rel_err(outs[WeightFormat.NF4], outs[WeightFormat.BF16]) < NF4_LOGIT_ERR
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fused_ops_match_their_torch_twins():
+    """gpu_ops.fused's norm, RoPE and SiLU·up against hetero.model's torch ops, at the
+    Llama-3-8B shapes: at most one bf16 rounding apart (summation order, exp)."""
+    import torch.nn.functional as F
+
+    from gpu_ops import fused
+    from hetero.model import Rope, rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4096, device="cuda").bfloat16()
+    w = (1 + 0.1 * torch.randn(4096, device="cuda")).bfloat16()
+    ref = rms_norm(x, w, 1e-5)
+    got = fused.rms_norm(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16 and (got.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
+    assert rel_err(got, ref) < 4e-3
+
+    D, Hq, Hkv = 128, 32, 8
+    qkv = torch.randn(2, (Hq + 2 * Hkv) * D, device="cuda").bfloat16()
+    pos = torch.tensor([7, 8000], device="cuda")
+    rope = Rope(_llama3_cfg(), torch.device("cuda")).fixed(8192)
+    q = qkv[:, : Hq * D].reshape(2, Hq, D)
+    k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(2, Hkv, D)
+    rq, rk = rope(q, pos), rope(k, pos)
+    got = qkv.clone()
+    cos, sin = rope.tables(pos)
+    fused.rope_(got, pos, cos, sin, Hq + Hkv, D)
+    assert rel_err(got[:, : Hq * D].reshape(2, Hq, D), rq) < 4e-3
+    assert rel_err(got[:, Hq * D: (Hq + Hkv) * D].reshape(2, Hkv, D), rk) < 4e-3
+    assert torch.equal(got[:, (Hq + Hkv) * D:], qkv[:, (Hq + Hkv) * D:])  # v untouched
+
+    gu = torch.randn(2, 2 * 14336, device="cuda").bfloat16()
+    g, u = gu.chunk(2, dim=-1)
+    assert rel_err(fused.silu_mul(gu), (F.silu(g.float()) * u.float()).bfloat16()) < 4e-3
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_kv_write_kernel_matches_indexing():
+    """GpuKVPool.write (one Triton kernel on CUDA) stores what indexing would, from strided views."""
+    pool = GpuKVPool(3, 6, 8, 16, 128)
+    qkv = torch.randn(3, 48 * 128, device="cuda").bfloat16()
+    k, v = qkv[:, 32 * 128:40 * 128].view(3, 8, 128), qkv[:, 40 * 128:].view(3, 8, 128)
+    slots = torch.tensor([0, 37, 95], device="cuda")
+    pool.write(2, slots, k, v)
+    blocks, offs = slots // 16, slots % 16
+    assert torch.equal(pool.k[2, blocks, :, offs], k) and torch.equal(pool.v[2, blocks, :, offs], v)
+    assert (pool.k != 0).sum() == (k != 0).sum() and (pool.v != 0).sum() == (v != 0).sum()  # nothing else written
+
+
+def _llama3_cfg():
+    from hetero.config import Arch, ModelConfig
+
+    return ModelConfig(arch=Arch.LLAMA, vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, (32, 8, 4, 4)])
+def test_gpu_nf4_gemv_residual_epilogue_is_torchs_add(config):
+    from gpu_ops.nf4_gemv import nf4_gemv
+
+    torch.manual_seed(1)
+    w = torch.randn(1000, 2048, device="cuda") * 0.02
+    packed, absmax = quantize_nf4(w)
+    x = torch.randn(2, 2048, device="cuda").bfloat16()
+    res = torch.randn(2, 1000, device="cuda").bfloat16()
+    y = nf4_gemv(x, packed, absmax, (1000, 2048), config=config)
+    assert torch.equal(nf4_gemv(x, packed, absmax, (1000, 2048), config=config, residual=res), res + y)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("config", [None, (4, 64, 4, 1), (8, 16, 4, 1)])
+def test_gpu_nf4_gemv_swiglu_epilogue_is_silu_mul(rows, config):
+    from gpu_ops import fused
+    from gpu_ops.nf4_gemv import nf4_gemv
+
+    torch.manual_seed(rows)
+    F, K = 1000, 2048
+    w = torch.randn(2 * F, K, device="cuda") * 0.05
+    packed, absmax = quantize_nf4(w)
+    x = torch.randn(rows, K, device="cuda").bfloat16()
+    ref = fused.silu_mul(nf4_gemv(x, packed, absmax, (2 * F, K), config=config))
+    got = nf4_gemv(x, packed, absmax, (2 * F, K), config=config, swiglu=True)
+    assert got.shape == (rows, F) and rel_err(got, ref) < 4e-3
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpu_fused_nf4_layers_give_the_torch_paths_tokens(tmp_path, batch):
+    """NF4 weights, 1-2 rows: the fused kernels (gpu_ops.fused) take the layer; the same model
+    with them off (Model.gpu_fusion) takes the torch ops. Same greedy tokens, graphs and eager."""
+    from gpu_ops import fused
+
+    folder = _tiny_separated(tmp_path, intermediate_size=128)  # every K a multiple of 64: our GEMV
+    model = load_model(open_checkpoint(folder), WeightFormat.NF4, torch.device("cuda"))
+    x = torch.zeros(batch, model.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    assert all(fused.applies(lw, x) for lw in model.layers)
+    on = _greedy(model, 32, graphs=True, batch=batch)
+    assert _greedy(model, 32, graphs=False, batch=batch) == on
+    model.gpu_fusion = False
+    assert _greedy(model, 32, graphs=True, batch=batch) == on
 
 
 # ---------------------------------------------------------------------------------- NF4 decoders (PTX)

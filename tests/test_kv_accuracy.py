@@ -41,12 +41,14 @@ def test_int8_kv_keeps_the_greedy_choice(scored):
     assert perplexity(got, ids) < 1.02 * perplexity(ref, ids)
 
 
-def test_int4_kv_stays_close_in_perplexity(scored):
-    """int4 (per-token groups of 32) measures 86% argmax agreement here, short of the 95% target:
-    see bench/RESULTS.md. What it must keep: the text's perplexity within 10%."""
+def test_int4_kv_keeps_the_greedy_choice(scored):
+    """int4: values rotated, per token and group of 32; keys per channel and block; the block
+    being filled in bf16 (cpu_attention/int4.py). Measured 0.973-0.985 here over three
+    rotation seeds."""
     ref, ids = scored["bf16"]
     got, _ = scored["int4"]
-    assert perplexity(got, ids) < 1.10 * perplexity(ref, ids)
+    assert float((ref.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.95
+    assert perplexity(got, ids) < 1.02 * perplexity(ref, ids)
 
 
 def test_teacher_forced_matches_a_single_prefill():

@@ -3,11 +3,19 @@
 Every path but the CUDA streams runs here: any split of a sequence's KV between the tiers and
 any swap history must give the single-tier tokens, and logits within the tier dtypes' tolerance.
 """
+import dataclasses
+import math
+
 import pytest
+import torch
 
 import hetero
 from conftest import rel_err
+from cpu_attention import HostKVPool, KVDtype, decode_attention
+from hetero.config import LLAMA3_8B
 from offload.blocks import TierTable
+from offload.kv_cache import TieredKVCache
+from offload.stream import KVStreamer
 
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 8, 64, 33, 2, 11, 90, 91, 92, 93, 94, 95, 1, 2]
 
@@ -78,6 +86,65 @@ def test_streamed_quantized_host_kv_matches_cpu_attention(tiny, kv):
     got = [c.token for c in e.generate(prompt, max_new_tokens=16, temperature=0.0)]
     assert got == want
     assert len(e.runner.streamer.blocks) == 8
+
+
+def test_streamer_int4_dequantizes_like_the_cpu_kernel():
+    """The streamer's device-side int4 path (keys per channel and block, values left rotated and
+    the output rotated back) on the CPU stand-in: the CPU kernel's result over the same complete
+    blocks, within the bf16 staging's rounding; a block still being filled is refused."""
+    gen = torch.Generator().manual_seed(4)
+    L, H, BS, D = 2, 2, 8, 64
+    host = HostKVPool(L, 6, H, BS, D, KVDtype.INT4)
+    n = 3 * BS + 5  # three complete blocks and one being filled
+    k = torch.randn(n, H, D, generator=gen) + 3 * torch.randn(D, generator=gen)  # channel offsets
+    v = torch.randn(n, H, D, generator=gen)
+    blocks = torch.tensor([4, 1, 2, 5])
+    slots = blocks[torch.arange(n) // BS] * BS + torch.arange(n) % BS
+    for layer in range(L):
+        host.write(layer, slots, k * (layer + 1), v)
+    sv = KVStreamer(host, 3 * BS, torch.device("cpu"), torch.bfloat16)
+    sv.begin([4, 1, 2])
+    q = torch.randn(1, 3 * H, D, generator=gen)
+    for layer in range(L):
+        sv.prefetch(layer)
+        o, lse = sv.attend(layer, q, 1 / math.sqrt(D))
+        ro, rl = decode_attention(host, layer, q, blocks[None, :3].int(), torch.tensor([3 * BS]), 1 / math.sqrt(D))
+        assert rel_err(o, ro) < 1e-2 and (lse - rl).abs().max() < 5e-2
+    with pytest.raises(ValueError, match="being filled"):
+        sv.begin([4, 5])
+
+
+@pytest.mark.parametrize("kv", [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4])
+def test_swap_in_copies_what_the_host_tier_reads(kv):
+    """Blocks swapped in from a quantized host tier hold what the host's own readers dequantize
+    (int4: keys per channel and block, values rotated back), rounded to the device dtype; the
+    sequence's partly filled last block stays on the host."""
+    cfg = dataclasses.replace(LLAMA3_8B, num_layers=2)
+    BS = 4
+    cache = TieredKVCache(cfg, host_tokens=64, gpu_tokens=64, host_dtype=kv, gpu_tokens_per_seq=0, block_size=BS)
+    gen = torch.Generator().manual_seed(6)
+    n = 3 * BS + 2
+    slots = cache.reserve(0, n)
+    for layer in range(cfg.num_layers):
+        k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen) + 2 * torch.randn(cfg.head_dim, generator=gen)
+        cache.write(layer, slots, k, torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen))
+    host_blocks = list(cache.seqs[0].host.blocks)
+    want = [cache.host.gather(layer, torch.tensor(host_blocks[:3]), 3 * BS) for layer in range(cfg.num_layers)]
+    assert cache.swap_in(0, 10) == 3
+    gpu_blocks = cache.seqs[0].gpu.blocks
+    for layer, (k, v) in enumerate(want):  # [Hkv, 3 * BS, D]
+        gk, gv = cache.gpu.gather(layer, torch.tensor([gpu_blocks]))  # [1, Hkv, 3 * BS, D]
+        assert torch.equal(gk[0], k.to(torch.bfloat16)) and torch.equal(gv[0], v.to(torch.bfloat16))
+    assert cache.seqs[0].host.blocks == host_blocks[3:]
+
+
+def test_int4_tails_go_back_with_their_blocks(tiny):
+    """Sequences finished mid-block free their int4 tails along with their host blocks."""
+    e = _engine(tiny("llama_hd32")[0], kv_dtype="int4")
+    list(e.generate([PROMPT, PROMPT[:7]], max_new_tokens=6, temperature=0.0))
+    t = e.cache.host.tails
+    assert t.k.shape[0] > 0 and int(t.n_free[0]) == t.k.shape[0]
+    assert bool((t.slot < 0).all())
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8", "int4"])
@@ -151,3 +218,46 @@ def test_prefill_in_pieces_matches_one_pass(folder, single, monkeypatch):
     e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=5)
     assert rel_err(e.logits(PROMPT), single[1]) <= 1e-5
     assert _greedy(e) == single[0]
+
+
+LONG = [(7 * i + 3) % 160 for i in range(480)]  # finishes first: it reaches the context (512) after 32 tokens
+
+
+def test_swapped_blocks_come_back_when_room_frees(folder):
+    """Three sequences share a device tier sized for two: the third's prefill swaps blocks out; when
+    the long one finishes (it reaches the context), the next step swaps them back in by itself.
+    The tokens are the single-tier run's."""
+    prompts = [PROMPT, PROMPT[::-1], LONG]
+    want = [[] for _ in prompts]
+    for c in _engine(folder, kv_dtype="f32").generate(prompts, max_new_tokens=40, temperature=0.0):
+        want[c.index].append(c.token)
+
+    e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=24, parallel=2)  # device tier: 48 tokens
+    got = [[] for _ in prompts]
+    at_finish = None
+    for c in e.generate(prompts, max_new_tokens=40, temperature=0.0):
+        got[c.index].append(c.token)
+        if c.index == 2 and c.finish_reason:
+            at_finish = (e.cache.swapped_out_blocks, e.cache.swapped_in_blocks, len(got[0]))
+    assert got == want
+    assert len(got[2]) == 32 and len(got[0]) == 40
+    out_before, in_before, step = at_finish
+    assert out_before > 0 and in_before == 0  # nothing came back while the device tier was full
+    assert e.cache.swapped_in_blocks > 0 and e.metrics.swapped_in_blocks == e.cache.swapped_in_blocks
+    assert step < 40
+
+
+def test_swap_in_keeps_the_plans_host_blocks(folder):
+    """Only blocks a swap took off the device come back, and never past what the next step needs."""
+    e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=8, parallel=2)  # device tier: 16 tokens, 4 blocks
+    c = e.cache
+    c.reserve(0, 20)  # 8 on the device (the plan's share), 12 on the host by plan
+    assert c.swap_in_free_room() == 0 and c.seqs[0].host.num_tokens == 12
+    c.reserve(1, 8)
+    c.reserve(2, 8)  # the device tier is full: 2 blocks of sequence 0 (the largest) swap out
+    assert c.seqs[0].swapped == 2 and c.seqs[0].gpu.num_tokens == 0
+    c.free(1)  # 2 device blocks free again
+    assert c.swap_in_free_room(keep_free=1) == 1  # the next step needs one of them
+    assert c.swap_in_free_room() == 1 and c.seqs[0].swapped == 0
+    assert c.seqs[0].gpu.num_tokens == 8 and c.seqs[0].host.num_tokens == 12  # the plan's split again
+    assert c.swap_in_free_room() == 0

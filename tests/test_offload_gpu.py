@@ -1,11 +1,18 @@
 """The split runtime with real CUDA tiers: streams, pinned staging, the CPU worker thread."""
+import dataclasses
+import importlib.util
+
 import pytest
 import torch
 
 import hetero
-from conftest import rel_err
+from conftest import forced_plan, rel_err
+from cpu_attention.layout import KVDtype
+from planner.plan import Mode
+from planner.tensors import Kind, WDtype
 
 pytestmark = pytest.mark.gpu
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 8, 64, 33, 2, 11, 90, 91, 92, 93, 94, 95, 1, 2]
 
 
@@ -47,6 +54,21 @@ def test_cuda_streamed_host_kv_matches_cpu(folder, reference, kv, gpu_tokens):
         hetero.load(folder, device="cpu", weights="f32", kv_dtype=kv, tokenizer=False, block_size=4), [PROMPT])[0]
     assert _greedy(e, [PROMPT]) == [want]
     assert len(e.runner.streamer.blocks) == 3
+    assert e.runner.streamer.bytes_up > 0
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cuda_streamed_int4_host_kv_matches_cpu(tiny, block_size):
+    """int4 host blocks streamed up and dequantized on the GPU (keys per channel and block,
+    values left rotated, the attention output rotated back, inside the captured graphs): the
+    CPU run's tokens. Block 16 takes the Triton paged kernel, block 4 the torch one."""
+    folder = tiny("llama_hd32")[0]
+    prompt = PROMPT * 3
+    kw = dict(weights="f32", kv_dtype="int4", tokenizer=False, block_size=block_size)
+    want = _greedy(hetero.load(folder, device="cpu", **kw), [prompt])
+    e = hetero.load(folder, device="cuda", gpu_kv_tokens=0, stream_tokens=2 * block_size, parallel=1, **kw)
+    assert _greedy(e, [prompt]) == want
+    assert len(e.runner.streamer.blocks) == 2
     assert e.runner.streamer.bytes_up > 0
 
 
@@ -94,3 +116,162 @@ def test_load_follows_the_planner_and_saved_plans(folder, tmp_path):
     e2 = hetero.load(folder, tokenizer=False, plan=saved, ctx_size=256)
     assert e2.plan == Plan.from_json(saved.read_text())
     assert [c.token for c in e2.generate(PROMPT, max_new_tokens=8, temperature=0.0)] == tokens
+
+
+# ------------------------------------------------------------------ weights the plan leaves on the host
+LONG = [(7 * i + 3) % 160 for i in range(480)]  # reaches the context (512) after 32 new tokens
+
+
+def test_cuda_swap_in_when_room_frees(folder):
+    """Three sequences share a device tier sized for two; when the long one finishes, the next
+    decode step copies the swapped-out blocks back up (copy stream, pinned staging) by itself."""
+    prompts = [PROMPT, PROMPT[::-1], LONG]
+    cpu = hetero.load(folder, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False, block_size=4)
+    want = _greedy(cpu, prompts, n=40)
+    e = hetero.load(folder, device="cuda", weights="f32", kv_dtype="f32", tokenizer=False, block_size=4,
+                    gpu_kv_tokens=24, parallel=2)
+    assert _greedy(e, prompts, n=40) == want
+    assert e.cache.swapped_out_blocks > 0 and e.cache.swapped_in_blocks > 0
+    assert e.metrics.swapped_in_blocks == e.cache.swapped_in_blocks
+
+
+@pytest.fixture(scope="module")
+def folder4(tiny):
+    return tiny("llama_4l")[0]
+
+
+@pytest.fixture(scope="module")
+def reference4(folder4):
+    e = hetero.load(folder4, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False, block_size=4)
+    return _greedy(e, [PROMPT, PROMPT[::-1]]), e.logits(PROMPT)
+
+
+@pytest.mark.parametrize("sub_batches", [1, 2])
+@pytest.mark.parametrize("mode", [Mode.STREAM, Mode.CPU])
+@pytest.mark.parametrize("kind", [Kind.MLP, Kind.ATTN])
+def test_cuda_weights_off_the_gpu_match_cpu(folder4, reference4, kind, mode, sub_batches):
+    """f32 weights: layers 0, 1, 3 of `kind` streamed (three layers through two device slots, copied on
+    the weight streamer's stream a layer ahead, read by the captured layer graphs) or computed on
+    the CPU (eager, activations over pinned buffers): the all-CPU float32 run's tokens and logits."""
+    from offload.host_compute import HostLinear
+
+    p = forced_plan(folder4, {(i, kind): mode for i in (0, 1, 3)}, sub_batches=sub_batches)
+    e = hetero.load(folder4, device="cuda", plan=p, tokenizer=False, ctx_size=64)
+    assert _greedy(e, [PROMPT, PROMPT[::-1]]) == reference4[0]
+    assert rel_err(e.logits(PROMPT), reference4[1]) <= 1e-4
+    r = e.runner
+    if mode is Mode.STREAM:
+        assert r.weights.order == [0, 1, 3] and r.weights.bytes_up > 0
+        assert all(b.is_pinned() for b in r.weights.host.values())
+        assert all(s.is_cuda for s in r.weights.slots)
+        assert r.segments is not None and r.segments._sets  # the layer graphs ran over the slots
+        assert not r.graphs  # the whole-step graph cannot wait for copies inside itself
+    else:
+        assert r.host_compute.calls > 0 and r.host_compute.bytes_down > 0
+        assert r.segments is None  # eager: the CPU's share is waited for mid-layer
+        lin = e.model.layers[0].qkv if kind is Kind.ATTN else e.model.layers[0].ffn.host.gate_up
+        inner = lin.inner if isinstance(lin, HostLinear) else lin
+        assert inner.weight.device.type == "cpu"
+
+
+@pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed")
+@pytest.mark.parametrize("kind", [Kind.MLP, Kind.ATTN])
+def test_cuda_nf4_streamed_matches_resident_and_int8_cpu_is_close(folder4, reference4, kind, tmp_path, monkeypatch):
+    """4-bit plans: streamed NF4 groups are the resident ones' bytes (same tokens, logits); CPU groups
+    are int8 (cpu_linear's GEMV) and stay within int8's error of the float32 run more than NF4 does."""
+    from planner.search import cpu_dtype
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    resident = hetero.load(folder4, device="cuda", plan=forced_plan(folder4, weights=WDtype.NF4, kv="bf16"),
+                           tokenizer=False, ctx_size=64)
+    want, want_logits = _greedy(resident, [PROMPT, PROMPT[::-1]]), resident.logits(PROMPT)
+    p = forced_plan(folder4, {(i, kind): Mode.STREAM for i in range(4)}, weights=WDtype.NF4, kv="bf16")
+    e = hetero.load(folder4, device="cuda", plan=p, tokenizer=False, ctx_size=64)
+    assert _greedy(e, [PROMPT, PROMPT[::-1]]) == want
+    assert rel_err(e.logits(PROMPT), want_logits) <= 1e-3
+    p = forced_plan(folder4, {(i, kind): Mode.CPU for i in range(4)}, weights=WDtype.NF4, kv="bf16",
+                    host_dtype=cpu_dtype(WDtype.NF4))
+    e = hetero.load(folder4, device="cuda", plan=p, tokenizer=False, ctx_size=64)
+    _greedy(e, [PROMPT], n=4)
+    got = e.logits(PROMPT)
+    assert rel_err(got, reference4[1]) < rel_err(want_logits, reference4[1])  # int8 groups err less than nf4
+
+
+def _weight_bytes_on_gpu(model) -> int:
+    """Bytes of the distinct CUDA storages the model's weights live in (staging slots counted once)."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+
+    def linear(lin):
+        for name in ("weight", "bias", "packed", "absmax"):
+            add(getattr(lin, name, None))
+
+    for lw in model.layers:
+        for t in (lw.attn_norm, lw.mlp_norm, lw.q_norm, lw.k_norm, lw.router):
+            add(t)
+        for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
+            if lin is not None:
+                linear(lin)
+    linear(model.lm_head)
+    add(model.norm)
+    add(model.embed_w)
+    return total
+
+
+def test_cuda_streamed_weights_keep_the_budget(tiny):
+    """A budget the planner can meet only by streaming (--weight-mode stream): the run stays under it
+    (the fence would raise otherwise), gives the all-resident run's tokens, and the GPU holds two
+    staging slots instead of the streamed layers."""
+    import gc
+
+    from offload.build import fence_gpu_memory
+    from planner import Budget, Overrides, Workload, load_or_measure, plan
+    from planner.search import workspace_bytes
+    from hetero.checkpoint import open_checkpoint
+    from hetero.errors import UserError
+
+    folder = tiny("llama_wide")[0]
+    cfg = open_checkpoint(folder).config
+    hw, wl = load_or_measure(), Workload(256, batch=1, prompt_tokens=128, gen_tokens=64)
+    # the KV on the host in both runs (same attention arithmetic, so the same tokens)
+    ov = Overrides(weights=WDtype.BF16, weight_mode=Mode.STREAM, kv_dtype=KVDtype.BF16, block_size=16,
+                   gpu_kv_tokens=0, stream_tokens=0)
+    full = plan(cfg, hw, Budget(4 * 2**30, 8 * 2**30), wl, ov)
+    resident = hetero.load(folder, device="cuda", plan=full, tokenizer=False, ctx_size=256)
+    want = _greedy(resident, [PROMPT], n=16)
+    all_weights = _weight_bytes_on_gpu(resident.model)
+    del resident
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    tight = None
+    for mib in range(0, 1000, 4):  # about the smallest budget that fits: the most streaming
+        try:
+            tight = plan(cfg, hw, Budget(workspace_bytes(cfg, wl) + (mib + 16) * 2**20, 8 * 2**30), wl, ov)
+            break
+        except UserError:
+            continue
+    streamed = [x for x in tight.placements if x.mode is Mode.STREAM]
+    assert len({x.layer for x in streamed}) >= 3, streamed
+    budget = base + tight.budget.gpu_bytes  # what this process held before counts against the fence
+    tight = dataclasses.replace(tight, budget=Budget(budget, tight.budget.host_bytes))
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        e = hetero.load(folder, device="cuda", plan=tight, tokenizer=False, ctx_size=256)
+        assert _greedy(e, [PROMPT], n=16) == want
+        assert torch.cuda.max_memory_allocated() <= budget
+        assert torch.cuda.max_memory_reserved() <= budget
+        sv = e.runner.weights
+        on_gpu = _weight_bytes_on_gpu(e.model)
+        host = sum(b.numel() for b in sv.host.values())
+        assert on_gpu <= all_weights - host + sv.nbytes + 64 * 2**10  # streamed layers: only their slots
+        assert sv.nbytes <= 2 * max(b.numel() for b in sv.host.values())
+    finally:
+        fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, torch.device("cuda"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from cpu_attention.layout import KVDtype
 from hetero.config import LLAMA3_8B, Arch, ModelConfig
@@ -11,7 +12,9 @@ from hetero.errors import UserError
 from planner import Budget, HardwareProfile, Overrides, Plan, Workload, format_size, parse_size, plan
 from planner.cost import decode_step
 from planner.plan import Device, Mode
-from planner.tensors import Kind, WDtype, experts_touched, kv_bytes_per_token_layer, total_params, weight_groups
+from planner.tensors import (
+    Kind, WDtype, experts_touched, kv_bytes_per_seq_layer, kv_bytes_per_token_layer, total_params, weight_groups,
+)
 
 GIB = 1024**3
 QWEN3_30B_A3B = ModelConfig(
@@ -170,12 +173,22 @@ def test_host_kv_dtype_falls_back_to_what_fits():
 
 
 def test_kv_bytes_match_the_host_pool_layout():
+    """The planner's bytes are the pool's real ones, at every block size: int4's per-block key
+    scales and tail-slot table spread over the block, and the tail a sequence being filled holds."""
     from cpu_attention.layout import HostKVPool
 
+    cfg = dataclasses.replace(LLAMA3_8B, num_layers=2)
     for dt in KVDtype:
-        pool = HostKVPool(2, 4, 8, 16, 128, dtype=dt)
-        cfg = dataclasses.replace(LLAMA3_8B, num_layers=2)
-        assert kv_bytes_per_token_layer(cfg, dt) * 2 == pytest.approx(pool.bytes_per_token)
+        for bs in (7, 16, 32):
+            pool = HostKVPool(2, 4, 8, bs, 128, dtype=dt)
+            assert kv_bytes_per_token_layer(cfg, dt, bs) * 2 == pytest.approx(pool.bytes_per_token), (dt, bs)
+            if dt is KVDtype.INT4:  # one sequence mid-block in both layers: one tail slot's bytes each
+                pool.write(0, torch.arange(3), torch.randn(3, 8, 128), torch.randn(3, 8, 128))
+                pool.write(1, torch.arange(3), torch.randn(3, 8, 128), torch.randn(3, 8, 128))
+                used = pool.tails.k.shape[0] - int(pool.tails.n_free[0])
+                assert used * pool.tails.k[0].nbytes * 2 == 2 * kv_bytes_per_seq_layer(cfg, dt, bs)
+            else:
+                assert kv_bytes_per_seq_layer(cfg, dt, bs) == 0
 
 
 def test_weight_groups_cover_every_parameter():
@@ -192,3 +205,20 @@ def test_sizes():
     with pytest.raises(UserError, match="8GiB"):
         parse_size("eight")
     assert format_size(8 * GIB) == "8.00 GiB" and format_size(1002 * 2**20) == "1002 MiB" and format_size(12) == "12 B"
+
+
+def test_staging_holds_a_whole_layer_of_streamed_groups():
+    """Streamed weights move a layer at a time into two device slots (offload/weights.py): the
+    reservation is twice the largest layer's streamed groups together, not the largest group."""
+    from planner.search import _PRIORITY, _fill
+
+    groups = weight_groups(LLAMA3_70B)
+    pl, staging = _fill(groups, WDtype.NF4, (Mode.STREAM, Mode.STREAM), 20 * GIB, _PRIORITY, True)
+    per_layer: dict[int, int] = {}
+    for x in pl:
+        if x.mode is Mode.STREAM:
+            per_layer[x.layer] = per_layer.get(x.layer, 0) + x.nbytes
+    both = [i for i in per_layer if {Kind.ATTN, Kind.MLP} <= {x.kind for x in pl if x.layer == i and x.mode is Mode.STREAM}]
+    assert both  # some layers stream attention and MLP together
+    assert staging == 2 * max(per_layer.values())
+    assert sum(x.nbytes for x in pl if x.on_gpu) + staging <= 20 * GIB
