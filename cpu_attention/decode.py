@@ -501,11 +501,16 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
         while t < t1:
             n = min(TL, t1 - t)
             u = 0
-            while u < n:  # the tile's token scales, contiguous
+            while u < n:  # the tile's token scales, contiguous; the next tile's are prefetched
                 blk, off = bt[b, (t + u) // BS], (t + u) % BS
                 nb = min(BS - off, n - u)
-                ksc[u:u + nb] = ks[blk, h, off:off + nb]
-                vsc[u:u + nb] = vs[blk, h, off:off + nb]
+                for j in range(nb):
+                    ksc[u + j] = ks[blk, h, off + j]
+                    vsc[u + j] = vs[blk, h, off + j]
+                tn = t + n + u
+                if tn < t1:
+                    prefetch(ks[bt[b, tn // BS], h], tn % BS)
+                    prefetch(vs[bt[b, tn // BS], h], tn % BS)
                 u += nb
             _tile_scores(q16, k, v, h, bt, b, t, n, t1, BS, s)
             for g in range(G):
