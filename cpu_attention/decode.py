@@ -282,6 +282,7 @@ _ACC1, _ACC2, _ACC3, _ACC4 = (make_accumulate(ng) for ng in (1, 2, 3, 4))
 _IACC1, _IACC2, _IACC3, _IACC4 = (make_accumulate_int8(ng) for ng in (1, 2, 3, 4))
 INT_SUM_TOKENS = 256  # tokens an int8 value pass sums in int32: 256 · 32767 · 127 < 2^31
 Q16 = np.float32(32767.0)  # int16 levels of a quantized query's largest element
+TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would leave float32's normal range
 
 
 @numba.njit(inline="always", **JIT)
@@ -412,7 +413,9 @@ def _quantize_weights(p, vsc, n, w16, wsc):
         for j in range(n):  # the weights are >= 0, so their bits order as they do: a max that vectorizes
             mx = max(mx, f32_to_bits(p[g, j] * vsc[j]))
         wmax = bits_to_f32(mx)
-        sc = wmax / Q16 if wmax > 0 else np.float32(1.0)
+        # a tile ~70 below the running max (or empty): weights of 1e-30 and less become 0 rather
+        # than scaled by an overflowing 1 / wsc
+        sc = wmax / Q16 if wmax > TINY else np.float32(1.0)
         wsc[g] = sc
         inv = np.float32(1.0) / sc
         for j in range(n):
@@ -428,7 +431,7 @@ def _quantize_q(qh, q16, qsc):
         mx = np.float32(0.0)
         for d in range(D):
             mx = max(mx, abs(qh[g, d]))
-        sc = mx / Q16 if mx > 0 else np.float32(1.0)
+        sc = mx / Q16 if mx > TINY else np.float32(1.0)
         qsc[g] = sc
         inv = np.float32(1.0) / sc
         for d in range(D):

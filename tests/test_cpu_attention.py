@@ -145,6 +145,21 @@ def test_int4_decode_after_token_by_token_appends(D, BS):
     _check_kernel(KVDtype.INT4, D, LENS, *make(KVDtype.INT4, D, BS, LENS, seed=D + BS + 1, by_token=True))
 
 
+@pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT8])
+def test_decode_scores_far_apart(dtype):
+    """A query 30x the usual size puts scores ~100 apart: whole tiles sit 70-87 below the
+    running max (weights ~e^-80, whose int16 scale would leave float32's range) or further
+    (weights 0). The output stays the reference's (int8's int16 rounding of q grows with q)."""
+    D, BS, lens = 64, 16, [700, 33]
+    pool, bt, sl, q, _ = make(dtype, D, BS, lens, seed=13)
+    q = q * 30
+    out, lse = decode_attention(pool, 0, q, bt, sl, 1 / math.sqrt(D), threads=2)
+    ro, rl = decode_attention_ref(pool, 0, q, bt, sl, 1 / math.sqrt(D), dtype=torch.float64)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel(out, ro) < 1e-3
+    assert (lse.double() - rl).abs().max() < 1e-2
+
+
 def test_decode_split_merges_to_full():
     """A sequence split between two tiers: merging the two partials gives the full result."""
     D, BS, n, cut = 128, 16, 1000, 384  # cut on a block boundary, as tiers are
