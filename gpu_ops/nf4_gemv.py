@@ -166,46 +166,30 @@ def _nf4_gemv_kernel(
         q, sc = q_next, sc_next
     if PDL:
         gdc_launch_dependents()
-    if SWIGLU:
-        F = N // 2
+    if SWIGLU:  # one output per gate/up pair: F = N / 2 columns
+        NO = N // 2
         offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        out = out_ptr + offs
-        ok = offs < F
-        _store_swiglu(out, acc0, ok, BLOCK_N)
-        if M > 1:
-            _store_swiglu(out + F, acc1, ok, BLOCK_N)
-        if M > 2:
-            _store_swiglu(out + 2 * F, acc2, ok, BLOCK_N)
-        if M > 3:
-            _store_swiglu(out + 3 * F, acc3, ok, BLOCK_N)
-        if M > 4:
-            _store_swiglu(out + 4 * F, acc4, ok, BLOCK_N)
-        if M > 5:
-            _store_swiglu(out + 5 * F, acc5, ok, BLOCK_N)
-        if M > 6:
-            _store_swiglu(out + 6 * F, acc6, ok, BLOCK_N)
-        if M > 7:
-            _store_swiglu(out + 7 * F, acc7, ok, BLOCK_N)
-        return
-    offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = offs < N
-    out = out_ptr + pid_s * M * N + offs
+    else:
+        NO = N
+        offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < NO
+    out = out_ptr + pid_s * M * NO + offs
     res = res_ptr + offs
-    _store_row(out, acc0, ok, SPLIT, res, RES)
+    _store_row(out, acc0, ok, SPLIT, res, RES, SWIGLU, BLOCK_N)
     if M > 1:
-        _store_row(out + N, acc1, ok, SPLIT, res + stride_rm, RES)
+        _store_row(out + NO, acc1, ok, SPLIT, res + stride_rm, RES, SWIGLU, BLOCK_N)
     if M > 2:
-        _store_row(out + 2 * N, acc2, ok, SPLIT, res + 2 * stride_rm, RES)
+        _store_row(out + 2 * NO, acc2, ok, SPLIT, res + 2 * stride_rm, RES, SWIGLU, BLOCK_N)
     if M > 3:
-        _store_row(out + 3 * N, acc3, ok, SPLIT, res + 3 * stride_rm, RES)
+        _store_row(out + 3 * NO, acc3, ok, SPLIT, res + 3 * stride_rm, RES, SWIGLU, BLOCK_N)
     if M > 4:
-        _store_row(out + 4 * N, acc4, ok, SPLIT, res + 4 * stride_rm, RES)
+        _store_row(out + 4 * NO, acc4, ok, SPLIT, res + 4 * stride_rm, RES, SWIGLU, BLOCK_N)
     if M > 5:
-        _store_row(out + 5 * N, acc5, ok, SPLIT, res + 5 * stride_rm, RES)
+        _store_row(out + 5 * NO, acc5, ok, SPLIT, res + 5 * stride_rm, RES, SWIGLU, BLOCK_N)
     if M > 6:
-        _store_row(out + 6 * N, acc6, ok, SPLIT, res + 6 * stride_rm, RES)
+        _store_row(out + 6 * NO, acc6, ok, SPLIT, res + 6 * stride_rm, RES, SWIGLU, BLOCK_N)
     if M > 7:
-        _store_row(out + 7 * N, acc7, ok, SPLIT, res + 7 * stride_rm, RES)
+        _store_row(out + 7 * NO, acc7, ok, SPLIT, res + 7 * stride_rm, RES, SWIGLU, BLOCK_N)
 
 
 @triton.jit
@@ -218,24 +202,19 @@ def _load_scales(a_rows, kw, h, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _store_row(ptr, acc, ok, SPLIT: tl.constexpr, res, RES: tl.constexpr):
+def _store_row(ptr, acc, ok, SPLIT: tl.constexpr, res, RES: tl.constexpr, SWIGLU: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     y = tl.sum(acc, axis=1)
     if SPLIT:
         tl.store(ptr, y, mask=ok)
+    elif SWIGLU:  # interleaved (gate, up) sums, each rounded to bf16 as torch's gate_up output is,
+        g, u = tl.split(tl.reshape(y.to(tl.bfloat16).to(tl.float32), [BLOCK_N // 2, 2]))  # then silu(g)·u
+        tl.store(ptr, (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16), mask=ok)
     elif RES:  # torch's res + y.to(bf16): y rounded to bf16 first, the sum rounded again
         r = tl.load(res, mask=ok, other=0.0).to(tl.float32)
         tl.store(ptr, (y.to(tl.bfloat16).to(tl.float32) + r).to(tl.bfloat16), mask=ok)
     else:
         tl.store(ptr, y.to(tl.bfloat16), mask=ok)
-
-
-@triton.jit
-def _store_swiglu(ptr, acc, ok, BLOCK_N: tl.constexpr):
-    """silu(gate) · up from the interleaved (gate, up) row sums, each rounded to bf16 first as
-    torch's gate_up output is: (F.silu(g.float()) * u.float()).to(bf16)."""
-    y = tl.sum(acc, axis=1).to(tl.bfloat16).to(tl.float32)  # [BN]: g0, u0, g1, u1, ...
-    g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
-    tl.store(ptr, (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16), mask=ok)
 
 
 @functools.cache
