@@ -16,7 +16,9 @@ by a shuffle butterfly, and accumulates a block's tokens into up to four heads �
 vectors of the accumulator held in registers. bf16 is widened by a shift into the high half;
 int8 keys are scored in integers (q rounded to int16 per head, x86 pmaddwd / vpdpwssd), the
 key token scales then multiply the scores and the value token scales the weights, not the
-D codes. While a block is scored, the next block's rows are prefetched a few rows a pass.
+D codes. int8 K and V are stored rotated (`layout.py`): `decode_attention` rotates q before
+the kernel and the output back after it, the kernel never sees R. While a block is scored,
+the next block's rows are prefetched a few rows a pass.
 Head dims that are not a multiple of the vector width go to `decode_*_any`: the same
 algorithm one block a tile with LLVM's vectorized loops (`_scores`, `_accumulate`).
 
@@ -41,8 +43,8 @@ from numba import prange
 
 from cpu_attention import rotation
 from cpu_attention._numba import (
-    JIT, bits_to_f32, exp_neg, f32_to_bits, hadamard_unrotate, line_elems, prefetch, resolve_threads, widen,
-    widen_nibbles, widen_nibbles_by,
+    JIT, bits_to_f32, exp_neg, f32_to_bits, hadamard_unrotate, line_elems, prefetch, resolve_threads, rotate_rows,
+    unrotate_rows, widen, widen_nibbles, widen_nibbles_by,
 )
 from cpu_attention._simd import (
     DOT_TOKENS, IVEC, VEC, from_madd_layout, from_pair_layout, make_accumulate, make_accumulate_int8, make_dots,
@@ -802,10 +804,13 @@ def decode_attention(
     if pool.dtype is KVDtype.BF16:
         kernel = decode_float if D % VEC == 0 else decode_float_any
         kernel(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
-    elif pool.dtype is KVDtype.INT8:
+    elif pool.dtype is KVDtype.INT8:  # K and V stored rotated: q · k = (q R) · (k R), Σ p (v R) = (Σ p v) R
+        rot = rotation.numba_args(D)
+        rotate_rows(qn.reshape(-1, D), *rot)
         kernel = decode_int8 if D % VEC == 0 and D % (2 * IVEC) == 0 else decode_int8_any
         kernel(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
                on, ln)
+        unrotate_rows(on.reshape(-1, D), *rot)
     else:
         t = pool.tails.arrays
         decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer], a["v_scale"][layer],
