@@ -10,8 +10,9 @@ first-call JIT time in a fresh process and whether a second process loads Numba'
 and the per-call cost of HostKVPool.write for one decode token. Diagnostics that tell
 compute from memory: each kernel's ns per (token, kv head) on one thread with the KV in
 cache, its all-thread rate with the KV in cache, and a plain read of the same K/V bytes in
-the kernel's order (the access pattern's own bound). `--sweep` also tries work items per
-thread and Numba's dynamic chunking. Imports only torch, numpy, numba and cpu_attention.
+the kernel's order (the access pattern's own bound); and each kernel's error against its
+float64 twin (this host's vector code may be one the tests never ran). `--sweep` also tries
+work items per thread and Numba's dynamic chunking. Imports only torch, numpy, numba and cpu_attention.
 Reports; asserts nothing.
 """
 from __future__ import annotations
@@ -132,6 +133,28 @@ def in_cache(dtype: KVDtype, hs: Heads, threads: int, n: int, gen) -> tuple[floa
     call()
     t = min(_timed(call) for _ in range(20))
     return t * threads / (n * hs.kv) * 1e9, n * pool.bytes_per_token / t / 1e9
+
+
+def kernel_error(dtype: KVDtype, hs: Heads, threads: int, gen) -> tuple[float, float]:
+    """(relative error of out, max |error| of lse) of the kernel against its float64 twin on
+    odd lengths: the benchmarked code paths (vector widths, instruction sets) checked on
+    this host's own CPU, which the tests may never have run on."""
+    lens = [1, 1003, 2 * hs.block + 5]
+    nbs = [-(-n // hs.block) for n in lens]
+    pool = HostKVPool(1, sum(nbs), hs.kv, hs.block, hs.d, dtype)
+    bt = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
+    perm, c = torch.randperm(sum(nbs), generator=gen).int(), 0
+    for i, (n, nb) in enumerate(zip(lens, nbs)):
+        bt[i, :nb] = perm[c:c + nb]
+        c += nb
+        t = torch.arange(n)
+        mu = 2 * torch.randn(hs.kv, hs.d, generator=gen)  # channel means, as real keys have
+        kv = [torch.randn(n, hs.kv, hs.d, generator=gen) + mu for _ in range(2)]
+        pool.write(0, bt[i, t // hs.block].long() * hs.block + t % hs.block, *kv)
+    q, sl, scale = torch.randn(len(lens), hs.q, hs.d, generator=gen), torch.tensor(lens), hs.d**-0.5
+    out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=threads)
+    ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
+    return float((out.double() - ro).norm() / ro.norm()), float((lse.double() - rl).abs().max())
 
 
 def _timed(fn) -> float:
@@ -260,9 +283,12 @@ def main() -> None:
     for dt in dtypes:
         ns1, _ = in_cache(dt, hs, 1, 2048, gen)
         _, gb = in_cache(dt, hs, threads, 8192, gen)
-        diag[dt.value] = {"ns_per_token_head_1thread_cached": ns1, "GBps_all_threads_cached": gb}
+        err, lse_err = kernel_error(dt, hs, threads, gen)
+        diag[dt.value] = {"ns_per_token_head_1thread_cached": ns1, "GBps_all_threads_cached": gb,
+                          "rel_error_vs_float64_twin": err, "lse_error_vs_float64_twin": lse_err}
         log(f"{dt.value}: {ns1:.1f} ns per (token, kv head) on 1 thread in cache; "
-            f"{gb:.1f} GB/s on {threads} threads in cache (1 x 8192)")
+            f"{gb:.1f} GB/s on {threads} threads in cache (1 x 8192); vs its float64 twin: "
+            f"out rel. error {err:.1e} (tests: < 1e-4), lse {lse_err:.1e} (< 1e-4, int8 3e-4)")
     if args.sweep:
         for dt in (KVDtype.BF16, KVDtype.INT8):
             for ipt in (4, 16):

@@ -170,6 +170,20 @@ def hadamard_unrotate(y, signs, P, c):
         y[d] = (y[d] * c) * signs[d]
 
 
+@numba.njit(nogil=True, cache=True)
+def rotate_rows(x, signs, P, c):
+    """Each row of x [N, D] float32 := row @ R, in place (`hadamard_rotate`)."""
+    for i in range(x.shape[0]):
+        hadamard_rotate(x[i], signs, P, c, x[i])
+
+
+@numba.njit(nogil=True, cache=True)
+def unrotate_rows(x, signs, P, c):
+    """Each row of x [N, D] float32 := row @ R.T, in place (`hadamard_unrotate`)."""
+    for i in range(x.shape[0]):
+        hadamard_unrotate(x[i], signs, P, c)
+
+
 @numba.njit(inline="always", nogil=True, cache=True, fastmath=FASTMATH)
 def exp_neg(x):
     """e^x for x <= 0 (softmax weights), rel. error < 2e-7, branch-free so loops vectorize.

@@ -4,8 +4,8 @@ A decode step appends one token per sequence in each of 32 layers; the torch ver
 (`layout.quantize` + indexed stores) costs hundreds of microseconds a call in small-op
 overhead, this one a few. Same bits as the torch twins (`layout.quantize`; int4:
 `int4.write`, whose docstring states the rule): round half to even, the same float32
-formulas in the same order, the same rotation butterflies and clip search, without fastmath
-so every operation rounds as torch's does.
+formulas in the same order, the same rotation butterflies (int8 keys and values, int4
+values) and clip search, without fastmath so every operation rounds as torch's does.
 """
 from __future__ import annotations
 
@@ -31,17 +31,20 @@ def write_bf16(dst, blocks, offs, x):
 
 
 @numba.njit(**WJIT)
-def write_int8(dst, sc, blocks, offs, x):
-    """dst [NB, Hkv, BS, D] int8, sc [NB, Hkv, BS] float32: x ≈ dst * sc."""
+def write_int8(dst, sc, blocks, offs, x, signs, P, inv_sqrt_p):
+    """dst [NB, Hkv, BS, D] int8, sc [NB, Hkv, BS] float32: x @ R ≈ dst * sc (signs, P,
+    inv_sqrt_p: the rotation R; `layout.quantize`)."""
+    y = np.empty(x.shape[2], np.float32)
     for t in range(x.shape[0]):
         for h in range(x.shape[1]):
+            hadamard_rotate(x[t, h], signs, P, inv_sqrt_p, y)
             amax = np.float32(0.0)
-            for d in range(x.shape[2]):
-                amax = max(amax, abs(x[t, h, d]))
+            for d in range(y.shape[0]):
+                amax = max(amax, abs(y[d]))
             s = max(amax, np.float32(1e-8)) / np.float32(127.0)
             sc[blocks[t], h, offs[t]] = s
-            for d in range(x.shape[2]):
-                c = min(max(np.rint(x[t, h, d] / s), np.float32(-127.0)), np.float32(127.0))
+            for d in range(y.shape[0]):
+                c = min(max(np.rint(y[d] / s), np.float32(-127.0)), np.float32(127.0))
                 dst[blocks[t], h, offs[t], d] = np.int8(c)
 
 
@@ -191,11 +194,12 @@ def write_kv_bf16(k, v, layer, slots, block_size, xk, xv):
 
 
 @numba.njit(**WJIT)
-def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv):
-    """As write_kv_bf16 for int8 codes k, v and their scales ks, vs [L, NB, Hkv, BS] float32."""
+def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv, signs, P, inv_sqrt_p):
+    """As write_kv_bf16 for int8 codes k, v and their scales ks, vs [L, NB, Hkv, BS] float32,
+    both rotated (signs, P, inv_sqrt_p)."""
     blocks, offs = slots // block_size, slots % block_size
-    write_int8(k[layer], ks[layer], blocks, offs, xk)
-    write_int8(v[layer], vs[layer], blocks, offs, xv)
+    write_int8(k[layer], ks[layer], blocks, offs, xk, signs, P, inv_sqrt_p)
+    write_int8(v[layer], vs[layer], blocks, offs, xv, signs, P, inv_sqrt_p)
 
 
 @numba.njit(**WJIT)
@@ -241,7 +245,8 @@ def write_numba(pool: HostKVPool, layer: int, slots: torch.Tensor, k: torch.Tens
     if pool.dtype is KVDtype.BF16:
         write_kv_bf16(a["k"], a["v"], layer, sl, pool.block_size, xk, xv)
     elif pool.dtype is KVDtype.INT8:
-        write_kv_int8(a["k"], a["v"], a["k_scale"], a["v_scale"], layer, sl, pool.block_size, xk, xv)
+        write_kv_int8(a["k"], a["v"], a["k_scale"], a["v_scale"], layer, sl, pool.block_size, xk, xv,
+                      *rotation.numba_args(pool.head_dim))
     else:
         tails = pool.tails
         tails.reserve(tail_slots_needed(tails.arrays["slot"][layer], sl, pool.block_size))

@@ -6,19 +6,31 @@ every core busy, and each item returns a partial (acc [G, D], running max m, sum
 second parallel loop merges by log-sum-exp. All G = Hq / Hkv query heads of a kv head are
 done together, so each K/V byte is read from DRAM once.
 
-Inner loop, per tile (the tokens of one block, at most TILE): the scores of all G heads
-(`_scores`: two tokens × a group of up to four heads a pass, each K element loaded and
-widened once per group, bf16 by a shift into the high half, int8 by a conversion), one
-online-softmax step for the whole tile (`_softmax_tile`: max, one rescale of the
-accumulator, a vectorized polynomial exp), then the V accumulation (`_accumulate`: the same
-head groups × two tokens a pass). G is split into groups of four and one group of the rest
-(G = 3: one group of three), each a specialization of one helper by its constant size.
-int8's per-token scales multiply the G scores and the G weights, not the D codes. int4 rows
-are first widened into L1-resident float32 tiles (up to TILE tokens over one or more blocks)
-by straight-line vector code (`widen_nibbles`): code × scale + zero, V's per token and
-group, K's per block and channel (a block still being filled is read from its bf16 tail);
-the output is rotated back (int4 V is stored rotated, `rotation.py`). While a tile
-computes, the next tile's rows are prefetched one row per token.
+bf16 and int8, per tile (whole blocks, about TOKENS_PER_TILE tokens): the scores of all G
+heads block by block into s [G, tile] (`_tile_scores`), one online-softmax step for the whole
+tile (`_softmax_tile`: max, one rescale of the accumulator, a vectorized polynomial exp),
+then the V accumulation block by block (`_tile_accumulate`). The two hot loops are vector
+micro-kernels written as LLVM IR (`_simd.make_dots`, `make_accumulate`): a pass scores
+DOT_TOKENS tokens × up to four heads with every partial sum in registers, reduced together
+by a shuffle butterfly, and accumulates a block's tokens into up to four heads × a few
+vectors of the accumulator held in registers. bf16 is widened by a shift into the high half;
+int8 keys are scored in integers (q rounded to int16 per head, x86 pmaddwd / vpdpwssd), the
+key token scales then multiply the scores and the value token scales the weights, not the
+D codes. int8 K and V are stored rotated (`layout.py`): `decode_attention` rotates q before
+the kernel and the output back after it, the kernel never sees R. While a block is scored,
+the next block's rows are prefetched a few rows a pass.
+Head dims that are not a multiple of the vector width go to `decode_*_any`: the same
+algorithm one block a tile with LLVM's vectorized loops (`_scores`, `_accumulate`).
+
+int4, per tile (up to TILE tokens over one or more blocks): the scores with `_scores` (two
+tokens × a group of up to four heads a pass, each K element loaded once per group), one
+`_softmax_tile` step, then `_accumulate` (the same head groups × two tokens a pass); G is
+split into groups of four and one group of the rest, each a specialization of one helper by
+its constant size. int4 rows are first widened into L1-resident float32 tiles by
+straight-line vector code (`widen_nibbles`): code × scale + zero, V's per token and group,
+K's per block and channel (a block still being filled is read from its bf16 tail); the
+output is rotated back (int4 V is stored rotated, `rotation.py`). While a tile computes, the
+next tile's rows are prefetched one row per token.
 """
 from __future__ import annotations
 
@@ -31,12 +43,18 @@ from numba import prange
 
 from cpu_attention import rotation
 from cpu_attention._numba import (
-    JIT, exp_neg, hadamard_unrotate, line_elems, prefetch, resolve_threads, widen, widen_nibbles, widen_nibbles_by,
+    JIT, bits_to_f32, exp_neg, f32_to_bits, hadamard_unrotate, line_elems, prefetch, resolve_threads, rotate_rows,
+    unrotate_rows, widen, widen_nibbles, widen_nibbles_by,
+)
+from cpu_attention._simd import (
+    DOT_TOKENS, IVEC, VEC, from_madd_layout, from_pair_layout, make_accumulate, make_accumulate_int8, make_dots,
+    to_pair_layout,
 )
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
 
-TILE = 32  # tokens widened at a time: K and V tiles of 32 × D float32 stay in L1/L2
+TILE = 32  # int4: tokens widened at a time: K and V tiles of 32 × D float32 stay in L1/L2
+TOKENS_PER_TILE = 64  # bf16/int8: tokens scored per online-softmax step (whole blocks)
 ITEMS_PER_THREAD = 4  # equal-sized items per thread: balances Numba's static schedule
 MIN_CHUNK = 256  # tokens; below this the merge and per-item setup start to show
 NEG_INF = np.float32(-np.inf)
@@ -133,15 +151,25 @@ def _scores_group(q, g, ng, kt, n, s, pk, pv, pn):
 
 
 @numba.njit(inline="always", **JIT)
+def _row_max(x, n):
+    """max(x[:n]) (-inf if n == 0) for finite or -inf float32 x, as a max over int32 keys that order as
+    the floats do (negative floats' magnitude bits flipped): an integer max vectorizes, while a
+    float one without fastmath's no-NaN flag stays a scalar chain of one compare per element."""
+    mx = np.int32(-(2**31))
+    for j in range(n):
+        b = np.int32(f32_to_bits(x[j]))
+        mx = max(mx, b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+    return bits_to_f32(mx ^ ((mx >> np.int32(31)) & np.int32(0x7FFFFFFF))) if n > 0 else NEG_INF
+
+
+@numba.njit(inline="always", **JIT)
 def _softmax_tile(s, n, m, l, acc):
     """Online softmax step over a tile of n scores s [G, TILE] → weights in place; the running
     max m [G], sum l [G] and accumulator acc [G, D] are rescaled once per tile, not per token."""
     G, D = acc.shape
     for g in range(G):
         sg = s[g]
-        mx = NEG_INF
-        for j in range(n):
-            mx = max(mx, sg[j])
+        mx = _row_max(sg, n)
         if mx > m[g]:
             corr = exp_neg(m[g] - mx)  # 0 while m is -inf
             l[g] *= corr
@@ -249,10 +277,265 @@ def _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse):
         lse[b, hq] = M + np.log(L)
 
 
+# Vector micro-kernels for the bf16 / int8 paths (`_simd.make_dots` / `make_accumulate`),
+# one specialization per head-group size; tiles span whole blocks.
+_DOT1, _DOT2, _DOT3, _DOT4 = (make_dots(ng) for ng in (1, 2, 3, 4))
+_ACC1, _ACC2, _ACC3, _ACC4 = (make_accumulate(ng) for ng in (1, 2, 3, 4))
+_IACC1, _IACC2, _IACC3, _IACC4 = (make_accumulate_int8(ng) for ng in (1, 2, 3, 4))
+INT_SUM_TOKENS = 256  # tokens an int8 value pass sums in int32: 256 · 32767 · 127 < 2^31
+Q16 = np.float32(32767.0)  # int16 levels of a quantized query's largest element
+TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would leave float32's normal range
+
+
+@numba.njit(inline="always", **JIT)
+def _tile_len(BS):
+    """Tokens of a tile: whole blocks, about TOKENS_PER_TILE."""
+    return max(TOKENS_PER_TILE // BS, 1) * BS
+
+
+@numba.njit(inline="always", **JIT)
+def _dots_rows(q, kb, r0, r1, s, sj, pk, pv, p0, p1):
+    """s[:, sj + j - r0] = q · kb[j] for rows r0 <= j < r1 of one block, all G heads: heads in
+    groups of four (then 3, 2 or 1), DOT_TOKENS tokens a pass, the pass's K rows reused by every
+    group from L1. q int16 (and kb int8): integer scores, unscaled. Each pass also prefetches
+    as many rows p0 + j - r0 < p1 of pk and pv (a later block): spread out like this, the
+    prefetches overlap the arithmetic (issued a block at a time, they measured ~15% slower)."""
+    G = q.shape[0]
+    for j in range(r0, r1, DOT_TOKENS):
+        pj = p0 + j - r0
+        pe = min(pj + DOT_TOKENS, p1)
+        if pj < pe:
+            _prefetch_rows(pk, pj, pe)
+            _prefetch_rows(pv, pj, pe)
+        c = sj + j - r0
+        g = 0
+        while g + 4 <= G:
+            _DOT4(q, g, kb, j, r1, s, c)
+            g += 4
+        r = G - g
+        if r == 3:
+            _DOT3(q, g, kb, j, r1, s, c)
+        elif r == 2:
+            _DOT2(q, g, kb, j, r1, s, c)
+        elif r == 1:
+            _DOT1(q, g, kb, j, r1, s, c)
+
+
+@numba.njit(inline="always", **JIT)
+def _accumulate_rows(p, pj, vb, r0, n, acc):
+    """acc[g] += Σ_t p[g, pj + t] · vb[r0 + t] for t < n (rows of one block), all G heads in
+    groups of four (then 3, 2 or 1)."""
+    G = acc.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _ACC4(p, g, pj, vb, r0, n, acc)
+        g += 4
+    r = G - g
+    if r == 3:
+        _ACC3(p, g, pj, vb, r0, n, acc)
+    elif r == 2:
+        _ACC2(p, g, pj, vb, r0, n, acc)
+    elif r == 1:
+        _ACC1(p, g, pj, vb, r0, n, acc)
+
+
+@numba.njit(inline="always", **JIT)
+def _prefetch_rows(a, r0, r1):
+    """Prefetch rows r0 <= j < r1 of a 2-D C-contiguous array (contiguous memory)."""
+    W = a.shape[1]
+    for i in range(r0 * W, r1 * W, line_elems(a)):
+        prefetch(a, i)
+
+
+@numba.njit(inline="always", **JIT)
+def _tile_scores(q, k, v, h, bt, b, t, n, t1, BS, s):
+    """s[:, :n] = scores of tokens t .. t+n-1, block by block; meanwhile the K and V rows one
+    block further on (up to t1) are prefetched, so their reads overlap this arithmetic (a
+    tile further measured the same; no prefetch ~25% slower with the KV in L3)."""
+    u = 0
+    while u < n:
+        blk, off = bt[b, (t + u) // BS], (t + u) % BS
+        nb = min(BS - off, n - u)
+        tn = t + u + BS
+        pblk, poff, pn = blk, 0, 0
+        if tn < t1:
+            pblk, poff = bt[b, tn // BS], tn % BS
+            pn = min(BS - poff, t1 - tn, nb)
+        _dots_rows(q, k[blk, h], off, off + nb, s, u, k[pblk, h], v[pblk, h], poff, poff + pn)
+        u += nb
+
+
+@numba.njit(inline="always", **JIT)
+def _tile_accumulate(p, v, h, bt, b, t, n, BS, acc):
+    """acc += p[:, :n] · V of tokens t .. t+n-1, block by block."""
+    u = 0
+    while u < n:
+        blk, off = bt[b, (t + u) // BS], (t + u) % BS
+        nb = min(BS - off, n - u)
+        _accumulate_rows(p, u, v[blk, h], off, nb, acc)
+        u += nb
+
+
+@numba.njit(inline="always", **JIT)
+def _accumulate_rows_int8(w16, wsc, pj, vb, r0, n, acc):
+    """`_accumulate_rows` for int8 values and int16 weights (scales wsc [G]), acc in the madd layout."""
+    G = acc.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _IACC4(w16, wsc, g, pj, vb, r0, n, acc)
+        g += 4
+    r = G - g
+    if r == 3:
+        _IACC3(w16, wsc, g, pj, vb, r0, n, acc)
+    elif r == 2:
+        _IACC2(w16, wsc, g, pj, vb, r0, n, acc)
+    elif r == 1:
+        _IACC1(w16, wsc, g, pj, vb, r0, n, acc)
+
+
+@numba.njit(inline="always", **JIT)
+def _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc):
+    """acc += wsc · (w16[:, :n] · V) of tokens t .. t+n-1, block by block, INT_SUM_TOKENS at most a pass."""
+    u = 0
+    while u < n:
+        blk, off = bt[b, (t + u) // BS], (t + u) % BS
+        nb = min(BS - off, n - u, INT_SUM_TOKENS)
+        _accumulate_rows_int8(w16, wsc, u, v[blk, h], off, nb, acc)
+        u += nb
+
+
+@numba.njit(inline="always", **JIT)
+def _quantize_weights(p, vsc, n, w16, wsc):
+    """w16[g, j] = round(p[g, j] vsc[j] / wsc[g]) for j < n, wsc[g] = max_j p[g, j] vsc[j] / 32767:
+    a tile's softmax weights times the value token scales as int16 per head (relative error
+    ≤ 2^-16 of the tile's largest weight), for the integer value sums."""
+    G = p.shape[0]
+    for g in range(G):
+        mx = np.uint32(0)
+        for j in range(n):  # the weights are >= 0, so their bits order as they do: a max that vectorizes
+            mx = max(mx, f32_to_bits(p[g, j] * vsc[j]))
+        wmax = bits_to_f32(mx)
+        # a tile ~70 below the running max (or empty): weights of 1e-30 and less become 0 rather
+        # than scaled by an overflowing 1 / wsc
+        sc = wmax / Q16 if wmax > TINY else np.float32(1.0)
+        wsc[g] = sc
+        inv = np.float32(1.0) / sc
+        for j in range(n):
+            w16[g, j] = np.int16(np.rint(p[g, j] * vsc[j] * inv))
+
+
+@numba.njit(inline="always", **JIT)
+def _quantize_q(qh, q16, qsc):
+    """q16[g] = round(qh[g] / qsc[g]) with qsc[g] = max|qh[g]| / 32767: int16 queries for the
+    integer scores (relative error ≤ 2^-16 of the largest element, far below int8 K's)."""
+    G, D = qh.shape
+    for g in range(G):
+        mx = np.float32(0.0)
+        for d in range(D):
+            mx = max(mx, abs(qh[g, d]))
+        sc = mx / Q16 if mx > TINY else np.float32(1.0)
+        qsc[g] = sc
+        inv = np.float32(1.0) / sc
+        for d in range(D):
+            q16[g, d] = np.int16(np.rint(qh[g, d] * inv))
+
+
 @numba.njit(parallel=True, **JIT)
 def decode_float(k, v, q, bt, items, pair_start, out, lse):
     """k, v [NB, Hkv, BS, D] uint16 (bf16 bits); q [B, Hq, D] f32 pre-scaled;
-    bt [B, MB]; items/pair_start from _plan; writes out [B, Hq, D], lse [B, Hq]."""
+    bt [B, MB]; items/pair_start from _plan; writes out [B, Hq, D], lse [B, Hq].
+    D % VEC == 0 (else `decode_float_any`). q and the accumulator are kept in the pair layout
+    in which bf16 rows are widened (`_simd.to_pair_layout`)."""
+    NI = items.shape[0]
+    BS, D = k.shape[2], k.shape[3]
+    G = q.shape[1] // k.shape[1]
+    TL = _tile_len(BS)
+    part_o = np.empty((NI, G, D), np.float32)
+    part_m = np.empty((NI, G), np.float32)
+    part_l = np.empty((NI, G), np.float32)
+    for it in prange(NI):
+        b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+        s = np.empty((G, TL + DOT_TOKENS), np.float32)
+        m = np.full(G, NEG_INF, np.float32)
+        l = np.zeros(G, np.float32)
+        acc = np.zeros((G, D), np.float32)  # pair layout, as qh
+        qh = np.empty((G, D), np.float32)
+        to_pair_layout(q[b, h * G:(h + 1) * G], qh)
+        t = t0
+        while t < t1:
+            n = min(TL, t1 - t)
+            _tile_scores(qh, k, v, h, bt, b, t, n, t1, BS, s)
+            _softmax_tile(s, n, m, l, acc)
+            _tile_accumulate(s, v, h, bt, b, t, n, BS, acc)
+            t += n
+        from_pair_layout(acc, part_o[it])
+        part_m[it] = m
+        part_l[it] = l
+    for p in prange(pair_start.shape[0] - 1):
+        _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+
+
+@numba.njit(parallel=True, **JIT)
+def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
+    """k, v [NB, Hkv, BS, D] int8; ks, vs [NB, Hkv, BS] f32; rest as decode_float.
+    Scores in integers (int16 q · int8 k, `_quantize_q`), then × q scale × token scale; the
+    weights × the V token scales in int16 (`_quantize_weights`) and the value sums in integers
+    too (`make_accumulate_int8`), into an accumulator in the madd layout. D % (2 IVEC) == 0
+    and D % VEC == 0 (else `decode_int8_any`)."""
+    NI = items.shape[0]
+    BS, D = k.shape[2], k.shape[3]
+    G = q.shape[1] // k.shape[1]
+    TL = _tile_len(BS)
+    part_o = np.empty((NI, G, D), np.float32)
+    part_m = np.empty((NI, G), np.float32)
+    part_l = np.empty((NI, G), np.float32)
+    for it in prange(NI):
+        b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+        s = np.empty((G, TL + DOT_TOKENS), np.float32)
+        w16 = np.empty((G, TL), np.int16)
+        wsc = np.empty(G, np.float32)
+        ksc = np.empty(TL, np.float32)
+        vsc = np.empty(TL, np.float32)
+        q16 = np.empty((G, D), np.int16)
+        qsc = np.empty(G, np.float32)
+        m = np.full(G, NEG_INF, np.float32)
+        l = np.zeros(G, np.float32)
+        acc = np.zeros((G, D), np.float32)  # madd layout
+        _quantize_q(q[b, h * G:(h + 1) * G], q16, qsc)
+        t = t0
+        while t < t1:
+            n = min(TL, t1 - t)
+            u = 0
+            while u < n:  # the tile's token scales, contiguous; the next tile's are prefetched
+                blk, off = bt[b, (t + u) // BS], (t + u) % BS
+                nb = min(BS - off, n - u)
+                for j in range(nb):
+                    ksc[u + j] = ks[blk, h, off + j]
+                    vsc[u + j] = vs[blk, h, off + j]
+                tn = t + n + u
+                if tn < t1:
+                    prefetch(ks[bt[b, tn // BS], h], tn % BS)
+                    prefetch(vs[bt[b, tn // BS], h], tn % BS)
+                u += nb
+            _tile_scores(q16, k, v, h, bt, b, t, n, t1, BS, s)
+            for g in range(G):
+                for j in range(n):
+                    s[g, j] *= qsc[g] * ksc[j]
+            _softmax_tile(s, n, m, l, acc)
+            _quantize_weights(s, vsc, n, w16, wsc)
+            _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc)
+            t += n
+        from_madd_layout(acc, part_o[it])
+        part_m[it] = m
+        part_l[it] = l
+    for p in prange(pair_start.shape[0] - 1):
+        _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+
+
+@numba.njit(parallel=True, **JIT)
+def decode_float_any(k, v, q, bt, items, pair_start, out, lse):
+    """`decode_float` for any head dim: one block a tile, LLVM's vectorized loops (`_scores`,
+    `_accumulate`) instead of the vector micro-kernels."""
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
     G = q.shape[1] // k.shape[1]
@@ -283,9 +566,8 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse):
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
-    """k, v [NB, Hkv, BS, D] int8; ks, vs [NB, Hkv, BS] f32; rest as decode_float.
-    The token scales are applied to the G scores (K) and the G weights (V), not to the D codes."""
+def decode_int8_any(k, v, ks, vs, q, bt, items, pair_start, out, lse):
+    """`decode_int8` for any head dim: float scores, one block a tile, as `decode_float_any`."""
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
     G = q.shape[1] // k.shape[1]
@@ -520,10 +802,15 @@ def decode_attention(
     on, ln = out[0].numpy(), out[1].numpy()
     a = pool.arrays
     if pool.dtype is KVDtype.BF16:
-        decode_float(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
-    elif pool.dtype is KVDtype.INT8:
-        decode_int8(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items,
-                    pair_start, on, ln)
+        kernel = decode_float if D % VEC == 0 else decode_float_any
+        kernel(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
+    elif pool.dtype is KVDtype.INT8:  # K and V stored rotated: q · k = (q R) · (k R), Σ p (v R) = (Σ p v) R
+        rot = rotation.numba_args(D)
+        rotate_rows(qn.reshape(-1, D), *rot)
+        kernel = decode_int8 if D % VEC == 0 and D % (2 * IVEC) == 0 else decode_int8_any
+        kernel(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
+               on, ln)
+        unrotate_rows(on.reshape(-1, D), *rot)
     else:
         t = pool.tails.arrays
         decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer], a["v_scale"][layer],

@@ -6,8 +6,8 @@ sequence has one block table):
     dtype  tensor            torch dtype  shape                        meaning
     f32    k, v              float32      [L, NB, Hkv, BS, D]          exact, for checks against float32 references
     bf16   k, v              bfloat16     [L, NB, Hkv, BS, D]          bf16 bits; kernels read them as uint16
-    int8   k, v              int8         [L, NB, Hkv, BS, D]          round(x / scale)
-           k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|x| / 127 per token and head
+    int8   k, v              int8         [L, NB, Hkv, BS, D]          round(y / scale) of y = x @ R (`rotation.py`)
+           k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|y| / 127 per token and head
     int4   k                 uint8        [L, NB, Hkv, BS, D // 2]     key codes, two a byte (`int4.py`: nibble order)
            k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code · scale + zero
            v                 uint8        [L, NB, Hkv, BS, D // 2]     codes of y = v @ R (`rotation.py`), same order
@@ -26,6 +26,15 @@ value scales and zeros, the block's key scales and zeros and its tail-slot entry
 its BS tokens; Hkv 8, D 128, BS 16: 1408.25 bytes, 2/3 of int8's 2112), plus for int4 one
 tail per sequence being filled and layer, 4·Hkv·BS·D bytes (`tail_bytes`).
 
+int8 keys and values are stored rotated by the fixed orthonormal R (`rotation.py`), the
+issue's format (a scale per token and head) otherwise unchanged. A RoPE'd key has a few
+channels several times larger than the rest, and max|x| / 127 spends the 255 levels on them:
+rotated, a token's channels are near gaussian (max/rms 4.6 → 2.5 on SmolLM2's keys) and the
+rounding error falls by half for keys (1.05% → 0.56% rms of the key), by a fifth for values;
+end to end, KL of int8 KV's next-token distribution from bf16 KV's 5.5e-4 → 1.5e-4
+(bench/RESULTS.md). q · k = (q R) · (k R) and Σ p (v R) = (Σ p v) R, so readers rotate q once
+per step and the output back once per (sequence, head): the decode kernel itself is the same.
+
 int4 (`int4.py` gives the exact bytes, says why, and states the append rule): values per
 token in groups of 32 along the head dim, as the issue prescribes, after a fixed orthonormal
 rotation R that spreads outlier channels; keys per channel over each block's tokens (KIVI),
@@ -34,9 +43,14 @@ complete, until then its tokens stay in a bf16 tail. The rotation is internal to
 `write` rotates values, `gather` rotates them back, the decode kernel rotates its output
 back. Blocks freed by the cache must be `release`d, so their tails go back to the free slots.
 
-`quantize`/`dequantize` are the per-token formats (bf16, int8, int4 values); int4 blocks go
-through `int4.write` / `int4.gather`, and whole complete blocks of any dtype through
-`dequantize_blocks` (the streamer does that on the GPU).
+Which parts a dtype stores rotated: `KVDtype.rotated` (int8 keys and values, int4 values).
+The rotation is internal to the pool: `write` rotates, `gather`/`blocks` rotate back; a
+reader of the stored codes (the decode kernel, the streamer) rotates q and its output instead.
+
+`quantize`/`dequantize` are the per-token formats (bf16, int8, int4 values), int8's and
+int4's including the rotation; int4 blocks go through `int4.write` / `int4.gather`, and
+whole complete blocks of any dtype through `dequantize_blocks` (the streamer does that on
+the GPU).
 """
 from __future__ import annotations
 
@@ -58,6 +72,11 @@ class KVDtype(str, enum.Enum):
     BF16 = "bf16"
     INT8 = "int8"
     INT4 = "int4"
+
+    @property
+    def rotated(self) -> tuple[bool, bool]:
+        """(keys, values): whether the pool stores them as x @ R (`rotation.py`, module doc)."""
+        return {KVDtype.INT8: (True, True), KVDtype.INT4: (False, True)}.get(self, (False, False))
 
     @property
     def bytes_per_value(self) -> float:
@@ -194,40 +213,49 @@ class HostKVPool:
 
 
 def quantize(x: torch.Tensor, dtype: KVDtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """x [..., D] → (data, scale, zero) in the pool's per-token layout for `dtype` (int4: values,
-    as a complete block holds them)."""
+    """x [..., D] → (data, scale, zero) in the pool's per-token layout for `dtype` (int8: x @ R;
+    int4: values, as a complete block holds them)."""
     if dtype is KVDtype.F32:
         return x.float(), None, None
     if dtype is KVDtype.BF16:
         return x.to(torch.bfloat16), None, None
     x = x.float()
     if dtype is KVDtype.INT8:
-        scale = x.abs().amax(-1).clamp_min(1e-8) / 127.0
-        q = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
-        return q, scale, None
+        return quantize_int8(rotation.rotate(x))
     return int4.quantize_values(x)
 
 
 def dequantize(
     data: torch.Tensor, dtype: KVDtype, scale: torch.Tensor | None, zero: torch.Tensor | None
 ) -> torch.Tensor:
-    """Inverse of `quantize`, to float32."""
+    """Inverse of `quantize`, to float32 (rotated back)."""
     if dtype in (KVDtype.F32, KVDtype.BF16):
         return data.float()
     if dtype is KVDtype.INT8:
-        return data.float() * scale[..., None]
+        return rotation.unrotate(data.float() * scale[..., None])
     return int4.dequantize_values(data, scale, zero)
+
+
+def quantize_int8(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """y [..., D] float32 (already rotated) → (codes int8 [..., D], scale [...], None): round(y /
+    scale), scale = max|y| / 127 per row."""
+    scale = y.abs().amax(-1).clamp_min(1e-8) / 127.0
+    return torch.round(y / scale[..., None]).clamp(-127, 127).to(torch.int8), scale, None
 
 
 def dequantize_blocks(dtype: KVDtype, parts: dict[str, torch.Tensor],
                       rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks as a pool stores them (`HostKVPool.parts` indexed by layer and block ids:
     [nb, Hkv, ...] each, on any device) → K, V [nb, Hkv, BS, D] float32. int4: complete
-    blocks only (their codes; a block being filled is in its tail, see `int4.gather`), and
-    with rotated=True V comes as y = v @ R: attention over it gives out @ R, which
-    `rotation.unrotate` turns back for D² per query row instead of D² per token."""
+    blocks only (their codes; a block being filled is in its tail, see `int4.gather`).
+    rotated=True leaves what `dtype.rotated` names as stored, x @ R: attention over it takes
+    q @ R (rotated keys) and gives out @ R (rotated values), which `rotation.unrotate` turns
+    back for D log D per query row instead of per token."""
     if dtype is KVDtype.INT4:
         k = int4.dequantize_keys(parts["k"], parts["k_scale"], parts["k_zero"])
         y = int4.rows(parts["v"], parts["v_scale"], parts["v_zero"])
         return k, (y if rotated else rotation.unrotate(y))
+    if dtype is KVDtype.INT8:
+        k, v = (parts[n].float() * parts[f"{n}_scale"][..., None] for n in ("k", "v"))
+        return (k, v) if rotated else (rotation.unrotate(k), rotation.unrotate(v))
     return tuple(dequantize(parts[n], dtype, parts.get(f"{n}_scale"), parts.get(f"{n}_zero")) for n in ("k", "v"))

@@ -16,8 +16,10 @@ of time to land. On a CPU stand-in device the same code runs without streams.
 
 Dequantizing on the device is `layout.dequantize_blocks`, the CPU readers' own twin: int8 by
 token scales; int4 keys by the block's per-channel scales and zeros, values by their group
-scales and zeros, left rotated (y = v @ R), so the attention output is what gets rotated
-back (`rotation.unrotate`, its signs on the device), as in the CPU kernel.
+scales and zeros. What the pool stores rotated (`KVDtype.rotated`: int8 keys and values,
+int4 values) stays rotated, so q is rotated on the way in (int8) and the attention output
+back on the way out (`rotation.rotate`/`unrotate`, their signs on the device), as the CPU
+readers do.
 Streamed blocks are complete, so an int4 block is always in its codes, never in a bf16 tail
 (`begin` checks the last one, the only one that could be being filled).
 """
@@ -96,7 +98,7 @@ class KVStreamer:
         else:  # codes (and scales, zeros) land here, then dequantize into the pool's slot
             self.raw = [{n: torch.empty(self.max_blocks, *t.shape[2:], dtype=t.dtype, device=device)
                          for n, t in host.parts().items()} for _ in range(2)]  # [max_blocks, Hkv, ...] each
-            if host.dtype is KVDtype.INT4:  # the signs on the device before a graph captures `attend`
+            if any(host.dtype.rotated):  # the signs on the device before a graph captures `attend`
                 rotation.signs(host.head_dim, self.pool.k.device)
         self.table = torch.arange(self.max_blocks, dtype=torch.int32, device=device)[None]
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)  # streamed tokens this step (static: graphs read it)
@@ -184,12 +186,15 @@ class KVStreamer:
         raw = self.raw[slot]
         if wait and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
-        if not self.direct:  # int4: V stays rotated (y = v @ R) and the output is rotated back
+        rot_k, rot_v = self.host.dtype.rotated
+        if not self.direct:  # rotated parts stay rotated: q goes in rotated, the output comes back so
             k, v = dequantize_blocks(self.host.dtype, raw, rotated=True)  # [max_blocks, Hkv, BS, D] f32 each
             self.pool.k[slot, : self.max_blocks].copy_(k)
             self.pool.v[slot, : self.max_blocks].copy_(v)
+        if rot_k:
+            q = rotation.rotate(q).to(q.dtype)
         out = gpu_attention.decode_attention(self.pool, slot, q, self.table, self.lens, scale)
-        if self.host.dtype is KVDtype.INT4:
+        if rot_v:
             out = (rotation.unrotate(out[0]), out[1])
         if wait:
             self.release(layer)

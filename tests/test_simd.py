@@ -1,0 +1,185 @@
+"""The decode kernels' vector micro-kernels (`cpu_attention._simd`) against numpy (CPU, CI).
+
+Each runs at this host's shapes and at the AVX-512 host's (16 float lanes, 4 tokens a score
+pass, 4 vectors an accumulator pass, pmaddwd of 16 int32 lanes): the IR is generic vectors,
+so the wide shapes run here too (split into this CPU's registers, pmaddwd as plain IR).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from cpu_attention import _simd
+from cpu_attention.decode import _row_max
+
+HOST = (_simd.VEC, _simd.DOT_TOKENS, _simd.ACC_CHUNKS, _simd.IVEC)
+AVX512 = (16, 4, 4, 16)
+SHAPES = pytest.mark.parametrize("W,T,C,IW", [HOST, AVX512], ids=["host", "avx512"])
+
+
+def bf16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x rounded to bf16: (its bits as uint16, its value as float32)."""
+    bits = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def rows(kind: str, shape, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(stored rows as the kernels take them, their values in float64)."""
+    if kind == "bf16":
+        bits, val = bf16(rng.standard_normal(shape))
+        return bits, val.astype(np.float64)
+    if kind == "int8":
+        x = rng.integers(-127, 128, shape).astype(np.int8)
+        return x, x.astype(np.float64)
+    x = rng.standard_normal(shape).astype(np.float32)
+    return x, x.astype(np.float64)
+
+
+def to_pairs(x: np.ndarray, W: int) -> np.ndarray:
+    """numpy twin of `_simd.to_pair_layout` for W lanes."""
+    y, full = x.copy(), x.shape[-1] // (2 * W) * 2 * W
+    for c in range(0, full, 2 * W):
+        y[..., c:c + W], y[..., c + W:c + 2 * W] = x[..., c:c + 2 * W:2], x[..., c + 1:c + 2 * W:2]
+    return y
+
+
+def from_pairs(y: np.ndarray, W: int) -> np.ndarray:
+    x, full = y.copy(), y.shape[-1] // (2 * W) * 2 * W
+    for c in range(0, full, 2 * W):
+        x[..., c:c + 2 * W:2], x[..., c + 1:c + 2 * W:2] = y[..., c:c + W], y[..., c + W:c + 2 * W]
+    return x
+
+
+def madd_order(D: int, IW: int) -> np.ndarray:
+    """Element held at each position of the madd layout of IW lanes (`_simd.from_madd_layout`)."""
+    p = np.arange(IW)
+    chunk = np.concatenate([8 * (p // 4) + p % 4, 8 * (p // 4) + p % 4 + 4])
+    return np.concatenate([c + chunk for c in range(0, D, 2 * IW)])
+
+
+@SHAPES
+@pytest.mark.parametrize("kind", ["bf16", "int8", "f32", "int8 integer"])
+def test_dots(W, T, C, IW, kind):
+    dots = [_simd.make_dots(ng, T, W, IW) for ng in (1, 2, 3, 4)]
+    d1, d2, d3, d4 = dots
+
+    @numba.njit
+    def run(q, k, r0, r1, s):  # every head group size over heads 0..9, T rows a pass
+        for j in range(r0, r1, T):
+            d4(q, 0, k, j, r1, s, j - r0)
+            d3(q, 4, k, j, r1, s, j - r0)
+            d2(q, 7, k, j, r1, s, j - r0)
+            d1(q, 9, k, j, r1, s, j - r0)
+
+    rng = np.random.default_rng(0)
+    integer = kind == "int8 integer"
+    for D in (64, 96, 128) if integer else (48, 80, 128):  # 48, 80: a last chunk of W lanes alone
+        if D % (2 * IW if integer else W):
+            continue
+        k, kv = rows(kind.split()[0], (20, D), rng)
+        if integer:
+            q = rng.integers(-32767, 32768, (10, D)).astype(np.int16)
+            qk = q
+        else:
+            q = rng.standard_normal((10, D)).astype(np.float32)
+            qk = to_pairs(q, W) if kind == "bf16" else q
+        for r0, r1 in ((3, 16), (0, 1), (5, 20)):
+            s = np.full((10, 24), np.nan, np.float32)
+            run(qk, k, r0, r1, s)
+            ref = q.astype(np.float64) @ kv[r0:r1].T
+            got = s[:, :r1 - r0]
+            if integer:
+                assert np.array_equal(got, ref.astype(np.float32)), (D, r0, r1)
+            else:
+                assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max(), (D, r0, r1)
+
+
+@SHAPES
+@pytest.mark.parametrize("kind", ["bf16", "int8", "f32"])
+def test_accumulate(W, T, C, IW, kind):
+    a1, a2, a3, a4 = (_simd.make_accumulate(ng, C, W) for ng in (1, 2, 3, 4))
+
+    @numba.njit
+    def run(p, pj, v, r0, n, acc):
+        a4(p, 0, pj, v, r0, n, acc)
+        a3(p, 4, pj, v, r0, n, acc)
+        a2(p, 7, pj, v, r0, n, acc)
+        a1(p, 9, pj, v, r0, n, acc)
+
+    rng = np.random.default_rng(1)
+    for D in (48, 80, 128, 256):
+        v, vv = rows(kind, (20, D), rng)
+        p = rng.random((10, 30)).astype(np.float32)
+        acc0 = rng.standard_normal((10, D)).astype(np.float32)
+        for pj, r0, n in ((2, 5, 11), (0, 0, 1), (7, 3, 17)):
+            acc = to_pairs(acc0, W) if kind == "bf16" else acc0.copy()
+            run(p, pj, v, r0, n, acc)
+            got = from_pairs(acc, W) if kind == "bf16" else acc
+            ref = acc0 + p[:, pj:pj + n].astype(np.float64) @ vv[r0:r0 + n]
+            assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max(), (D, pj, r0, n)
+
+
+@SHAPES
+def test_accumulate_int8(W, T, C, IW):
+    a1, a2, a3, a4 = (_simd.make_accumulate_int8(ng, C, IW) for ng in (1, 2, 3, 4))
+
+    @numba.njit
+    def run(w16, wsc, pj, v, r0, n, acc):
+        a4(w16, wsc, 0, pj, v, r0, n, acc)
+        a3(w16, wsc, 4, pj, v, r0, n, acc)
+        a2(w16, wsc, 7, pj, v, r0, n, acc)
+        a1(w16, wsc, 9, pj, v, r0, n, acc)
+
+    rng = np.random.default_rng(2)
+    for D in (64, 96, 128, 256):
+        if D % (2 * IW):
+            continue
+        order = madd_order(D, IW)
+        for pj, r0, n in ((3, 5, 16), (0, 0, 1), (1, 2, 7), (0, 0, 256)):
+            v = rng.integers(-127, 128, (n + r0, D)).astype(np.int8)
+            w16 = rng.integers(-32767, 32768, (10, n + pj)).astype(np.int16)
+            w16[:, pj] = 32767  # the extreme sums the int32 lanes must hold
+            v[r0] = 127
+            wsc = (rng.random(10) * 1e-6).astype(np.float32)
+            acc0 = rng.standard_normal((10, D)).astype(np.float32)
+            acc = acc0[:, order].copy()  # into the madd layout
+            run(w16, wsc, pj, v, r0, n, acc)
+            got = np.empty_like(acc)
+            got[:, order] = acc
+            exact = w16[:, pj:pj + n].astype(np.int64) @ v[r0:r0 + n].astype(np.int64)
+            ref = acc0 + wsc[:, None].astype(np.float64) * exact
+            assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max(), (D, pj, r0, n)
+
+
+def test_layouts_round_trip():
+    @numba.njit
+    def pairs(x, y, z):
+        _simd.to_pair_layout(x, y)
+        _simd.from_pair_layout(y, z)
+
+    @numba.njit
+    def madd(x, y):
+        _simd.from_madd_layout(x, y)
+
+    for D in (48, 64, 80, 128):
+        x = np.arange(3 * D, dtype=np.float32).reshape(3, D)
+        y, z = np.empty_like(x), np.empty_like(x)
+        pairs(x, y, z)
+        assert np.array_equal(y, to_pairs(x, _simd.VEC)) and np.array_equal(z, x)
+        if D % (2 * _simd.IVEC) == 0:
+            madd(x, y)
+            assert np.array_equal(y[:, madd_order(D, _simd.IVEC)], x)
+
+
+def test_row_max():
+    """decode's integer-keyed max of float rows: -inf, signed zeros, negatives, huge and tiny."""
+    run = numba.njit(lambda x, n: _row_max(x, n))
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        x = (rng.standard_normal(70) * 10.0 ** rng.integers(-30, 30)).astype(np.float32)
+        x[rng.integers(0, 70, 4)] = -np.inf
+        if rng.random() < 0.3:
+            x = -np.abs(x)
+        n = int(rng.integers(0, 70))
+        assert run(x, n) == (x[:n].max() if n else -np.inf)
