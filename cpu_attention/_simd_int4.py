@@ -496,3 +496,90 @@ def make_value_factors(W: int = VEC):
         return types.void(p, vsc, vzr, n, w16, wsc, zsum), _value_factors_codegen(W)
 
     return value_factors
+
+
+SCALE_GROUPS = (2, 3, 4, 8)  # groups a token (D/32) with a vector scale copy; others: a scalar loop
+
+
+def _scales_copy_codegen(W):
+    def codegen(context, builder, sig, args):
+        ir, cgutils = _ir()
+        vs, vz, row, nb, vsc, vzr, col = _args(context, builder, sig, args)
+        intp = context.get_value_type(types.intp)
+        NG = builder.extract_value(vs.shape, 1)
+        S = builder.extract_value(vsc.shape, 1)
+        j0 = cgutils.alloca_once_value(builder, intp(0))  # tokens copied so far
+
+        def widened(x, w):  # <w x i16> bf16 bits → <w x float>
+            wide = builder.zext(x, ir.VectorType(ir.IntType(32), w))
+            return builder.bitcast(builder.shl(wide, ir.Constant(wide.type, [16] * w)), ir.VectorType(ir.FloatType(), w))
+
+        def chunk(ng, w, j):  # tokens j .. j+w of ng groups: one load, a shuffle per group
+            for src, dst in ((vs, vsc), (vz, vzr)):
+                x = builder.load(_vec_ptr(builder, src.data, builder.mul(builder.add(row, j), intp(ng)),
+                                          ir.VectorType(ir.IntType(16), w * ng)), align=2)
+                for r in range(ng):
+                    part = x if ng == 1 else _shuffle(builder, x, x, [r + ng * i for i in range(w)])
+                    at = builder.add(builder.add(builder.mul(intp(r), S), col), j)
+                    builder.store(widened(part, w), _vec_ptr(builder, dst.data, at, ir.VectorType(ir.FloatType(), w)),
+                                  align=4)
+
+        def scalar():  # the tokens left, one element at a time
+            with cgutils.for_range_slice(builder, builder.load(j0), nb, intp(1), intp) as (j, _):
+                with cgutils.for_range(builder, NG, intp=intp) as loop:
+                    r = loop.index
+                    for src, dst in ((vs, vsc), (vz, vzr)):
+                        x = builder.load(builder.gep(src.data, [builder.add(builder.mul(builder.add(row, j), NG), r)],
+                                                     inbounds=True))
+                        f = builder.bitcast(builder.shl(builder.zext(x, ir.IntType(32)), ir.IntType(32)(16)),
+                                            ir.FloatType())
+                        at = builder.add(builder.add(builder.mul(r, S), col), j)
+                        builder.store(f, builder.gep(dst.data, [at], inbounds=True))
+
+        done = builder.append_basic_block("scales_done")
+        default = builder.append_basic_block("scales_scalar")
+        sw = builder.switch(NG, default)
+        for ng in SCALE_GROUPS:
+            bb = builder.append_basic_block(f"scales_{ng}")
+            sw.add_case(NG.type(ng), bb)
+            builder.position_at_end(bb)
+            full = builder.mul(builder.sdiv(nb, intp(W)), intp(W))
+            with cgutils.for_range_slice(builder, intp(0), full, intp(W), intp) as (j, _):
+                chunk(ng, W, j)
+            builder.store(full, j0)
+            w = W // 2
+            while w >= 4:  # what is left (< W tokens) in halving chunks
+                j = builder.load(j0)
+                with builder.if_then(builder.icmp_signed("<=", builder.add(j, intp(w)), nb)):
+                    chunk(ng, w, j)
+                    builder.store(builder.add(j, intp(w)), j0)
+                w //= 2
+            builder.branch(default)
+        builder.position_at_end(default)
+        scalar()
+        builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def make_scales_copy(W: int = VEC):
+    """An intrinsic scales_copy(vs, vz, row, nb, vsc, vzr, col): vsc[r, col + j] = vs[row + j, r]
+    and vzr[r, col + j] = vz[row + j, r] as float32, for j < nb and every group r: a block's value
+    scales and zeros (token-major, as the pool stores them) transposed into a tile's (group-major,
+    as `value_factors` reads them). For D/32 in SCALE_GROUPS, W tokens a load (then W/2, .. 4) and a
+    shuffle per group; otherwise, and for the last < 4 tokens, one element at a time.
+
+    vs, vz [R, NG] uint16 (bf16 bits); vsc, vzr [NG, S] float32; all C-contiguous. Reads and
+    writes exactly these elements. No bounds checks."""
+
+    @intrinsic
+    def scales_copy(typingctx, vs, vz, row, nb, vsc, vzr, col):
+        if not (_c_array_2d(vs, types.uint16) and _c_array_2d(vz, types.uint16)
+                and _c_array_2d(vsc, types.float32) and _c_array_2d(vzr, types.float32)
+                and all(isinstance(t, types.Integer) for t in (row, nb, col))):
+            return None
+        return types.void(vs, vz, row, nb, vsc, vzr, col), _scales_copy_codegen(W)
+
+    return scales_copy

@@ -47,7 +47,7 @@ from cpu_attention._simd import (
     to_pair_layout,
 )
 from cpu_attention._simd_int4 import (
-    SUM_TOKENS, make_accumulate_int4, make_dots_int4, make_key_factors, make_value_factors,
+    SUM_TOKENS, make_accumulate_int4, make_dots_int4, make_key_factors, make_scales_copy, make_value_factors,
 )
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
@@ -610,7 +610,7 @@ def decode_int8_any(k, v, ks, vs, q, bt, items, pair_start, out, lse):
 _I4DOT1, _I4DOT2, _I4DOT3, _I4DOT4 = (make_dots_int4(ng) for ng in (1, 2, 3, 4))
 _I4ACC1, _I4ACC2, _I4ACC3, _I4ACC4 = (make_accumulate_int4(ng) for ng in (1, 2, 3, 4))
 _I4KF1, _I4KF2, _I4KF3, _I4KF4 = (make_key_factors(ng) for ng in (1, 2, 3, 4))
-_value_factors = make_value_factors()
+_value_factors, _scales_copy = make_value_factors(), make_scales_copy()
 
 
 @numba.njit(inline="always", **JIT)
@@ -772,10 +772,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
                 else:
                     _key_factors(qn, ks2, kz2, bh, q16, qsc, qcon)
                     _dots_rows_int4(q16, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn)
-                    for r in range(NG):
-                        for j in range(nb):
-                            vsc[r, u + j] = widen(vs2[r0 + j, r])
-                            vzr[r, u + j] = widen(vz2[r0 + j, r])
+                    _scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
                 u += nb
             _softmax_tile(s, n, m, l, acc)
             _value_factors(s, vsc, vzr, n, w16, wsc, zsum)

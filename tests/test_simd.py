@@ -329,3 +329,21 @@ def test_value_factors(W, T, C, IW):
         err = (r.astype(np.float64) * sc[:, None, None] - prod).sum(2)
         ref = np.einsum("gt,rt->gr", pn.astype(np.float64), zn) - 7.5 * err
         assert np.abs(zsum - ref).max() < 1e-5 * np.abs(pn).sum(1).max() * np.abs(zn).max(), (NG, n)
+
+
+@SHAPES
+def test_scales_copy(W, T, C, IW):
+    sc = _simd_int4.make_scales_copy(W)
+    run = numba.njit(lambda vs, vz, row, nb, vsc, vzr, col: sc(vs, vz, row, nb, vsc, vzr, col))
+    rng = np.random.default_rng(8)
+    for NG in (1, 2, 3, 4, 5, 8):  # 1, 5: the scalar loop
+        vs = bf16_bits(rng.standard_normal((80, NG)))
+        vz = bf16_bits(rng.standard_normal((80, NG)))
+        for row, nb, col in ((16, 16, 0), (3, 31, 5), (40, 7, 1), (0, 1, 0), (50, 30, 2)):
+            vsc = np.full((NG, 40), np.nan, np.float32)
+            vzr = np.full((NG, 40), np.nan, np.float32)
+            run(vs, vz, row, nb, vsc, vzr, col)
+            for got, src in ((vsc, vs), (vzr, vz)):
+                want = np.full((NG, 40), np.nan, np.float32)
+                want[:, col:col + nb] = (src[row:row + nb].astype(np.uint32) << 16).view(np.float32).T
+                assert np.array_equal(got, want, equal_nan=True), (NG, row, nb, col)
