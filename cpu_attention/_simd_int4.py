@@ -143,7 +143,7 @@ def _accumulate_int4_codegen(ng, C, IW):
 
     def codegen(context, builder, sig, args):
         ir, cgutils = _ir()
-        w16, wsc, g, pj, v, rows, n, acc = _args(context, builder, sig, args)
+        w16, wsc, zsum, g, v, rows, n, acc = _args(context, builder, sig, args)
         intp = context.get_value_type(types.intp)
         H = builder.extract_value(v.shape, 1)  # bytes a row: D/2
         D = builder.mul(H, intp(2))
@@ -158,12 +158,11 @@ def _accumulate_int4_codegen(ng, C, IW):
         regs = [[[cgutils.alloca_once(builder, i32v) for _ in range(2)] for _ in range(C)] for _ in range(ng)]
 
         def row(t):  # byte offset of the tile's row t
-            idx = builder.load(builder.gep(rows.data, [builder.add(pj, t)], inbounds=True))
+            idx = builder.load(builder.gep(rows.data, [t], inbounds=True))
             return builder.mul(context.cast(builder, idx, sig.args[5].dtype, types.intp), H)
 
         def weights(i, grp, t, pair):  # the (w_t, w_t+1) pair (or (w_t, 0)) of head g+i and group grp, splat
-            at = builder.gep(w16.data, [builder.add(builder.mul(builder.add(wrow[i], grp), S), builder.add(pj, t))],
-                             inbounds=True)
+            at = builder.gep(w16.data, [builder.add(builder.mul(builder.add(wrow[i], grp), S), t)], inbounds=True)
             if pair:
                 w = builder.load(builder.bitcast(at, ir.IntType(32).as_pointer()), align=2)
             else:
@@ -202,13 +201,14 @@ def _accumulate_int4_codegen(ng, C, IW):
                 grp = builder.sdiv(off, intp(16))
                 ch = builder.add(builder.mul(grp, intp(32)), builder.srem(off, intp(16)))
                 for i in range(ng):
-                    sc = builder.load(builder.gep(wsc.data, [builder.add(wrow[i], grp)], inbounds=True))
-                    sc = _splat(builder, sc, IW)
+                    at = builder.add(wrow[i], grp)
+                    sc = _splat(builder, builder.load(builder.gep(wsc.data, [at], inbounds=True)), IW)
+                    z = _splat(builder, builder.load(builder.gep(zsum.data, [at], inbounds=True)), IW)
                     for h in range(2):
-                        at = builder.add(arow[i], builder.add(ch, intp(16 * h)))
-                        ptr = _vec_ptr(builder, acc.data, at, f32v)
+                        ptr = _vec_ptr(builder, acc.data, builder.add(arow[i], builder.add(ch, intp(16 * h))), f32v)
                         total = builder.sitofp(builder.load(regs[i][kk][h]), f32v)
-                        builder.store(builder.call(fma, [sc, total, builder.load(ptr, align=4)]), ptr, align=4)
+                        builder.store(builder.call(fma, [sc, total, builder.fadd(builder.load(ptr, align=4), z)]), ptr,
+                                      align=4)
 
         full = builder.mul(builder.sdiv(H, intp(C * IW)), intp(C * IW))
         with cgutils.for_range_slice(builder, intp(0), full, intp(C * IW), intp) as (b0, _):
@@ -221,24 +221,25 @@ def _accumulate_int4_codegen(ng, C, IW):
 
 
 def make_accumulate_int4(ng: int, C: int = max(ACC_CHUNKS // 2, 1), IW: int = IVEC):
-    """An intrinsic accumulate_int4(w16, wsc, g, pj, v, rows, n, acc): for heads i < ng and every
+    """An intrinsic accumulate_int4(w16, wsc, zsum, g, v, rows, n, acc): for heads i < ng and every
     channel d of group r = d // 32,
-    acc[g+i, d] += wsc[g+i, r] · Σ_{t<n} w16[g+i, r, pj+t] · code(v[rows[pj+t]], d),
+    acc[g+i, d] += wsc[g+i, r] · Σ_{t<n} w16[g+i, r, t] · code(v[rows[t]], d) + zsum[g+i, r],
     the sums in exact int32 arithmetic (token pairs, pmaddwd / vpdpwssd), 2·C int32 vectors of IW
     lanes a head at a time in registers over the n rows, then converted and added to acc.
 
-    w16 [G, D/32, S] int16 weights (n ≤ SUM_TOKENS), wsc [G, D/32] float32 their scales; v [R, D/2]
-    uint8 packed rows (`int4.py`), rows [≥ pj+n] integer row indices into v; acc [G, D] float32;
-    all C-contiguous; D % 32 == 0, IW ≤ 16. No bounds checks."""
+    w16 [G, D/32, S] int16 weights (n ≤ SUM_TOKENS), wsc, zsum [G, D/32] float32 their scales and the
+    zero points' share (`value_factors`); v [R, D/2] uint8 packed rows (`int4.py`), rows [≥ n]
+    integer row indices into v; acc [G, D] float32; all C-contiguous; D % 32 == 0, IW ≤ 16. No
+    bounds checks."""
 
     @intrinsic
-    def accumulate_int4(typingctx, w16, wsc, g, pj, v, rows, n, acc):
+    def accumulate_int4(typingctx, w16, wsc, zsum, g, v, rows, n, acc):
         if not (isinstance(w16, types.Array) and w16.dtype == types.int16 and w16.ndim == 3 and w16.layout == "C"
-                and _c_array_2d(wsc, types.float32) and _c_array_2d(v, types.uint8)
-                and isinstance(rows, types.Array) and isinstance(rows.dtype, types.Integer) and rows.ndim == 1
-                and _c_array_2d(acc, types.float32)):
+                and _c_array_2d(wsc, types.float32) and _c_array_2d(zsum, types.float32)
+                and _c_array_2d(v, types.uint8) and isinstance(rows, types.Array)
+                and isinstance(rows.dtype, types.Integer) and rows.ndim == 1 and _c_array_2d(acc, types.float32)):
             return None
-        return types.void(w16, wsc, g, pj, v, rows, n, acc), _accumulate_int4_codegen(ng, C, IW)
+        return types.void(w16, wsc, zsum, g, v, rows, n, acc), _accumulate_int4_codegen(ng, C, IW)
 
     return accumulate_int4
 
@@ -512,7 +513,8 @@ def _scales_copy_codegen(W):
 
         def widened(x, w):  # <w x i16> bf16 bits → <w x float>
             wide = builder.zext(x, ir.VectorType(ir.IntType(32), w))
-            return builder.bitcast(builder.shl(wide, ir.Constant(wide.type, [16] * w)), ir.VectorType(ir.FloatType(), w))
+            f32v = ir.VectorType(ir.FloatType(), w)
+            return builder.bitcast(builder.shl(wide, ir.Constant(wide.type, [16] * w)), f32v)
 
         def chunk(ng, w, j):  # tokens j .. j+w of ng groups: one load, a shuffle per group
             for src, dst in ((vs, vsc), (vz, vzr)):

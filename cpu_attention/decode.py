@@ -656,23 +656,21 @@ def _dots_rows_int4(q16, kb, r0, r1, s, sj, qsc, qcon, pk, pv, p0, p1):
 
 
 @numba.njit(inline="always", **JIT)
-def _accumulate_rows_int4(w16, wsc, pj, v, rows, n, acc):
-    """acc[g] += wsc[g] · Σ_t w16[g, :, pj + t] · codes of v[rows[pj + t]] for t < n (per group of 32
-    channels), all G heads in groups of four (then 3, 2 or 1), SUM_TOKENS at most a pass."""
+def _accumulate_rows_int4(w16, wsc, zsum, v, rows, n, acc):
+    """acc[g] += wsc[g] · Σ_t w16[g, :, t] · codes of v[rows[t]] + zsum[g] for t < n (per group of 32
+    channels), all G heads in groups of four (then 3, 2 or 1)."""
     G = acc.shape[0]
-    for j0 in range(pj, pj + n, SUM_TOKENS):
-        nj = min(SUM_TOKENS, pj + n - j0)
-        g = 0
-        while g + 4 <= G:
-            _I4ACC4(w16, wsc, g, j0, v, rows, nj, acc)
-            g += 4
-        r = G - g
-        if r == 3:
-            _I4ACC3(w16, wsc, g, j0, v, rows, nj, acc)
-        elif r == 2:
-            _I4ACC2(w16, wsc, g, j0, v, rows, nj, acc)
-        elif r == 1:
-            _I4ACC1(w16, wsc, g, j0, v, rows, nj, acc)
+    g = 0
+    while g + 4 <= G:
+        _I4ACC4(w16, wsc, zsum, g, v, rows, n, acc)
+        g += 4
+    r = G - g
+    if r == 3:
+        _I4ACC3(w16, wsc, zsum, g, v, rows, n, acc)
+    elif r == 2:
+        _I4ACC2(w16, wsc, zsum, g, v, rows, n, acc)
+    elif r == 1:
+        _I4ACC1(w16, wsc, zsum, g, v, rows, n, acc)
 
 
 @numba.njit(inline="always", **JIT)
@@ -711,7 +709,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
     D = 2 * Hb
     NG = D // INT4_GROUP
     G = q.shape[1] // Hkv
-    TL = _tile_len(BS)
+    TL = min(_tile_len(BS), SUM_TOKENS)  # (blocks of more than SUM_TOKENS tokens span tiles)
     TLV = -(-TL // VEC) * VEC  # the value factors are computed VEC tokens at a time
     # rows and per-block vectors by index, not by views (each view is a reference count update)
     krows, vrows = k.reshape(NB * Hkv * BS, Hb), v.reshape(NB * Hkv * BS, Hb)  # row (blk·Hkv + h)·BS + off
@@ -776,12 +774,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
                 u += nb
             _softmax_tile(s, n, m, l, acc)
             _value_factors(s, vsc, vzr, n, w16, wsc, zsum)
-            for g in range(G):
-                for r in range(NG):
-                    z = zsum[g, r]
-                    for i in range(INT4_GROUP):
-                        acc[g, r * INT4_GROUP + i] += z
-            _accumulate_rows_int4(w16, wsc, 0, vrows, rows, n, acc)
+            _accumulate_rows_int4(w16, wsc, zsum, vrows, rows, n, acc)
             u = 0
             while tails and u < n:
                 blk, off = bt[b, (t + u) // BS], (t + u) % BS

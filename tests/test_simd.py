@@ -239,29 +239,30 @@ def test_accumulate_int4(W, T, C, IW):
     a1, a2, a3, a4 = (_simd_int4.make_accumulate_int4(ng, max(C // 2, 1), IW) for ng in (1, 2, 3, 4))
 
     @numba.njit
-    def run(w16, wsc, pj, v, rows, n, acc):
-        a4(w16, wsc, 0, pj, v, rows, n, acc)
-        a3(w16, wsc, 4, pj, v, rows, n, acc)
-        a2(w16, wsc, 7, pj, v, rows, n, acc)
-        a1(w16, wsc, 9, pj, v, rows, n, acc)
+    def run(w16, wsc, zsum, v, rows, n, acc):
+        a4(w16, wsc, zsum, 0, v, rows, n, acc)
+        a3(w16, wsc, zsum, 4, v, rows, n, acc)
+        a2(w16, wsc, zsum, 7, v, rows, n, acc)
+        a1(w16, wsc, zsum, 9, v, rows, n, acc)
 
     rng = np.random.default_rng(5)
     for D in (64, 96, 128, 256):
         NG = D // 32
         v = rng.integers(0, 256, (40, D // 2)).astype(np.uint8)
         v[7] = 255
-        for pj, n in ((3, 16), (0, 1), (1, 7), (0, 40)):
-            rows = rng.permutation(40)[:pj + n].astype(np.int64)
-            w16 = rng.integers(-32767, 32768, (10, NG, pj + n + 1)).astype(np.int16)
-            w16[:, :, pj] = 32767  # the extreme sums the int32 lanes must hold
+        for n in (16, 1, 7, 40):
+            rows = rng.permutation(40)[:n].astype(np.int64)
+            w16 = rng.integers(-32767, 32768, (10, NG, n + 1)).astype(np.int16)
+            w16[:, :, 0] = 32767  # the extreme sums the int32 lanes must hold
             wsc = (rng.random((10, NG)) * 1e-6).astype(np.float32)
+            zsum = rng.standard_normal((10, NG)).astype(np.float32)
             acc0 = rng.standard_normal((10, D)).astype(np.float32)
             acc = acc0.copy()
-            run(w16, wsc, pj, v, rows, n, acc)
-            codes = codes_of(v[rows[pj:pj + n]])  # [n, D]
-            exact = np.einsum("grt,trc->grc", w16[:, :, pj:pj + n].astype(np.int64), codes.reshape(n, NG, 32))
-            ref = acc0 + (wsc[:, :, None] * exact).reshape(10, D)
-            assert np.abs(acc - ref).max() < 1e-5 * np.abs(ref).max(), (D, pj, n)
+            run(w16, wsc, zsum, v, rows, n, acc)
+            codes = codes_of(v[rows])  # [n, D]
+            exact = np.einsum("grt,trc->grc", w16[:, :, :n].astype(np.int64), codes.reshape(n, NG, 32))
+            ref = acc0 + (wsc[:, :, None] * exact + zsum[:, :, None]).reshape(10, D)
+            assert np.abs(acc - ref).max() < 1e-5 * np.abs(ref).max(), (D, n)
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
