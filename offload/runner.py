@@ -115,6 +115,7 @@ class Runner:
     def decode(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each sequence (tokens at positions) → float32 logits [B, V]."""
         t0, st = now(), StepTimes(tokens=len(seqs))
+        self.xfer.discard()  # copies a prefill queued are not this step's transfers
         # between steps: blocks swapped out earlier come back where sequences have left room,
         # short of what this step's new tokens take on the device tier
         moved_in = self.cache.swap_in_free_room(keep_free=self.cache.gpu_blocks_needed(seqs, 1))

@@ -77,6 +77,11 @@ class GpuSpans:
         if start is not None:
             self.spans.append((start, self._event(stream)))
 
+    def discard(self) -> None:
+        """Forget spans recorded outside a step (e.g. weight copies queued by a prefill pass)."""
+        self.spans.clear()
+        self._used = 0
+
     def total_s(self) -> float:
         """Call after a synchronize (every recorded event complete); the events are then free again."""
         t = sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
