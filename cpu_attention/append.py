@@ -239,9 +239,12 @@ def write_numba(pool: HostKVPool, layer: int, slots: torch.Tensor, k: torch.Tens
     One Numba call per layer for k and v together, on the pool's cached numpy views
     (`HostKVPool.arrays`): a decode step's 30-32 appends are Python overhead more than work.
     int4 first makes sure the tails have a free slot for every block the write may open."""
+    write_arrays(pool, layer, np.asarray(slots.numpy(), np.int64), _f32(k), _f32(v))
+
+
+def write_arrays(pool: HostKVPool, layer: int, sl: np.ndarray, xk: np.ndarray, xv: np.ndarray) -> None:
+    """`write_numba` on numpy arrays: flat slots sl [T] int64, xk and xv [T, Hkv, D] float32, C-contiguous."""
     a = pool.arrays
-    sl = np.asarray(slots.numpy(), np.int64)
-    xk, xv = _f32(k), _f32(v)
     if pool.dtype is KVDtype.BF16:
         write_kv_bf16(a["k"], a["v"], layer, sl, pool.block_size, xk, xv)
     elif pool.dtype is KVDtype.INT8:

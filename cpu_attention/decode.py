@@ -847,6 +847,31 @@ class DecodeWork:
         self.items, self.pair_start = _work_items(tuple(self.lens.tolist()), pool.num_kv_heads, pool.block_size,
                                                   self.threads)
 
+    def run(self, pool: HostKVPool, layer: int, qn: np.ndarray, on: np.ndarray, ln: np.ndarray) -> None:
+        """The kernel call itself, numpy in and out: qn [B, Hq, D] float32, C-contiguous, already
+        times the softmax scale (overwritten: int8 rotates it in place); on [B, Hq, D], ln [B, Hq]
+        float32 receive the output and the log-sum-exp. `decode_attention` without its checks
+        and conversions, for a caller that calls it every layer with the same buffers."""
+        resolve_threads(self.threads)  # thread counts are per calling thread in Numba
+        D = qn.shape[-1]
+        bt, items, pair_start = self.bt, self.items, self.pair_start
+        a = pool.arrays
+        if pool.dtype is KVDtype.BF16:
+            kernel = decode_float if D % VEC == 0 else decode_float_any
+            kernel(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
+        elif pool.dtype is KVDtype.INT8:  # K and V stored rotated: q · k = (q R) · (k R), Σ p (v R) = (Σ p v) R
+            rot = rotation.numba_args(D)
+            rotate_rows(qn.reshape(-1, D), *rot)
+            kernel = decode_int8 if D % VEC == 0 and D % (2 * IVEC) == 0 else decode_int8_any
+            kernel(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
+                   on, ln)
+            unrotate_rows(on.reshape(-1, D), *rot)
+        else:
+            t = pool.tails.arrays
+            decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer], a["v_scale"][layer],
+                        a["v_zero"][layer], t["k"], t["v"], t["slot"][layer], qn, bt, items, pair_start, on, ln,
+                        *rotation.numba_args(D))
+
 
 def decode_attention(
     pool: HostKVPool,
@@ -881,29 +906,9 @@ def decode_attention(
     # numpy, not torch, between the caller and the kernel: this runs once per layer and
     # decode step, and each small torch op costs microseconds
     if work is None:
-        bt = _numpy(block_tables, torch.int32)
-        items, pair_start = _work_items(tuple(seq_lens.tolist()), Hkv, pool.block_size, resolve_threads(threads))
-    else:
-        resolve_threads(work.threads)  # thread counts are per calling thread in Numba
-        bt, items, pair_start = work.bt, work.items, work.pair_start
+        work = DecodeWork(pool, block_tables, seq_lens, threads)
     qn = _numpy(q, torch.float32) * np.float32(scale)
     if out is None:
         out = (torch.empty((B, Hq, D), dtype=torch.float32), torch.empty((B, Hq), dtype=torch.float32))
-    on, ln = out[0].numpy(), out[1].numpy()
-    a = pool.arrays
-    if pool.dtype is KVDtype.BF16:
-        kernel = decode_float if D % VEC == 0 else decode_float_any
-        kernel(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
-    elif pool.dtype is KVDtype.INT8:  # K and V stored rotated: q · k = (q R) · (k R), Σ p (v R) = (Σ p v) R
-        rot = rotation.numba_args(D)
-        rotate_rows(qn.reshape(-1, D), *rot)
-        kernel = decode_int8 if D % VEC == 0 and D % (2 * IVEC) == 0 else decode_int8_any
-        kernel(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
-               on, ln)
-        unrotate_rows(on.reshape(-1, D), *rot)
-    else:
-        t = pool.tails.arrays
-        decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer], a["v_scale"][layer],
-                    a["v_zero"][layer], t["k"], t["v"], t["slot"][layer], qn, bt, items, pair_start, on, ln,
-                    *rotation.numba_args(D))
+    work.run(pool, layer, qn, out[0].numpy(), out[1].numpy())
     return out

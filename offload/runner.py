@@ -27,6 +27,7 @@ from cpu_attention.merge import merge_attention
 from gpu_ops import attention as gpu_attention
 from hetero.model import Model
 from offload.graphs import Captured, SegmentGraphs
+from offload.inline import InlineLayers
 from offload.kv_cache import Slots, TieredKVCache
 from offload.stream import KVStreamer
 from offload.timers import GpuSpans, Metrics, StepTimes, now
@@ -68,12 +69,13 @@ class Runner:
     def __init__(self, model: Model, cache: TieredKVCache, threads: int | None = None,
                  sub_batches: int | None = None, detailed_timing: bool = False, max_batch: int = 1,
                  graphs: bool = True, max_context: int | None = None, stream_tokens: int = 0,
-                 weights: PlacedWeights | None = None):
+                 weights: PlacedWeights | None = None, driver_loop: bool = True):
         """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows);
         max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes);
         stream_tokens: at batch 1, how many of the host tier's first tokens the device attends over
         after copying them up each step (see offload/stream.py); weights: the plan's streamed and
-        CPU-computed weight groups (offload/placement.py; None: all on the model's device).
+        CPU-computed weight groups (offload/placement.py; None: all on the model's device);
+        driver_loop: run a batch-1 step whose segments are captured through offload/inline.py.
 
         Streamed weights keep the per-layer CUDA graphs (the graphs read the staging slots, whose
         addresses never change; the copy and the wait for it happen between replays), but not the
@@ -93,6 +95,8 @@ class Runner:
         self.spans = GpuSpans(detailed_timing and self.cuda)
         self.xfer = GpuSpans(detailed_timing and self.cuda)
         self._bufs: dict[int, dict[str, torch.Tensor]] = {}
+        self.driver_loop = driver_loop
+        self._inline: dict[Captured, InlineLayers] = {}
         # the all-GPU graph decoder embeds inside its graph: only when the table is on the device
         self.graphs = (graphs and self.cuda and cache.gpu is not None and model.embed_w.device == model.device
                        and (weights is None or weights.device_only))
@@ -137,16 +141,19 @@ class Runner:
                 self._begin_stream(parts[0])
         L = self.cfg.num_layers
         self._begin_pass()
-        for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
-            for k, p in enumerate(parts):
-                if i > 0:
-                    self._finish(i - 1, p, st)
-                    if k == len(parts) - 1:
-                        self._release(i - 1)  # layer i-1's weights: last use queued
-                if i < L:
-                    if k == 0:
-                        self._ready(i)  # layer i's weights: the device waits for them (streamed)
-                    self._start(i, p, st)
+        if self.driver_loop and InlineLayers.usable(self, parts):  # batch 1 captured: the lean loop
+            self._inline_layers(parts[0].cap).run(self, parts[0], st)
+        else:
+            for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
+                for k, p in enumerate(parts):
+                    if i > 0:
+                        self._finish(i - 1, p, st)
+                        if k == len(parts) - 1:
+                            self._release(i - 1)  # layer i-1's weights: last use queued
+                    if i < L:
+                        if k == 0:
+                            self._ready(i)  # layer i's weights: the device waits for them (streamed)
+                        self._start(i, p, st)
         self._ready(L)
         logits = torch.cat([self.model.logits(p.x) for p in parts])  # a captured x is exactly [B, H]
         self._release(L)
@@ -161,6 +168,11 @@ class Runner:
         st.wall = now() - t0
         self._record(st)
         return logits
+
+    def _inline_layers(self, cap: Captured) -> InlineLayers:
+        if cap not in self._inline:
+            self._inline[cap] = InlineLayers(cap, torch.cuda.current_stream(self.dev))
+        return self._inline[cap]
 
     def _decode_on_gpu(self, seqs, tokens, positions, slots) -> torch.Tensor:
         from gpu_ops.decode_step import GpuDecoder

@@ -25,14 +25,13 @@ Streamed blocks are complete, so an int4 block is always in its codes, never in 
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from cpu_attention import HostKVPool, KVDtype, rotation
 from cpu_attention.layout import dequantize_blocks
 from gpu_ops import attention as gpu_attention
 from gpu_ops.kv_pool import GpuKVPool
+from offload.driver import driver, event_handle
 
 # Copies go up in pieces of at most this. Small pieces cost the main thread ~20 µs of launch each
 # (2 MB pieces: 244 µs a layer at 8k, bench/step_trace.py), and a small upload waits ~40 µs behind
@@ -50,23 +49,6 @@ def runs(blocks: list[int]) -> list[tuple[int, int, int]]:
         else:
             out.append((b, pos, 1))
     return out
-
-
-def driver_memcpy():
-    """cuMemcpyHtoDAsync from the CUDA driver (ctypes), or None where it cannot be loaded."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-
-    def memcpy(dst: int, src: int, nbytes: int, stream: int) -> None:
-        err = fn(dst, src, nbytes, stream)
-        if err:
-            raise RuntimeError(f"cuMemcpyHtoDAsync failed: CUresult {err}")
-
-    return memcpy
 
 
 def _blocks_contiguous(parts: dict[str, torch.Tensor], raw: list[dict[str, torch.Tensor]]) -> bool:
@@ -105,6 +87,9 @@ class KVStreamer:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.copied = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        # their driver handles (recorded once here, on an idle stream: complete, so a first wait passes)
+        self.copied_h = [event_handle(e, self.stream) for e in self.copied] if self.cuda else None
+        self.free_h = [event_handle(e, self.stream) for e in self.free] if self.cuda else None
         self.blocks: list[int] = []
         self.bytes_up = 0
         self.timer = None  # a GpuSpans the copies are timed with (the runner's transfer timer)
@@ -112,7 +97,7 @@ class KVStreamer:
         parts = {n: getattr(host, n) for n in self.raw[0]}
         self._copy_plan = [(n, t.data_ptr(), t.stride(0) * t.element_size(), t[0, 0].numel() * t.element_size())
                            for n, t in parts.items()]
-        self._memcpy = driver_memcpy() if self.cuda and _blocks_contiguous(parts, self.raw) else None
+        self._drv = driver() if self.cuda and _blocks_contiguous(parts, self.raw) else None
 
     @property
     def nbytes(self) -> int:
@@ -140,17 +125,23 @@ class KVStreamer:
         if not self.cuda:
             self._copy(layer, raw)
             return
-        st = self.stream
-        st.wait_event(self.free[slot])  # never recorded yet: returns at once
-        span = self.timer.begin(st) if self.timer is not None else None
-        if self._memcpy is not None:
-            self._driver_copy(layer, slot)
-        else:
+        st, drv = self.stream, self._drv
+        if drv is None:
+            st.wait_event(self.free[slot])
+            span = self.timer.begin(st) if self.timer is not None else None
             with torch.cuda.stream(st):
                 self._copy(layer, raw)
+            if span is not None:
+                self.timer.end(span, st)
+            self.copied[slot].record(st)
+            return
+        h = st.cuda_stream
+        drv.wait(h, self.free_h[slot])  # the slot's last reader is done
+        span = self.timer.begin(h) if self.timer is not None else None
+        self._driver_copy(layer, slot)
         if span is not None:
-            self.timer.end(span, st)
-        self.copied[slot].record(st)
+            self.timer.end(span, h)
+        drv.record(self.copied_h[slot], h)
 
     def _copy(self, layer: int, raw: dict[str, torch.Tensor]) -> None:
         for name, dst in raw.items():
@@ -174,7 +165,7 @@ class KVStreamer:
             for first, at, n in self._runs:
                 for j in range(0, n, per):
                     m = min(per, n - j)
-                    self._memcpy(dst + (at + j) * block, src + (first + j) * block, m * block, handle)
+                    self._drv.memcpy_up(dst + (at + j) * block, src + (first + j) * block, m * block, handle)
                 self.bytes_up += n * block
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,12 +191,17 @@ class KVStreamer:
             self.release(layer)
         return out
 
-    def ready(self, layer: int) -> None:
-        """Make the current stream wait for layer's blocks (before a captured attend's replay)."""
-        if self.cuda:
+    def ready(self, layer: int, stream: int | None = None) -> None:
+        """Make the current stream (or the stream with driver handle `stream`) wait for layer's
+        blocks (before a captured attend's replay)."""
+        if stream is not None:
+            driver().wait(stream, self.copied_h[layer % 2])
+        elif self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[layer % 2])
 
-    def release(self, layer: int) -> None:
-        """Layer's slot may be overwritten once the current stream's work so far is done."""
-        if self.cuda:
+    def release(self, layer: int, stream: int | None = None) -> None:
+        """Layer's slot may be overwritten once the current stream's (or `stream`'s) work so far is done."""
+        if stream is not None:
+            driver().record(self.free_h[layer % 2], stream)
+        elif self.cuda:
             self.free[layer % 2].record(torch.cuda.current_stream(self.device))

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.driver import driver, event_handle
+
 
 @dataclass
 class StepTimes:
@@ -60,20 +62,30 @@ class GpuSpans:
         self.enabled = enabled
         self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._events: list[torch.cuda.Event] = []
+        self._handles: list[int | None] = []  # their driver handles, once asked for
         self._used = 0
 
-    def _event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event:
+    def _event(self, stream: torch.cuda.Stream | int | None) -> torch.cuda.Event:
         if self._used == len(self._events):
-            self._events.append(torch.cuda.Event(enable_timing=True))
+            e = torch.cuda.Event(enable_timing=True)
+            self._events.append(e)
+            self._handles.append(None)
         e = self._events[self._used]
+        if isinstance(stream, int):  # a driver stream handle (offload/driver.py): record through the driver
+            h = self._handles[self._used]
+            if h is None:
+                h = self._handles[self._used] = event_handle(e, torch.cuda.current_stream())
+            driver().record(h, stream)
+        else:
+            e.record(stream)
         self._used += 1
-        e.record(stream)
         return e
 
-    def begin(self, stream: torch.cuda.Stream | None = None):
+    def begin(self, stream: torch.cuda.Stream | int | None = None):
+        """stream: a torch stream, a driver stream handle, or None for the current stream."""
         return self._event(stream) if self.enabled else None
 
-    def end(self, start, stream: torch.cuda.Stream | None = None) -> None:
+    def end(self, start, stream: torch.cuda.Stream | int | None = None) -> None:
         if start is not None:
             self.spans.append((start, self._event(stream)))
 

@@ -57,6 +57,22 @@ def test_cuda_streamed_host_kv_matches_cpu(folder, reference, kv, gpu_tokens):
     assert e.runner.streamer.bytes_up > 0
 
 
+@pytest.mark.parametrize("kv,stream,gpu_tokens", [("f32", 0, 0), ("bf16", 12, 0), ("int8", 12, 5), ("int4", 8, 0)])
+def test_driver_loop_matches_the_torch_loop(tiny, kv, stream, gpu_tokens):
+    """One sub-batch's lean layer loop (offload/inline.py: driver launches and events, numpy views)
+    against the general loop through torch, on the same captured graphs and buffers: the same
+    tokens, the same bytes counted each way."""
+    folder = tiny("llama_hd32")[0]  # int4 KV groups need head dim 32
+    kw = dict(device="cuda", weights="f32", kv_dtype=kv, tokenizer=False, block_size=4, gpu_kv_tokens=gpu_tokens,
+              stream_tokens=stream, parallel=1)
+    lean, general = hetero.load(folder, **kw), hetero.load(folder, **kw)
+    general.runner.driver_loop = False
+    assert _greedy(lean, [PROMPT]) == _greedy(general, [PROMPT])
+    assert lean.runner._inline and not general.runner._inline  # each took its own loop
+    a, b = lean.runner.metrics.total, general.runner.metrics.total
+    assert (a.d2h_bytes, a.h2d_bytes) == (b.d2h_bytes, b.h2d_bytes) and a.d2h_bytes > 0
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_cuda_streamed_int4_host_kv_matches_cpu(tiny, block_size):
     """int4 host blocks streamed up and dequantized on the GPU (keys per channel and block,

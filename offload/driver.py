@@ -1,0 +1,79 @@
+"""The few CUDA driver calls the batch-1 split step makes per layer, through ctypes.
+
+At batch 1 a layer is ~0.1 ms of GPU work and a CPU kernel in series, so every microsecond the
+main thread spends between them is on the step's critical path. Through torch, a graph replay,
+an event record or a stream wait costs that thread several microseconds of Python and C++ each
+(a replay also refills the default RNG's seed tensors for graphs that never draw a random
+number); the driver call underneath costs 1–2 µs (bench/host_overhead.py). Handles are plain
+integers: a graph's `raw_cuda_graph_exec()`, a stream's `cuda_stream`, an event's `cuda_event`
+(see `event_handle`). Every call raises on a CUDA error.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+
+class Driver:
+    def __init__(self, lib: ctypes.CDLL):
+        def fn(name: str, *argtypes):
+            f = getattr(lib, name)
+            f.argtypes, f.restype = list(argtypes), ctypes.c_int
+            return f
+
+        p, u64, size = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+        self._launch = fn("cuGraphLaunch", p, p)
+        self._record = fn("cuEventRecord", p, p)
+        self._sync = fn("cuEventSynchronize", p)
+        self._wait = fn("cuStreamWaitEvent", p, p, ctypes.c_uint)
+        self._memcpy = fn("cuMemcpyHtoDAsync_v2", u64, p, size, p)
+
+    @staticmethod
+    def _check(err: int, what: str) -> None:
+        if err:
+            raise RuntimeError(f"{what} failed: CUresult {err}")
+
+    def launch(self, graph_exec: int, stream: int) -> None:
+        """Queue a captured graph on stream (what CUDAGraph.replay does, less torch's RNG prologue)."""
+        self._check(self._launch(graph_exec, stream), "cuGraphLaunch")
+
+    def record(self, event: int, stream: int) -> None:
+        self._check(self._record(event, stream), "cuEventRecord")
+
+    def synchronize(self, event: int) -> None:
+        """Block the calling thread (the GIL released) until the event's work is done."""
+        self._check(self._sync(event), "cuEventSynchronize")
+
+    def wait(self, stream: int, event: int) -> None:
+        """Make stream's later work wait for the event (the host does not wait)."""
+        self._check(self._wait(stream, event, 0), "cuStreamWaitEvent")
+
+    def memcpy_up(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of nbytes from pinned host memory at src to device memory at dst."""
+        self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+
+@functools.cache
+def driver() -> Driver | None:
+    """The CUDA driver's calls, or None where libcuda cannot be loaded (no GPU, or an old driver)."""
+    try:
+        return Driver(ctypes.CDLL("libcuda.so.1"))
+    except (OSError, AttributeError):
+        return None
+
+
+def event_handle(event: torch.cuda.Event, stream: torch.cuda.Stream) -> int:
+    """The CUevent behind a torch event, created now if it is not yet (torch makes its events on
+    their first record: recording it once on `stream` does, and leaves it complete once the
+    stream's work so far is)."""
+    if not event.cuda_event:
+        event.record(stream)
+    return event.cuda_event
+
+
+def graph_handle(graph: torch.cuda.CUDAGraph) -> int | None:
+    """A captured graph's executable, or None where this torch cannot give it."""
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    return int(raw()) if raw is not None else None
