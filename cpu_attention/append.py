@@ -243,7 +243,10 @@ def write_numba(pool: HostKVPool, layer: int, slots: torch.Tensor, k: torch.Tens
 
 
 def write_arrays(pool: HostKVPool, layer: int, sl: np.ndarray, xk: np.ndarray, xv: np.ndarray) -> None:
-    """`write_numba` on numpy arrays: flat slots sl [T] int64, xk and xv [T, Hkv, D] float32, C-contiguous."""
+    """`HostKVPool.write` on numpy arrays: flat slots sl [T] int64, xk and xv [T, Hkv, D] float32, C-contiguous."""
+    if pool.dtype is KVDtype.F32:  # the exact pool's writer is torch's
+        pool.write(layer, torch.from_numpy(sl), torch.from_numpy(xk), torch.from_numpy(xv))
+        return
     a = pool.arrays
     if pool.dtype is KVDtype.BF16:
         write_kv_bf16(a["k"], a["v"], layer, sl, pool.block_size, xk, xv)

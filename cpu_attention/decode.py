@@ -847,12 +847,19 @@ class DecodeWork:
         self.items, self.pair_start = _work_items(tuple(self.lens.tolist()), pool.num_kv_heads, pool.block_size,
                                                   self.threads)
 
-    def run(self, pool: HostKVPool, layer: int, qn: np.ndarray, on: np.ndarray, ln: np.ndarray) -> None:
-        """The kernel call itself, numpy in and out: qn [B, Hq, D] float32, C-contiguous, already
-        times the softmax scale (overwritten: int8 rotates it in place); on [B, Hq, D], ln [B, Hq]
-        float32 receive the output and the log-sum-exp. `decode_attention` without its checks
-        and conversions, for a caller that calls it every layer with the same buffers."""
+    def run(self, pool: HostKVPool, layer: int, q: np.ndarray, scale: float, on: np.ndarray, ln: np.ndarray,
+            scaled: np.ndarray | None = None) -> None:
+        """The kernel call itself, numpy in and out: q [B, Hq, D] float32, C-contiguous (left as
+        is); on [B, Hq, D], ln [B, Hq] float32 receive the output and the log-sum-exp; scaled: a
+        buffer like q for q × scale (None: a new one). `decode_attention` without its checks and
+        conversions, for a caller that calls it every layer with the same buffers."""
         resolve_threads(self.threads)  # thread counts are per calling thread in Numba
+        if pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
+            o, lse = decode_attention_ref(pool, layer, torch.from_numpy(q), torch.from_numpy(self.bt),
+                                          torch.from_numpy(self.lens), scale)
+            on[...], ln[...] = o.numpy(), lse.numpy()
+            return
+        qn = np.multiply(q, np.float32(scale), out=scaled)  # the int8 kernel rotates it in place
         D = qn.shape[-1]
         bt, items, pair_start = self.bt, self.items, self.pair_start
         a = pool.arrays
@@ -894,21 +901,11 @@ def decode_attention(
     Hkv = pool.num_kv_heads
     if D != pool.head_dim or Hq % Hkv:
         raise ValueError(f"q {tuple(q.shape)} does not fit the pool (Hkv {Hkv}, D {pool.head_dim})")
-    if pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
-        if work is not None:
-            block_tables, seq_lens = torch.from_numpy(work.bt), torch.from_numpy(work.lens)
-        o, lse = decode_attention_ref(pool, layer, q, block_tables, seq_lens, scale)
-        if out is None:
-            return o, lse
-        out[0].copy_(o)
-        out[1].copy_(lse)
-        return out
     # numpy, not torch, between the caller and the kernel: this runs once per layer and
     # decode step, and each small torch op costs microseconds
     if work is None:
         work = DecodeWork(pool, block_tables, seq_lens, threads)
-    qn = _numpy(q, torch.float32) * np.float32(scale)
     if out is None:
         out = (torch.empty((B, Hq, D), dtype=torch.float32), torch.empty((B, Hq), dtype=torch.float32))
-    work.run(pool, layer, qn, out[0].numpy(), out[1].numpy())
+    work.run(pool, layer, _numpy(q, torch.float32), scale, out[0].numpy(), out[1].numpy())
     return out

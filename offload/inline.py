@@ -45,7 +45,7 @@ class InlineLayers:
         self.ready = event_handle(self.ready_event, stream)
         self.q, self.k, self.v = (cap.down[n].numpy() for n in ("q", "k", "v"))
         self.o, self.lse = cap.up["o"].numpy(), cap.up["lse"].numpy()
-        self.qs = np.empty_like(self.q)  # q times the softmax scale (the int8 kernel rotates it in place)
+        self.qs = np.empty_like(self.q)  # q times the softmax scale
 
     @staticmethod
     def usable(runner: Runner, parts: list[Part]) -> bool:
@@ -59,7 +59,7 @@ class InlineLayers:
         drv, cache, spans, streamer = driver(), runner.cache, runner.spans, runner.streamer
         pool, work = cache.host, p.work
         h = torch.cuda.current_stream(runner.dev).cuda_stream
-        scale = np.float32(runner.model.scale)
+        scale = runner.model.scale
         slots = p.host_slots.numpy() if p.host_slots is not None else None  # where the host-bound new k/v go
         rows = None if slots is None or len(slots) == len(self.q) else p.host_rows.numpy()  # None: every row
         L = runner.cfg.num_layers
@@ -83,8 +83,7 @@ class InlineLayers:
                 t = now()
                 if slots is not None:
                     write_arrays(pool, i, slots, *((self.k, self.v) if rows is None else (self.k[rows], self.v[rows])))
-                np.multiply(self.q, scale, out=self.qs)
-                work.run(pool, i, self.qs, self.o, self.lse)
+                work.run(pool, i, self.q, scale, self.o, self.lse, scaled=self.qs)
                 cpu += now() - t
             span = spans.begin(h)
             drv.launch(self.post[i], h)
