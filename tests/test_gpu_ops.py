@@ -248,6 +248,34 @@ def test_weight_cache_key_follows_the_source(tmp_path):
 # ---------------------------------------------------------------------------------- on the GPU
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 1000, 4096 + 5])
+def test_read_pinned_sees_each_rewrite_in_a_graph(n):
+    """gpu_ops.host_read: a kernel's read of pinned memory, captured once and replayed while the
+    host rewrites the buffer between replays (as the CPU's (o, lse) are each layer), returns
+    what the host wrote each time, never a cached earlier value."""
+    from gpu_ops.host_read import read_pinned
+
+    src = torch.zeros(n, pin_memory=True)
+    dst = torch.full((n,), -1.0, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        read_pinned(src, dst)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        read_pinned(src, dst)
+    for k in range(5):
+        want = torch.randn(n, generator=torch.Generator().manual_seed(k))
+        src.copy_(want)
+        g.replay()
+        assert torch.equal(dst.cpu(), want)
+    with pytest.raises(ValueError):
+        read_pinned(src, torch.empty(n + 1, device="cuda"))
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [Nf4Kernel.BNB, Nf4Kernel.TRITON, Nf4Kernel.GEMV, Nf4Kernel.MMA, Nf4Kernel.AUTO])
 @pytest.mark.parametrize("rows", [1, 5, 32, 64, 100])
 def test_gpu_nf4_kernels_match_reference(kernel, rows):

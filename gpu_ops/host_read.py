@@ -1,0 +1,59 @@
+"""Small reads of pinned host memory by a kernel (zero-copy), not by a copy engine.
+
+A split decode step's post segment starts by bringing the CPU's (o, lse), ~16 KB, up from pinned
+staging. As a copy (`Tensor.copy_`, a DMA on the copy engine) it queues behind whatever that
+engine is moving host→device already: at batch 1 with streamed KV that is a layer's blocks,
+~20 MB, and the post segment took 270–290 µs instead of 110 (bench/step_timeline.py, fifth
+session). A kernel reading the same bytes over PCIe itself goes around that queue: pinned
+memory is mapped into the device's address space (unified addressing), so its host pointer is
+a device pointer too. The loads are `.cv` (fetch again, never a cached line): the host
+rewrites these buffers between replays of the same graph.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 1024
+
+
+def read_pinned(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst (CUDA) ← src (pinned host, same numel and dtype), by a kernel; capturable in a graph.
+    Elsewhere (a CPU stand-in device, unpinned src) a plain copy."""
+    if dst.device.type != "cuda" or not src.is_pinned():
+        dst.copy_(src)
+        return
+    if src.dtype != dst.dtype or src.numel() != dst.numel() or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"read_pinned: {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}")
+    n = src.numel()
+    _kernel()[(-(-n // BLOCK),)](_HostPointer(src), dst, n, BLOCK=BLOCK, num_warps=4)
+
+
+class _HostPointer:
+    """Only what Triton's launcher reads of a pointer argument: a dtype and a `data_ptr()`, not a
+    CPU tensor's device. The launcher asks the driver for the address's device pointer (for
+    pinned memory, the same address) and refuses one the device cannot reach."""
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self._ptr = t.dtype, t.data_ptr()
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+_KERNEL = None
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def copy_from_host(src, dst, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=m, cache_modifier=".cv"), mask=m)
+
+        _KERNEL = copy_from_host
+    return _KERNEL
