@@ -33,7 +33,7 @@ GIB = 1024**3
 # costs beyond the GEMVs and the attention bytes: the GPU's small kernels (norms, RoPE, merge),
 # graph launches, the event hand-off.
 LAYER_OVERHEAD_S = 200e-6
-POOL_BYTES = 384 * 2**20  # per KV dtype in the CPU attention timing: past the host's last-level cache
+POOL_BYTES = 2**30  # per KV dtype in the CPU attention timing: past the host's last-level cache (300 MiB on the H100 host)
 # Per CPU attention call (one layer, one sub-batch), whatever its size: the append, the Python
 # around the kernel, waking the Numba threads.
 CPU_ATTENTION_CALL_S = 100e-6
@@ -327,8 +327,9 @@ def _set_threads(n: int) -> None:
 
 def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     """Time `cpu_attention.decode_attention` on a pool larger than the caches (layers are
-    cycled so each call reads cold memory): B sequences × T tokens × 8 KV heads × D 128, with
-    as many layers as make POOL_BYTES of each dtype.
+    cycled so each call reads cold memory): one sequence of T tokens × 8 KV heads × D 128 (the
+    batch-1 decode the host tier mostly serves; int8 read 53 GB/s there and 30 as 16 × 4k, bench
+    RESULTS fifth session), with as many layers as make POOL_BYTES of each dtype.
 
     Each (dtype, thread count) is warmed up on its own, one pass over every layer: the first call
     of a dtype JIT-compiles or loads its kernels, the first at a thread count starts Numba's
@@ -338,7 +339,7 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     import cpu_attention
     from cpu_attention.layout import HostKVPool
 
-    B, T, H, D, BS = (2, 512, 8, 128, 16) if quick else (4, 2048, 8, 128, 16)
+    B, T, H, D, BS = (1, 1024, 8, 128, 16) if quick else (1, 16384, 8, 128, 16)
     pool_bytes = (8 if quick else POOL_BYTES // 2**20) * 2**20
     nb = B * T // BS
     q = torch.randn(B, 4 * H, D)

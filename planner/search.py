@@ -242,6 +242,13 @@ def _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, r
             )
         return [(ov.gpu_kv_tokens, 0, "set by the user")]
     out = [(fit, 0, "the whole context fits" if fit == wl.ctx_size else "what fits after the weights")]
+    if wl.batch == 1 and hw.has_gpu and block < fit < wl.ctx_size:
+        # a smaller device tier leaves room to stream a share of the host tier: a streamed token
+        # takes 2 staging slots of one layer, a device-tier token every layer (≈ L/2 times more)
+        for keep in GPU_TIER_FOR_STREAMING:
+            n = int(fit * keep) // block * block
+            if n and readback <= left - n * per_tok:
+                out.append((n, readback, "a smaller device tier, leaving room to stream more of the host tier"))
     if hw.gpu_attention_gbps and fit:
         a_g = _kv_layer_bytes(cfg, gpu_dt, block) / hw.gpu_attention_gbps
         a_c = _kv_layer_bytes(cfg, host_dt, block) / max(hw.cpu_attention_rate(host_dt, threads), 1e-9)
@@ -251,7 +258,8 @@ def _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, r
     return out
 
 
-STREAM_SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)  # of the host tier's tokens, tried for the GPU's streamed share
+GPU_TIER_FOR_STREAMING = (0.9, 0.95, 0.98)  # shares of what fits, tried as device tiers that leave staging room
+STREAM_SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # of the host tier's tokens, tried for the GPU's streamed share
 
 
 def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int, block: int) -> int:
