@@ -5,8 +5,8 @@
     attn(i): the device's attention shares → partial (o, lse) each: over its own tier, and over
              the streamed host blocks (offload/stream.py; the runner waits for their copy first)
              (only when there is a device tier or a streamer)
-    post(i): (o_c, lse_c) read from pinned staging (`up`) by a kernel (gpu_ops/host_read.py),
-             merged with the device's partials → post_attention → x
+    post(i): (o_c, lse_c) up from pinned staging (`up`; with a streamer, read by a kernel,
+             gpu_ops/host_read.py), merged with the device's partials → post_attention → x
 
 Between pre and post, outside any graph, the CPU attends: it waits for pre's event, reads q and
 the new k/v from `down`, appends and attends, and writes (o, lse) into `up`. A step then costs
@@ -79,8 +79,12 @@ class Captured:
         return parts
 
     def _post(self, i: int, parts) -> None:
-        read_pinned(self.up["o"], self.o_c)  # by a kernel: a copy would queue behind streamed KV blocks
-        read_pinned(self.up["lse"], self.lse_c)
+        if self.streamer is not None:  # by a kernel: a copy would queue behind the streamed KV blocks
+            read_pinned(self.up["o"], self.o_c)
+            read_pinned(self.up["lse"], self.lse_c)
+        else:
+            self.o_c.copy_(self.up["o"], non_blocking=True)
+            self.lse_c.copy_(self.up["lse"], non_blocking=True)
         o, lse = self.o_c, self.lse_c
         for o_d, lse_d in parts:
             o, lse = merge_attention(o_d, lse_d, o, lse)

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 import cpu_attention
-from cpu_attention._numba import physical_cores
 from cpu_attention.merge import merge_attention
 from gpu_ops import attention as gpu_attention
 from hetero.model import Model
@@ -132,10 +131,7 @@ class Runner:
             st.wall = now() - t0
             self._record(st)
             return logits
-        split = self._split(seqs)
-        # beside a main thread that keeps launching, the worker's kernels leave it a core
-        threads = self._worker_threads() if len(split) > 1 else self.threads
-        parts = [self._part(seqs, tokens, positions, slots, a, b, k, threads) for k, (a, b) in enumerate(split)]
+        parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
         for p in parts:
             p.inline = len(parts) == 1
         moved = self._weight_bytes()
@@ -200,15 +196,7 @@ class Runner:
         cuts = [round(k * len(seqs) / n) for k in range(n + 1)]
         return [(cuts[k], cuts[k + 1]) for k in range(n)]
 
-    def _worker_threads(self) -> int | None:
-        """Kernel threads for the CPU worker while the main thread runs the other sub-batch: one
-        core fewer (with all 16 on the H100 host, two sub-batches' CPU attention ran at 65% of
-        one sub-batch's rate, bench/RESULTS.md)."""
-        if not self.cuda:
-            return self.threads
-        return max(1, (self.threads or physical_cores()) - 1)
-
-    def _part(self, seqs, tokens, positions, slots, a: int, b: int, k: int, threads: int | None) -> Part:
+    def _part(self, seqs, tokens, positions, slots, a: int, b: int, k: int) -> Part:
         c, dev = self.cache, self.dev
         sl = Slots()
         for j, s in enumerate(slots[a:b]):
@@ -222,7 +210,7 @@ class Runner:
         work = None
         if any(c.seqs[s].host.num_tokens for s in ss):
             host_tables = c.tables(ss, "host")
-            work = cpu_attention.DecodeWork(c.host, *host_tables, threads)
+            work = cpu_attention.DecodeWork(c.host, *host_tables, self.threads)
         pdev = c.gpu.k.device if c.gpu is not None else dev
         if self.segments is not None and b - a <= SegmentGraphs.MAX_ROWS:
             cap = self.segments.get(k, b - a)

@@ -107,8 +107,7 @@ def decode_step(
     BS = kv.block_size
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     gpu_gflops = hw.gpu_tflops * 1000 or 1e9
-    # two sub-batches: the worker's kernels leave the launching main thread a core (offload.runner)
-    attn_rate = hw.cpu_attention_rate(kv.host_dtype, max(1, threads - 1) if sub_batches > 1 and hw.has_gpu else threads)
+    attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
     if T_s and hw.dram_read_gbps:  # DRAM shared with the copy engine streaming T_s tokens up
         attn_rate = min(attn_rate, max(hw.dram_read_gbps - STREAM_PCIE_SHARE * hw.pcie_h2d_gbps,
                                        MIN_CPU_DRAM_SHARE * hw.dram_read_gbps))
