@@ -26,6 +26,11 @@ STREAM_PCIE_SHARE = 1.0
 # get what DRAM has left: measured 53 GB/s in-run against 68 alone, with PCIe streaming at ~50 and
 # DRAM at 109 (H100 host, 2026-11-23 04:12 UTC, 32k bf16). The CPU keeps at least this share.
 MIN_CPU_DRAM_SHARE = 0.25
+# Per layer per sub-batch where a decode step runs the runtime's general loop through torch (two
+# sub-batches, or weights streamed or computed by the CPU): graph replays, events, the worker
+# hand-off, ~15 torch calls. Fitted on the H100 host, 2026-11-22 (the lean loop's is the profile's
+# `layer_overhead_s`).
+GENERAL_LOOP_OVERHEAD_S = 200e-6
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
 
 
@@ -97,11 +102,13 @@ def decode_step(
       n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + c_w + x_w
              (attention overlaps across devices; CPU-mode weights stall the GPU)
       n = 2: t = max(g, c + x, p)   (sub-batch A's GPU work hides B's CPU work, NEO-style)
-      t += n · per-layer overhead
+      t += per-layer overhead (one sub-batch: the lean loop's; else n · the general loop's)
     step = Σ_layers t + head (final norm, lm_head, embedding lookup) in the same way.
     T_s: the host tier's first tokens the GPU attends over after copying them up (batch 1 only).
     """
     pairs = _pairs(cfg, placements)
+    # the runtime's lean loop (offload/inline.py): one sub-batch, no weights moving during the step
+    lean = sub_batches == 1 and all(p.mode is Mode.RESIDENT or p.kind is Kind.EMBED for p in placements)
     T_g, T_c = tier_tokens(kv, context)
     T_s = min(kv.stream_tokens, T_c) if batch == 1 and hw.has_gpu else 0
     BS = kv.block_size
@@ -147,7 +154,7 @@ def decode_step(
             nbytes["gpu attention"] += batch * (T_g + T_s) * kv_bytes_per_token_layer(cfg, kv.gpu_dtype, BS)
             nbytes["cpu attention"] += batch * T_cpu * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
             nbytes["pcie kv"] += T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
-        over = sub_batches * hw.layer_overhead_s if layer >= 0 else 0.0
+        over = (hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S) if layer >= 0 else 0.0
         if sub_batches == 1:
             t = max(g_lin + max(g_att, c_att + x_att), p + s_up, d) + c_w + x_w + over
         else:

@@ -27,12 +27,14 @@ FORMAT = 7  # bump when fields change meaning or the stated constants change; an
 GIB = 1024**3
 
 # Stated constants (not measured; bench/offload_decode.py prints predictions beside measurements).
-# Fitted on the H100 host (bench/offload_decode.py, 2026-11-22 22:45 UTC run: Llama-3-8B shape,
-# the batch-1 workloads, least squares on log tok/s; the runtime then ran the CPU's share inline,
-# its layer graphs copying q/k/v and (o, lse) themselves). Per layer per sub-batch, what a step
-# costs beyond the GEMVs and the attention bytes: the GPU's small kernels (norms, RoPE, merge),
-# graph launches, the event hand-off.
-LAYER_OVERHEAD_S = 200e-6
+# Per layer of a step the runtime runs in its lean loop (offload/inline.py: one sub-batch, driver
+# calls), what a step costs beyond the GEMVs and the attention bytes: the GPU's small kernels
+# (norms, RoPE, merge, the q/k/v and (o, lse) hops), the host's launch of the post segment after
+# the CPU's kernel (~45 µs to its start on the device), the event wait. Fitted on the H100 host,
+# 2026-11-23 (bench/offload_decode.py runs of 07:00–07:15 UTC, plans held fixed: 100 µs fits the
+# bf16 rows, int8's CPU calls cost more than `CPU_ATTENTION_CALL_S` says). The general loop's is
+# `planner.cost.GENERAL_LOOP_OVERHEAD_S`.
+LAYER_OVERHEAD_S = 150e-6
 POOL_BYTES = 512 * 2**20  # per KV dtype in the CPU attention timing: past the host's last-level cache (300 MiB on the H100 host)
 # Per CPU attention call (one layer, one sub-batch), whatever its size: the append, the Python
 # around the kernel, waking the Numba threads.
