@@ -1,17 +1,17 @@
 """SIMD micro-kernels for int4 decode: integer dot products over 4-bit codes (LLVM vector IR).
 
 int4 rows (`int4.py`: byte 16r + i of a row holds code 32r + i in its low nibble and 32r + 16 + i
-in its high one) are never widened to floats. Both hot loops widen the codes to 16-bit lanes in
-registers and multiply them with int16 factors in which the scales are already folded, summing
-in int32 (x86 pmaddwd, which LLVM fuses with the add into vpdpwssd where VNNI is there):
+in its high one) are never widened to floats. The two hot loops widen the codes to 16-bit lanes
+in registers and multiply them with int16 factors in which the scales are already folded,
+summing in int32 (x86 pmaddwd, which LLVM fuses with the add into vpdpwssd where VNNI is there):
 
 - keys are per channel over a block: score = Σ_d q_d (code_d s_d + z_d) = Σ_d (q_d s_d) code_d +
-  q · z, so per block and head q' = q · s is rounded to int16 once (`key_factors`) and each
-  token costs one integer dot product of q'16 with its codes (`make_dots_int4`).
+  q · z, so per block and head q' = q · s is rounded to int16 once (`make_key_factors`) and each
+  token costs one integer dot product of q'16 with its codes (`make_dots_int4`);
 - values are per token and group of 32 channels: Σ_t p_t (code_t s_tg + z_tg) = Σ_t (p_t s_tg)
-  code_t + Σ_t p_t z_tg, so per tile the weights p_t s_tg are rounded to int16 per (head, group)
-  (`value_factors`) and the codes of two tokens are summed by one pmaddwd per pair of lanes
-  (`make_accumulate_int4`).
+  code_t + Σ_t p_t z_tg, so per tile the weights p_t s_tg are rounded to int16 (`make_value_factors`,
+  from the tile's scales gathered by `make_scales_copy`) and the codes of two tokens are summed
+  by one pmaddwd per pair of lanes (`make_accumulate_int4`).
 
 Rounding: q' and the weights keep 2^-16 of their largest element (as the int8 path's q and
 weights). The rounding errors e of a factor multiply codes of 0..15, whose mean ~7.5 would turn
@@ -44,7 +44,6 @@ from cpu_attention._simd import (
 Q16 = np.float32(32767.0)  # int16 levels of a factor's largest element
 TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would leave float32's normal range
 MID = np.float32(7.5)  # the codes' midpoint: rounding errors are centred on it (module doc)
-SEG = min(2 * IVEC, 16)  # channels a run of the code layout: contiguous in both orders
 SUM_TOKENS = 4096  # tokens one value pass sums in int32: 4096 · 32767 · 15 < 2^31
 
 
