@@ -157,8 +157,8 @@ def _accumulate_int4_codegen(ng, C, IW):
         regs = [[[cgutils.alloca_once(builder, i32v) for _ in range(2)] for _ in range(C)] for _ in range(ng)]
 
         def row(t):  # byte offset of the tile's row t
-            idx = builder.load(builder.gep(rows.data, [t], inbounds=True))
-            return builder.mul(context.cast(builder, idx, sig.args[5].dtype, types.intp), H)
+            return context.cast(builder, builder.load(builder.gep(rows.data, [t], inbounds=True)), sig.args[5].dtype,
+                                types.intp)
 
         def weights(i, grp, t, pair):  # the (w_t, w_t+1) pair (or (w_t, 0)) of head g+i and group grp, splat
             at = builder.gep(w16.data, [builder.add(builder.mul(builder.add(wrow[i], grp), S), t)], inbounds=True)
@@ -222,14 +222,14 @@ def _accumulate_int4_codegen(ng, C, IW):
 def make_accumulate_int4(ng: int, C: int = max(ACC_CHUNKS // 2, 1), IW: int = IVEC):
     """An intrinsic accumulate_int4(w16, wsc, zsum, g, v, rows, n, acc): for heads i < ng and every
     channel d of group r = d // 32,
-    acc[g+i, d] += wsc[g+i, r] · Σ_{t<n} w16[g+i, r, t] · code(v[rows[t]], d) + zsum[g+i, r],
+    acc[g+i, d] += wsc[g+i, r] · Σ_{t<n} w16[g+i, r, t] · code(v.flat[rows[t]:], d) + zsum[g+i, r],
     the sums in exact int32 arithmetic (token pairs, pmaddwd / vpdpwssd), 2·C int32 vectors of IW
     lanes a head at a time in registers over the n rows, then converted and added to acc.
 
     w16 [G, D/32, S] int16 weights (n ≤ SUM_TOKENS), wsc, zsum [G, D/32] float32 their scales and the
     zero points' share (`value_factors`); v [R, D/2] uint8 packed rows (`int4.py`), rows [≥ n]
-    integer row indices into v; acc [G, D] float32; all C-contiguous; D % 32 == 0, IW ≤ 16. No
-    bounds checks."""
+    integer byte offsets of the rows in v (row index × D/2); acc [G, D] float32; all C-contiguous;
+    D % 32 == 0, IW ≤ 16. No bounds checks."""
 
     @intrinsic
     def accumulate_int4(typingctx, w16, wsc, zsum, g, v, rows, n, acc):

@@ -733,7 +733,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
         w16 = np.empty((G, NG, TLV), np.int16)
         wsc = np.empty((G, NG), np.float32)
         zsum = np.empty((G, NG), np.float32)
-        rows = np.empty(TL, np.int64)
+        rows = np.empty(TL, np.int64)  # the tile's value rows: byte offsets in vrows
         rf = np.empty((BS, D), np.float32)  # a tail's rows, widened
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
@@ -761,7 +761,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
                         _prefetch_span(vs2, pr * NG, BS * NG)
                         _prefetch_span(vz2, pr * NG, BS * NG)
                 for j in range(nb):
-                    rows[u + j] = r0 + j
+                    rows[u + j] = (r0 + j) * Hb
                 if tail[blk] >= 0:
                     tails[nt, 0], tails[nt, 1], tails[nt, 2], tails[nt, 3] = u, blk, off, nb
                     nt += 1

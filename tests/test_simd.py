@@ -258,7 +258,7 @@ def test_accumulate_int4(W, T, C, IW):
             zsum = rng.standard_normal((10, NG)).astype(np.float32)
             acc0 = rng.standard_normal((10, D)).astype(np.float32)
             acc = acc0.copy()
-            run(w16, wsc, zsum, v, rows, n, acc)
+            run(w16, wsc, zsum, v, rows * (D // 2), n, acc)  # rows as byte offsets
             codes = codes_of(v[rows])  # [n, D]
             exact = np.einsum("grt,trc->grc", w16[:, :, :n].astype(np.int64), codes.reshape(n, NG, 32))
             ref = acc0 + (wsc[:, :, None] * exact + zsum[:, :, None]).reshape(10, D)
