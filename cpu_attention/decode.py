@@ -736,34 +736,38 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
         w16 = np.empty((G, NG, TLV), np.int16)
         wsc = np.empty((G, NG), np.float32)
         zsum = np.empty((G, NG), np.float32)
-        rows = np.empty(TL, np.int64)
+        rows = np.empty(TL, np.int64)  # the tile's value rows: byte offsets in vrows
         rf = np.empty((BS, D), np.float32)  # a tail's rows, widened
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
+        tails = np.empty((TL, 4), np.int64)  # a tile's blocks read from their tails: (u, block, offset, tokens)
+        bi, off = t0 // BS, t0 % BS  # token t's block (its index in the table) and offset, walked without divisions
         t = t0
         while t < t1:
             n = min(TL, t1 - t)
-            tails = False
+            nt = 0
             u = 0
             while u < n:
-                blk, off = bt[b, (t + u) // BS], (t + u) % BS
+                blk = bt[b, bi]
                 nb = min(BS - off, n - u)
                 bh = blk * Hkv + h
-                tn = t + u + nb  # the next block's first token
-                pr, pn = 0, 0
-                if tn < t1:  # the next block: its scales now, its rows while this block is scored
-                    pbh = bt[b, tn // BS] * Hkv + h
-                    pr, pn = pbh * BS, min(BS, t1 - tn, nb)
-                    _prefetch_span(ks2, pbh * D, D)
-                    _prefetch_span(kz2, pbh * D, D)
-                    _prefetch_span(vs2, pr * NG, BS * NG)
-                    _prefetch_span(vz2, pr * NG, BS * NG)
                 r0 = bh * BS + off
+                nbi, noff = (bi + 1, 0) if off + nb == BS else (bi, off + nb)
+                pr, pn = 0, 0
+                if t + u + nb < t1:  # the next rows: the scales of a next block now, the rows while this one is scored
+                    pbh = bt[b, nbi] * Hkv + h
+                    pr, pn = pbh * BS + noff, min(BS - noff, t1 - t - u - nb, nb)
+                    if noff == 0:
+                        _prefetch_span(ks2, pbh * D, D)
+                        _prefetch_span(kz2, pbh * D, D)
+                        _prefetch_span(vs2, pr * NG, BS * NG)
+                        _prefetch_span(vz2, pr * NG, BS * NG)
                 for j in range(nb):
-                    rows[u + j] = r0 + j
+                    rows[u + j] = (r0 + j) * Hb
                 if tail[blk] >= 0:
-                    tails = True
+                    tails[nt, 0], tails[nt, 1], tails[nt, 2], tails[nt, 3] = u, blk, off, nb
+                    nt += 1
                     _widen_rows(tk[tail[blk], h, off:off + nb], nb, rf)
                     _dots_rows(qn, rf, 0, nb, s, u, rf, rf, 0, 0)
                     for r in range(NG):  # its codes are stale: weight 0
@@ -774,18 +778,15 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
                     _key_factors(qn, ks2, kz2, bh, q16, qsc, qcon)
                     _dots_rows_int4(q16, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn)
                     _scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
+                bi, off = nbi, noff
                 u += nb
             _softmax_tile(s, n, m, l, acc)
             _value_factors(s, vsc, vzr, n, w16, wsc, zsum)
             _accumulate_rows_int4(w16, wsc, zsum, vrows, rows, n, acc)
-            u = 0
-            while tails and u < n:
-                blk, off = bt[b, (t + u) // BS], (t + u) % BS
-                nb = min(BS - off, n - u)
-                if tail[blk] >= 0:
-                    _widen_rows(tv[tail[blk], h, off:off + nb], nb, rf)
-                    _accumulate_rows(s, u, rf, 0, nb, acc)
-                u += nb
+            for i in range(nt):
+                tu, tb, to, tn = tails[i, 0], tails[i, 1], tails[i, 2], tails[i, 3]
+                _widen_rows(tv[tail[tb], h, to:to + tn], tn, rf)
+                _accumulate_rows(s, tu, rf, 0, tn, acc)
             t += n
         part_o[it] = acc
         part_m[it] = m

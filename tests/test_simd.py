@@ -258,7 +258,7 @@ def test_accumulate_int4(W, T, C, IW):
             zsum = rng.standard_normal((10, NG)).astype(np.float32)
             acc0 = rng.standard_normal((10, D)).astype(np.float32)
             acc = acc0.copy()
-            run(w16, wsc, zsum, v, rows, n, acc)
+            run(w16, wsc, zsum, v, rows * (D // 2), n, acc)  # rows as byte offsets
             codes = codes_of(v[rows])  # [n, D]
             exact = np.einsum("grt,trc->grc", w16[:, :, :n].astype(np.int64), codes.reshape(n, NG, 32))
             ref = acc0 + (wsc[:, :, None] * exact + zsum[:, :, None]).reshape(10, D)
@@ -348,3 +348,50 @@ def test_scales_copy(W, T, C, IW):
                 want = np.full((NG, 40), np.nan, np.float32)
                 want[:, col:col + nb] = (src[row:row + nb].astype(np.uint32) << 16).view(np.float32).T
                 assert np.array_equal(got, want, equal_nan=True), (NG, row, nb, col)
+
+
+WIDE = r'''
+import sys, types, math
+import torch
+pkg = types.ModuleType("cpu_attention")  # _simd's shapes set before the package imports decode
+pkg.__path__ = [sys.argv[1] + "/cpu_attention"]
+sys.modules["cpu_attention"] = pkg
+import cpu_attention._simd as S
+S.VEC, S.IVEC, S.DOT_TOKENS, S.ACC_CHUNKS, S._MADD = 16, 16, 4, 4, (None, 16)
+S.make_dots.__defaults__, S.make_accumulate.__defaults__ = (4, 16, 16), (4, 16)
+S.make_accumulate_int8.__defaults__ = (4, 16)
+del sys.modules["cpu_attention"]
+from cpu_attention import decode, _simd_int4
+assert (decode.VEC, decode.DOT_TOKENS, _simd_int4.IVEC) == (16, 4, 16)
+sys.path.insert(0, sys.argv[1] + "/tests")
+from test_cpu_attention import make, rel
+from cpu_attention import KVDtype, decode_attention, decode_attention_ref
+for dt, D, BS, by_token in (("int4", 128, 16, True), ("int4", 96, 32, False), ("int8", 128, 16, False),
+                            ("bf16", 128, 16, False)):
+    lens = [1, 40, 1000]
+    pool, bt, sl, q, _ = make(KVDtype(dt), D, BS, lens, seed=D + BS, by_token=by_token)
+    out, lse = decode_attention(pool, 0, q, bt, sl, 1 / math.sqrt(D), threads=2)
+    ro, rl = decode_attention_ref(pool, 0, q, bt, sl, 1 / math.sqrt(D), dtype=torch.float64)
+    print(dt, D, BS, rel(out, ro), float((lse.double() - rl).abs().max()))
+'''
+
+
+@pytest.mark.slow
+def test_decode_at_avx512_shapes(tmp_path):
+    """The decode kernels at the AVX-512 host's shapes (16 lanes, 4 tokens a score pass, 4
+    accumulator vectors, int8's and int4's pmaddwd of 16 int32 lanes as plain IR), run here
+    against their float64 references in a fresh process (its own Numba cache: the shapes are
+    constants compiled in): the layouts, tails and remainders those shapes take, which the
+    micro-kernel tests above do not reach."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", WIDE, root], capture_output=True, text=True, env=env, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for line in r.stdout.strip().splitlines():
+        dt, _, _, err, lse_err = line.split()
+        assert float(err) < 1e-4 and float(lse_err) < (3e-4 if dt == "int8" else 1e-4), line
