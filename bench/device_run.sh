@@ -5,6 +5,7 @@
 # attn:    bench/cpu_attention.py for bf16 and int8, first as the engine runs it, then again with
 #          Numba's default CPU features (256-bit vectors on AVX-512 Xeons): the A/B of 512-bit vectors
 # gpudecode: bench/gpu_decode.py (all-GPU decode and prefill, per-linear NF4 kernels; GPUDECODE_ARGS="--only b1")
+# mma:     bench/nf4_mma.py (the W4A16 tensor-core kernel's sweep at 4-64 rows vs bitsandbytes; MMA_ARGS passed through)
 # trace:   bench/step_trace.py for each of TRACE (workload names, "_" for spaces; needs the offload stage's profile)
 # probe:   bench/pcie_probe.py (host→device copy rates from a large pinned pool, beside the CPU kernels)
 # offload: bench/offload_decode.py (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
@@ -38,6 +39,9 @@ for stage in $STAGES; do
     gpudecode)
       timeout ${GPUDECODE_TIMEOUT:-300} python3 bench/gpu_decode.py --out "$OUT" --budget-s 150 ${GPUDECODE_ARGS:-} 2>&1 \
         | tee "$OUT/gpu_decode_stdout.log" | grep -v "^20..-" | tail -${GPUDECODE_TAIL:-32} ;;
+    mma)
+      timeout ${MMA_TIMEOUT:-330} python3 bench/nf4_mma.py --out "$OUT" ${MMA_ARGS:-} 2>&1 \
+        | tee "$OUT/nf4_mma_stdout.log" | grep -v "^20..-" | tail -${MMA_TAIL:-75} ;;
     trace)
       for w in ${TRACE:-"8k bf16"}; do
         timeout 150 python3 bench/step_trace.py --workload "${w//_/ }" --profile "${TRACE_PROFILE:-$OUT/profile.json}" 2>&1 \

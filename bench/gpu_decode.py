@@ -269,12 +269,13 @@ def main() -> None:
     out_json = args.out / "gpu_decode.json"
     A = AttnKernel.AUTO
     plan = [  # (linear kernel, batch, ctx, attention, graphs, compile, fused); compiled cases last (slow to build)
-        (Nf4Kernel.AUTO, 1, 128, A, True, False, True),  # AUTO: our GEMV at ≤ 2 rows (fused layer), bnb above
+        (Nf4Kernel.AUTO, 1, 128, A, True, False, True),  # AUTO: our GEMV at ≤ 2 rows (fused layer)
         (Nf4Kernel.AUTO, 1, 128, A, True, False, False),  # the same without gpu_ops.fused: torch's ops
         (Nf4Kernel.BNB, 1, 128, A, True, False, True),
         (Nf4Kernel.AUTO, 1, 128, A, False, False, True),
         (Nf4Kernel.TRITON, 1, 128, A, True, False, True),
-        (Nf4Kernel.AUTO, 32, 2048, A, True, False, True),
+        (Nf4Kernel.AUTO, 32, 2048, A, True, False, True),  # AUTO: nf4_mma in its row range
+        (Nf4Kernel.BNB, 32, 2048, A, True, False, True),
         (Nf4Kernel.TRITON, 32, 2048, A, True, False, True),
         (Nf4Kernel.AUTO, 32, 2048, AttnKernel.TORCH, True, False, True),
     ]

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import importlib.util  # noqa: E402
 
 import cpu_attention  # noqa: E402
+import torch  # noqa: E402
 
 # bench/ is not on the path (its cpu_attention.py would shadow the package): load the sibling by file
 _spec = importlib.util.spec_from_file_location("offload_decode", Path(__file__).with_name("offload_decode.py"))
@@ -37,6 +38,8 @@ TIMES: dict[str, list[float]] = collections.defaultdict(list)
 def timed(owner, name: str) -> None:
     fn = getattr(owner, name)
     label = f"{getattr(owner, '__name__', owner)}.{name}".replace("cpu_attention.", "")
+    if name in ("synchronize", "replay"):  # nested inside the runner's calls: marked apart
+        label = "  (inside) " + label
 
     def wrap(*a, **k):
         t = time.perf_counter()
@@ -54,7 +57,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, required=True)
     args = ap.parse_args()
     for cls, names in ((Runner, ("_start", "_finish", "_send_down", "_host_job", "_begin_stream", "_part")),
-                       (KVStreamer, ("prefetch", "attend", "begin")), (HostKVPool, ("write",)),
+                       (KVStreamer, ("prefetch", "attend", "begin", "ready", "release")), (HostKVPool, ("write",)),
+                       # graph launches, and the host waiting for the device (the CPU share waits for q)
+                       (torch.cuda.CUDAGraph, ("replay",)), (torch.cuda.Event, ("synchronize",)),
                        (decode, ("decode_float", "decode_int8", "decode_attention", "_plan"))):
         for n in names:
             timed(cls, n)

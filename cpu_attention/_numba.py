@@ -35,7 +35,13 @@ def _prefer_512_bit_vectors() -> None:
     exist; our attention kernels are compute-bound, so twice the lanes per FMA is what they
     need. The feature string is part of Numba's cache key, so cached kernels are never
     mixed up. Must run before Numba's codegen is created (its first compile): every module
-    with Numba kernels imports this one first. A NUMBA_CPU_FEATURES set by the user wins."""
+    with Numba kernels imports this one first. A NUMBA_CPU_FEATURES set by the user wins.
+
+    Where AVX-512 VNNI is there, also LLVM's `fast-dpwssd` tuning (LLVM 19+): without it LLVM's
+    machine combiner splits vpdpwssd back into vpmaddwd + vpaddd wherever that shortens a
+    dependency chain, in loops with many independent accumulators too (compiled for Sapphire
+    Rapids: 26 of the int8 kernel's 216, about half of the int4 kernels'), which costs an
+    instruction each on the ports the dot products are bound by."""
     if "NUMBA_CPU_FEATURES" in os.environ or numba.config.CPU_FEATURES is not None:
         return
     from numba.core.codegen import get_host_cpu_features
@@ -46,7 +52,10 @@ def _prefer_512_bit_vectors() -> None:
     except RuntimeError:  # LLVM cannot read this host's features: keep Numba's default
         return
     if has_avx512:
-        numba.config.CPU_FEATURES = get_host_cpu_features() + ",-prefer-256-bit"
+        features = get_host_cpu_features() + ",-prefer-256-bit"
+        if "+avx512vnni" in features.split(",") and binding.llvm_version_info >= (19,):
+            features += ",+fast-dpwssd"
+        numba.config.CPU_FEATURES = features
 
 
 _prefer_512_bit_vectors()
@@ -243,70 +252,6 @@ def exp_neg(x):
     p = p * f + np.float32(1.0)
     r = p * bits_to_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
     return r if x > np.float32(-87.0) else np.float32(0.0)
-
-
-def _nibbles_codegen(vector_scales: bool):
-    """LLVM IR for widen_nibbles / widen_nibbles_by: one int4 group (16 bytes, 32 codes) to
-    32 float32, code × scale + zero, with scalar or per-element scales and zeros."""
-
-    def codegen(context, builder, signature, args):
-        from llvmlite import ir
-        from numba.core import cgutils
-
-        if vector_scales:
-            xa, xi, aa, za, ai, oa, oi = args
-            arrs = signature.args[2], signature.args[3]
-            A, Z = (context.make_array(t)(context, builder, v) for t, v in zip(arrs, (aa, za)))
-        else:
-            xa, xi, a, z, oa, oi = args
-        xs = context.make_array(signature.args[0])(context, builder, xa)
-        os_ = context.make_array(signature.args[-2])(context, builder, oa)
-        i8x16, f32x16 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(ir.FloatType(), 16)
-        ptr = lambda arr, i, k: builder.bitcast(  # noqa: E731  &arr.flat[i + 16k] as <16 x float>*
-            builder.gep(arr.data, [builder.add(i, ir.Constant(i.type, 16 * k))]), f32x16.as_pointer())
-        if not vector_scales:
-            zeros = ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16)
-            undef = ir.Constant(f32x16, ir.Undefined)
-            av = builder.shuffle_vector(builder.insert_element(undef, a, ir.IntType(32)(0)), undef, zeros)
-            zv = builder.shuffle_vector(builder.insert_element(undef, z, ir.IntType(32)(0)), undef, zeros)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32x16, [f32x16] * 3),
-                                             "llvm.fmuladd.v16f32")
-        b = builder.load(builder.bitcast(builder.gep(xs.data, [xi]), i8x16.as_pointer()), align=1)
-        halves = (builder.and_(b, ir.Constant(i8x16, [15] * 16)), builder.lshr(b, ir.Constant(i8x16, [4] * 16)))
-        for k, h in enumerate(halves):
-            if vector_scales:
-                av, zv = builder.load(ptr(A, ai, k), align=4), builder.load(ptr(Z, ai, k), align=4)
-            builder.store(builder.call(fma, [builder.uitofp(h, f32x16), av, zv]), ptr(os_, oi, k), align=4)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def _c_array(t, dtype) -> bool:
-    return isinstance(t, types.Array) and t.dtype == dtype and t.layout == "C"
-
-
-@intrinsic
-def widen_nibbles(typingctx, x, xi, a, z, out, oi):
-    """out.flat[oi + i] = (x.flat[xi + i] & 15) * a + z and out.flat[oi + 16 + i] = (x.flat[xi + i] >> 4)
-    * a + z for i < 16: one int4 group of 32 (layout.py's nibble order) as straight-line vector
-    code. Written as LLVM vector IR because a 16-byte loop is either unrolled into scalars
-    (constant trip count) or pays a vector loop's setup and alias checks per group (runtime
-    trip count): this is ~2x faster than the best loop. x uint8, out float32, both
-    C-contiguous; no bounds checks: the caller keeps xi + 16 and oi + 32 in range."""
-    if not (_c_array(x, types.uint8) and _c_array(out, types.float32) and a == types.float32 and z == types.float32):
-        return None
-    return types.void(x, xi, a, z, out, oi), _nibbles_codegen(vector_scales=False)
-
-
-@intrinsic
-def widen_nibbles_by(typingctx, x, xi, a, z, ai, out, oi):
-    """`widen_nibbles` with a scale and zero per element: code k of the group (k < 32) becomes
-    code * a.flat[ai + k] + z.flat[ai + k] (a, z float32, C-contiguous, ai + 32 in range)."""
-    if not (_c_array(x, types.uint8) and _c_array(out, types.float32) and _c_array(a, types.float32)
-            and _c_array(z, types.float32)):
-        return None
-    return types.void(x, xi, a, z, ai, out, oi), _nibbles_codegen(vector_scales=True)
 
 
 @intrinsic

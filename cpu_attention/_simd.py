@@ -148,6 +148,21 @@ def _lane_sums(builder, vecs, add):
     return vecs
 
 
+def _head_sums(builder, sums, i, T):
+    """Head i's T sums as one <T x elem> vector: lanes i*T .. i*T+T-1 of `_lane_sums`' vectors
+    read in order (a dot-product kernel's T tokens × heads, reduced together)."""
+    ir, _ = _ir()
+    Lr = sums[0].type.count
+    v, o = sums[i * T // Lr], i * T % Lr
+    if o + T <= Lr:  # in one vector
+        return v if T == Lr else _shuffle(builder, v, v, list(range(o, o + T)))
+    part = ir.Constant(ir.VectorType(v.type.element, T), None)
+    for t in range(T):
+        lane = builder.extract_element(sums[(i * T + t) // Lr], ir.IntType(32)((i * T + t) % Lr))
+        part = builder.insert_element(part, lane, ir.IntType(32)(t))
+    return part
+
+
 def _madd(builder, a, b):
     """<2L x i16> a, b → <L x i32>: a[2i] b[2i] + a[2i+1] b[2i+1] (x86 pmaddwd)."""
     ir, cgutils = _ir()
@@ -223,16 +238,8 @@ def _dots_codegen(ng, T, W, integer):
             _d_loops(builder, intp, D, W, kdtype == types.uint16, body)
         add = builder.add if integer else builder.fadd
         sums = _lane_sums(builder, [builder.load(a) for row in accs for a in row], add)
-        Lr = sums[0].type.count
-        for i in range(ng):  # head i's T sums: lanes i*T .. i*T+T-1 of the sums read in order
-            v, o = sums[i * T // Lr], i * T % Lr
-            if o + T <= Lr:  # in one vector
-                part = v if T == Lr else _shuffle(builder, v, v, list(range(o, o + T)))
-            else:
-                part = ir.Constant(ir.VectorType(v.type.element, T), None)
-                for t in range(T):
-                    lane = builder.extract_element(sums[(i * T + t) // Lr], ir.IntType(32)((i * T + t) % Lr))
-                    part = builder.insert_element(part, lane, ir.IntType(32)(t))
+        for i in range(ng):
+            part = _head_sums(builder, sums, i, T)
             if integer:
                 part = builder.sitofp(part, ir.VectorType(ir.FloatType(), T))
             at = builder.add(builder.mul(builder.add(g, intp(i)), S), sj)

@@ -22,15 +22,14 @@ the next block's rows are prefetched a few rows a pass.
 Head dims that are not a multiple of the vector width go to `decode_*_any`: the same
 algorithm one block a tile with LLVM's vectorized loops (`_scores`, `_accumulate`).
 
-int4, per tile (up to TILE tokens over one or more blocks): the scores with `_scores` (two
-tokens × a group of up to four heads a pass, each K element loaded once per group), one
-`_softmax_tile` step, then `_accumulate` (the same head groups × two tokens a pass); G is
-split into groups of four and one group of the rest, each a specialization of one helper by
-its constant size. int4 rows are first widened into L1-resident float32 tiles by
-straight-line vector code (`widen_nibbles`): code × scale + zero, V's per token and group,
-K's per block and channel (a block still being filled is read from its bf16 tail); the
-output is rotated back (int4 V is stored rotated, `rotation.py`). While a tile computes, the
-next tile's rows are prefetched one row per token.
+int4, per tile (whole blocks, as bf16 / int8), with integer dot products over the 4-bit codes
+(`_simd_int4`): per block, q times the block's per-channel key scales rounded to int16 (the
+zero points' share of the scores is one float per head), scored against the codes widened in
+registers; per tile, the softmax weights times the tokens' value scales rounded to int16 per
+head, and the codes of token pairs summed against them in int32 (the zero points' share added
+per group of 32 channels). A block still being filled is read from its bf16 tail by the float
+kernels. The output is rotated back (int4 V is stored rotated, `rotation.py`) once per
+(sequence, head), after the merge.
 """
 from __future__ import annotations
 
@@ -44,21 +43,23 @@ from numba import prange
 from cpu_attention import rotation
 from cpu_attention._numba import (
     JIT, bits_to_f32, exp_neg, f32_to_bits, hadamard_unrotate, line_elems, prefetch, resolve_threads, rotate_rows,
-    unrotate_rows, widen, widen_nibbles, widen_nibbles_by,
+    unrotate_rows, widen,
 )
 from cpu_attention._simd import (
     DOT_TOKENS, IVEC, VEC, from_madd_layout, from_pair_layout, make_accumulate, make_accumulate_int8, make_dots,
     to_pair_layout,
 )
+from cpu_attention._simd_int4 import (
+    SUM_TOKENS, make_accumulate_int4, make_dots_int4, make_key_factors, make_scales_copy, make_value_factors,
+)
 from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
 
-TILE = 32  # int4: tokens widened at a time: K and V tiles of 32 × D float32 stay in L1/L2
-TOKENS_PER_TILE = 64  # bf16/int8: tokens scored per online-softmax step (whole blocks)
+TILE = 32  # `decode_*_any`: tokens a tile
+TOKENS_PER_TILE = 64  # bf16/int8/int4: tokens scored per online-softmax step (whole blocks)
 ITEMS_PER_THREAD = 4  # equal-sized items per thread: balances Numba's static schedule
 MIN_CHUNK = 256  # tokens; below this the merge and per-item setup start to show
 NEG_INF = np.float32(-np.inf)
-HALF_GROUP = INT4_GROUP // 2  # packed bytes per int4 group
 
 
 @numba.njit(nogil=True, cache=True)
@@ -608,25 +609,78 @@ def decode_int8_any(k, v, ks, vs, q, bt, items, pair_start, out, lse):
         _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
 
 
-@numba.njit(inline="always", **JIT)
-def _widen_int4(x, sc, zr, n, out):
-    """Packed rows x [n, D/2] with per-token group scales/zeros sc, zr [n, D/32] (bf16 bits)
-    → out[:n] [., D] float32 (code × scale + zero, in element order)."""
-    half, NG = x.shape[1], sc.shape[1]
-    for j in range(n):
-        for gr in range(NG):
-            widen_nibbles(x, j * half + gr * HALF_GROUP, widen(sc[j, gr]), widen(zr[j, gr]),
-                          out, 2 * j * half + gr * INT4_GROUP)
+# int4 micro-kernels (`_simd_int4`): integer dot products over the 4-bit codes
+_I4DOT1, _I4DOT2, _I4DOT3, _I4DOT4 = (make_dots_int4(ng) for ng in (1, 2, 3, 4))
+_I4ACC1, _I4ACC2, _I4ACC3, _I4ACC4 = (make_accumulate_int4(ng) for ng in (1, 2, 3, 4))
+_I4KF1, _I4KF2, _I4KF3, _I4KF4 = (make_key_factors(ng) for ng in (1, 2, 3, 4))
+_value_factors, _scales_copy = make_value_factors(), make_scales_copy()
 
 
 @numba.njit(inline="always", **JIT)
-def _widen_int4_keys(x, aw, zw, n, out):
-    """Packed key rows x [n, D/2] → out[:n] [., D] float32: code × aw + zw, with aw, zw [D]
-    (float32) the block's per-channel scale and zero."""
-    half = x.shape[1]
-    for j in range(n):
-        for i in range(0, half, HALF_GROUP):
-            widen_nibbles_by(x, j * half + i, aw, zw, 2 * i, out, 2 * (j * half + i))
+def _key_factors(qn, ks, kz, row, q16, qsc, qcon):
+    """`make_key_factors` for all G heads: groups of four, then 3, 2 or 1."""
+    G = qn.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _I4KF4(qn, g, ks, kz, row, q16, qsc, qcon)
+        g += 4
+    r = G - g
+    if r == 3:
+        _I4KF3(qn, g, ks, kz, row, q16, qsc, qcon)
+    elif r == 2:
+        _I4KF2(qn, g, ks, kz, row, q16, qsc, qcon)
+    elif r == 1:
+        _I4KF1(qn, g, ks, kz, row, q16, qsc, qcon)
+
+
+@numba.njit(inline="always", **JIT)
+def _dots_rows_int4(q16, kb, r0, r1, s, sj, qsc, qcon, pk, pv, p0, p1):
+    """`_dots_rows` for packed int4 key rows kb [BS, D/2]: s[:, sj + j - r0] = qsc · (q16 · codes of
+    kb[j]) + qcon for r0 <= j < r1, all G heads, prefetching rows p0.. < p1 of pk and pv meanwhile."""
+    G = q16.shape[0]
+    for j in range(r0, r1, DOT_TOKENS):
+        pj = p0 + j - r0
+        pe = min(pj + DOT_TOKENS, p1)
+        if pj < pe:
+            _prefetch_rows(pk, pj, pe)
+            _prefetch_rows(pv, pj, pe)
+        c = sj + j - r0
+        g = 0
+        while g + 4 <= G:
+            _I4DOT4(q16, g, kb, j, r1, s, c, qsc, qcon)
+            g += 4
+        r = G - g
+        if r == 3:
+            _I4DOT3(q16, g, kb, j, r1, s, c, qsc, qcon)
+        elif r == 2:
+            _I4DOT2(q16, g, kb, j, r1, s, c, qsc, qcon)
+        elif r == 1:
+            _I4DOT1(q16, g, kb, j, r1, s, c, qsc, qcon)
+
+
+@numba.njit(inline="always", **JIT)
+def _accumulate_rows_int4(w16, wsc, zsum, v, rows, n, acc):
+    """acc[g] += wsc[g] · Σ_t w16[g, :, t] · codes of v[rows[t]] + zsum[g] for t < n (per group of 32
+    channels), all G heads in groups of four (then 3, 2 or 1)."""
+    G = acc.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _I4ACC4(w16, wsc, zsum, g, v, rows, n, acc)
+        g += 4
+    r = G - g
+    if r == 3:
+        _I4ACC3(w16, wsc, zsum, g, v, rows, n, acc)
+    elif r == 2:
+        _I4ACC2(w16, wsc, zsum, g, v, rows, n, acc)
+    elif r == 1:
+        _I4ACC1(w16, wsc, zsum, g, v, rows, n, acc)
+
+
+@numba.njit(inline="always", **JIT)
+def _prefetch_span(a, i0, n):
+    """Prefetch the cache lines of a.flat[i0:i0 + n] (a C-contiguous)."""
+    for i in range(i0, i0 + n, line_elems(a)):
+        prefetch(a, i)
 
 
 @numba.njit(inline="always", **JIT)
@@ -644,58 +698,94 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
     channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz [NB, Hkv, BS, D/32] (per
     token and group); a block b with tail[b] >= 0 is not complete and is read from the bf16
     tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; signs, P, c:
-    the rotation R (`_numba.hadamard_unrotate`).
+    the rotation R (`_numba.hadamard_unrotate`). D % 32 == 0.
 
-    A tile is up to TILE tokens over one or more blocks (widening is per block anyway, and
-    the score / softmax / accumulate passes cost less a token over longer tiles). V's output
-    Σ p (vR) = (Σ p v) R is rotated back after the merge (in Numba: as a torch GEMM, torch's
-    intra-op threads would spin on the kernel's cores)."""
+    Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`key_factors`: q
+    times the block's scales, as int16) and the scores by integer dot products over the codes
+    (`make_dots_int4`), or for a block read from its tail, widened rows and the float kernels;
+    one `_softmax_tile` step; the value factors (`value_factors`: weights times the tokens' group
+    scales, as int16) and the value sums over the whole tile in int32 (`make_accumulate_int4`),
+    their zero points' share added per group, a tail's rows by the float kernel. V's output
+    Σ p (vR) = (Σ p v) R is rotated back once per (sequence, head), after the merge."""
     NI = items.shape[0]
-    BS, D = k.shape[2], 2 * k.shape[3]
-    Hkv = k.shape[1]
+    NB, Hkv, BS, Hb = k.shape
+    D = 2 * Hb
+    NG = D // INT4_GROUP
     G = q.shape[1] // Hkv
+    TL = min(_tile_len(BS), SUM_TOKENS)  # (blocks of more than SUM_TOKENS tokens span tiles)
+    TLV = -(-TL // VEC) * VEC  # the value factors are computed VEC tokens at a time
+    # rows and per-block vectors by index, not by views (each view is a reference count update)
+    krows, vrows = k.reshape(NB * Hkv * BS, Hb), v.reshape(NB * Hkv * BS, Hb)  # row (blk·Hkv + h)·BS + off
+    ks2, kz2 = ks.reshape(NB * Hkv, D), kz.reshape(NB * Hkv, D)  # row blk·Hkv + h
+    vs2, vz2 = vs.reshape(NB * Hkv * BS, NG), vz.reshape(NB * Hkv * BS, NG)
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
     for it in prange(NI):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-        kb = np.empty((TILE, D), np.float32)
-        vb = np.empty((TILE, D), np.float32)
-        aw = np.empty(D, np.float32)
-        zw = np.empty(D, np.float32)
-        s = np.empty((G, TILE), np.float32)
+        s = np.empty((G, max(TL + DOT_TOKENS, TLV)), np.float32)
+        qn = np.empty((G, D), np.float32)
+        for g in range(G):
+            for d in range(D):
+                qn[g, d] = q[b, h * G + g, d]
+        q16 = np.empty((G, D), np.int16)
+        qsc = np.empty(G, np.float32)
+        qcon = np.empty(G, np.float32)
+        vsc = np.empty((NG, TLV), np.float32)  # the tile's value scales and zeros, per group
+        vzr = np.empty((NG, TLV), np.float32)
+        w16 = np.empty((G, NG, TLV), np.int16)
+        wsc = np.empty((G, NG), np.float32)
+        zsum = np.empty((G, NG), np.float32)
+        rows = np.empty(TL, np.int64)
+        rf = np.empty((BS, D), np.float32)  # a tail's rows, widened
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
-        qh = q[b, h * G:(h + 1) * G]
         t = t0
         while t < t1:
-            n = 0
-            while n < TILE and t + n < t1:  # the tile's tokens, block by block
-                blk, off, nb = _next_tile(bt, b, t + n, t1, BS)
-                nb = min(nb, TILE - n)
-                ts = tail[blk]
-                if ts >= 0:
-                    _widen_rows(tk[ts, h, off:off + nb], nb, kb[n:])
-                    _widen_rows(tv[ts, h, off:off + nb], nb, vb[n:])
+            n = min(TL, t1 - t)
+            tails = False
+            u = 0
+            while u < n:
+                blk, off = bt[b, (t + u) // BS], (t + u) % BS
+                nb = min(BS - off, n - u)
+                bh = blk * Hkv + h
+                tn = t + u + nb  # the next block's first token
+                pr, pn = 0, 0
+                if tn < t1:  # the next block: its scales now, its rows while this block is scored
+                    pbh = bt[b, tn // BS] * Hkv + h
+                    pr, pn = pbh * BS, min(BS, t1 - tn, nb)
+                    _prefetch_span(ks2, pbh * D, D)
+                    _prefetch_span(kz2, pbh * D, D)
+                    _prefetch_span(vs2, pr * NG, BS * NG)
+                    _prefetch_span(vz2, pr * NG, BS * NG)
+                r0 = bh * BS + off
+                for j in range(nb):
+                    rows[u + j] = r0 + j
+                if tail[blk] >= 0:
+                    tails = True
+                    _widen_rows(tk[tail[blk], h, off:off + nb], nb, rf)
+                    _dots_rows(qn, rf, 0, nb, s, u, rf, rf, 0, 0)
+                    for r in range(NG):  # its codes are stale: weight 0
+                        for j in range(nb):
+                            vsc[r, u + j] = 0.0
+                            vzr[r, u + j] = 0.0
                 else:
-                    ka, kzr = ks[blk, h], kz[blk, h]
-                    for d in range(D):
-                        aw[d] = widen(ka[d])
-                        zw[d] = widen(kzr[d])
-                    _widen_int4_keys(k[blk, h, off:off + nb], aw, zw, nb, kb[n:])
-                    _widen_int4(v[blk, h, off:off + nb], vs[blk, h, off:off + nb], vz[blk, h, off:off + nb], nb,
-                                vb[n:])
-                n += nb
-            nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (0, 0, 0)
-            if noff == 0 and nn > 0:
-                _prefetch_row(ks[nblk, h].reshape(1, -1), 0)
-                _prefetch_row(kz[nblk, h].reshape(1, -1), 0)
-                _prefetch_row(vs[nblk, h].reshape(1, -1), 0)
-                _prefetch_row(vz[nblk, h].reshape(1, -1), 0)
-            _scores(qh, kb, n, s, k[nblk, h, noff:], v[nblk, h, noff:], nn)
+                    _key_factors(qn, ks2, kz2, bh, q16, qsc, qcon)
+                    _dots_rows_int4(q16, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn)
+                    _scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
+                u += nb
             _softmax_tile(s, n, m, l, acc)
-            _accumulate(s, vb, n, acc)
+            _value_factors(s, vsc, vzr, n, w16, wsc, zsum)
+            _accumulate_rows_int4(w16, wsc, zsum, vrows, rows, n, acc)
+            u = 0
+            while tails and u < n:
+                blk, off = bt[b, (t + u) // BS], (t + u) % BS
+                nb = min(BS - off, n - u)
+                if tail[blk] >= 0:
+                    _widen_rows(tv[tail[blk], h, off:off + nb], nb, rf)
+                    _accumulate_rows(s, u, rf, 0, nb, acc)
+                u += nb
             t += n
         part_o[it] = acc
         part_m[it] = m

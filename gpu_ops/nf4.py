@@ -70,14 +70,19 @@ def dequantize_nf4(
 
 
 class Nf4Kernel(str, enum.Enum):
-    AUTO = "auto"  # cuda: GEMV for ≤ 2 rows, else bitsandbytes (the fastest measured); cpu: torch
+    AUTO = "auto"  # cuda: GEMV for ≤ 2 rows, MMA for MMA_AUTO_ROWS, else bitsandbytes; cpu: torch
     BNB = "bnb"  # bitsandbytes' CUDA kernels (gemv for 1 row, gemm / dequant + cuBLAS above)
     TRITON = "triton"  # gpu_ops.nf4_triton: one-row gemv, else fused dequant + tensor-core matmul
     GEMV = "gemv"  # gpu_ops.nf4_gemv for ≤ 8 rows (decode), bitsandbytes above
+    MMA = "mma"  # gpu_ops.nf4_mma (W4A16 tensor cores) for ≤ 64 rows, bitsandbytes above
     TORCH = "torch"  # dequantize, then F.linear: the reference, and the CPU path
 
 
 GEMV_K_MULTIPLE = 256  # the Triton one-row kernel steps K by 4 groups of 64
+# Rows that AUTO sends to nf4_mma: measured on an H100 (bench/nf4_mma.py), its sum over a Llama-3-8B
+# step's linears beats nf4_gemv and bitsandbytes at every row count from 4 to 64 (3.8 ms vs 6.1
+# and 10.6 at 4 rows, 4.2 vs 12.6 bnb at 32); ≤ 2 rows stay with nf4_gemv (the fused decode layer).
+MMA_AUTO_ROWS = range(3, 65)
 
 
 class NF4Linear:
@@ -114,10 +119,13 @@ class NF4Linear:
     def pick(self, rows: int) -> Nf4Kernel:
         if self.device.type != "cuda":
             return Nf4Kernel.TORCH
-        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/nf4_gemv.py): nf4_gemv wins at 1
-            # and 2 rows on every Llama-3-8B shape; from 4 rows bitsandbytes wins o and down, at 8 all
-            # but gate_up
-            return Nf4Kernel.GEMV if rows <= 2 and self.in_features % BLOCK == 0 else Nf4Kernel.BNB
+        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/nf4_gemv.py, bench/nf4_mma.py):
+            # nf4_gemv at 1 and 2 rows, nf4_mma from 3 to 64, bitsandbytes (dequantize + cuBLAS) above
+            if self.in_features % BLOCK:
+                return Nf4Kernel.BNB
+            if rows <= 2:
+                return Nf4Kernel.GEMV
+            return Nf4Kernel.MMA if rows in MMA_AUTO_ROWS else Nf4Kernel.BNB
         return self.kernel
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -156,6 +164,15 @@ def _gemv_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     return y if lin.bias is None else y + lin.bias.to(y.dtype)
 
 
+def _mma_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
+    from gpu_ops.nf4_mma import MAX_ROWS, nf4_mma
+
+    if x.shape[0] > MAX_ROWS or lin.in_features % BLOCK:
+        return _bnb_linear(lin, x)
+    y = nf4_mma(x, lin.packed, lin.absmax, lin.shape)
+    return y if lin.bias is None else y + lin.bias.to(y.dtype)
+
+
 def _triton_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     from gpu_ops.nf4_triton import nf4_gemv, nf4_matmul
 
@@ -165,7 +182,7 @@ def _triton_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 _KERNELS = {Nf4Kernel.TORCH: _torch_linear, Nf4Kernel.BNB: _bnb_linear, Nf4Kernel.TRITON: _triton_linear,
-            Nf4Kernel.GEMV: _gemv_linear}
+            Nf4Kernel.GEMV: _gemv_linear, Nf4Kernel.MMA: _mma_linear}
 
 
 def nf4_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device,

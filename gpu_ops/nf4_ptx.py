@@ -1,8 +1,11 @@
-"""PTX text of the NF4 decoder that `gpu_ops.nf4_gemv` inlines (plain Python: tests read it without a GPU).
+"""PTX text of the NF4 decoders that `gpu_ops.nf4_gemv` and `gpu_ops.nf4_mma` inline (plain Python:
+tests read it without a GPU).
 
-It turns one int32 of packed codes (bitsandbytes order: byte p holds element 2p in its high
-nibble, 2p + 1 in its low one) into the 8 elements' code-book values (bf16, widened to float32),
-in element order. tests/test_gpu_ops.py runs it through a small PTX emulator for every byte.
+Each turns one int32 of packed codes (bitsandbytes order: byte p holds element 2p in its high
+nibble, 2p + 1 in its low one) into the 8 elements' code-book values, in element order: bf16
+widened to float32 (`prmt_asm`, for the GEMV's FMAs) or bf16 bits (`prmt_bf16_asm`, a
+tensor-core operand), the latter optionally times the group's absmax. tests/test_gpu_ops.py
+runs them through a small PTX emulator for every byte.
 """
 from __future__ import annotations
 
@@ -39,6 +42,30 @@ def prmt_asm() -> str:
     string as a plain literal, which a newline inside would break.
     """
     return " ".join(line.strip() for line in _PRMT_ASM.splitlines())
+
+
+def prmt_bf16_asm(scaled: bool) -> str:
+    """PTX: one int32 of packed codes ($8) → 8 bf16 (int16 bits, $0..$7) in element order.
+
+    `prmt_asm`'s lookup (tables in $9..$16), its last 4 prmt pairing the bytes the other way
+    round: p_i holds elements 2i (low half) and 2i + 1 (high), memory order, so that the compiler
+    finds the pair it packs for a store or an MMA operand already made (no prmt to repack it).
+    scaled: $17 holds the group's absmax (float32 bits) and each pair is multiplied by it rounded
+    to bf16, one bf16x2 fma with a -0 addend a pair (FP pipe, not the integer one the lookup
+    loads): bf16(bf16(code) · bf16(absmax)), within a bf16 ulp of bitsandbytes' bf16(code · absmax)
+    rounded once from float32.
+    """
+    lines = _PRMT_ASM.splitlines()
+    regs, lookup = lines[1:2], lines[2: lines.index("prmt.b32 p0, l0, h0, 0x5140;")]
+    lookup += ["prmt.b32 p0, l0, h0, 0x4051;", "prmt.b32 p1, l0, h0, 0x6273;",  # {low, high} = elements {2i, 2i + 1}
+               "prmt.b32 p2, l1, h1, 0x4051;", "prmt.b32 p3, l1, h1, 0x6273;"]
+    scale = []
+    if scaled:
+        regs += [".reg .b32 s2, z;", ".reg .f32 sf;"]
+        scale = ["mov.b32 sf, $17;", "cvt.rn.bf16x2.f32 s2, sf, sf;", "mov.b32 z, 0x80008000;"]
+        scale += [f"fma.rn.bf16x2 p{i}, p{i}, s2, z;" for i in range(4)]
+    unpack = [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};" for i in range(4)]  # {low half, high half}
+    return " ".join(["{", *regs, *lookup, *scale, *unpack, "}"])
 
 
 _PRMT_ASM = """{

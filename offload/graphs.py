@@ -24,11 +24,13 @@ import torch
 from cpu_attention.merge import merge_attention
 from gpu_ops.attention import decode_attention
 from gpu_ops.decode_step import no_sync_view
+from gpu_ops.nf4 import MMA_AUTO_ROWS
 from hetero.model import Model
 from offload.kv_cache import TieredKVCache
 from offload.stream import KVStreamer
 
 log = logging.getLogger(__name__)
+MMA_MAX_ROWS = MMA_AUTO_ROWS[-1]
 
 
 class Captured:
@@ -133,9 +135,10 @@ class SegmentGraphs:
         self.cache, self.max_pos, self.streamer = cache, max_pos, streamer
         self._sets: dict[tuple[int, int], Captured] = {}
 
-    # Above this many rows a sub-batch runs eagerly: launches are then a small part of the GPU's
-    # time, and each captured set's private pool (4-bit dequantization temporaries) costs memory.
-    MAX_ROWS = 8
+    # Above this many rows a sub-batch runs eagerly: there the 4-bit linears are bitsandbytes'
+    # (gpu_ops.nf4), whose dequantized bf16 temporaries would fill each captured set's private
+    # pool. Up to it they are nf4_mma's, which allocate nothing but their outputs.
+    MAX_ROWS = MMA_MAX_ROWS
 
     @staticmethod
     def supported(model: Model) -> bool:

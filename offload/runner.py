@@ -61,6 +61,7 @@ class Part:
     inline: bool = False  # the CPU's share runs in the main thread (one sub-batch)
     streamed: bool = False  # the device attends over the host tier's first blocks (KVStreamer)
     stream_out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ready: torch.cuda.Event | None = None  # recorded when a layer's q (and k, v) are down; reused layer after layer
 
 
 class Runner:
@@ -102,6 +103,9 @@ class Runner:
         if stream_tokens >= cache.block_size:
             dt = torch.float32 if cache.host.dtype is cpu_attention.KVDtype.F32 else torch.bfloat16
             self.streamer = KVStreamer(cache.host, stream_tokens, self.dev, dt)
+        for copier in (self.streamer, self.weights):  # their copies up count as transfer time
+            if copier is not None:
+                copier.timer = self.xfer
         if graphs and SegmentGraphs.supported(model) and not host_compute:
             self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings,
                                           self.streamer)
@@ -111,6 +115,7 @@ class Runner:
     def decode(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each sequence (tokens at positions) → float32 logits [B, V]."""
         t0, st = now(), StepTimes(tokens=len(seqs))
+        self.xfer.discard()  # copies a prefill queued are not this step's transfers
         # between steps: blocks swapped out earlier come back where sequences have left room,
         # short of what this step's new tokens take on the device tier
         moved_in = self.cache.swap_in_free_room(keep_free=self.cache.gpu_blocks_needed(seqs, 1))
@@ -297,8 +302,10 @@ class Runner:
         B, n = q.shape[0], 0 if hr is None else hr.numel()
         buf = p.buf
         st.d2h_bytes += (q.numel() + 2 * n * k.shape[1] * k.shape[2]) * 4
+        if p.ready is None:  # one event a sub-batch: its host job waits on it before the next record
+            p.ready = torch.cuda.Event()
+        ready = p.ready
         if p.cap is not None:  # pre's graph copied q, k, v of every row down already
-            ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.dev))
             if not n:
                 return ready, buf["q"], None, None
@@ -313,7 +320,6 @@ class Runner:
                 buf["k"][:n].copy_(k[hr].float(), non_blocking=True)
                 buf["v"][:n].copy_(v[hr].float(), non_blocking=True)
             self.xfer.end(xs, self.copy_stream)
-            ready = torch.cuda.Event()
             ready.record(self.copy_stream)
         return ready, buf["q"][:B], buf["k"][:n] if n else None, buf["v"][:n] if n else None
 

@@ -18,7 +18,8 @@ class StepTimes:
     gpu: float = 0.0  # GPU segments (projections, MLP, GPU attention), from CUDA events
     cpu_attention: float = 0.0  # host-tier attention kernels, in the worker thread
     wait: float = 0.0  # main thread blocked on the CPU's share
-    transfer: float = 0.0  # q/k/v down and (o, lse) up, from CUDA events on the copy stream
+    transfer: float = 0.0  # CUDA events on the copy streams: q/k/v down and (o, lse) up outside the
+    # layer graphs, and host KV blocks and weights copied up a layer ahead (these overlap the rest)
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     tokens: int = 0
@@ -50,30 +51,42 @@ class Metrics:
 
 
 class GpuSpans:
-    """Pairs of CUDA events around GPU segments; summed after the step's final sync."""
+    """Pairs of CUDA events around GPU segments; summed after the step's final sync.
+
+    The events are made once and reused step after step: creating one costs the main thread
+    microseconds, and a split step records a few per layer."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[torch.cuda.Event] = []
+        self._used = 0
 
-    def begin(self, stream: torch.cuda.Stream | None = None):
-        if not self.enabled:
-            return None
-        e = torch.cuda.Event(enable_timing=True)
+    def _event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event:
+        if self._used == len(self._events):
+            self._events.append(torch.cuda.Event(enable_timing=True))
+        e = self._events[self._used]
+        self._used += 1
         e.record(stream)
         return e
 
+    def begin(self, stream: torch.cuda.Stream | None = None):
+        return self._event(stream) if self.enabled else None
+
     def end(self, start, stream: torch.cuda.Stream | None = None) -> None:
-        if start is None:
-            return
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(stream)
-        self.spans.append((start, e))
+        if start is not None:
+            self.spans.append((start, self._event(stream)))
+
+    def discard(self) -> None:
+        """Forget spans recorded outside a step (e.g. weight copies queued by a prefill pass)."""
+        self.spans.clear()
+        self._used = 0
 
     def total_s(self) -> float:
-        """Call after a synchronize."""
+        """Call after a synchronize (every recorded event complete); the events are then free again."""
         t = sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
         self.spans.clear()
+        self._used = 0
         return t
 
 

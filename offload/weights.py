@@ -97,6 +97,7 @@ class WeightStreamer:
         self.copied = [torch.cuda.Event() for _ in range(nslots)] if self.cuda else None
         self.free = [torch.cuda.Event() for _ in range(nslots)] if self.cuda else None
         self.bytes_up = 0  # host → device, since construction
+        self.timer = None  # a GpuSpans the copies are timed with (the runner's transfer timer)
         log.info("streaming %d layers' weights (%.1f MiB on the host); device staging 2 × %.1f MiB",
                  len(self.order), sum(sizes.values()) / 2**20, self.slot_bytes / 2**20)
 
@@ -154,7 +155,10 @@ class WeightStreamer:
         if self.cuda:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(self.free[s])  # the slot's last reader is done (never recorded: no wait)
+                span = self.timer.begin(self.stream) if self.timer is not None else None
                 dst[: src.numel()].copy_(src, non_blocking=True)
+                if span is not None:
+                    self.timer.end(span, self.stream)
                 self.copied[s].record(self.stream)
         else:
             dst[: src.numel()].copy_(src)

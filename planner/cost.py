@@ -22,6 +22,10 @@ GB = 1e9
 # less streaming and measured slower (8k bf16 30.5 vs 38.2 tok/s, 32k bf16 13.1 vs 16.2; next
 # run), so plans use the full rate and over-predict streamed steps by ~10-20%.
 STREAM_PCIE_SHARE = 1.0
+# Streamed KV is read from DRAM by the copy engine while the CPU attends, so the CPU's kernels
+# get what DRAM has left: measured 53 GB/s in-run against 68 alone, with PCIe streaming at ~50 and
+# DRAM at 109 (H100 host, 2026-11-23 04:12 UTC, 32k bf16). The CPU keeps at least this share.
+MIN_CPU_DRAM_SHARE = 0.25
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
 
 
@@ -85,7 +89,8 @@ def decode_step(
 
     Per layer, with n sub-batches of B/n sequences:
       g = Σ_sub (GPU GEMVs of resident and streamed groups) + GPU attention over T_g (+ T_s)
-      c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c − T_s (+ a fixed cost per call)
+      c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c − T_s (+ a fixed cost per call),
+          at min(kernel rate, DRAM − PCIe) when T_s > 0 (the copies read DRAM meanwhile)
       p = streamed W / PCIe + T_s · kvb / PCIe    (copy streams, prefetched a layer or two ahead)
       d = T_c · kvb / DRAM read                   (host KV leaves DRAM once, to the CPU or to PCIe)
       x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
@@ -103,6 +108,9 @@ def decode_step(
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     gpu_gflops = hw.gpu_tflops * 1000 or 1e9
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
+    if T_s and hw.dram_read_gbps:  # DRAM shared with the copy engine streaming T_s tokens up
+        attn_rate = min(attn_rate, max(hw.dram_read_gbps - STREAM_PCIE_SHARE * hw.pcie_h2d_gbps,
+                                       MIN_CPU_DRAM_SHARE * hw.dram_read_gbps))
     terms = dict.fromkeys(("gpu weights", "gpu attention", "cpu attention", "cpu weights", "pcie weights",
                            "pcie kv", "transfers", "overhead"), 0.0)
     nbytes = dict.fromkeys(terms, 0.0)

@@ -248,7 +248,7 @@ def test_weight_cache_key_follows_the_source(tmp_path):
 # ---------------------------------------------------------------------------------- on the GPU
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [Nf4Kernel.BNB, Nf4Kernel.TRITON, Nf4Kernel.GEMV, Nf4Kernel.AUTO])
+@pytest.mark.parametrize("kernel", [Nf4Kernel.BNB, Nf4Kernel.TRITON, Nf4Kernel.GEMV, Nf4Kernel.MMA, Nf4Kernel.AUTO])
 @pytest.mark.parametrize("rows", [1, 5, 32, 64, 100])
 def test_gpu_nf4_kernels_match_reference(kernel, rows):
     torch.manual_seed(rows)
@@ -282,6 +282,106 @@ def test_gpu_nf4_gemv_matches_dequantized_reference(rows, shape, config):
     y = nf4_gemv(x, packed, absmax, shape, Decode.PRMT, config)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, shape[0]) and torch.isfinite(y).all()
     assert rel_err(y, x.double() @ ref_w.T) < 1e-2
+
+
+# nf4_mma against x · W_deqᵀ in float64: the bf16 output's rounding (‖Δy‖/‖y‖ ≈ 1.6e-3 on random
+# sums) and the weights' (Scale.WEIGHT: bf16(bf16(code) · bf16(absmax)), three roundings of ≤ 2^-9;
+# Scale.SUM: the bf16 code book). Under Triton's CPU interpreter (one weight rounding, as
+# bitsandbytes): 2.0-2.6e-3 (tests/nf4_mma_interpret.py); the PRMT path rounds twice more.
+MMA_ERR = 6e-3
+
+
+def _mma_configs():
+    from gpu_ops.nf4_mma import MmaConfig, Scale
+
+    return [((97, 4160), None),  # K = 64 · 65: block_k falls to 64
+            ((1000, 832), None),
+            ((333, 2048), MmaConfig(block_n=64, block_k=128, warps=4, split=4, swap=True)),
+            ((4096, 1024), MmaConfig(block_n=128, block_k=64, split=2, scale=Scale.SUM)),
+            ((600, 4096), MmaConfig(block_n=128, block_k=256, warps=8, stages=2, swap=True)),
+            ((6144, 4096), MmaConfig(block_n=256, block_k=128, warps=8, stages=2)),
+            ((1000, 2048), MmaConfig(block_n=128, block_k=64, warps=4, split=3, scale=Scale.SUM, swap=True))]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [3, 17, 32, 64])
+@pytest.mark.parametrize("case", range(7))
+def test_gpu_nf4_mma_matches_dequantized_reference(rows, case):
+    """N not a multiple of the tile, K a multiple of 64 only, split-K and not, both scale placements
+    and both orientations (x·Wᵀ, W·xᵀ)."""
+    from gpu_ops.nf4_mma import nf4_mma
+
+    shape, config = _mma_configs()[case]
+    torch.manual_seed(rows + shape[0])
+    w = torch.randn(shape, device="cuda") * 0.02
+    packed, absmax = quantize_nf4(w)
+    x = torch.randn(rows, shape[1], device="cuda").bfloat16()
+    y = nf4_mma(x, packed, absmax, shape, config)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, shape[0]) and torch.isfinite(y).all()
+    assert rel_err(y, x.double() @ dequantize_nf4(packed, absmax, shape).double().T) < MMA_ERR
+    assert torch.equal(nf4_mma(x, packed, absmax, shape, config), y)  # split-K sums in a fixed order
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [1, 2])
+def test_gpu_nf4_mma_residual_epilogue_is_torchs_add(case):
+    from gpu_ops.nf4_mma import nf4_mma
+
+    shape, config = _mma_configs()[case]
+    torch.manual_seed(3)
+    packed, absmax = quantize_nf4(torch.randn(shape, device="cuda") * 0.02)
+    x = torch.randn(24, shape[1], device="cuda").bfloat16()
+    res = torch.randn(24, shape[0], device="cuda").bfloat16()
+    y = nf4_mma(x, packed, absmax, shape, config)
+    assert torch.equal(nf4_mma(x, packed, absmax, shape, config, residual=res), res + y)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [3, 8, 16, 32, 64])
+def test_gpu_nf4_auto_takes_mma_in_its_row_range(rows):
+    from gpu_ops.nf4 import MMA_AUTO_ROWS
+    from gpu_ops.nf4_mma import nf4_mma
+
+    torch.manual_seed(rows)
+    N, K = 1000, 2048
+    packed, absmax = quantize_nf4(torch.randn(N, K, device="cuda") * 0.02)
+    lin = NF4Linear(packed, absmax, (N, K))
+    x = torch.randn(rows, K, device="cuda").bfloat16()
+    assert (lin.pick(rows) is Nf4Kernel.MMA) == (rows in MMA_AUTO_ROWS)
+    if rows in MMA_AUTO_ROWS:
+        assert torch.equal(lin(x), nf4_mma(x, packed, absmax, (N, K)))
+    assert rel_err(lin(x), x.double() @ lin.dequantize(torch.float64).T) < MMA_ERR
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [1, 2, 3])
+def test_gpu_nf4_mma_in_a_cuda_graph_gives_eager_results(case):
+    """Replays with new inputs equal eager calls bit for bit; split-K's counters reset themselves."""
+    from gpu_ops.nf4_mma import nf4_mma
+
+    shape, config = _mma_configs()[case]
+    torch.manual_seed(case)
+    packed, absmax = quantize_nf4(torch.randn(shape, device="cuda") * 0.02)
+    x = torch.randn(32, shape[1], device="cuda").bfloat16()
+    res = torch.randn(32, shape[0], device="cuda").bfloat16()
+    nf4_mma(x, packed, absmax, shape, config, residual=res)  # compile, allocate the counters: outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        nf4_mma(x, packed, absmax, shape, config, residual=res)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = nf4_mma(x, packed, absmax, shape, config, residual=res)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, nf4_mma(x, packed, absmax, shape, config, residual=res))
 
 
 @gpu
@@ -470,3 +570,23 @@ def test_prmt_decoder_gives_bf16_code_book_for_every_byte():
     for word in _decoder_words():
         out = run(asm, {8: word, **{9 + i: t for i, t in enumerate(tables)}})
         assert [out[e] for e in range(8)] == [bits[c] << 16 for c in _expected_codes(word)], hex(word)
+
+
+@pytest.mark.parametrize("absmax", [None, 1.0, 0.0173, 3.1e-5])
+def test_prmt_bf16_decoder_gives_codes_times_absmax_for_every_byte(absmax):
+    """nf4_mma's decoder: bf16 bits of the code (None), or bf16(bf16(code) · bf16(absmax))."""
+    import struct
+
+    from gpu_ops.nf4_ptx import prmt_bf16_asm, prmt_tables
+    from ptx_emu import run
+
+    book = NF4_CODE.to(torch.bfloat16)
+    inputs = {9 + i: t for i, t in enumerate(prmt_tables())}
+    if absmax is not None:
+        book = (book.float() * torch.tensor(absmax).bfloat16().float()).bfloat16()
+        inputs[17] = struct.unpack("<I", struct.pack("<f", absmax))[0]
+    bits = [int(v) & 0xFFFF for v in book.view(torch.int16)]
+    asm = prmt_bf16_asm(absmax is not None)
+    for word in _decoder_words():
+        out = run(asm, {8: word, **inputs})
+        assert [out[e] for e in range(8)] == [bits[c] for c in _expected_codes(word)], hex(word)

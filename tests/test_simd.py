@@ -10,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from cpu_attention import _simd
+from cpu_attention import _simd, _simd_int4
 from cpu_attention.decode import _row_max
 
 HOST = (_simd.VEC, _simd.DOT_TOKENS, _simd.ACC_CHUNKS, _simd.IVEC)
@@ -183,3 +183,168 @@ def test_row_max():
             x = -np.abs(x)
         n = int(rng.integers(0, 70))
         assert run(x, n) == (x[:n].max() if n else -np.inf)
+
+
+# int4 (`cpu_attention._simd_int4`): integer dot products over 4-bit codes, the scales folded into
+# int16 factors; checked against numpy on the packed layout of `int4.py`
+
+def codes_of(rows: np.ndarray) -> np.ndarray:
+    """Packed int4 rows [R, D/2] → codes [R, D] (int64) in channel order (`int4.unpack`)."""
+    lo, hi = rows & 15, rows >> 4
+    R, H = rows.shape
+    return np.stack([lo.reshape(R, -1, 16), hi.reshape(R, -1, 16)], 2).reshape(R, 2 * H).astype(np.int64)
+
+
+def test_code_order_is_a_permutation():
+    for IW in (4, 8, 16):
+        for D in (32, 64, 96, 128, 160):
+            o = _simd_int4.code_order(D, IW)
+            assert sorted(o) == list(range(D)), (IW, D)
+            if IW == 8:
+                assert np.array_equal(o, np.arange(D))  # AVX2: channel order itself
+
+
+@SHAPES
+def test_dots_int4(W, T, C, IW):
+    d1, d2, d3, d4 = (_simd_int4.make_dots_int4(ng, T, IW) for ng in (1, 2, 3, 4))
+
+    @numba.njit
+    def run(q, k, r0, r1, s, qsc, qc):
+        for j in range(r0, r1, T):
+            d4(q, 0, k, j, r1, s, j - r0, qsc, qc)
+            d3(q, 4, k, j, r1, s, j - r0, qsc, qc)
+            d2(q, 7, k, j, r1, s, j - r0, qsc, qc)
+            d1(q, 9, k, j, r1, s, j - r0, qsc, qc)
+
+    rng = np.random.default_rng(4)
+    for D in (64, 96, 128, 256):  # 96 at 16 lanes: a last half chunk
+        k = rng.integers(0, 256, (20, D // 2)).astype(np.uint8)
+        k[3] = 255  # all codes 15: the extreme sums
+        qch = rng.integers(-32767, 32768, (10, D)).astype(np.int16)  # channel order
+        qch[:, ::7] = 32767
+        q = np.empty_like(qch)
+        q[:, :] = qch[:, _simd_int4.code_order(D, IW)]  # position p holds channel order[p]
+        qsc = (rng.random(10) * 1e-4).astype(np.float32)
+        qc = rng.standard_normal(10).astype(np.float32)
+        for r0, r1 in ((3, 16), (0, 1), (5, 20)):
+            s = np.full((10, 24), np.nan, np.float32)
+            run(q, k, r0, r1, s, qsc, qc)
+            exact = qch.astype(np.int64) @ codes_of(k[r0:r1]).T
+            ref = qsc[:, None].astype(np.float64) * exact + qc[:, None]
+            assert np.abs(s[:, :r1 - r0] - ref).max() < 1e-6 * np.abs(ref).max(), (D, r0, r1)
+
+
+@SHAPES
+def test_accumulate_int4(W, T, C, IW):
+    a1, a2, a3, a4 = (_simd_int4.make_accumulate_int4(ng, max(C // 2, 1), IW) for ng in (1, 2, 3, 4))
+
+    @numba.njit
+    def run(w16, wsc, zsum, v, rows, n, acc):
+        a4(w16, wsc, zsum, 0, v, rows, n, acc)
+        a3(w16, wsc, zsum, 4, v, rows, n, acc)
+        a2(w16, wsc, zsum, 7, v, rows, n, acc)
+        a1(w16, wsc, zsum, 9, v, rows, n, acc)
+
+    rng = np.random.default_rng(5)
+    for D in (64, 96, 128, 256):
+        NG = D // 32
+        v = rng.integers(0, 256, (40, D // 2)).astype(np.uint8)
+        v[7] = 255
+        for n in (16, 1, 7, 40):
+            rows = rng.permutation(40)[:n].astype(np.int64)
+            w16 = rng.integers(-32767, 32768, (10, NG, n + 1)).astype(np.int16)
+            w16[:, :, 0] = 32767  # the extreme sums the int32 lanes must hold
+            wsc = (rng.random((10, NG)) * 1e-6).astype(np.float32)
+            zsum = rng.standard_normal((10, NG)).astype(np.float32)
+            acc0 = rng.standard_normal((10, D)).astype(np.float32)
+            acc = acc0.copy()
+            run(w16, wsc, zsum, v, rows, n, acc)
+            codes = codes_of(v[rows])  # [n, D]
+            exact = np.einsum("grt,trc->grc", w16[:, :, :n].astype(np.int64), codes.reshape(n, NG, 32))
+            ref = acc0 + (wsc[:, :, None] * exact + zsum[:, :, None]).reshape(10, D)
+            assert np.abs(acc - ref).max() < 1e-5 * np.abs(ref).max(), (D, n)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    return bf16(x)[0]
+
+
+@SHAPES
+def test_key_factors(W, T, C, IW):
+    f1, f2, f3, f4 = (_simd_int4.make_key_factors(ng, W, IW) for ng in (1, 2, 3, 4))
+
+    @numba.njit
+    def run(qn, ks, kz, row, q16, qsc, qcon):
+        f4(qn, 0, ks, kz, row, q16, qsc, qcon)
+        f3(qn, 4, ks, kz, row, q16, qsc, qcon)
+        f2(qn, 7, ks, kz, row, q16, qsc, qcon)
+        f1(qn, 9, ks, kz, row, q16, qsc, qcon)
+
+    rng = np.random.default_rng(6)
+    for D in (64, 96, 128, 256):
+        qn = rng.standard_normal((10, D)).astype(np.float32)
+        qn[9] = 0.0  # an all-zero query: factors 0, scale 1
+        ks = bf16_bits(rng.random((3, D)) * 0.3 + 1e-3)
+        kz = bf16_bits(rng.standard_normal((3, D)))
+        q16 = np.zeros((10, D), np.int16)
+        qsc, qcon = np.zeros(10, np.float32), np.zeros(10, np.float32)
+        run(qn, ks, kz, 1, q16, qsc, qcon)
+        s = (ks[1].astype(np.uint32) << 16).view(np.float32)
+        z = (kz[1].astype(np.uint32) << 16).view(np.float32)
+        prod = qn * s  # float32, as the kernel
+        mx = np.abs(prod).max(1)
+        sc = np.where(mx > np.float32(1e-30), mx / np.float32(32767.0), np.float32(1.0)).astype(np.float32)
+        r = np.rint(prod * (np.float32(1.0) / sc)[:, None])
+        order = _simd_int4.code_order(D, IW)
+        assert np.array_equal(q16, r[:, order].astype(np.int16)), D  # stored in the code layout
+        assert np.array_equal(qsc, sc)
+        err = (r.astype(np.float64) * sc[:, None] - prod).sum(1)
+        ref = qn.astype(np.float64) @ z - 7.5 * err
+        assert np.abs(qcon - ref).max() < 1e-5 * (np.abs(qn) @ np.abs(z)).max(), D
+
+
+@SHAPES
+def test_value_factors(W, T, C, IW):
+    vf = _simd_int4.make_value_factors(W)
+    run = numba.njit(lambda p, vsc, vzr, n, w16, wsc, zsum: vf(p, vsc, vzr, n, w16, wsc, zsum))
+    rng = np.random.default_rng(7)
+    for NG, n in ((2, 64), (4, 37), (3, 1), (8, 16)):
+        cols = -(-n // W) * W
+        p = rng.random((5, cols)).astype(np.float32)
+        p[:, n:] = np.nan  # past n: never read into the results
+        p[4] = 0.0  # a head whose tile is all but zero
+        vsc = (rng.random((NG, cols)) * 0.1 + 1e-3).astype(np.float32)
+        vzr = rng.standard_normal((NG, cols)).astype(np.float32)
+        vsc[:, n:], vzr[:, n:] = np.inf, np.nan
+        w16 = np.full((5, NG, cols), 99, np.int16)
+        wsc, zsum = np.zeros((5, NG), np.float32), np.zeros((5, NG), np.float32)
+        run(p, vsc, vzr, n, w16, wsc, zsum)
+        pn, sn, zn = p[:, :n], vsc[:, :n], vzr[:, :n]
+        mx = pn.max(1) * sn.max()
+        sc = np.where(mx > np.float32(1e-30), mx / np.float32(32767.0), np.float32(1.0)).astype(np.float32)
+        prod = pn[:, None, :] * sn[None]  # [5, NG, n] float32
+        r = np.rint(prod * (np.float32(1.0) / sc)[:, None, None])
+        assert np.array_equal(w16[:, :, :n], r.astype(np.int16)), (NG, n)
+        assert np.all(w16[:, :, n:] == 0)
+        assert np.array_equal(wsc, np.repeat(sc[:, None], NG, 1))
+        err = (r.astype(np.float64) * sc[:, None, None] - prod).sum(2)
+        ref = np.einsum("gt,rt->gr", pn.astype(np.float64), zn) - 7.5 * err
+        assert np.abs(zsum - ref).max() < 1e-5 * np.abs(pn).sum(1).max() * np.abs(zn).max(), (NG, n)
+
+
+@SHAPES
+def test_scales_copy(W, T, C, IW):
+    sc = _simd_int4.make_scales_copy(W)
+    run = numba.njit(lambda vs, vz, row, nb, vsc, vzr, col: sc(vs, vz, row, nb, vsc, vzr, col))
+    rng = np.random.default_rng(8)
+    for NG in (1, 2, 3, 4, 5, 8):  # 1, 5: the scalar loop
+        vs = bf16_bits(rng.standard_normal((80, NG)))
+        vz = bf16_bits(rng.standard_normal((80, NG)))
+        for row, nb, col in ((16, 16, 0), (3, 31, 5), (40, 7, 1), (0, 1, 0), (50, 30, 2)):
+            vsc = np.full((NG, 40), np.nan, np.float32)
+            vzr = np.full((NG, 40), np.nan, np.float32)
+            run(vs, vz, row, nb, vsc, vzr, col)
+            for got, src in ((vsc, vs), (vzr, vz)):
+                want = np.full((NG, 40), np.nan, np.float32)
+                want[:, col:col + nb] = (src[row:row + nb].astype(np.uint32) << 16).view(np.float32).T
+                assert np.array_equal(got, want, equal_nan=True), (NG, row, nb, col)

@@ -1,0 +1,587 @@
+"""SIMD micro-kernels for int4 decode: integer dot products over 4-bit codes (LLVM vector IR).
+
+int4 rows (`int4.py`: byte 16r + i of a row holds code 32r + i in its low nibble and 32r + 16 + i
+in its high one) are never widened to floats. Both hot loops widen the codes to 16-bit lanes in
+registers and multiply them with int16 factors in which the scales are already folded, summing
+in int32 (x86 pmaddwd, which LLVM fuses with the add into vpdpwssd where VNNI is there):
+
+- keys are per channel over a block: score = Σ_d q_d (code_d s_d + z_d) = Σ_d (q_d s_d) code_d +
+  q · z, so per block and head q' = q · s is rounded to int16 once (`key_factors`) and each
+  token costs one integer dot product of q'16 with its codes (`make_dots_int4`).
+- values are per token and group of 32 channels: Σ_t p_t (code_t s_tg + z_tg) = Σ_t (p_t s_tg)
+  code_t + Σ_t p_t z_tg, so per tile the weights p_t s_tg are rounded to int16 per (head, group)
+  (`value_factors`) and the codes of two tokens are summed by one pmaddwd per pair of lanes
+  (`make_accumulate_int4`).
+
+Rounding: q' and the weights keep 2^-16 of their largest element (as the int8 path's q and
+weights). The rounding errors e of a factor multiply codes of 0..15, whose mean ~7.5 would turn
+them into a bias shared by all tokens of a block (keys: the log-sum-exp moves); the kernels' float
+constants subtract 7.5 Σ e, so what is left is Σ e (code - 7.5).
+
+Key code layout: a row's bytes are read in chunks of E = 2·IW (then IW at the end, where D/2 is not
+a multiple of 2·IW), each widened to E int16 lanes and split into its low nibbles and its high
+ones. q'16 is stored in that order (`code_order`): positions 2c .. 2c+E hold the channels of
+the low nibbles of bytes c .. c+E, positions 2c+E .. 2c+2E those of their high nibbles. With
+IW = 8 (AVX2) that is the channel order itself; with 16 (AVX-512), runs of 16 channels swapped.
+
+Values: IW bytes of one group of tokens A and B, each zero-extended to IW int32 lanes and
+combined as A | B << 16; masked with 0x000F000F it holds, lane i, the int16 pair (A's code, B's
+code) of channel 32r + i.., and shifted right by 4 first, of channel 32r + 16 + i..: pmaddwd with
+the splat weight pair (w_A, w_B) of group r sums both tokens, and the accumulator stays in
+channel order.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+from cpu_attention._simd import (
+    ACC_CHUNKS, DOT_TOKENS, IVEC, VEC, _args, _c_array_2d, _head_sums, _ir, _lane_sums, _madd, _shuffle, _splat,
+    _vec_ptr,
+)
+
+Q16 = np.float32(32767.0)  # int16 levels of a factor's largest element
+TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would leave float32's normal range
+MID = np.float32(7.5)  # the codes' midpoint: rounding errors are centred on it (module doc)
+SEG = min(2 * IVEC, 16)  # channels a run of the code layout: contiguous in both orders
+SUM_TOKENS = 4096  # tokens one value pass sums in int32: 4096 · 32767 · 15 < 2^31
+
+
+def _dot_add(builder, acc, a, b):
+    """acc + pmaddwd(a, b): <L x i32> acc, <2L x i16> a, b (one vpdpwssd where VNNI is there)."""
+    return builder.add(acc, _madd(builder, a, b))
+
+
+def _fma(builder, n):
+    ir, cgutils = _ir()
+    f32v = ir.VectorType(ir.FloatType(), n)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), f"llvm.fmuladd.v{n}f32")
+
+
+def _dots_int4_codegen(ng, T, IW):
+    """Codegen of `dots_int4`: see `make_dots_int4`."""
+
+    def codegen(context, builder, sig, args):
+        ir, cgutils = _ir()
+        q, g, k, r0, r1, s, sj, qsc, qc = _args(context, builder, sig, args)
+        intp = context.get_value_type(types.intp)
+        H = builder.extract_value(k.shape, 1)  # bytes a row: D/2
+        D = builder.mul(H, intp(2))
+        S = builder.extract_value(s.shape, 1)
+        last = builder.sub(r1, intp(1))
+        rows = []
+        for t in range(T):  # rows past the end repeat the last one (their stores are never read)
+            r = builder.add(r0, intp(t))
+            rows.append(builder.mul(builder.select(builder.icmp_signed("<", r, r1), r, last), H))
+        qrows = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
+        i32v = ir.VectorType(ir.IntType(32), IW)
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(i32v, None)) for _ in range(T)] for _ in range(ng)]
+
+        def chunk(c, E):  # bytes c .. c+E of every row: E low-nibble codes, then E high ones
+            i8v, i16v = ir.VectorType(ir.IntType(8), E), ir.VectorType(ir.IntType(16), E)
+            codes = []
+            for r in rows:
+                x = builder.zext(builder.load(_vec_ptr(builder, k.data, builder.add(r, c), i8v), align=1), i16v)
+                lo = builder.and_(x, ir.Constant(i16v, [15] * E))
+                codes.append((lo, builder.lshr(x, ir.Constant(i16v, [4] * E))))
+            for i in range(ng):
+                at = builder.add(qrows[i], builder.mul(c, intp(2)))
+                qlo = builder.load(_vec_ptr(builder, q.data, at, i16v), align=2)
+                qhi = builder.load(_vec_ptr(builder, q.data, builder.add(at, intp(E)), i16v), align=2)
+                for t in range(T):
+                    a = builder.load(accs[i][t])
+                    for qv, x in ((qlo, codes[t][0]), (qhi, codes[t][1])):
+                        if E // 2 < IW:  # a last half chunk: widened with zeros, upper lanes 0
+                            qv, x = (_shuffle(builder, y, ir.Constant(y.type, None), list(range(2 * IW)))
+                                     for y in (qv, x))
+                        a = _dot_add(builder, a, qv, x)
+                    builder.store(a, accs[i][t])
+
+        full = builder.mul(builder.sdiv(H, intp(2 * IW)), intp(2 * IW))
+        with cgutils.for_range_slice(builder, intp(0), full, intp(2 * IW), intp) as (c, _):
+            chunk(c, 2 * IW)
+        with cgutils.for_range_slice(builder, full, H, intp(IW), intp) as (c, _):
+            chunk(c, IW)
+        sums = _lane_sums(builder, [builder.load(a) for row in accs for a in row], builder.add)
+        f32T = ir.VectorType(ir.FloatType(), T)
+        fma = _fma(builder, T)
+        for i in range(ng):
+            part = builder.sitofp(_head_sums(builder, sums, i, T), f32T)
+            gi = builder.add(g, intp(i))
+            sc = _splat(builder, builder.load(builder.gep(qsc.data, [gi], inbounds=True)), T)
+            c0 = _splat(builder, builder.load(builder.gep(qc.data, [gi], inbounds=True)), T)
+            at = builder.add(builder.mul(gi, S), sj)
+            builder.store(builder.call(fma, [sc, part, c0]), _vec_ptr(builder, s.data, at, f32T), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def make_dots_int4(ng: int, T: int = DOT_TOKENS, IW: int = IVEC):
+    """An intrinsic dots_int4(q, g, k, r0, r1, s, sj, qsc, qc): for heads i < ng and tokens t < T,
+    s[g+i, sj+t] = qsc[g+i] · Σ_p q[g+i, p] · code(k[min(r0+t, r1-1)], p) + qc[g+i].
+
+    q [G, D] int16 in the code layout of IW lanes (module doc, `code_order`); k [R, D/2] uint8
+    packed rows (`int4.py`: a block's rows of one head, or a pool's rows reshaped); s [G, S]
+    float32; qsc, qc [G] float32; all C-contiguous; D % 32 == 0, IW ≤ 16.
+    The integer sums are exact (|sum| < 2^31 for D ≤ 8192). Rows past r1 repeat row r1-1, so a
+    caller may step r0 by T to r1 and give s at least T-1 spare columns. No bounds checks."""
+
+    @intrinsic
+    def dots_int4(typingctx, q, g, k, r0, r1, s, sj, qsc, qc):
+        if not (_c_array_2d(q, types.int16) and _c_array_2d(k, types.uint8) and _c_array_2d(s, types.float32)
+                and _c_array_1d(qsc, types.float32) and _c_array_1d(qc, types.float32)):
+            return None
+        return types.void(q, g, k, r0, r1, s, sj, qsc, qc), _dots_int4_codegen(ng, T, IW)
+
+    return dots_int4
+
+
+def _accumulate_int4_codegen(ng, C, IW):
+    """Codegen of `accumulate_int4`: see `make_accumulate_int4`."""
+
+    def codegen(context, builder, sig, args):
+        ir, cgutils = _ir()
+        w16, wsc, zsum, g, v, rows, n, acc = _args(context, builder, sig, args)
+        intp = context.get_value_type(types.intp)
+        H = builder.extract_value(v.shape, 1)  # bytes a row: D/2
+        D = builder.mul(H, intp(2))
+        NG = builder.extract_value(w16.shape, 1)
+        S = builder.extract_value(w16.shape, 2)
+        i8v, i32v = ir.VectorType(ir.IntType(8), IW), ir.VectorType(ir.IntType(32), IW)
+        i16v, f32v = ir.VectorType(ir.IntType(16), 2 * IW), ir.VectorType(ir.FloatType(), IW)
+        nib = ir.Constant(i32v, [0x000F000F] * IW)
+        fma = _fma(builder, IW)
+        wrow = [builder.mul(builder.add(g, intp(i)), NG) for i in range(ng)]  # row of (head, group 0) in w16, wsc
+        arow = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
+        regs = [[[cgutils.alloca_once(builder, i32v) for _ in range(2)] for _ in range(C)] for _ in range(ng)]
+
+        def row(t):  # byte offset of the tile's row t
+            idx = builder.load(builder.gep(rows.data, [t], inbounds=True))
+            return builder.mul(context.cast(builder, idx, sig.args[5].dtype, types.intp), H)
+
+        def weights(i, grp, t, pair):  # the (w_t, w_t+1) pair (or (w_t, 0)) of head g+i and group grp, splat
+            at = builder.gep(w16.data, [builder.add(builder.mul(builder.add(wrow[i], grp), S), t)], inbounds=True)
+            if pair:
+                w = builder.load(builder.bitcast(at, ir.IntType(32).as_pointer()), align=2)
+            else:
+                w = builder.zext(builder.load(at), ir.IntType(32))
+            return builder.bitcast(_splat(builder, w, IW), i16v)
+
+        def step(b0, nk, t, pair):  # regs += the codes of tokens t (and t+1) × their weights
+            ra = row(t)
+            rb = row(builder.add(t, intp(1))) if pair else None
+            for kk in range(nk):
+                off = builder.add(b0, intp(kk * IW))
+                grp = builder.sdiv(off, intp(16))
+                u = builder.zext(builder.load(_vec_ptr(builder, v.data, builder.add(ra, off), i8v), align=1), i32v)
+                if pair:
+                    ub = builder.zext(builder.load(_vec_ptr(builder, v.data, builder.add(rb, off), i8v), align=1), i32v)
+                    u = builder.or_(u, builder.shl(ub, ir.Constant(i32v, [16] * IW)))
+                lo = builder.bitcast(builder.and_(u, nib), i16v)
+                hi = builder.bitcast(builder.and_(builder.lshr(u, ir.Constant(i32v, [4] * IW)), nib), i16v)
+                for i in range(ng):
+                    wp = weights(i, grp, t, pair)
+                    for h, x in ((0, lo), (1, hi)):
+                        builder.store(_dot_add(builder, builder.load(regs[i][kk][h]), x, wp), regs[i][kk][h])
+
+        def one_pass(b0, nk):  # channels of bytes b0 .. b0 + nk·IW (nk sub-chunks of one group each)
+            for i in range(ng):
+                for kk in range(nk):
+                    for h in range(2):
+                        builder.store(ir.Constant(i32v, None), regs[i][kk][h])
+            with cgutils.for_range_slice(builder, intp(0), builder.sdiv(n, intp(2)), intp(1), intp) as (tp, _):
+                step(b0, nk, builder.mul(tp, intp(2)), True)
+            odd = builder.icmp_signed("!=", builder.srem(n, intp(2)), intp(0))
+            with builder.if_then(odd):  # the last token alone, paired with weight 0
+                step(b0, nk, builder.sub(n, intp(1)), False)
+            for kk in range(nk):
+                off = builder.add(b0, intp(kk * IW))
+                grp = builder.sdiv(off, intp(16))
+                ch = builder.add(builder.mul(grp, intp(32)), builder.srem(off, intp(16)))
+                for i in range(ng):
+                    at = builder.add(wrow[i], grp)
+                    sc = _splat(builder, builder.load(builder.gep(wsc.data, [at], inbounds=True)), IW)
+                    z = _splat(builder, builder.load(builder.gep(zsum.data, [at], inbounds=True)), IW)
+                    for h in range(2):
+                        ptr = _vec_ptr(builder, acc.data, builder.add(arow[i], builder.add(ch, intp(16 * h))), f32v)
+                        total = builder.sitofp(builder.load(regs[i][kk][h]), f32v)
+                        builder.store(builder.call(fma, [sc, total, builder.fadd(builder.load(ptr, align=4), z)]), ptr,
+                                      align=4)
+
+        full = builder.mul(builder.sdiv(H, intp(C * IW)), intp(C * IW))
+        with cgutils.for_range_slice(builder, intp(0), full, intp(C * IW), intp) as (b0, _):
+            one_pass(b0, C)
+        with cgutils.for_range_slice(builder, full, H, intp(IW), intp) as (b0, _):
+            one_pass(b0, 1)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def make_accumulate_int4(ng: int, C: int = max(ACC_CHUNKS // 2, 1), IW: int = IVEC):
+    """An intrinsic accumulate_int4(w16, wsc, zsum, g, v, rows, n, acc): for heads i < ng and every
+    channel d of group r = d // 32,
+    acc[g+i, d] += wsc[g+i, r] · Σ_{t<n} w16[g+i, r, t] · code(v[rows[t]], d) + zsum[g+i, r],
+    the sums in exact int32 arithmetic (token pairs, pmaddwd / vpdpwssd), 2·C int32 vectors of IW
+    lanes a head at a time in registers over the n rows, then converted and added to acc.
+
+    w16 [G, D/32, S] int16 weights (n ≤ SUM_TOKENS), wsc, zsum [G, D/32] float32 their scales and the
+    zero points' share (`value_factors`); v [R, D/2] uint8 packed rows (`int4.py`), rows [≥ n]
+    integer row indices into v; acc [G, D] float32; all C-contiguous; D % 32 == 0, IW ≤ 16. No
+    bounds checks."""
+
+    @intrinsic
+    def accumulate_int4(typingctx, w16, wsc, zsum, g, v, rows, n, acc):
+        if not (isinstance(w16, types.Array) and w16.dtype == types.int16 and w16.ndim == 3 and w16.layout == "C"
+                and _c_array_2d(wsc, types.float32) and _c_array_2d(zsum, types.float32)
+                and _c_array_2d(v, types.uint8) and isinstance(rows, types.Array)
+                and isinstance(rows.dtype, types.Integer) and rows.ndim == 1 and _c_array_2d(acc, types.float32)):
+            return None
+        return types.void(w16, wsc, zsum, g, v, rows, n, acc), _accumulate_int4_codegen(ng, C, IW)
+
+    return accumulate_int4
+
+
+def _c_array_1d(t, dtype) -> bool:
+    return isinstance(t, types.Array) and t.dtype == dtype and t.ndim == 1 and t.layout == "C"
+
+
+def code_order(D: int, IW: int = IVEC) -> np.ndarray:
+    """The channel at each position of the code layout of IW lanes (module doc), [D] int64: the
+    plain twin of `_code_runs`, for tests and for reading a layout."""
+    H, out = D // 2, np.empty(D, np.int64)
+    full = H // (2 * IW) * (2 * IW)
+    for c in range(0, H, 2 * IW):
+        E = 2 * IW if c < full else IW
+        for b in range(c, c + E):
+            for h in range(2):
+                out[c + b + h * E] = 32 * (b // 16) + 16 * h + b % 16
+    return out
+
+
+def _code_runs(builder, intp, H, IW, W, body):
+    """body(pos, ch) over the code layout of IW lanes for rows of H bytes: positions pos .. pos+W
+    hold channels ch .. ch+W (W ≤ 8 or W = IW = 16, so a run never leaves a half group)."""
+    from numba.core import cgutils
+
+    def chunk(c, E):
+        seg = min(E, 16)  # bytes of one group within the chunk
+        for xr in range(0, E, seg):
+            x0 = builder.add(c, intp(xr))
+            ch0 = builder.add(builder.shl(builder.ashr(x0, intp(4)), intp(5)), builder.and_(x0, intp(15)))
+            for h in range(2):
+                for i in range(0, seg, W):
+                    body(builder.add(builder.add(c, x0), intp(h * E + i)), builder.add(ch0, intp(16 * h + i)))
+
+    full = builder.mul(builder.sdiv(H, intp(2 * IW)), intp(2 * IW))
+    with cgutils.for_range_slice(builder, intp(0), full, intp(2 * IW), intp) as (c, _):
+        chunk(c, 2 * IW)
+    with cgutils.for_range_slice(builder, full, H, intp(IW), intp) as (c, _):
+        chunk(c, IW)
+
+
+def _hreduce(builder, v, op):
+    """op over the lanes of vector v, by halving shuffles → a scalar."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = op(_shuffle(builder, v, v, list(range(n))), _shuffle(builder, v, v, list(range(n, 2 * n))))
+    ir, _ = _ir()
+    return builder.extract_element(v, ir.IntType(32)(0))
+
+
+class _Vec:
+    """Float32 vector helpers of W lanes for the factor kernels' IR."""
+
+    def __init__(self, builder, W):
+        ir, cgutils = _ir()
+        self.b, self.W = builder, W
+        self.f32v, self.i32v = ir.VectorType(ir.FloatType(), W), ir.VectorType(ir.IntType(32), W)
+        self.i16v = ir.VectorType(ir.IntType(16), W)
+        mod = builder.module
+        self._fma = cgutils.get_or_insert_function(mod, ir.FunctionType(self.f32v, [self.f32v] * 3),
+                                                   f"llvm.fmuladd.v{W}f32")
+        self._rint = cgutils.get_or_insert_function(mod, ir.FunctionType(self.f32v, [self.f32v]), f"llvm.rint.v{W}f32")
+
+    def const(self, x):
+        ir, _ = _ir()
+        return ir.Constant(self.f32v, [float(x)] * self.W)
+
+    def load(self, base, index):
+        return self.b.load(_vec_ptr(self.b, base, index, self.f32v), align=4)
+
+    def load_bf16(self, base, index):  # W bf16 values (uint16 bits) → float32
+        raw = self.b.load(_vec_ptr(self.b, base, index, self.i16v), align=2)
+        return self.b.bitcast(self.b.shl(self.b.zext(raw, self.i32v), self.const_i(16)), self.f32v)
+
+    def const_i(self, x):
+        ir, _ = _ir()
+        return ir.Constant(self.i32v, [x] * self.W)
+
+    def fma(self, a, x, y):
+        return self.b.call(self._fma, [a, x, y])
+
+    def rint(self, x):  # round half to even (the default rounding mode), as np.rint
+        return self.b.call(self._rint, [x])
+
+    def abs_bits(self, x):  # |x| as int32 bits, which order as |x| does
+        return self.b.and_(self.b.bitcast(x, self.i32v), self.const_i(0x7FFFFFFF))
+
+    def imax(self, a, x):
+        return self.b.select(self.b.icmp_signed(">", x, a), x, a)
+
+    def hmax_f32(self, v):  # max lane of int32 magnitude bits → float32
+        ir, _ = _ir()
+        m = _hreduce(self.b, v, self.imax)
+        return self.b.bitcast(m, ir.FloatType())
+
+    def hsum(self, v):
+        return _hreduce(self.b, v, self.b.fadd)
+
+    def scale(self, mx):
+        """(s, 1/s): s = mx / 32767, or 1 where mx ≤ TINY (a row all but zero: its int16 factors
+        become 0 rather than scaled by an overflowing 1 / s)."""
+        ir, _ = _ir()
+        f32 = ir.FloatType()
+        s = self.b.select(self.b.fcmp_ordered(">", mx, f32(float(TINY))), self.b.fdiv(mx, f32(float(Q16))), f32(1.0))
+        return s, self.b.fdiv(f32(1.0), s)
+
+
+def _key_factors_codegen(ng, W, IW):
+    def codegen(context, builder, sig, args):
+        ir, cgutils = _ir()
+        qn, g, ks, kz, row, q16, qsc, qcon = _args(context, builder, sig, args)
+        intp = context.get_value_type(types.intp)
+        V = _Vec(builder, W)
+        f32 = ir.FloatType()
+        D = builder.extract_value(qn.shape, 1)
+        base = builder.mul(row, D)
+        qrows = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
+        mxa = [cgutils.alloca_once_value(builder, V.const_i(0)) for _ in range(ng)]
+        qza = [cgutils.alloca_once_value(builder, V.const(0)) for _ in range(ng)]
+        erra = [cgutils.alloca_once_value(builder, V.const(0)) for _ in range(ng)]
+        with cgutils.for_range_slice(builder, intp(0), D, intp(W), intp) as (d, _):  # max |q s| and q · z per head
+            sv, zv = V.load_bf16(ks.data, builder.add(base, d)), V.load_bf16(kz.data, builder.add(base, d))
+            for i in range(ng):
+                qv = V.load(qn.data, builder.add(qrows[i], d))
+                builder.store(V.imax(builder.load(mxa[i]), V.abs_bits(builder.fmul(qv, sv))), mxa[i])
+                builder.store(V.fma(qv, zv, builder.load(qza[i])), qza[i])
+        scales = [V.scale(V.hmax_f32(builder.load(mxa[i]))) for i in range(ng)]
+        splat = [(_splat(builder, s, W), _splat(builder, inv, W)) for s, inv in scales]
+
+        def run(pos, ch):  # q16 at pos = round(q s / qsc) of channels ch .., the rounding errors summed
+            sv = V.load_bf16(ks.data, builder.add(base, ch))
+            for i in range(ng):
+                prod = builder.fmul(V.load(qn.data, builder.add(qrows[i], ch)), sv)
+                r = V.rint(builder.fmul(prod, splat[i][1]))
+                at = _vec_ptr(builder, q16.data, builder.add(qrows[i], pos), V.i16v)
+                builder.store(builder.fptosi(r, V.i16v), at, align=2)
+                builder.store(builder.fadd(builder.load(erra[i]), V.fma(r, splat[i][0], builder.fneg(prod))), erra[i])
+
+        _code_runs(builder, intp, builder.sdiv(D, intp(2)), IW, W, run)
+        for i in range(ng):
+            gi = builder.add(g, intp(i))
+            err = V.hsum(builder.load(erra[i]))
+            builder.store(scales[i][0], builder.gep(qsc.data, [gi], inbounds=True))
+            builder.store(builder.fsub(V.hsum(builder.load(qza[i])), builder.fmul(f32(float(MID)), err)),
+                          builder.gep(qcon.data, [gi], inbounds=True))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def make_key_factors(ng: int, W: int = VEC, IW: int = IVEC):
+    """An intrinsic key_factors(qn, g, ks, kz, row, q16, qsc, qcon): one block's key factors for
+    heads g .. g+ng, with s, z = ks[row], kz[row] the block's per-channel scales and zeros:
+    q16[g+i] = round(qn[g+i] · s / qsc[g+i]) in the code layout of IW lanes, qsc[g+i] =
+    max |qn[g+i] · s| / 32767, qcon[g+i] = qn[g+i] · z - 7.5 Σ (q16 qsc - qn s) (the zero points'
+    share of every score, less the rounding bias: module doc). The heads' sums are independent
+    chains, each s, z vector loaded once for all of them.
+
+    qn [G, D] float32 (q in channel order); ks, kz [R, D] uint16 (bf16 bits); q16 [G, D] int16;
+    qsc, qcon [G] float32; all C-contiguous; D % 32 == 0, W ≤ 8 or W = IW. No bounds checks."""
+
+    @intrinsic
+    def key_factors(typingctx, qn, g, ks, kz, row, q16, qsc, qcon):
+        if not (_c_array_2d(qn, types.float32) and _c_array_2d(ks, types.uint16) and _c_array_2d(kz, types.uint16)
+                and isinstance(row, types.Integer) and _c_array_2d(q16, types.int16)
+                and _c_array_1d(qsc, types.float32) and _c_array_1d(qcon, types.float32)):
+            return None
+        return types.void(qn, g, ks, kz, row, q16, qsc, qcon), _key_factors_codegen(ng, W, IW)
+
+    return key_factors
+
+
+def _value_factors_codegen(W):
+    def codegen(context, builder, sig, args):
+        ir, cgutils = _ir()
+        p, vsc, vzr, n, w16, wsc, zsum = _args(context, builder, sig, args)
+        intp = context.get_value_type(types.intp)
+        V = _Vec(builder, W)
+        f32 = ir.FloatType()
+        G, P = builder.extract_value(p.shape, 0), builder.extract_value(p.shape, 1)
+        NG, S = builder.extract_value(vsc.shape, 0), builder.extract_value(vsc.shape, 1)
+        SW = builder.extract_value(w16.shape, 2)
+        lanes = ir.Constant(ir.VectorType(ir.IntType(64), W), list(range(W)))
+        full = builder.mul(builder.sdiv(n, intp(W)), intp(W))
+
+        def over_tokens(body):  # body(j, keep): tokens j .. j+W; keep(x) zeroes the lanes at or past n
+            with cgutils.for_range_slice(builder, intp(0), full, intp(W), intp) as (j, _):
+                body(j, lambda x: x)
+            with builder.if_then(builder.icmp_signed("<", full, n)):
+                live = builder.icmp_signed("<", builder.add(_splat(builder, full, W), lanes), _splat(builder, n, W))
+                body(full, lambda x: builder.select(live, x, V.const(0)))
+
+        mxa, za, erra = (cgutils.alloca_once(builder, t) for t in (V.i32v, V.f32v, V.f32v))
+        builder.store(V.const_i(0), mxa)
+        with cgutils.for_range(builder, NG, intp=intp) as loop:  # the tile's largest value scale
+            at = builder.mul(loop.index, S)
+            over_tokens(lambda j, keep: builder.store(
+                V.imax(builder.load(mxa), V.abs_bits(keep(V.load(vsc.data, builder.add(at, j))))), mxa))
+        smax = V.hmax_f32(builder.load(mxa))
+        with cgutils.for_range(builder, G, intp=intp) as gl:
+            g = gl.index
+            prow = builder.mul(g, P)
+            builder.store(V.const_i(0), mxa)
+            over_tokens(lambda j, keep: builder.store(
+                V.imax(builder.load(mxa), V.abs_bits(keep(V.load(p.data, builder.add(prow, j))))), mxa))
+            # one scale for the head's weights of every group: its largest weight × the largest scale
+            s, inv = V.scale(builder.fmul(V.hmax_f32(builder.load(mxa)), smax))
+            sv, invv = _splat(builder, s, W), _splat(builder, inv, W)
+            with cgutils.for_range(builder, NG, intp=intp) as rl:
+                r = rl.index
+                at = builder.mul(r, S)
+                wat = builder.mul(builder.add(builder.mul(g, NG), r), SW)
+                builder.store(V.const(0), za)
+                builder.store(V.const(0), erra)
+
+                def body(j, keep):
+                    pv = keep(V.load(p.data, builder.add(prow, j)))
+                    prod = builder.fmul(pv, keep(V.load(vsc.data, builder.add(at, j))))
+                    x = V.rint(builder.fmul(prod, invv))
+                    builder.store(builder.fptosi(x, V.i16v), _vec_ptr(builder, w16.data, builder.add(wat, j), V.i16v),
+                                  align=2)
+                    builder.store(builder.fadd(builder.load(erra), V.fma(x, sv, builder.fneg(prod))), erra)
+                    builder.store(V.fma(pv, keep(V.load(vzr.data, builder.add(at, j))), builder.load(za)), za)
+
+                over_tokens(body)
+                gr = builder.add(builder.mul(g, NG), r)
+                zs = builder.fsub(V.hsum(builder.load(za)), builder.fmul(f32(float(MID)), V.hsum(builder.load(erra))))
+                builder.store(s, builder.gep(wsc.data, [gr], inbounds=True))
+                builder.store(zs, builder.gep(zsum.data, [gr], inbounds=True))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def make_value_factors(W: int = VEC):
+    """An intrinsic value_factors(p, vsc, vzr, n, w16, wsc, zsum): a tile's value factors for
+    every head g and group r: w16[g, r, j] = round(p[g, j] vsc[r, j] / wsc[g, r]) for j < n
+    (0 up to the next multiple of W), wsc[g, r] = max_j p[g, j] · max_{r', j} vsc[r', j] / 32767
+    (one scale for all groups of a head), zsum[g, r] = Σ_j p[g, j] vzr[r, j] - 7.5 Σ_j (w16 wsc -
+    p vsc) (the zero points' share, less the rounding bias: module doc).
+
+    p [G, ≥ n rounded up to W] the tile's softmax weights (≥ 0; past n anything); vsc, vzr [D/32,
+    same] float32: the tokens' value scales (> 0) and zeros per group (0 for tokens read elsewhere);
+    w16 [G, D/32, same] int16; wsc, zsum [G, D/32] float32; all C-contiguous. No bounds checks."""
+
+    @intrinsic
+    def value_factors(typingctx, p, vsc, vzr, n, w16, wsc, zsum):
+        if not (_c_array_2d(p, types.float32) and _c_array_2d(vsc, types.float32) and _c_array_2d(vzr, types.float32)
+                and isinstance(n, types.Integer) and isinstance(w16, types.Array) and w16.dtype == types.int16
+                and w16.ndim == 3 and w16.layout == "C" and _c_array_2d(wsc, types.float32)
+                and _c_array_2d(zsum, types.float32)):
+            return None
+        return types.void(p, vsc, vzr, n, w16, wsc, zsum), _value_factors_codegen(W)
+
+    return value_factors
+
+
+SCALE_GROUPS = (2, 3, 4, 8)  # groups a token (D/32) with a vector scale copy; others: a scalar loop
+
+
+def _scales_copy_codegen(W):
+    def codegen(context, builder, sig, args):
+        ir, cgutils = _ir()
+        vs, vz, row, nb, vsc, vzr, col = _args(context, builder, sig, args)
+        intp = context.get_value_type(types.intp)
+        NG = builder.extract_value(vs.shape, 1)
+        S = builder.extract_value(vsc.shape, 1)
+        j0 = cgutils.alloca_once_value(builder, intp(0))  # tokens copied so far
+
+        def widened(x, w):  # <w x i16> bf16 bits → <w x float>
+            wide = builder.zext(x, ir.VectorType(ir.IntType(32), w))
+            f32v = ir.VectorType(ir.FloatType(), w)
+            return builder.bitcast(builder.shl(wide, ir.Constant(wide.type, [16] * w)), f32v)
+
+        def chunk(ng, w, j):  # tokens j .. j+w of ng groups: one load, a shuffle per group
+            for src, dst in ((vs, vsc), (vz, vzr)):
+                x = builder.load(_vec_ptr(builder, src.data, builder.mul(builder.add(row, j), intp(ng)),
+                                          ir.VectorType(ir.IntType(16), w * ng)), align=2)
+                for r in range(ng):
+                    part = x if ng == 1 else _shuffle(builder, x, x, [r + ng * i for i in range(w)])
+                    at = builder.add(builder.add(builder.mul(intp(r), S), col), j)
+                    builder.store(widened(part, w), _vec_ptr(builder, dst.data, at, ir.VectorType(ir.FloatType(), w)),
+                                  align=4)
+
+        def scalar():  # the tokens left, one element at a time
+            with cgutils.for_range_slice(builder, builder.load(j0), nb, intp(1), intp) as (j, _):
+                with cgutils.for_range(builder, NG, intp=intp) as loop:
+                    r = loop.index
+                    for src, dst in ((vs, vsc), (vz, vzr)):
+                        x = builder.load(builder.gep(src.data, [builder.add(builder.mul(builder.add(row, j), NG), r)],
+                                                     inbounds=True))
+                        f = builder.bitcast(builder.shl(builder.zext(x, ir.IntType(32)), ir.IntType(32)(16)),
+                                            ir.FloatType())
+                        at = builder.add(builder.add(builder.mul(r, S), col), j)
+                        builder.store(f, builder.gep(dst.data, [at], inbounds=True))
+
+        done = builder.append_basic_block("scales_done")
+        default = builder.append_basic_block("scales_scalar")
+        sw = builder.switch(NG, default)
+        for ng in SCALE_GROUPS:
+            bb = builder.append_basic_block(f"scales_{ng}")
+            sw.add_case(NG.type(ng), bb)
+            builder.position_at_end(bb)
+            full = builder.mul(builder.sdiv(nb, intp(W)), intp(W))
+            with cgutils.for_range_slice(builder, intp(0), full, intp(W), intp) as (j, _):
+                chunk(ng, W, j)
+            builder.store(full, j0)
+            w = W // 2
+            while w >= 4:  # what is left (< W tokens) in halving chunks
+                j = builder.load(j0)
+                with builder.if_then(builder.icmp_signed("<=", builder.add(j, intp(w)), nb)):
+                    chunk(ng, w, j)
+                    builder.store(builder.add(j, intp(w)), j0)
+                w //= 2
+            builder.branch(default)
+        builder.position_at_end(default)
+        scalar()
+        builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def make_scales_copy(W: int = VEC):
+    """An intrinsic scales_copy(vs, vz, row, nb, vsc, vzr, col): vsc[r, col + j] = vs[row + j, r]
+    and vzr[r, col + j] = vz[row + j, r] as float32, for j < nb and every group r: a block's value
+    scales and zeros (token-major, as the pool stores them) transposed into a tile's (group-major,
+    as `value_factors` reads them). For D/32 in SCALE_GROUPS, W tokens a load (then W/2, .. 4) and a
+    shuffle per group; otherwise, and for the last < 4 tokens, one element at a time.
+
+    vs, vz [R, NG] uint16 (bf16 bits); vsc, vzr [NG, S] float32; all C-contiguous. Reads and
+    writes exactly these elements. No bounds checks."""
+
+    @intrinsic
+    def scales_copy(typingctx, vs, vz, row, nb, vsc, vzr, col):
+        if not (_c_array_2d(vs, types.uint16) and _c_array_2d(vz, types.uint16)
+                and _c_array_2d(vsc, types.float32) and _c_array_2d(vzr, types.float32)
+                and all(isinstance(t, types.Integer) for t in (row, nb, col))):
+            return None
+        return types.void(vs, vz, row, nb, vsc, vzr, col), _scales_copy_codegen(W)
+
+    return scales_copy
