@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cpu_attention import _simd, _simd_int4
-from cpu_attention.decode import _row_max
+from cpu_attention.decode_tiles import _row_max
 
 HOST = (_simd.VEC, _simd.DOT_TOKENS, _simd.ACC_CHUNKS, _simd.IVEC)
 AVX512 = (16, 4, 4, 16)
@@ -360,8 +360,8 @@ S.VEC, S.IVEC, S.DOT_TOKENS, S.ACC_CHUNKS, S._MADD = 16, 16, 4, 4, (None, 16)
 S.make_dots.__defaults__, S.make_accumulate.__defaults__ = (4, 16, 16), (4, 16)
 S.make_accumulate_int8.__defaults__ = (4, 16)
 del sys.modules["cpu_attention"]
-from cpu_attention import decode, _simd_int4
-assert (decode.VEC, decode.DOT_TOKENS, _simd_int4.IVEC) == (16, 4, 16)
+from cpu_attention import decode, decode_tiles, _simd_int4
+assert (decode.VEC, decode_tiles.DOT_TOKENS, _simd_int4.IVEC) == (16, 4, 16)
 from cpu_attention import decode_attention
 for path in sys.argv[2:]:
     with open(path, "rb") as f:
