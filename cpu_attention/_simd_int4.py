@@ -1,17 +1,17 @@
 """SIMD micro-kernels for int4 decode: integer dot products over 4-bit codes (LLVM vector IR).
 
 int4 rows (`int4.py`: byte 16r + i of a row holds code 32r + i in its low nibble and 32r + 16 + i
-in its high one) are never widened to floats. Both hot loops widen the codes to 16-bit lanes in
-registers and multiply them with int16 factors in which the scales are already folded, summing
-in int32 (x86 pmaddwd, which LLVM fuses with the add into vpdpwssd where VNNI is there):
+in its high one) are never widened to floats. The two hot loops widen the codes to 16-bit lanes
+in registers and multiply them with int16 factors in which the scales are already folded,
+summing in int32 (x86 pmaddwd, which LLVM fuses with the add into vpdpwssd where VNNI is there):
 
 - keys are per channel over a block: score = Σ_d q_d (code_d s_d + z_d) = Σ_d (q_d s_d) code_d +
-  q · z, so per block and head q' = q · s is rounded to int16 once (`key_factors`) and each
-  token costs one integer dot product of q'16 with its codes (`make_dots_int4`).
+  q · z, so per block and head q' = q · s is rounded to int16 once (`make_key_factors`) and each
+  token costs one integer dot product of q'16 with its codes (`make_dots_int4`);
 - values are per token and group of 32 channels: Σ_t p_t (code_t s_tg + z_tg) = Σ_t (p_t s_tg)
-  code_t + Σ_t p_t z_tg, so per tile the weights p_t s_tg are rounded to int16 per (head, group)
-  (`value_factors`) and the codes of two tokens are summed by one pmaddwd per pair of lanes
-  (`make_accumulate_int4`).
+  code_t + Σ_t p_t z_tg, so per tile the weights p_t s_tg are rounded to int16 (`make_value_factors`,
+  from the tile's scales gathered by `make_scales_copy`) and the codes of two tokens are summed
+  by one pmaddwd per pair of lanes (`make_accumulate_int4`).
 
 Rounding: q' and the weights keep 2^-16 of their largest element (as the int8 path's q and
 weights). The rounding errors e of a factor multiply codes of 0..15, whose mean ~7.5 would turn
@@ -44,7 +44,6 @@ from cpu_attention._simd import (
 Q16 = np.float32(32767.0)  # int16 levels of a factor's largest element
 TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would leave float32's normal range
 MID = np.float32(7.5)  # the codes' midpoint: rounding errors are centred on it (module doc)
-SEG = min(2 * IVEC, 16)  # channels a run of the code layout: contiguous in both orders
 SUM_TOKENS = 4096  # tokens one value pass sums in int32: 4096 · 32767 · 15 < 2^31
 
 
@@ -158,8 +157,8 @@ def _accumulate_int4_codegen(ng, C, IW):
         regs = [[[cgutils.alloca_once(builder, i32v) for _ in range(2)] for _ in range(C)] for _ in range(ng)]
 
         def row(t):  # byte offset of the tile's row t
-            idx = builder.load(builder.gep(rows.data, [t], inbounds=True))
-            return builder.mul(context.cast(builder, idx, sig.args[5].dtype, types.intp), H)
+            return context.cast(builder, builder.load(builder.gep(rows.data, [t], inbounds=True)), sig.args[5].dtype,
+                                types.intp)
 
         def weights(i, grp, t, pair):  # the (w_t, w_t+1) pair (or (w_t, 0)) of head g+i and group grp, splat
             at = builder.gep(w16.data, [builder.add(builder.mul(builder.add(wrow[i], grp), S), t)], inbounds=True)
@@ -223,14 +222,14 @@ def _accumulate_int4_codegen(ng, C, IW):
 def make_accumulate_int4(ng: int, C: int = max(ACC_CHUNKS // 2, 1), IW: int = IVEC):
     """An intrinsic accumulate_int4(w16, wsc, zsum, g, v, rows, n, acc): for heads i < ng and every
     channel d of group r = d // 32,
-    acc[g+i, d] += wsc[g+i, r] · Σ_{t<n} w16[g+i, r, t] · code(v[rows[t]], d) + zsum[g+i, r],
+    acc[g+i, d] += wsc[g+i, r] · Σ_{t<n} w16[g+i, r, t] · code(v.flat[rows[t]:], d) + zsum[g+i, r],
     the sums in exact int32 arithmetic (token pairs, pmaddwd / vpdpwssd), 2·C int32 vectors of IW
     lanes a head at a time in registers over the n rows, then converted and added to acc.
 
     w16 [G, D/32, S] int16 weights (n ≤ SUM_TOKENS), wsc, zsum [G, D/32] float32 their scales and the
     zero points' share (`value_factors`); v [R, D/2] uint8 packed rows (`int4.py`), rows [≥ n]
-    integer row indices into v; acc [G, D] float32; all C-contiguous; D % 32 == 0, IW ≤ 16. No
-    bounds checks."""
+    integer byte offsets of the rows in v (row index × D/2); acc [G, D] float32; all C-contiguous;
+    D % 32 == 0, IW ≤ 16. No bounds checks."""
 
     @intrinsic
     def accumulate_int4(typingctx, w16, wsc, zsum, g, v, rows, n, acc):

@@ -18,7 +18,7 @@ Dequantizing on the device is `layout.dequantize_blocks`, the CPU readers' own t
 token scales; int4 keys by the block's per-channel scales and zeros, values by their group
 scales and zeros. What the pool stores rotated (`KVDtype.rotated`: int8 keys and values,
 int4 values) stays rotated, so q is rotated on the way in (int8) and the attention output
-back on the way out (`rotation.rotate`/`unrotate`, their signs on the device), as the CPU
+back on the way out (`rotation.rotate`/`unrotate`, their tensors on the device), as the CPU
 readers do.
 Streamed blocks are complete, so an int4 block is always in its codes, never in a bf16 tail
 (`begin` checks the last one, the only one that could be being filled).
@@ -80,8 +80,8 @@ class KVStreamer:
         else:  # codes (and scales, zeros) land here, then dequantize into the pool's slot
             self.raw = [{n: torch.empty(self.max_blocks, *t.shape[2:], dtype=t.dtype, device=device)
                          for n, t in host.parts().items()} for _ in range(2)]  # [max_blocks, Hkv, ...] each
-            if any(host.dtype.rotated):  # the signs on the device before a graph captures `attend`
-                rotation.signs(host.head_dim, self.pool.k.device)
+            if any(host.dtype.rotated):  # the rotation's tensors on the device before a graph captures `attend`
+                rotation.on_device(host.head_dim, self.pool.k.device)
         self.table = torch.arange(self.max_blocks, dtype=torch.int32, device=device)[None]
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)  # streamed tokens this step (static: graphs read it)
         self.stream = torch.cuda.Stream(device) if self.cuda else None

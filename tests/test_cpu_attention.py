@@ -332,6 +332,23 @@ def test_int4_tail_slots_reserved_at_peak_and_released():
     assert int(t.n_free[0]) == 8 - 1 and int(t.slot[0, 50]) < 0 and int(t.slot[0, 51]) >= 0
 
 
+@pytest.mark.parametrize("N,D", [(1, 64), (9, 64), (33, 96), (70, 128), (5, 36)])
+def test_numba_row_rotation_equals_torch(N, D):
+    """The Numba transforms that int8 decode applies to q and its output (`_numba.rotate_rows`,
+    `unrotate_rows`: ROWS rows at a time, then the rest): `rotation.rotate`'s bits, and
+    `unrotate` (a matrix product in torch) to float32 rounding."""
+    from cpu_attention._numba import rotate_rows, unrotate_rows
+
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(N))
+    y = x.numpy().copy()
+    rotate_rows(y, *rotation.numba_args(D))
+    assert torch.equal(torch.from_numpy(y), rotation.rotate(x))
+    z = y.copy()
+    unrotate_rows(z, *rotation.numba_args(D))
+    assert torch.allclose(torch.from_numpy(z), rotation.unrotate(torch.from_numpy(y)), atol=1e-5)
+    assert torch.allclose(torch.from_numpy(z), x, atol=1e-5)
+
+
 def test_rotation_is_orthonormal_and_inverted():
     for D in (64, 96, 128, 256):
         R = rotation.rotate(torch.eye(D))

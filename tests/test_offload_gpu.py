@@ -73,14 +73,16 @@ def test_driver_loop_matches_the_torch_loop(tiny, kv, stream, gpu_tokens):
     assert (a.d2h_bytes, a.h2d_bytes) == (b.d2h_bytes, b.h2d_bytes) and a.d2h_bytes > 0
 
 
+@pytest.mark.parametrize("kv", ["int8", "int4"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_cuda_streamed_int4_host_kv_matches_cpu(tiny, block_size):
-    """int4 host blocks streamed up and dequantized on the GPU (keys per channel and block,
-    values left rotated, the attention output rotated back, inside the captured graphs): the
-    CPU run's tokens. Block 16 takes the Triton paged kernel, block 4 the torch one."""
+def test_cuda_streamed_rotated_host_kv_matches_cpu(tiny, kv, block_size):
+    """Host blocks stored rotated, streamed up and dequantized on the GPU, inside the captured
+    graphs: int8 (keys and values left rotated, q rotated in, the output rotated back), int4
+    (keys per channel and block, values left rotated, the output rotated back): the CPU run's
+    tokens. Block 16 takes the Triton paged kernel, block 4 the torch one."""
     folder = tiny("llama_hd32")[0]
     prompt = PROMPT * 3
-    kw = dict(weights="f32", kv_dtype="int4", tokenizer=False, block_size=block_size)
+    kw = dict(weights="f32", kv_dtype=kv, tokenizer=False, block_size=block_size)
     want = _greedy(hetero.load(folder, device="cpu", **kw), [prompt])
     e = hetero.load(folder, device="cuda", gpu_kv_tokens=0, stream_tokens=2 * block_size, parallel=1, **kw)
     assert _greedy(e, [prompt]) == want

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cpu_attention import _simd, _simd_int4
-from cpu_attention.decode import _row_max
+from cpu_attention.decode_tiles import _row_max
 
 HOST = (_simd.VEC, _simd.DOT_TOKENS, _simd.ACC_CHUNKS, _simd.IVEC)
 AVX512 = (16, 4, 4, 16)
@@ -258,7 +258,7 @@ def test_accumulate_int4(W, T, C, IW):
             zsum = rng.standard_normal((10, NG)).astype(np.float32)
             acc0 = rng.standard_normal((10, D)).astype(np.float32)
             acc = acc0.copy()
-            run(w16, wsc, zsum, v, rows, n, acc)
+            run(w16, wsc, zsum, v, rows * (D // 2), n, acc)  # rows as byte offsets
             codes = codes_of(v[rows])  # [n, D]
             exact = np.einsum("grt,trc->grc", w16[:, :, :n].astype(np.int64), codes.reshape(n, NG, 32))
             ref = acc0 + (wsc[:, :, None] * exact + zsum[:, :, None]).reshape(10, D)
@@ -348,3 +348,67 @@ def test_scales_copy(W, T, C, IW):
                 want = np.full((NG, 40), np.nan, np.float32)
                 want[:, col:col + nb] = (src[row:row + nb].astype(np.uint32) << 16).view(np.float32).T
                 assert np.array_equal(got, want, equal_nan=True), (NG, row, nb, col)
+
+
+WIDE = r"""
+import pickle, sys, types
+pkg = types.ModuleType("cpu_attention")  # _simd's shapes set before the package imports decode
+pkg.__path__ = [sys.argv[1] + "/cpu_attention"]
+sys.modules["cpu_attention"] = pkg
+import cpu_attention._simd as S
+S.VEC, S.IVEC, S.DOT_TOKENS, S.ACC_CHUNKS, S._MADD = 16, 16, 4, 4, (None, 16)
+S.make_dots.__defaults__, S.make_accumulate.__defaults__ = (4, 16, 16), (4, 16)
+S.make_accumulate_int8.__defaults__ = (4, 16)
+del sys.modules["cpu_attention"]
+from cpu_attention import decode, decode_tiles, _simd_int4
+assert (decode.VEC, decode_tiles.DOT_TOKENS, _simd_int4.IVEC) == (16, 4, 16)
+from cpu_attention import decode_attention
+for path in sys.argv[2:]:
+    with open(path, "rb") as f:
+        pool, bt, sl, q, scale = pickle.load(f)
+    with open(path + ".out", "wb") as f:
+        pickle.dump(decode_attention(pool, 0, q, bt, sl, scale, threads=2), f)
+"""
+
+
+@pytest.mark.slow
+def test_decode_at_avx512_shapes(tmp_path):
+    """The decode kernels at the AVX-512 host's shapes (16 lanes, 4 tokens a score pass, 4
+    accumulator vectors, int8's and int4's pmaddwd of 16 int32 lanes as plain IR), run here
+    against their float64 references in a fresh process (its own Numba cache: the shapes are
+    constants compiled in): the layouts, tails and remainders those shapes take, which the
+    micro-kernel tests above do not reach. The pools and references are made here (the pool
+    writers do not depend on the shapes), so the fresh process compiles only the decode
+    kernels, and at NUMBA_OPT=0: what is checked is what the IR computes, which LLVM's
+    optimizations keep; the tests above compile the same IR at -O3. ~1 min on 2 cores (all in
+    the fresh process, at -O3: ~2 min)."""
+    import math
+    import os
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    from test_cpu_attention import make, rel
+
+    from cpu_attention import KVDtype, decode_attention_ref
+
+    cases, paths = [], []
+    for dt, D, BS, by_token in (("int4", 128, 16, True), ("int4", 96, 32, False), ("int8", 128, 16, False),
+                                ("bf16", 128, 16, False)):
+        pool, bt, sl, q, _ = make(KVDtype(dt), D, BS, [1, 40, 1000], seed=D + BS, by_token=by_token)
+        cases.append((dt, D, BS, decode_attention_ref(pool, 0, q, bt, sl, 1 / math.sqrt(D), dtype=torch.float64)))
+        paths.append(str(tmp_path / f"{dt}_{D}_{BS}.pkl"))
+        with open(paths[-1], "wb") as f:
+            pickle.dump((pool, bt, sl, q, 1 / math.sqrt(D)), f)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "NUMBA_OPT": "0"}
+    r = subprocess.run([sys.executable, "-c", WIDE, root, *paths], capture_output=True, text=True, env=env,
+                       timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for (dt, D, BS, (ro, rl)), path in zip(cases, paths):
+        with open(path + ".out", "rb") as f:
+            out, lse = pickle.load(f)
+        err, lse_err = rel(out, ro), float((lse.double() - rl).abs().max())
+        assert err < 1e-4 and lse_err < (3e-4 if dt == "int8" else 1e-4), (dt, D, BS, err, lse_err)
