@@ -10,8 +10,8 @@ orthonormal, so attention over rotated K/V needs only q @ R in and out @ R.T bac
 `rotate` computes the transform as a sign flip, log2(P) add/subtract butterfly stages and one
 multiply by 1/√P, all elementwise float32 ops: any implementation doing the same ops in the
 same order gets the same bits (the Numba append does, see `append.py`), which the quantizing
-writers need. `unrotate` serves readers only, whose results need match no bits: it is one
-product with R.T, ~7x faster in torch on a CPU than the log2(P) elementwise passes (8k
+writers need. `unrotate` serves readers only, whose results need match no bits: on the CPU it
+is one product with R.T, ~7x faster in torch on a CPU than the log2(P) elementwise passes (8k
 tokens × 8 heads × 128 on 2 cores: ~50 ms against ~350 ms), equal to them to float32 rounding.
 """
 from __future__ import annotations
@@ -66,23 +66,26 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def inverse(D: int, device: torch.device | None = None) -> torch.Tensor:
-    """R.T [D, D] float32 on `device` (default: the CPU), cached per device as `signs` is."""
-    if device is not None and torch.device(device).type != "cpu":
-        return inverse(D).to(device)
+def inverse(D: int) -> torch.Tensor:
+    """R.T [D, D] float32 on the CPU."""
     return rotate(torch.eye(D)).T.contiguous()
 
 
 def unrotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] → x @ R.T in float32, the inverse of `rotate`, as one matrix product."""
-    return x.float() @ inverse(x.shape[-1], x.device)
+    """x [..., D] → x @ R.T in float32, the inverse of `rotate`: one matrix product on the CPU; on
+    a GPU the butterfly (a product there is a cuBLAS call, and each stream a CUDA graph is
+    captured on gets its own cuBLAS workspace: the streamer's 32 layer captures took ~0.8 GiB
+    more and broke a 6 GiB budget, bench/RESULTS.md fifth session)."""
+    D = x.shape[-1]
+    if x.device.type == "cpu":
+        return x.float() @ inverse(D)
+    return (_fwht(x.float()) * inv_sqrt(D)) * signs(D, x.device)
 
 
 def on_device(D: int, device: torch.device) -> None:
     """Make `rotate`/`unrotate`'s cached tensors for head dim D on `device` now (before a CUDA
     graph that rotates is captured)."""
     signs(D, device)
-    inverse(D, device)
 
 
 @functools.cache
