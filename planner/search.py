@@ -409,9 +409,11 @@ def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype, batch: 
         return f"CPU weights: {gb(key)} of {dt} at {hw.cpu_gemv_gbps:.0f} GB/s" + share
     if key == "pcie weights":
         return f"PCIe weight streaming: {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
+    if key == "pcie kv":
+        return f"PCIe KV streaming: {gb(key)} of host {c.kv.host_dtype.value} KV at {hw.pcie_h2d_gbps:.0f} GB/s" + share
     if key == "transfers":
         return f"PCIe round trips: {cfg.num_layers * c.sub_batches} layers' q/o copies at {hw.pcie_latency_s * 1e6:.0f} µs each" + share
-    return f"per-layer overhead: {cfg.num_layers * c.sub_batches} × {hw.layer_overhead_s * 1e6:.0f} µs" + share
+    return f"per-layer overhead: {cfg.num_layers} × {t[key] / cfg.num_layers * 1e6:.0f} µs" + share
 
 
 def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choices) -> Plan:
