@@ -75,7 +75,7 @@ class Runner:
         stream_tokens: at batch 1, how many of the host tier's first tokens the device attends over
         after copying them up each step (see offload/stream.py); weights: the plan's streamed and
         CPU-computed weight groups (offload/placement.py; None: all on the model's device);
-        driver_loop: run a batch-1 step whose segments are captured through offload/inline.py.
+        driver_loop: run a step of one captured sub-batch through offload/inline.py's lean loop.
 
         Streamed weights keep the per-layer CUDA graphs (the graphs read the staging slots, whose
         addresses never change; the copy and the wait for it happen between replays), but not the
@@ -141,7 +141,7 @@ class Runner:
                 self._begin_stream(parts[0])
         L = self.cfg.num_layers
         self._begin_pass()
-        if self.driver_loop and InlineLayers.usable(self, parts):  # batch 1 captured: the lean loop
+        if self.driver_loop and InlineLayers.usable(self, parts):  # one captured sub-batch: the lean loop
             self._inline_layers(parts[0].cap).run(self, parts[0], st)
         else:
             for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i

@@ -67,8 +67,7 @@ class GpuSpans:
 
     def _event(self, stream: torch.cuda.Stream | int | None) -> torch.cuda.Event:
         if self._used == len(self._events):
-            e = torch.cuda.Event(enable_timing=True)
-            self._events.append(e)
+            self._events.append(torch.cuda.Event(enable_timing=True))
             self._handles.append(None)
         e = self._events[self._used]
         if isinstance(stream, int):  # a driver stream handle (offload/driver.py): record through the driver
