@@ -73,7 +73,10 @@ def event_handle(event: torch.cuda.Event, stream: torch.cuda.Stream) -> int:
     return event.cuda_event
 
 
-def graph_handle(graph: torch.cuda.CUDAGraph) -> int | None:
-    """A captured graph's executable, or None where this torch cannot give it."""
-    raw = getattr(graph, "raw_cuda_graph_exec", None)
-    return int(raw()) if raw is not None else None
+# whether this torch hands out a captured graph's executable (`CUDAGraph.raw_cuda_graph_exec`)
+RAW_GRAPHS = hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec")
+
+
+def graph_handle(graph: torch.cuda.CUDAGraph) -> int:
+    """A captured graph's executable (where `RAW_GRAPHS`)."""
+    return int(graph.raw_cuda_graph_exec())

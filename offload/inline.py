@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from cpu_attention.append import write_arrays
-from offload.driver import driver, event_handle, graph_handle
+from offload.driver import RAW_GRAPHS, driver, event_handle, graph_handle
 from offload.graphs import Captured
 from offload.timers import StepTimes, now
 
@@ -56,7 +56,7 @@ class InlineLayers:
         """One captured sub-batch (batch 1, or any batch run as one) whose CPU share runs in this
         thread, no weights moving, a CUDA driver to call."""
         return (len(parts) == 1 and parts[0].cap is not None and parts[0].inline and runner.weights is None
-                and driver() is not None and graph_handle(parts[0].cap.pre[0]) is not None)
+                and RAW_GRAPHS and driver() is not None)
 
     def run(self, runner: Runner, p: Part, st: StepTimes) -> None:
         """All layers of one step for sub-batch p (its inputs loaded into the captured set)."""

@@ -339,7 +339,7 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     second thread count's timings caught that start-up and read bf16 at 3.7 GB/s where the
     engine's steps then ran it at 48–81 (bench/RESULTS.md, fourth session)."""
     import cpu_attention
-    from cpu_attention.layout import HostKVPool
+    from cpu_attention.layout import HostKVPool, token_bytes
 
     B, T, H, D, BS = (1, 1024, 8, 128, 16) if quick else (1, 16384, 8, 128, 16)
     pool_bytes = (8 if quick else POOL_BYTES // 2**20) * 2**20
@@ -350,8 +350,8 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     threads = sorted({max(1, cores // 2), cores})
     out = []
     for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):  # the host tier's dtypes
-        layer_bytes = HostKVPool(1, nb, H, BS, D, dtype=dt).nbytes  # K and V of one layer, scales included
-        L = max(2, -(-pool_bytes // layer_bytes))
+        layer_bytes = nb * BS * token_bytes(dt, H, D, BS)  # K and V of one layer, scales included
+        L = max(2, int(-(-pool_bytes // layer_bytes)))
         pool = HostKVPool(L, nb, H, BS, D, dtype=dt)
         for t in (pool.k, pool.v):  # constants: the values do not change the time, and fill_ is quick
             t.fill_(0.5 if t.dtype == torch.bfloat16 else 3)
