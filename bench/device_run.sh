@@ -4,10 +4,13 @@
 # tests:   the GPU tests (default: offload + gpu_ops)
 # attn:    bench/cpu_attention.py for bf16 and int8, first as the engine runs it, then again with
 #          Numba's default CPU features (256-bit vectors on AVX-512 Xeons): the A/B of 512-bit vectors
+#          (ATTN_AB=0: the first only; ATTN_JIT=1: with the first-call JIT times)
 # gpudecode: bench/gpu_decode.py (all-GPU decode and prefill, per-linear NF4 kernels; GPUDECODE_ARGS="--only b1")
 # mma:     bench/nf4_mma.py (the W4A16 tensor-core kernel's sweep at 4-64 rows vs bitsandbytes; MMA_ARGS passed through)
 # trace:   bench/step_trace.py for each of TRACE (workload names, "_" for spaces; needs the offload stage's profile)
 # probe:   bench/pcie_probe.py (host→device copy rates from a large pinned pool, beside the CPU kernels)
+# profile: `hetero profile --refresh` with empty Numba, Triton and profile caches (a fresh machine's first
+#          run: the kernels compile), then again with them filled; wall times printed
 # offload: bench/offload_decode.py (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,11 +28,22 @@ for stage in $STAGES; do
     tests)
       [ $# -gt 0 ] || set -- tests/test_offload_gpu.py tests/test_gpu_ops.py
       timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    profile)
+      d=$(mktemp -d)
+      for run in cold warm; do
+        t0=$(date +%s.%N)
+        XDG_CACHE_HOME=$d/xdg NUMBA_CACHE_DIR=$d/numba TRITON_CACHE_DIR=$d/triton timeout 300 \
+          python3 -c "import cli; cli.main()" profile --refresh > "$OUT/profile_$run.log" 2>&1
+        echo "hetero profile --refresh, $run caches: exit $?, $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s wall" \
+          | tee -a "$OUT/profile_$run.log"
+        grep -i "measured in\|varied\|failed" "$OUT/profile_$run.log" | cut -c1-220
+      done ;;
     probe)
       timeout 120 python3 bench/pcie_probe.py 2>&1 | tee "$OUT/pcie_probe.log" ;;
     attn)
       mkdir -p "$OUT/attn512" "$OUT/attn256"  # ATTN_AB=0: only the engine's own settings
-      timeout 200 python3 bench/cpu_attention.py --no-jit --reps 10 --dtypes ${ATTN_DTYPES:-bf16,int8} --out "$OUT/attn512" \
+      jit=--no-jit; [ "${ATTN_JIT:-0}" = 1 ] && jit=  # ATTN_JIT=1: also the first-call JIT times (fresh processes)
+      timeout 320 python3 bench/cpu_attention.py $jit --reps 10 --dtypes ${ATTN_DTYPES:-bf16,int8} --out "$OUT/attn512" \
         > "$OUT/attn512/stdout.log" 2>&1; tail -6 "$OUT/attn512/stdout.log"
       [ "${ATTN_AB:-1}" = 1 ] || continue
       host=$(python3 -c "from numba.core.codegen import get_host_cpu_features as f; print(f())")

@@ -28,6 +28,7 @@ from cpu_attention._simd import IVEC, VEC
 from cpu_attention.decode_bf16 import decode_float, decode_float_any
 from cpu_attention.decode_int4 import decode_int4
 from cpu_attention.decode_int8 import decode_int8, decode_int8_any
+from cpu_attention.decode_tiles import rest_heads
 from cpu_attention.layout import HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
 
@@ -126,24 +127,29 @@ class DecodeWork:
             on[...], ln[...] = o.numpy(), lse.numpy()
             return
         qn = np.multiply(q, np.float32(scale), out=scaled)  # the int8 kernel rotates it in place
-        D = qn.shape[-1]
+        D, G = qn.shape[-1], qn.shape[1] // pool.num_kv_heads
         bt, items, pair_start = self.bt, self.items, self.pair_start
         a = pool.arrays
         if pool.dtype is KVDtype.BF16:
-            kernel = decode_float if D % VEC == 0 else decode_float_any
-            kernel(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
+            if D % VEC == 0:
+                decode_float(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln, rest_heads(G))
+            else:
+                decode_float_any(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
         elif pool.dtype is KVDtype.INT8:  # K and V stored rotated: q · k = (q R) · (k R), Σ p (v R) = (Σ p v) R
             rot = rotation.numba_args(D)
             rotate_rows(qn.reshape(-1, D), *rot)
-            kernel = decode_int8 if D % VEC == 0 and D % (2 * IVEC) == 0 else decode_int8_any
-            kernel(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
-                   on, ln)
+            args = (a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
+                    on, ln)
+            if D % VEC == 0 and D % (2 * IVEC) == 0:
+                decode_int8(*args, rest_heads(G))
+            else:
+                decode_int8_any(*args)
             unrotate_rows(on.reshape(-1, D), *rot)
         else:
             t = pool.tails.arrays
             decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer], a["v_scale"][layer],
                         a["v_zero"][layer], t["k"], t["v"], t["slot"][layer], qn, bt, items, pair_start, on, ln,
-                        *rotation.numba_args(D))
+                        *rotation.numba_args(D), rest_heads(G))
 
 
 def decode_attention(

@@ -14,17 +14,18 @@ from numba import prange
 from cpu_attention._numba import JIT
 from cpu_attention._simd import DOT_TOKENS, from_pair_layout, to_pair_layout
 from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _accumulate, _merge_pair, _next_tile, _scores, _softmax_tile, _tile_accumulate, _tile_len,
-    _tile_scores,
+    NEG_INF, TILE, _accumulate, _keep_partial, merge_items, _next_tile, _scores, _softmax_tile, _tile_accumulate,
+    _tile_len, _tile_scores,
 )
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_float(k, v, q, bt, items, pair_start, out, lse):
+def decode_float(k, v, q, bt, items, pair_start, out, lse, rest):
     """k, v [NB, Hkv, BS, D] uint16 (bf16 bits); q [B, Hq, D] f32 pre-scaled;
     bt [B, MB]; items/pair_start from _plan; writes out [B, Hq, D], lse [B, Hq].
     D % VEC == 0 (else `decode_float_any`). q and the accumulator are kept in the pair layout
-    in which bf16 rows are widened (`_simd.to_pair_layout`)."""
+    in which bf16 rows are widened (`_simd.to_pair_layout`). rest: `decode_tiles.rest_heads(G)`."""
+    R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
     G = q.shape[1] // k.shape[1]
@@ -43,15 +44,13 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse):
         t = t0
         while t < t1:
             n = min(TL, t1 - t)
-            _tile_scores(qh, k, v, h, bt, b, t, n, t1, BS, s)
+            _tile_scores(qh, k, v, h, bt, b, t, n, t1, BS, s, R)
             _softmax_tile(s, n, m, l, acc)
-            _tile_accumulate(s, v, h, bt, b, t, n, BS, acc)
+            _tile_accumulate(s, v, h, bt, b, t, n, BS, acc, R)
             t += n
         from_pair_layout(acc, part_o[it])
-        part_m[it] = m
-        part_l[it] = l
-    for p in prange(pair_start.shape[0] - 1):
-        _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+        _keep_partial(it, None, m, l, part_o, part_m, part_l)
+    merge_items(pair_start, part_o, part_m, part_l, out, lse, None, None, None)
 
 
 @numba.njit(parallel=True, **JIT)
@@ -80,8 +79,5 @@ def decode_float_any(k, v, q, bt, items, pair_start, out, lse):
             _accumulate(s, v[blk, h, off:off + n], n, acc)
             t += n
             blk, off, n = nblk, noff, nn
-        part_o[it] = acc
-        part_m[it] = m
-        part_l[it] = l
-    for p in prange(pair_start.shape[0] - 1):
-        _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+        _keep_partial(it, acc, m, l, part_o, part_m, part_l)
+    merge_items(pair_start, part_o, part_m, part_l, out, lse, None, None, None)

@@ -5,7 +5,7 @@ per-channel key scales rounded to int16 (the zero points' share of the scores is
 head), scored against the codes widened in registers; per tile, the softmax weights times the
 tokens' value scales rounded to int16 per head, and the codes of token pairs summed against
 them in int32 (the zero points' share added per group of 32 channels). A block still being
-filled is read from its bf16 tail by the float kernels. The output is rotated back (int4 V is
+filled is read from its bf16 tail by plain float loops. The output is rotated back (int4 V is
 stored rotated, `rotation.py`) once per (sequence, head), after the merge.
 """
 from __future__ import annotations
@@ -14,14 +14,12 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, hadamard_unrotate, line_elems, prefetch, widen
+from cpu_attention._numba import JIT, line_elems, prefetch, widen
 from cpu_attention._simd import DOT_TOKENS, VEC
 from cpu_attention._simd_int4 import (
     SUM_TOKENS, make_accumulate_int4, make_dots_int4, make_key_factors, make_scales_copy, make_value_factors,
 )
-from cpu_attention.decode_tiles import (
-    NEG_INF, _accumulate_rows, _dots_rows, _merge_pair, _prefetch_rows, _softmax_tile, _tile_len,
-)
+from cpu_attention.decode_tiles import NEG_INF, _keep_partial, merge_items, _prefetch_rows, _softmax_tile, _tile_len
 from cpu_attention.layout import INT4_GROUP
 
 # int4 micro-kernels (`_simd_int4`): integer dot products over the 4-bit codes
@@ -32,24 +30,23 @@ _value_factors, _scales_copy = make_value_factors(), make_scales_copy()
 
 
 @numba.njit(inline="always", **JIT)
-def _key_factors(qn, ks, kz, row, q16, qsc, qcon):
-    """`make_key_factors` for all G heads: groups of four, then 3, 2 or 1."""
+def _key_factors(qn, ks, kz, row, q16, qsc, qcon, R):
+    """`make_key_factors` for all G heads: groups of four, then R = G % 4 more."""
     G = qn.shape[0]
     g = 0
     while g + 4 <= G:
         _I4KF4(qn, g, ks, kz, row, q16, qsc, qcon)
         g += 4
-    r = G - g
-    if r == 3:
+    if R == 3:
         _I4KF3(qn, g, ks, kz, row, q16, qsc, qcon)
-    elif r == 2:
+    elif R == 2:
         _I4KF2(qn, g, ks, kz, row, q16, qsc, qcon)
-    elif r == 1:
+    elif R == 1:
         _I4KF1(qn, g, ks, kz, row, q16, qsc, qcon)
 
 
 @numba.njit(inline="always", **JIT)
-def _dots_rows_int4(q16, kb, r0, r1, s, sj, qsc, qcon, pk, pv, p0, p1):
+def _dots_rows_int4(q16, kb, r0, r1, s, sj, qsc, qcon, pk, pv, p0, p1, R):
     """`_dots_rows` for packed int4 key rows kb [BS, D/2]: s[:, sj + j - r0] = qsc · (q16 · codes of
     kb[j]) + qcon for r0 <= j < r1, all G heads, prefetching rows p0.. < p1 of pk and pv meanwhile."""
     G = q16.shape[0]
@@ -64,30 +61,28 @@ def _dots_rows_int4(q16, kb, r0, r1, s, sj, qsc, qcon, pk, pv, p0, p1):
         while g + 4 <= G:
             _I4DOT4(q16, g, kb, j, r1, s, c, qsc, qcon)
             g += 4
-        r = G - g
-        if r == 3:
+        if R == 3:
             _I4DOT3(q16, g, kb, j, r1, s, c, qsc, qcon)
-        elif r == 2:
+        elif R == 2:
             _I4DOT2(q16, g, kb, j, r1, s, c, qsc, qcon)
-        elif r == 1:
+        elif R == 1:
             _I4DOT1(q16, g, kb, j, r1, s, c, qsc, qcon)
 
 
 @numba.njit(inline="always", **JIT)
-def _accumulate_rows_int4(w16, wsc, zsum, v, rows, n, acc):
+def _accumulate_rows_int4(w16, wsc, zsum, v, rows, n, acc, R):
     """acc[g] += wsc[g] · Σ_t w16[g, :, t] · codes of v[rows[t]] + zsum[g] for t < n (per group of 32
-    channels), all G heads in groups of four (then 3, 2 or 1)."""
+    channels), all G heads in groups of four (then R = G % 4 more)."""
     G = acc.shape[0]
     g = 0
     while g + 4 <= G:
         _I4ACC4(w16, wsc, zsum, g, v, rows, n, acc)
         g += 4
-    r = G - g
-    if r == 3:
+    if R == 3:
         _I4ACC3(w16, wsc, zsum, g, v, rows, n, acc)
-    elif r == 2:
+    elif R == 2:
         _I4ACC2(w16, wsc, zsum, g, v, rows, n, acc)
-    elif r == 1:
+    elif R == 1:
         _I4ACC1(w16, wsc, zsum, g, v, rows, n, acc)
 
 
@@ -99,29 +94,46 @@ def _prefetch_span(a, i0, n):
 
 
 @numba.njit(inline="always", **JIT)
-def _widen_rows(x, n, out):
-    """Rows x [n, D] (uint16 bf16 bits) → out[:n] float32."""
+def _tail_scores(qn, x, n, s, c):
+    """s[:, c + j] = qn · x[j] for j < n, x [n, D] a tail's rows (uint16 bf16 bits). Plain loops, not
+    the float micro-kernels: a tail is at most one block of a sequence, and those kernels' G
+    variants would add ~9 s to this kernel's compile (bench/RESULTS.md, sixth session)."""
     for j in range(n):
-        xr, o = x[j], out[j]
-        for d in range(x.shape[1]):
-            o[d] = widen(xr[d])
+        xr = x[j]
+        for g in range(qn.shape[0]):
+            a = np.float32(0.0)
+            for d in range(x.shape[1]):
+                a += qn[g, d] * widen(xr[d])
+            s[g, c + j] = a
+
+
+@numba.njit(inline="always", **JIT)
+def _tail_values(s, c, x, n, acc):
+    """acc[g] += Σ_j s[g, c + j] · x[j] for j < n (x as in `_tail_scores`)."""
+    for j in range(n):
+        xr = x[j]
+        for g in range(acc.shape[0]):
+            p = s[g, c + j]
+            for d in range(x.shape[1]):
+                acc[g, d] += p * widen(xr[d])
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, out, lse, signs, P, c):
+def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, out, lse, signs, P, c, rest):
     """k [NB, Hkv, BS, D/2] uint8 with ks, kz [NB, Hkv, D] uint16 (bf16 bits: per block and
     channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz [NB, Hkv, BS, D/32] (per
     token and group); a block b with tail[b] >= 0 is not complete and is read from the bf16
     tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; signs, P, c:
-    the rotation R (`_numba.hadamard_unrotate`). D % 32 == 0.
+    the rotation R (`_numba.hadamard_unrotate`); rest: `decode_tiles.rest_heads(G)`. D % 32 == 0.
 
     Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`key_factors`: q
     times the block's scales, as int16) and the scores by integer dot products over the codes
-    (`make_dots_int4`), or for a block read from its tail, widened rows and the float kernels;
+    (`make_dots_int4`), or for a block read from its tail, plain float loops (`_tail_scores`);
     one `_softmax_tile` step; the value factors (`value_factors`: weights times the tokens' group
     scales, as int16) and the value sums over the whole tile in int32 (`make_accumulate_int4`),
-    their zero points' share added per group, a tail's rows by the float kernel. V's output
+    their zero points' share added per group, a tail's rows by `_tail_values`. V's output
     Σ p (vR) = (Σ p v) R is rotated back once per (sequence, head), after the merge."""
+    R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
     NB, Hkv, BS, Hb = k.shape
     D = 2 * Hb
@@ -152,7 +164,6 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
         wsc = np.empty((G, NG), np.float32)
         zsum = np.empty((G, NG), np.float32)
         rows = np.empty(TL, np.int64)  # the tile's value rows: byte offsets in vrows
-        rf = np.empty((BS, D), np.float32)  # a tail's rows, widened
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
@@ -183,30 +194,23 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
                 if tail[blk] >= 0:
                     tails[nt, 0], tails[nt, 1], tails[nt, 2], tails[nt, 3] = u, blk, off, nb
                     nt += 1
-                    _widen_rows(tk[tail[blk], h, off:off + nb], nb, rf)
-                    _dots_rows(qn, rf, 0, nb, s, u, rf, rf, 0, 0)
+                    _tail_scores(qn, tk[tail[blk], h, off:off + nb], nb, s, u)
                     for r in range(NG):  # its codes are stale: weight 0
                         for j in range(nb):
                             vsc[r, u + j] = 0.0
                             vzr[r, u + j] = 0.0
                 else:
-                    _key_factors(qn, ks2, kz2, bh, q16, qsc, qcon)
-                    _dots_rows_int4(q16, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn)
+                    _key_factors(qn, ks2, kz2, bh, q16, qsc, qcon, R)
+                    _dots_rows_int4(q16, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn, R)
                     _scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
                 bi, off = nbi, noff
                 u += nb
             _softmax_tile(s, n, m, l, acc)
             _value_factors(s, vsc, vzr, n, w16, wsc, zsum)
-            _accumulate_rows_int4(w16, wsc, zsum, vrows, rows, n, acc)
+            _accumulate_rows_int4(w16, wsc, zsum, vrows, rows, n, acc, R)
             for i in range(nt):
                 tu, tb, to, tn = tails[i, 0], tails[i, 1], tails[i, 2], tails[i, 3]
-                _widen_rows(tv[tail[tb], h, to:to + tn], tn, rf)
-                _accumulate_rows(s, tu, rf, 0, tn, acc)
+                _tail_values(s, tu, tv[tail[tb], h, to:to + tn], tn, acc)
             t += n
-        part_o[it] = acc
-        part_m[it] = m
-        part_l[it] = l
-    for p in prange(pair_start.shape[0] - 1):
-        _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
-        for g in range(G):
-            hadamard_unrotate(out[p // Hkv, (p % Hkv) * G + g], signs, P, c)
+        _keep_partial(it, acc, m, l, part_o, part_m, part_l)
+    merge_items(pair_start, part_o, part_m, part_l, out, lse, signs, P, c)

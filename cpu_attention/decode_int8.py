@@ -18,7 +18,7 @@ from numba import prange
 from cpu_attention._numba import JIT, bits_to_f32, f32_to_bits, prefetch
 from cpu_attention._simd import DOT_TOKENS, from_madd_layout, make_accumulate_int8
 from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _accumulate, _merge_pair, _next_tile, _scores, _softmax_tile, _tile_len, _tile_scores,
+    NEG_INF, TILE, _accumulate, _keep_partial, merge_items, _next_tile, _scores, _softmax_tile, _tile_len, _tile_scores,
 )
 
 _IACC1, _IACC2, _IACC3, _IACC4 = (make_accumulate_int8(ng) for ng in (1, 2, 3, 4))
@@ -28,30 +28,29 @@ TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would l
 
 
 @numba.njit(inline="always", **JIT)
-def _accumulate_rows_int8(w16, wsc, pj, vb, r0, n, acc):
+def _accumulate_rows_int8(w16, wsc, pj, vb, r0, n, acc, R):
     """`_accumulate_rows` for int8 values and int16 weights (scales wsc [G]), acc in the madd layout."""
     G = acc.shape[0]
     g = 0
     while g + 4 <= G:
         _IACC4(w16, wsc, g, pj, vb, r0, n, acc)
         g += 4
-    r = G - g
-    if r == 3:
+    if R == 3:
         _IACC3(w16, wsc, g, pj, vb, r0, n, acc)
-    elif r == 2:
+    elif R == 2:
         _IACC2(w16, wsc, g, pj, vb, r0, n, acc)
-    elif r == 1:
+    elif R == 1:
         _IACC1(w16, wsc, g, pj, vb, r0, n, acc)
 
 
 @numba.njit(inline="always", **JIT)
-def _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc):
+def _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc, R):
     """acc += wsc · (w16[:, :n] · V) of tokens t .. t+n-1, block by block, INT_SUM_TOKENS at most a pass."""
     u = 0
     while u < n:
         blk, off = bt[b, (t + u) // BS], (t + u) % BS
         nb = min(BS - off, n - u, INT_SUM_TOKENS)
-        _accumulate_rows_int8(w16, wsc, u, v[blk, h], off, nb, acc)
+        _accumulate_rows_int8(w16, wsc, u, v[blk, h], off, nb, acc, R)
         u += nb
 
 
@@ -92,12 +91,13 @@ def _quantize_q(qh, q16, qsc):
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
+def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, rest):
     """k, v [NB, Hkv, BS, D] int8; ks, vs [NB, Hkv, BS] f32; rest as decode_float.
     Scores in integers (int16 q · int8 k, `_quantize_q`), then × q scale × token scale; the
     weights × the V token scales in int16 (`_quantize_weights`) and the value sums in integers
     too (`make_accumulate_int8`), into an accumulator in the madd layout. D % (2 IVEC) == 0
     and D % VEC == 0 (else `decode_int8_any`)."""
+    R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
     G = q.shape[1] // k.shape[1]
@@ -133,19 +133,17 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse):
                     prefetch(ks[bt[b, tn // BS], h], tn % BS)
                     prefetch(vs[bt[b, tn // BS], h], tn % BS)
                 u += nb
-            _tile_scores(q16, k, v, h, bt, b, t, n, t1, BS, s)
+            _tile_scores(q16, k, v, h, bt, b, t, n, t1, BS, s, R)
             for g in range(G):
                 for j in range(n):
                     s[g, j] *= qsc[g] * ksc[j]
             _softmax_tile(s, n, m, l, acc)
             _quantize_weights(s, vsc, n, w16, wsc)
-            _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc)
+            _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc, R)
             t += n
         from_madd_layout(acc, part_o[it])
-        part_m[it] = m
-        part_l[it] = l
-    for p in prange(pair_start.shape[0] - 1):
-        _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+        _keep_partial(it, None, m, l, part_o, part_m, part_l)
+    merge_items(pair_start, part_o, part_m, part_l, out, lse, None, None, None)
 
 
 @numba.njit(parallel=True, **JIT)
@@ -184,8 +182,5 @@ def decode_int8_any(k, v, ks, vs, q, bt, items, pair_start, out, lse):
             _accumulate(pw, v[blk, h, off:off + n], n, acc)
             t += n
             blk, off, n = nblk, noff, nn
-        part_o[it] = acc
-        part_m[it] = m
-        part_l[it] = l
-    for p in prange(pair_start.shape[0] - 1):
-        _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+        _keep_partial(it, acc, m, l, part_o, part_m, part_l)
+    merge_items(pair_start, part_o, part_m, part_l, out, lse, None, None, None)

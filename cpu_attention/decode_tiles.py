@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, line_elems, prefetch, widen
+from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, hadamard_unrotate, line_elems, prefetch, widen
 from cpu_attention._simd import DOT_TOKENS, make_accumulate, make_dots
 
 TILE = 32  # `decode_*_any`: tokens a tile
@@ -191,6 +192,20 @@ def _next_tile(bt, b, t, t1, BS):
     return bt[b, t // BS], off, min(BS - off, t1 - t, TILE)
 
 
+@numba.njit(**JIT)  # not inlined: a call per item, and acc None prunes its branch
+def _keep_partial(it, acc, m, l, part_o, part_m, part_l):
+    """part_o[it], part_m[it], part_l[it] = acc, m, l (acc None: part_o[it] is written already), by
+    loops: an array assigned to a slice compiles Numba's shape-mismatch message, ~4 s of string code."""
+    G = m.shape[0]
+    for g in range(G):
+        part_m[it, g] = m[g]
+        part_l[it, g] = l[g]
+    if acc is not None:
+        for g in range(G):
+            for d in range(acc.shape[1]):
+                part_o[it, g, d] = acc[g, d]
+
+
 @numba.njit(inline="always", **JIT)
 def _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse):
     """Merge the items of (b, h) = divmod(p, Hkv) into out[b, h*G:(h+1)*G], lse[...]."""
@@ -222,16 +237,39 @@ def _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse):
         lse[b, hq] = M + np.log(L)
 
 
+@numba.njit(parallel=True, **JIT)
+def merge_items(pair_start, part_o, part_m, part_l, out, lse, signs, P, c):
+    """Merge each (sequence, kv head)'s items into out, lse (`_merge_pair`), in parallel over the
+    pairs; with the rotation R given (signs, P, c: `_numba.hadamard_unrotate`; None: none) the
+    outputs are rotated back. Its own function, called by the kernels: a second prange loop in a
+    kernel added ~9 s to the kernel's compile (int4, bench/RESULTS.md, sixth session)."""
+    G = part_m.shape[1]
+    Hkv = out.shape[1] // G
+    for p in prange(pair_start.shape[0] - 1):
+        _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+        if signs is not None:
+            for g in range(G):
+                hadamard_unrotate(out[p // Hkv, (p % Hkv) * G + g], signs, P, c)
+
+
 @numba.njit(inline="always", **JIT)
 def _tile_len(BS):
     """Tokens of a tile: whole blocks, about TOKENS_PER_TILE."""
     return max(TOKENS_PER_TILE // BS, 1) * BS
 
 
+def rest_heads(G: int) -> tuple[int, ...]:
+    """The kernels' `rest` argument: a tuple of G % 4 zeros. The kernels do a kv head's G query
+    heads in groups of four, then the G % 4 left over with a micro-kernel for 3, 2 or 1; `len(rest)`
+    is a constant when Numba compiles a kernel (one compile per G % 4), so the unused micro-kernels
+    are pruned before typing instead of compiled, ~5 s less of an int4 kernel's compile."""
+    return (0,) * (G % 4)
+
+
 @numba.njit(inline="always", **JIT)
-def _dots_rows(q, kb, r0, r1, s, sj, pk, pv, p0, p1):
+def _dots_rows(q, kb, r0, r1, s, sj, pk, pv, p0, p1, R):
     """s[:, sj + j - r0] = q · kb[j] for rows r0 <= j < r1 of one block, all G heads: heads in
-    groups of four (then 3, 2 or 1), DOT_TOKENS tokens a pass, the pass's K rows reused by every
+    groups of four (then R = G % 4 more, a compile-time constant: `rest_heads`), DOT_TOKENS tokens a pass, the pass's K rows reused by every
     group from L1. q int16 (and kb int8): integer scores, unscaled. Each pass also prefetches
     as many rows p0 + j - r0 < p1 of pk and pv (a later block): spread out like this, the
     prefetches overlap the arithmetic (issued a block at a time, they measured ~15% slower)."""
@@ -247,30 +285,28 @@ def _dots_rows(q, kb, r0, r1, s, sj, pk, pv, p0, p1):
         while g + 4 <= G:
             _DOT4(q, g, kb, j, r1, s, c)
             g += 4
-        r = G - g
-        if r == 3:
+        if R == 3:
             _DOT3(q, g, kb, j, r1, s, c)
-        elif r == 2:
+        elif R == 2:
             _DOT2(q, g, kb, j, r1, s, c)
-        elif r == 1:
+        elif R == 1:
             _DOT1(q, g, kb, j, r1, s, c)
 
 
 @numba.njit(inline="always", **JIT)
-def _accumulate_rows(p, pj, vb, r0, n, acc):
+def _accumulate_rows(p, pj, vb, r0, n, acc, R):
     """acc[g] += Σ_t p[g, pj + t] · vb[r0 + t] for t < n (rows of one block), all G heads in
-    groups of four (then 3, 2 or 1)."""
+    groups of four (then R = G % 4 more)."""
     G = acc.shape[0]
     g = 0
     while g + 4 <= G:
         _ACC4(p, g, pj, vb, r0, n, acc)
         g += 4
-    r = G - g
-    if r == 3:
+    if R == 3:
         _ACC3(p, g, pj, vb, r0, n, acc)
-    elif r == 2:
+    elif R == 2:
         _ACC2(p, g, pj, vb, r0, n, acc)
-    elif r == 1:
+    elif R == 1:
         _ACC1(p, g, pj, vb, r0, n, acc)
 
 
@@ -283,7 +319,7 @@ def _prefetch_rows(a, r0, r1):
 
 
 @numba.njit(inline="always", **JIT)
-def _tile_scores(q, k, v, h, bt, b, t, n, t1, BS, s):
+def _tile_scores(q, k, v, h, bt, b, t, n, t1, BS, s, R):
     """s[:, :n] = scores of tokens t .. t+n-1, block by block; meanwhile the K and V rows one
     block further on (up to t1) are prefetched, so their reads overlap this arithmetic (a
     tile further measured the same; no prefetch ~25% slower with the KV in L3)."""
@@ -296,16 +332,16 @@ def _tile_scores(q, k, v, h, bt, b, t, n, t1, BS, s):
         if tn < t1:
             pblk, poff = bt[b, tn // BS], tn % BS
             pn = min(BS - poff, t1 - tn, nb)
-        _dots_rows(q, k[blk, h], off, off + nb, s, u, k[pblk, h], v[pblk, h], poff, poff + pn)
+        _dots_rows(q, k[blk, h], off, off + nb, s, u, k[pblk, h], v[pblk, h], poff, poff + pn, R)
         u += nb
 
 
 @numba.njit(inline="always", **JIT)
-def _tile_accumulate(p, v, h, bt, b, t, n, BS, acc):
+def _tile_accumulate(p, v, h, bt, b, t, n, BS, acc, R):
     """acc += p[:, :n] · V of tokens t .. t+n-1, block by block."""
     u = 0
     while u < n:
         blk, off = bt[b, (t + u) // BS], (t + u) % BS
         nb = min(BS - off, n - u)
-        _accumulate_rows(p, u, v[blk, h], off, nb, acc)
+        _accumulate_rows(p, u, v[blk, h], off, nb, acc, R)
         u += nb

@@ -1,6 +1,7 @@
 """The hardware profile: what this machine can do, measured once and cached as JSON.
 
-`measure()` takes well under 30 s; `load_or_measure()` reuses the cached file (in
+`measure()` takes under 30 s (on a fresh machine too: the CPU kernels compile in background
+processes while the GPU is measured); `load_or_measure()` reuses the cached file (in
 `$XDG_CACHE_HOME/hetero/profile.json`, default `~/.cache/hetero/`) and only re-reads the
 figures that change from minute to minute (free memory).
 """
@@ -39,6 +40,7 @@ POOL_BYTES = 512 * 2**20  # per KV dtype in the CPU attention timing: past the h
 # Per CPU attention call (one layer, one sub-batch), whatever its size: the append, the Python
 # around the kernel, waking the Numba threads.
 CPU_ATTENTION_CALL_S = 100e-6
+HOST_KV_DTYPES = (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4)  # the host tier's, each measured
 GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy rate, if unmeasured
 
 
@@ -237,18 +239,34 @@ def _best(fn: Callable[[], Any], reps: int = 3, sync: Callable[[], None] | None 
 
 
 def measure(quick: bool = False) -> HardwareProfile:
-    """Measure this machine (< 30 s; `quick` uses small arrays, for tests)."""
+    """Measure this machine (< 30 s; `quick` uses small arrays, for tests).
+
+    The CPU attention kernels of a fresh machine compile (15–40 s each, `cpu_attention.warm`)
+    in background processes while the GPU is measured; the host is measured after they finish,
+    on a quiet CPU."""
+    from cpu_attention import warm
+
     t0 = time.perf_counter()
+    compiles = warm.start(list(HOST_KV_DTYPES))
     cores, logical = physical_cores()
     total, avail = host_memory()
     notes: list[str] = []
+    gpu: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        gpu = _measure_gpu(notes, quick)
+    else:
+        notes.append("no CUDA device: host figures only")
+    t1 = time.perf_counter()
+    _cpu_gemv_kernel()  # compiled here (or loaded) meanwhile
+    notes += compiles.wait()
+    t2 = time.perf_counter()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cores)
     try:
         host = _measure_host(cores, quick)
-        t1 = time.perf_counter()
+        t3 = time.perf_counter()
         attn = _measure_cpu_attention(cores, quick)
-        t2 = time.perf_counter()
+        t4 = time.perf_counter()
         # DRAM again, some seconds later: a busy neighbour during one reading must not set the plan
         again = _measure_dram(quick)
         first, host["dram_read_gbps"] = host["dram_read_gbps"], max(host["dram_read_gbps"], again)
@@ -257,13 +275,9 @@ def measure(quick: bool = False) -> HardwareProfile:
                          "busy; the higher is kept, re-measure with --refresh when it is quiet")
     finally:
         torch.set_num_threads(threads_before)
-    gpu: dict[str, Any] = {}
-    if torch.cuda.is_available():
-        gpu = _measure_gpu(notes, quick)
-    else:
-        notes.append("no CUDA device: host figures only")
-    t3 = time.perf_counter()
-    notes.append(f"measured in {t3 - t0:.1f} s (host {t1 - t0:.1f}, CPU attention {t2 - t1:.1f}, GPU {t3 - t2:.1f})")
+    t5 = time.perf_counter()
+    notes.append(f"measured in {t5 - t0:.1f} s (GPU {t1 - t0:.1f}, then CPU kernels compiled or loaded "
+                 f"{t2 - t1:.1f}, host {t3 - t2:.1f}, CPU attention {t4 - t3:.1f})")
     return HardwareProfile(
         created=_dt.datetime.now().isoformat(timespec="seconds"),
         versions=_versions(), host_total_bytes=total, host_available_bytes=avail,
@@ -301,20 +315,31 @@ def _measure_dram(quick: bool) -> float:
     return n * 4 / _best(lambda: a.sum(), reps=3 if quick else 5) / 1e9
 
 
+def _cpu_gemv_kernel() -> Callable | None:
+    """hetero's int8 CPU GEMV (w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32),
+    compiled or loaded by a small call; None if it is missing."""
+    try:
+        from hetero.cpu_linear import _gemv_int8
+    except ImportError:
+        return None
+    _gemv_int8(np.ones((8, 64), np.int8), np.ones(8, np.float32), np.ones((1, 64), np.float32),
+               np.empty((1, 8), np.float32))
+    return _gemv_int8
+
+
 def _measure_cpu_gemv(quick: bool) -> tuple[float, str]:
     """One token through a 256 MiB (beyond any L3) int8 matrix with hetero's CPU kernel; torch's
     bf16 mv if that kernel is missing."""
     rows, cols = (1024, 2048) if quick else (16384, 16384)
     x = torch.randn(1, cols)
-    try:
-        from hetero.cpu_linear import _gemv_int8  # (w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32)
-    except ImportError:
+    gemv = _cpu_gemv_kernel()
+    if gemv is None:
         w, xb = torch.ones(rows, cols, dtype=torch.bfloat16), x[0].to(torch.bfloat16)
         return rows * cols * 2 / _best(lambda: torch.mv(w, xb)) / 1e9, "bf16"
     # the values do not change the time: a constant matrix skips quantizing 256 MiB of noise
     w, s, out = np.ones((rows, cols), np.int8), np.ones(rows, np.float32), np.empty((1, rows), np.float32)
     xn = x.numpy()
-    return (rows * cols + 4 * rows) / _best(lambda: _gemv_int8(w, s, xn, out), reps=3 if quick else 5) / 1e9, "int8"
+    return (rows * cols + 4 * rows) / _best(lambda: gemv(w, s, xn, out), reps=3 if quick else 5) / 1e9, "int8"
 
 
 def _set_threads(n: int) -> None:
@@ -349,7 +374,7 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     lens = torch.full((B,), T, dtype=torch.int32)
     threads = sorted({max(1, cores // 2), cores})
     out = []
-    for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):  # the host tier's dtypes
+    for dt in HOST_KV_DTYPES:
         layer_bytes = nb * BS * token_bytes(dt, H, D, BS)  # K and V of one layer, scales included
         L = max(2, int(-(-pool_bytes // layer_bytes)))
         pool = HostKVPool(L, nb, H, BS, D, dtype=dt)

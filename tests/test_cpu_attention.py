@@ -6,6 +6,8 @@ K/V activations have such channel means), queries randn, scale 1/sqrt(D).
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -21,7 +23,7 @@ from cpu_attention import (
     prefill_attention,
     prefill_attention_ref,
 )
-from cpu_attention import int4, rotation
+from cpu_attention import int4, rotation, warm
 from cpu_attention.layout import quantize
 
 LENS = [1, 17, 1000, 4097]
@@ -356,3 +358,17 @@ def test_rotation_is_orthonormal_and_inverted():
         x = torch.randn(5, 3, D)
         assert torch.allclose(rotation.rotate(x), x @ R, atol=1e-5)
         assert torch.allclose(rotation.unrotate(rotation.rotate(x)), x, atol=1e-5)
+
+
+def test_background_compile_fills_the_cache_a_new_process_loads(tmp_path, monkeypatch):
+    """`warm.start` compiles a dtype's kernel in another process into Numba's cache; a process
+    started afterwards loads it from there (a cache hit, no compile)."""
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))  # empty: the background process must compile
+    assert warm.start([KVDtype.BF16]).wait() == []
+    code = ("from cpu_attention.warm import compile_decode; from cpu_attention.layout import KVDtype; "
+            "from cpu_attention.decode_bf16 import decode_float as k; compile_decode(KVDtype.BF16); "
+            "print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    hits, misses = map(int, r.stdout.split())
+    assert hits >= 1 and misses == 0
