@@ -9,10 +9,16 @@ import logging
 import sys
 from typing import Optional
 
-import typer
-from rich.console import Console
+from cpu_attention import warm  # light: the package's kernels load on first use
 
-from hetero.errors import UserError
+# `hetero profile` on a fresh machine compiles the CPU kernels (10–25 s): start that in background
+# processes now, before this process spends ~4 s importing torch and the planner
+warm.start_for_cli(sys.argv[1:])
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from hetero.errors import UserError  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="Run LLMs with the KV cache in host memory.")
 err = Console(stderr=True, soft_wrap=True)

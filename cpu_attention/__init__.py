@@ -4,16 +4,24 @@
 `prefill.py`) return the output and the log-sum-exp, so a partial over the host tier merges
 with the GPU tier's partial (`merge_attention`). Their torch twins are in `reference.py`.
 Both take `threads=` (default: physical cores) and are safe to call from a worker thread.
-"""
-from cpu_attention._numba import physical_cores
-from cpu_attention.decode import DecodeWork, decode_attention
-from cpu_attention.layout import INT4_GROUP, HostKVPool, KVDtype, dequantize, quantize
-from cpu_attention.merge import merge_attention
-from cpu_attention.prefill import prefill_attention
-from cpu_attention.reference import decode_attention_ref, prefill_attention_ref
 
-__all__ = [
-    "INT4_GROUP", "DecodeWork", "HostKVPool", "KVDtype", "decode_attention", "prefill_attention",
-    "decode_attention_ref", "prefill_attention_ref", "merge_attention", "quantize",
-    "dequantize", "physical_cores",
-]
+The names below load on first use (torch and Numba take seconds to import), so `warm` can
+start its background compiles before the importing process has paid for them.
+"""
+import importlib
+
+_WHERE = {
+    "physical_cores": "_numba", "DecodeWork": "decode", "decode_attention": "decode", "INT4_GROUP": "layout",
+    "HostKVPool": "layout", "KVDtype": "layout", "dequantize": "layout", "quantize": "layout",
+    "merge_attention": "merge", "prefill_attention": "prefill", "decode_attention_ref": "reference",
+    "prefill_attention_ref": "reference",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'cpu_attention' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"cpu_attention.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

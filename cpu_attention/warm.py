@@ -1,44 +1,52 @@
 """Compile the decode kernels ahead of their first use, side by side in background processes.
 
 On a machine whose Numba cache is empty, a KV dtype's first `decode_attention` call compiles
-its kernel: 15–40 s on one core (bf16 fastest, int4 slowest; most of it Numba's own passes and
-LLVM over one large parallel function, which no setting we tried shortened much). The dtypes'
-kernels are independent, and Numba's compiler lock serializes compiles within one process, so
-`start` compiles each in its own process (`cache=True` writes the result to Numba's cache) while
-the caller does other work, e.g. `hetero profile` measuring the GPU; the caller's own first
-call then loads from the cache in well under a second. `python -m cpu_attention.warm bf16 int8`
-does the same in the foreground.
+its kernel: 10–25 s (bf16 fastest, int4 slowest; most of it Numba's own passes and LLVM over
+one large parallel function). The dtypes' kernels are independent, and Numba's compiler lock
+serializes compiles within one process, so `start` compiles each in its own process
+(`cache=True` writes the result to Numba's cache) while the caller does other work, e.g.
+`hetero profile` measuring the GPU; the caller's own first call then loads from the cache in
+well under a second. `python -m cpu_attention.warm bf16 int8` does the same in the foreground.
+
+This module imports nothing heavy at the top (torch and the kernels load in `compile_decode`),
+so the CLI can start the compiles (`start_for_cli`) before it imports torch itself.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
-import torch
-
-from cpu_attention.decode import decode_attention
-from cpu_attention.layout import HostKVPool, KVDtype
+HOST_DTYPES = ("bf16", "int8", "int4")  # the host tier's KV dtypes (`layout.KVDtype` values)
 
 
-def compile_decode(dtype: KVDtype) -> None:
+def compile_decode(dtype: str) -> None:
     """One small `decode_attention` call over a `dtype` pool (head dim 128, 4 q heads a kv head):
-    compiles, or loads from Numba's cache, the kernel every head dim that is a multiple of the
-    vector width uses (kernels are compiled per argument type, not per shape)."""
+    compiles, or loads from Numba's cache, the kernel the engine's calls use for every head dim
+    that is a multiple of the vector width and head group of 4, 8, ... (kernels are compiled per
+    argument type, G % 4 included, not per shape)."""
+    import torch
+
+    from cpu_attention.decode import decode_attention
+    from cpu_attention.layout import HostKVPool, KVDtype
+
     BS, D = 16, 128
-    pool = HostKVPool(1, 2, 2, BS, D, dtype=dtype)
+    pool = HostKVPool(1, 2, 2, BS, D, dtype=KVDtype(dtype))
     tables = torch.arange(2, dtype=torch.int32).reshape(1, 2)
     decode_attention(pool, 0, torch.zeros(1, 8, D), tables, torch.tensor([2 * BS - 1]), D**-0.5, threads=1)
 
 
 class Compiles:
-    """Background compiles, one process per KV dtype (`start`); `wait` joins them."""
+    """Background compiles, one process per KV dtype; `wait` joins them."""
 
-    def __init__(self, dtypes: list[KVDtype]):
+    def __init__(self, dtypes: tuple[str, ...]):
+        self.dtypes = tuple(dtypes)
         self.t0 = time.perf_counter()
         code = "import sys; from cpu_attention.warm import main; main(sys.argv[1:])"
-        self.procs = {dt: subprocess.Popen([sys.executable, "-c", code, dt.value], stdout=subprocess.DEVNULL,
-                                           stderr=subprocess.PIPE, text=True) for dt in dtypes}
+        self.procs = {dt: subprocess.Popen([sys.executable, "-c", code, dt], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True) for dt in self.dtypes}
+        self.seconds: dict[str, float] = {}  # per dtype, the process's own figure (compile or cache load)
 
     def wait(self, timeout_s: float = 600.0) -> list[str]:
         """Wait for every process; → a line for each that failed (its kernel then compiles on
@@ -46,25 +54,52 @@ class Compiles:
         failed = []
         for dt, p in self.procs.items():
             try:
-                _, err = p.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - self.t0)))
+                out, err = p.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - self.t0)))
             except subprocess.TimeoutExpired:
                 p.kill()
-                _, err = p.communicate()
+                out, err = p.communicate()
             if p.returncode:
                 tail = (err or "").strip().splitlines()[-1:] or [f"exit code {p.returncode}"]
-                failed.append(f"compiling the {dt.value} kernels in the background failed ({tail[0]:.120})")
+                failed.append(f"compiling the {dt} kernels in the background failed ({tail[0]:.120})")
+            for line in (out or "").splitlines():  # main's "<dtype>: <s> s"
+                name, _, rest = line.partition(": ")
+                if rest.endswith(" s"):
+                    self.seconds[name] = float(rest[:-2])
         return failed
 
 
-def start(dtypes: list[KVDtype]) -> Compiles:
-    """Compile each dtype's decode kernel in its own process, now; `.wait()` for them."""
-    return Compiles(dtypes)
+_early: Compiles | None = None
+
+
+def start(dtypes: tuple[str, ...] = HOST_DTYPES) -> Compiles:
+    """Each dtype's decode kernel compiling in its own process from now on (the ones
+    `start_for_cli` started, if it did); `.wait()` for them."""
+    global _early
+    if _early is not None and _early.dtypes == tuple(dtypes):
+        c, _early = _early, None
+        return c
+    return Compiles(tuple(dtypes))
+
+
+def start_for_cli(args: list[str]) -> None:
+    """Called by the CLI first thing: for a `hetero profile` that will measure (`--refresh`, or
+    no cached profile), start the compiles before the CLI spends ~4 s importing torch and the
+    planner; `planner.profile.measure` then takes them over through `start`."""
+    global _early
+    words = [a for a in args if not a.startswith("-")]
+    if words[:1] != ["profile"]:
+        return
+    from hetero.paths import profile_path
+
+    refresh = "--refresh" in args or os.environ.get("HETERO_REFRESH", "").lower() in ("1", "true", "yes", "on")
+    if refresh or not profile_path().is_file():
+        _early = Compiles(HOST_DTYPES)
 
 
 def main(args: list[str]) -> None:
-    for name in args or [dt.value for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4)]:
+    for name in args or HOST_DTYPES:
         t = time.perf_counter()
-        compile_decode(KVDtype(name))
+        compile_decode(name)
         print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
 
 

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from hetero.errors import UserError
+from hetero.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def _gguf_tokenizer(path: Path):
 
     st = path.stat()
     key = f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetero" / "tokenizers" / key
+    cache = cache_dir() / "tokenizers" / key
     if (cache / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)

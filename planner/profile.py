@@ -20,7 +20,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from cpu_attention import warm
 from cpu_attention.layout import KVDtype
+from hetero.paths import profile_path
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ POOL_BYTES = 512 * 2**20  # per KV dtype in the CPU attention timing: past the h
 # Per CPU attention call (one layer, one sub-batch), whatever its size: the append, the Python
 # around the kernel, waking the Numba threads.
 CPU_ATTENTION_CALL_S = 100e-6
-HOST_KV_DTYPES = (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4)  # the host tier's, each measured
+HOST_KV_DTYPES = tuple(KVDtype(n) for n in warm.HOST_DTYPES)  # the host tier's, each measured
 GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy rate, if unmeasured
 
 
@@ -160,8 +162,7 @@ class HardwareProfile:
 
 # ------------------------------------------------------------------------------- caching
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hetero" / "profile.json"
+    return profile_path()
 
 
 def load_or_measure(refresh: bool = False, path: Path | None = None) -> HardwareProfile:
@@ -244,10 +245,8 @@ def measure(quick: bool = False) -> HardwareProfile:
     The CPU attention kernels of a fresh machine compile (15–40 s each, `cpu_attention.warm`)
     in background processes while the GPU is measured; the host is measured after they finish,
     on a quiet CPU."""
-    from cpu_attention import warm
-
     t0 = time.perf_counter()
-    compiles = warm.start(list(HOST_KV_DTYPES))
+    compiles = warm.start(tuple(dt.value for dt in HOST_KV_DTYPES))  # or the ones the CLI started
     cores, logical = physical_cores()
     total, avail = host_memory()
     notes: list[str] = []
@@ -276,8 +275,10 @@ def measure(quick: bool = False) -> HardwareProfile:
     finally:
         torch.set_num_threads(threads_before)
     t5 = time.perf_counter()
-    notes.append(f"measured in {t5 - t0:.1f} s (GPU {t1 - t0:.1f}, then CPU kernels compiled or loaded "
-                 f"{t2 - t1:.1f}, host {t3 - t2:.1f}, CPU attention {t4 - t3:.1f})")
+    each = ", ".join(f"{k} {v:.1f}" for k, v in compiles.seconds.items())
+    notes.append(f"measured in {t5 - t0:.1f} s (GPU {t1 - t0:.1f}, then waiting for the CPU kernels {t2 - t1:.1f}, "
+                 f"host {t3 - t2:.1f}, CPU attention {t4 - t3:.1f}); the kernels compiled or loaded in background "
+                 f"processes in s: {each}")
     return HardwareProfile(
         created=_dt.datetime.now().isoformat(timespec="seconds"),
         versions=_versions(), host_total_bytes=total, host_available_bytes=avail,

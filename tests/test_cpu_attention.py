@@ -364,7 +364,7 @@ def test_background_compile_fills_the_cache_a_new_process_loads(tmp_path, monkey
     """`warm.start` compiles a dtype's kernel in another process into Numba's cache; a process
     started afterwards loads it from there (a cache hit, no compile)."""
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))  # empty: the background process must compile
-    assert warm.start([KVDtype.BF16]).wait() == []
+    assert warm.start(("bf16",)).wait() == []
     code = ("from cpu_attention.warm import compile_decode; from cpu_attention.layout import KVDtype; "
             "from cpu_attention.decode_bf16 import decode_float as k; compile_decode(KVDtype.BF16); "
             "print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))")
