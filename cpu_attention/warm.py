@@ -82,18 +82,29 @@ def start(dtypes: tuple[str, ...] = HOST_DTYPES) -> Compiles:
 
 
 def start_for_cli(args: list[str]) -> None:
-    """Called by the CLI first thing: for a `hetero profile` that will measure (`--refresh`, or
-    no cached profile), start the compiles before the CLI spends ~4 s importing torch and the
-    planner; `planner.profile.measure` then takes them over through `start`."""
+    """Called by the CLI first thing: for a command that will measure the machine (`hetero
+    profile --refresh`, or `hetero profile` / `hetero plan` without a cached profile and, for plan,
+    without `--profile FILE`), start the compiles before the CLI spends ~4 s importing torch and
+    the planner; `planner.profile.measure` then takes them over through `start`."""
     global _early
     words = [a for a in args if not a.startswith("-")]
-    if words[:1] != ["profile"]:
+    if words[:1] not in (["profile"], ["plan"]) or (words[0] == "plan" and _given(args, "--profile")):
         return
     from hetero.paths import profile_path
 
-    refresh = "--refresh" in args or os.environ.get("HETERO_REFRESH", "").lower() in ("1", "true", "yes", "on")
+    refresh = words[0] == "profile" and ("--refresh" in args or _truthy(os.environ.get("HETERO_REFRESH", "")))
     if refresh or not profile_path().is_file():
         _early = Compiles(HOST_DTYPES)
+
+
+def _given(args: list[str], flag: str) -> bool:
+    """flag on the command line (`--flag X` or `--flag=X`) or in its HETERO_ environment variable."""
+    env = "HETERO_" + flag.lstrip("-").replace("-", "_").upper()
+    return any(a == flag or a.startswith(flag + "=") for a in args) or bool(os.environ.get(env))
+
+
+def _truthy(v: str) -> bool:
+    return v.strip().lower() in ("1", "true", "yes", "on", "y", "t")
 
 
 def main(args: list[str]) -> None:

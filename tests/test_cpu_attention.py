@@ -372,3 +372,36 @@ def test_background_compile_fills_the_cache_a_new_process_loads(tmp_path, monkey
     assert r.returncode == 0, r.stderr[-2000:]
     hits, misses = map(int, r.stdout.split())
     assert hits >= 1 and misses == 0
+
+
+def test_cli_starts_the_compiles_only_for_a_command_that_measures(tmp_path, monkeypatch):
+    """`warm.start_for_cli`: `hetero profile --refresh`, or profile / plan with no cached profile
+    (plan: and no --profile FILE), start the background compiles; `start` takes them over."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("HETERO_REFRESH", raising=False)
+    monkeypatch.delenv("HETERO_PROFILE", raising=False)
+    started = []
+
+    class Fake:
+        def __init__(self, dtypes):
+            self.dtypes = tuple(dtypes)
+            started.append(self)
+
+    monkeypatch.setattr(warm, "Compiles", Fake)
+
+    def starts(*args: str) -> bool:
+        monkeypatch.setattr(warm, "_early", None)
+        warm.start_for_cli(list(args))
+        return warm._early is not None
+
+    assert not starts("chat") and not starts() and not starts("--help")
+    assert starts("profile") and starts("plan", "model") and not starts("plan", "model", "--profile", "p.json")
+    assert not starts("plan", "--profile=p.json")
+    (tmp_path / "hetero").mkdir()
+    (tmp_path / "hetero" / "profile.json").write_text("{}")
+    assert not starts("profile") and not starts("plan") and starts("profile", "--refresh")
+    monkeypatch.setenv("HETERO_REFRESH", "1")
+    assert starts("profile")
+    early = warm._early
+    assert warm.start() is early and warm._early is None  # measure() takes over the CLI's compiles
+    assert warm.start() is not early  # and starts its own next time
