@@ -11,6 +11,7 @@
 # probe:   bench/pcie_probe.py (host→device copy rates from a large pinned pool, beside the CPU kernels)
 # profile: `hetero profile --refresh` with empty Numba, Triton and profile caches (a fresh machine's first
 #          run: the kernels compile), then again with them filled; wall times printed
+# parts:   bench/profile_parts.py (where the profile's time goes: imports, then measure() under cProfile)
 # offload: bench/offload_decode.py (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,6 +39,9 @@ for stage in $STAGES; do
           | tee -a "$OUT/profile_$run.log"
         grep -i "measured in\|varied\|failed" "$OUT/profile_$run.log" | cut -c1-220
       done ;;
+    parts)
+      timeout 200 python3 bench/profile_parts.py > "$OUT/profile_parts.log" 2>&1; grep -v "^ *[0-9]* *0\.0" "$OUT/profile_parts.log" \
+        | head -${PARTS_TAIL:-70} | cut -c1-160 ;;
     probe)
       timeout 120 python3 bench/pcie_probe.py 2>&1 | tee "$OUT/pcie_probe.log" ;;
     attn)
