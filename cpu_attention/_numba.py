@@ -171,14 +171,6 @@ def hadamard_rotate(x, signs, P, c, y):
         y[d] = y[d] * c
 
 
-@numba.njit(inline="always", nogil=True, cache=True)
-def hadamard_unrotate(y, signs, P, c):
-    """y [D] = y @ R.T in place (`rotation.unrotate`)."""
-    _butterflies(y, P)
-    for d in range(y.shape[0]):
-        y[d] = (y[d] * c) * signs[d]
-
-
 ROWS = 32  # rows the *_rows transforms take at a time (measured against 16 and 64: fastest here)
 
 
@@ -219,7 +211,7 @@ def rotate_rows(x, signs, P, c):
 
 @numba.njit(nogil=True, cache=True)
 def unrotate_rows(x, signs, P, c):
-    """Each row of x [N, D] float32 := row @ R.T, in place (`hadamard_unrotate`'s ops)."""
+    """Each row of x [N, D] float32 := row @ R.T (`rotation.unrotate`), in place."""
     N, D = x.shape
     t = np.empty((D, ROWS), np.float32)
     for r0 in range(0, N, ROWS):

@@ -50,7 +50,7 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse, rest):
             t += n
         from_pair_layout(acc, part_o[it])
         _keep_partial(it, None, m, l, part_o, part_m, part_l)
-    merge_items(pair_start, part_o, part_m, part_l, out, lse, None, None, None)
+    merge_items(pair_start, part_o, part_m, part_l, out, lse)
 
 
 @numba.njit(parallel=True, **JIT)
@@ -80,4 +80,4 @@ def decode_float_any(k, v, q, bt, items, pair_start, out, lse):
             t += n
             blk, off, n = nblk, noff, nn
         _keep_partial(it, acc, m, l, part_o, part_m, part_l)
-    merge_items(pair_start, part_o, part_m, part_l, out, lse, None, None, None)
+    merge_items(pair_start, part_o, part_m, part_l, out, lse)

@@ -6,7 +6,7 @@ head), scored against the codes widened in registers; per tile, the softmax weig
 tokens' value scales rounded to int16 per head, and the codes of token pairs summed against
 them in int32 (the zero points' share added per group of 32 channels). A block still being
 filled is read from its bf16 tail by plain float loops. The output is rotated back (int4 V is
-stored rotated, `rotation.py`) once per (sequence, head), after the merge.
+stored rotated, `rotation.py`) by the caller, after the merge.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from cpu_attention._simd import DOT_TOKENS, VEC
 from cpu_attention._simd_int4 import (
     SUM_TOKENS, make_accumulate_int4, make_dots_int4, make_key_factors, make_scales_copy, make_value_factors,
 )
-from cpu_attention.decode_tiles import NEG_INF, _keep_partial, merge_items, _prefetch_rows, _softmax_tile, _tile_len
+from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _prefetch_rows, _softmax_tile, _tile_len
 from cpu_attention.layout import INT4_GROUP
 
 # int4 micro-kernels (`_simd_int4`): integer dot products over the 4-bit codes
@@ -119,12 +119,13 @@ def _tail_values(s, c, x, n, acc):
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, out, lse, signs, P, c, rest):
+def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
     """k [NB, Hkv, BS, D/2] uint8 with ks, kz [NB, Hkv, D] uint16 (bf16 bits: per block and
     channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz [NB, Hkv, BS, D/32] (per
     token and group); a block b with tail[b] >= 0 is not complete and is read from the bf16
-    tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; signs, P, c:
-    the rotation R (`_numba.hadamard_unrotate`); rest: `decode_tiles.rest_heads(G)`. D % 32 == 0.
+    tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; rest:
+    `decode_tiles.rest_heads(G)`. D % 32 == 0. → each item's partial (part_o, part_m, part_l), for
+    `decode_tiles.merge_items`; the merge is the caller's (`DecodeWork.run`).
 
     Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`key_factors`: q
     times the block's scales, as int16) and the scores by integer dot products over the codes
@@ -132,7 +133,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
     one `_softmax_tile` step; the value factors (`value_factors`: weights times the tokens' group
     scales, as int16) and the value sums over the whole tile in int32 (`make_accumulate_int4`),
     their zero points' share added per group, a tail's rows by `_tail_values`. V's output
-    Σ p (vR) = (Σ p v) R is rotated back once per (sequence, head), after the merge."""
+    Σ p (vR) = (Σ p v) R is rotated back by the caller, after the merge."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
     NB, Hkv, BS, Hb = k.shape
@@ -213,4 +214,4 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, pair_start, ou
                 _tail_values(s, tu, tv[tail[tb], h, to:to + tn], tn, acc)
             t += n
         _keep_partial(it, acc, m, l, part_o, part_m, part_l)
-    merge_items(pair_start, part_o, part_m, part_l, out, lse, signs, P, c)
+    return part_o, part_m, part_l

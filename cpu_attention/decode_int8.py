@@ -143,7 +143,7 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, rest):
             t += n
         from_madd_layout(acc, part_o[it])
         _keep_partial(it, None, m, l, part_o, part_m, part_l)
-    merge_items(pair_start, part_o, part_m, part_l, out, lse, None, None, None)
+    merge_items(pair_start, part_o, part_m, part_l, out, lse)
 
 
 @numba.njit(parallel=True, **JIT)
@@ -183,4 +183,4 @@ def decode_int8_any(k, v, ks, vs, q, bt, items, pair_start, out, lse):
             t += n
             blk, off, n = nblk, noff, nn
         _keep_partial(it, acc, m, l, part_o, part_m, part_l)
-    merge_items(pair_start, part_o, part_m, part_l, out, lse, None, None, None)
+    merge_items(pair_start, part_o, part_m, part_l, out, lse)

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, hadamard_unrotate, line_elems, prefetch, widen
+from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, line_elems, prefetch, widen
 from cpu_attention._simd import DOT_TOKENS, make_accumulate, make_dots
 
 TILE = 32  # `decode_*_any`: tokens a tile
@@ -238,18 +238,13 @@ def _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse):
 
 
 @numba.njit(parallel=True, **JIT)
-def merge_items(pair_start, part_o, part_m, part_l, out, lse, signs, P, c):
+def merge_items(pair_start, part_o, part_m, part_l, out, lse):
     """Merge each (sequence, kv head)'s items into out, lse (`_merge_pair`), in parallel over the
-    pairs; with the rotation R given (signs, P, c: `_numba.hadamard_unrotate`; None: none) the
-    outputs are rotated back. Its own function, called by the kernels: a second prange loop in a
-    kernel added ~9 s to the kernel's compile (int4, bench/RESULTS.md, sixth session)."""
+    pairs. Its own function, shared by the kernels: as a second prange loop inside a kernel it
+    added 2–4 s to that kernel's compile (bench/RESULTS.md, sixth session)."""
     G = part_m.shape[1]
-    Hkv = out.shape[1] // G
     for p in prange(pair_start.shape[0] - 1):
         _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
-        if signs is not None:
-            for g in range(G):
-                hadamard_unrotate(out[p // Hkv, (p % Hkv) * G + g], signs, P, c)
 
 
 @numba.njit(inline="always", **JIT)
