@@ -12,6 +12,8 @@
 # profile: `hetero profile --refresh` with empty Numba, Triton and profile caches (a fresh machine's first
 #          run: the kernels compile), then again with them filled; wall times printed
 # parts:   bench/profile_parts.py (where the profile's time goes: imports, then measure() under cProfile)
+# ports:   bench/cpu_ports.py (vector instruction throughput at 1..16 threads: ports, clock, hyperthreads)
+# kparts:  bench/cpu_kernel_parts.py at 1 and 16 threads (where the int8 / int4 kernels' time goes)
 # offload: bench/offload_decode.py (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -42,6 +44,13 @@ for stage in $STAGES; do
     parts)
       timeout 200 python3 bench/profile_parts.py > "$OUT/profile_parts.log" 2>&1; grep -v "^ *[0-9]* *0\.0" "$OUT/profile_parts.log" \
         | head -${PARTS_TAIL:-70} | cut -c1-160 ;;
+    ports)
+      timeout 120 python3 bench/cpu_ports.py > "$OUT/cpu_ports.log" 2>&1; tail -${PORTS_TAIL:-24} "$OUT/cpu_ports.log" ;;
+    kparts)
+      for th in 1 16; do
+        timeout 150 python3 bench/cpu_kernel_parts.py --threads $th --reps 10 > "$OUT/kernel_parts_$th.log" 2>&1
+        cat "$OUT/kernel_parts_$th.log"
+      done ;;
     probe)
       timeout 120 python3 bench/pcie_probe.py 2>&1 | tee "$OUT/pcie_probe.log" ;;
     attn)

@@ -6,17 +6,14 @@ loops, pays per 16-token block: loop setup and runtime alias checks, a full hori
 
 - `make_dots`: a pass scores T tokens × up to 4 heads with all T·ng partial sums in registers
   over the head dim, reduced together by a butterfly of shuffles (~2 shuffles and 1 add per
-  dot product instead of ~8 instructions each). int8 keys can be scored in integers: q rounded
-  to int16, code × q pairs summed by x86's pmaddwd (vpdpwssd where VNNI is there).
+  dot product instead of ~8 instructions each).
 - `make_accumulate`: up to 4 heads × C vectors of the output accumulator held in registers
   over a block's tokens, one broadcast weight per head and token.
-- `make_accumulate_int8`: the same for int8 values in exact int32 sums: int16 weights, two
-  tokens' codes interleaved so that one pmaddwd multiplies both by their weights.
 
 bf16 rows are widened two vectors a load (even elements by a shift, odd ones by a mask), so q
-and the accumulator of bf16 values live in a "pair layout"; the int8 value sums come out in a
-"madd layout". Both are permutations within small chunks of the head dim, undone once per
-work item (`from_pair_layout`, `from_madd_layout`).
+and the accumulator of bf16 values live in a "pair layout", a permutation within chunks of the
+head dim undone once per work item (`from_pair_layout`). The int8 kernels' micro-kernels
+(`_simd_vnni`) and int4's (`_simd_int4`) build on the helpers here; pmaddwd (`_madd`) is int4's.
 
 Shapes are chosen for the CPU Numba compiles for (its feature string is part of Numba's cache
 key): VEC float32 lanes a register (16 with AVX-512, 8 with AVX/AVX2, 4 otherwise), T tokens a
@@ -48,7 +45,7 @@ VEC = 16 if "avx512f" in _FEATURES else 8 if "avx" in _FEATURES else 4  # float3
 _MADD = (("llvm.x86.avx512.pmaddw.d.512", 16) if "avx512bw" in _FEATURES else
          ("llvm.x86.avx2.pmadd.wd", 8) if "avx2" in _FEATURES else
          ("llvm.x86.sse2.pmadd.wd", 4) if "sse2" in _FEATURES else (None, VEC))
-IVEC = _MADD[1]  # int32 lanes of one pmaddwd: int8 keys are scored 2·IVEC elements at a time
+IVEC = _MADD[1]  # int32 lanes of one integer vector (pmaddwd's, vpdpbusd's)
 DOT_TOKENS = 4 if VEC >= 16 else 2  # T: tokens a score-kernel pass (T·4 accumulators must fit)
 ACC_CHUNKS = 4 if VEC >= 16 else 2  # C: accumulator vectors per head a value-kernel pass
 
@@ -189,7 +186,7 @@ def _args(context, builder, sig, args):
     return out
 
 
-def _dots_codegen(ng, T, W, integer):
+def _dots_codegen(ng, T, W):
     """Codegen of `dots`: see `make_dots`."""
 
     def codegen(context, builder, sig, args):
@@ -205,43 +202,23 @@ def _dots_codegen(ng, T, W, integer):
             r = builder.add(r0, intp(t))
             rows.append(builder.mul(builder.select(builder.icmp_signed("<", r, r1), r, last), D))
         qrows = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
-        if integer:  # W int32 lanes = 2W int16 products a step
-            avty = ir.VectorType(ir.IntType(32), W)
-            step = 2 * W
-        else:
-            avty = ir.VectorType(ir.FloatType(), W)
-            step = W
-        if not integer:
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(avty, [avty] * 3),
-                                                 f"llvm.fmuladd.v{W}f32")
+        avty = ir.VectorType(ir.FloatType(), W)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(avty, [avty] * 3), f"llvm.fmuladd.v{W}f32")
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(avty, None)) for _ in range(T)] for _ in range(ng)]
-        if integer:
-            with cgutils.for_range_slice(builder, intp(0), D, intp(step), intp) as (c, _):
-                i16v = ir.VectorType(ir.IntType(16), step)
-                i8v = ir.VectorType(ir.IntType(8), step)
-                xs = [builder.sext(builder.load(_vec_ptr(builder, k.data, builder.add(r, c), i8v), align=1), i16v)
-                      for r in rows]
-                for i in range(ng):
-                    qv = builder.load(_vec_ptr(builder, q.data, builder.add(qrows[i], c), i16v), align=2)
-                    for t in range(T):
-                        builder.store(builder.add(builder.load(accs[i][t]), _madd(builder, qv, xs[t])), accs[i][t])
-        else:
-            def body(c, pr):
-                xs = [_widen_chunk(builder, kdtype, k.data, builder.add(r, c), W, pr) for r in rows]
-                for p, (_, off) in enumerate(xs[0]):
-                    for i in range(ng):
-                        qv = builder.load(_vec_ptr(builder, q.data, builder.add(qrows[i], builder.add(c, intp(off))),
-                                                   avty), align=4)
-                        for t in range(T):
-                            builder.store(builder.call(fma, [qv, xs[t][p][0], builder.load(accs[i][t])]), accs[i][t])
 
-            _d_loops(builder, intp, D, W, kdtype == types.uint16, body)
-        add = builder.add if integer else builder.fadd
-        sums = _lane_sums(builder, [builder.load(a) for row in accs for a in row], add)
+        def body(c, pr):
+            xs = [_widen_chunk(builder, kdtype, k.data, builder.add(r, c), W, pr) for r in rows]
+            for p, (_, off) in enumerate(xs[0]):
+                for i in range(ng):
+                    qv = builder.load(_vec_ptr(builder, q.data, builder.add(qrows[i], builder.add(c, intp(off))),
+                                               avty), align=4)
+                    for t in range(T):
+                        builder.store(builder.call(fma, [qv, xs[t][p][0], builder.load(accs[i][t])]), accs[i][t])
+
+        _d_loops(builder, intp, D, W, kdtype == types.uint16, body)
+        sums = _lane_sums(builder, [builder.load(a) for row in accs for a in row], builder.fadd)
         for i in range(ng):
             part = _head_sums(builder, sums, i, T)
-            if integer:
-                part = builder.sitofp(part, ir.VectorType(ir.FloatType(), T))
             at = builder.add(builder.mul(builder.add(g, intp(i)), S), sj)
             builder.store(part, _vec_ptr(builder, s.data, at, part.type), align=4)
         return context.get_dummy_value()
@@ -249,25 +226,22 @@ def _dots_codegen(ng, T, W, integer):
     return codegen
 
 
-def make_dots(ng: int, T: int = DOT_TOKENS, W: int = VEC, IW: int = IVEC):
+def make_dots(ng: int, T: int = DOT_TOKENS, W: int = VEC):
     """An intrinsic dots(q, g, k, r0, r1, s, sj): for heads i < ng and tokens t < T,
     s[g+i, sj+t] = q[g+i] · k[min(r0+t, r1-1)].
 
     q [G, D] float32: k [R, D] uint16 (bf16 bits; then q in the pair layout of W lanes,
     `to_pair_layout`), int8 or float32; W-lane float32 vectors; D % W == 0.
-    q int16: k int8; integer dot products (IW int32 lanes of int16 pairs; exact, as
-    |sum| < 2^31 for D ≤ 512) written to s as float32; D % 2IW == 0.
     s [G, S] float32; all C-contiguous. Rows past r1 repeat row r1-1, so a caller may step r0
     by T to r1 and give s at least T-1 spare columns. No bounds checks."""
 
     @intrinsic
     def dots(typingctx, q, g, k, r0, r1, s, sj):
-        integer = isinstance(q, types.Array) and q.dtype == types.int16
-        kdts = (types.int8,) if integer else (types.uint16, types.int8, types.float32)
-        if not ((integer or _c_array_2d(q, types.float32)) and _c_array_2d(q, q.dtype) and isinstance(k, types.Array)
-                and k.dtype in kdts and k.ndim == 2 and k.layout == "C" and _c_array_2d(s, types.float32)):
+        if not (_c_array_2d(q, types.float32) and isinstance(k, types.Array)
+                and k.dtype in (types.uint16, types.int8, types.float32) and k.ndim == 2 and k.layout == "C"
+                and _c_array_2d(s, types.float32)):
             return None
-        return types.void(q, g, k, r0, r1, s, sj), _dots_codegen(ng, T, IW if integer else W, integer)
+        return types.void(q, g, k, r0, r1, s, sj), _dots_codegen(ng, T, W)
 
     return dots
 
@@ -376,120 +350,3 @@ def from_pair_layout(x, out):
                 out[g, c + 2 * i + 1] = x[g, c + VEC + i]
         for d in range(full, D):
             out[g, d] = x[g, d]
-
-
-def _madd_masks(E):
-    """Shuffle masks that interleave two <E x i16> rows a, b token by token the way x86's
-    punpcklwd / punpckhwd do (per 128-bit lane: words 0-3, then 4-7, of a and b alternating),
-    so pmaddwd of the result with a (w_a, w_b) pair sums w_a a[d] + w_b b[d] per element d."""
-    lo = [x for k in range(E // 8) for i in range(4) for x in (8 * k + i, E + 8 * k + i)]
-    hi = [x for k in range(E // 8) for i in range(4, 8) for x in (8 * k + i, E + 8 * k + i)]
-    return lo, hi
-
-
-def _accumulate_int8_codegen(ng, C, IW):
-    """Codegen of `accumulate_int8`: see `make_accumulate_int8`."""
-
-    def codegen(context, builder, sig, args):
-        ir, cgutils = _ir()
-        w16, wsc, g, pj, v, r0, n, acc = _args(context, builder, sig, args)
-        intp = context.get_value_type(types.intp)
-        E = 2 * IW  # elements of a chunk: one int8 load per row, two int32 accumulators per head
-        i8v, i16v = ir.VectorType(ir.IntType(8), E), ir.VectorType(ir.IntType(16), E)
-        i32v, f32v = ir.VectorType(ir.IntType(32), IW), ir.VectorType(ir.FloatType(), IW)
-        lo_mask, hi_mask = _madd_masks(E)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3),
-                                             f"llvm.fmuladd.v{IW}f32")
-        D = builder.extract_value(v.shape, 1)
-        S = builder.extract_value(w16.shape, 1)
-        wrow = [builder.add(builder.mul(builder.add(g, intp(i)), S), pj) for i in range(ng)]
-        arow = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
-        regs = [[cgutils.alloca_once(builder, i32v) for _ in range(C)] for _ in range(ng)]
-        zero_i32 = ir.Constant(i32v, None)
-        i16p = ir.IntType(16).as_pointer()
-
-        def step(c0, nch, ra, rb, wpair):  # regs += pmaddwd(interleave(v[ra], v[rb]), w pairs)
-            for k in range(nch):
-                off = builder.add(c0, intp(k * E))
-                a = builder.sext(builder.load(_vec_ptr(builder, v.data, builder.add(ra, off), i8v), align=1), i16v)
-                b = (ir.Constant(i16v, None) if rb is None else
-                     builder.sext(builder.load(_vec_ptr(builder, v.data, builder.add(rb, off), i8v), align=1), i16v))
-                lo, hi = _shuffle(builder, a, b, lo_mask), _shuffle(builder, a, b, hi_mask)
-                for i in range(ng):
-                    for m, x in ((2 * k, lo), (2 * k + 1, hi)):
-                        builder.store(builder.add(builder.load(regs[i][m]), _madd(builder, x, wpair[i])), regs[i][m])
-
-        def one_pass(c0, nch):  # acc[g+i, c0 : c0 + nch*E] (madd layout) += wsc[g+i] Σ_t w16[g+i, pj+t] v[r0+t]
-            for i in range(ng):
-                for m in range(2 * nch):
-                    builder.store(zero_i32, regs[i][m])
-            with cgutils.for_range_slice(builder, intp(0), builder.sdiv(n, intp(2)), intp(1), intp) as (tp, _):
-                t = builder.mul(tp, intp(2))
-                ra = builder.mul(builder.add(r0, t), D)
-                wp = []
-                for i in range(ng):  # the (w_t, w_t+1) int16 pair as one 32-bit lane, splat
-                    ptr = builder.bitcast(builder.gep(w16.data, [builder.add(wrow[i], t)], inbounds=True),
-                                          ir.IntType(32).as_pointer())
-                    wp.append(builder.bitcast(_splat(builder, builder.load(ptr, align=2), IW), i16v))
-                step(c0, nch, ra, builder.add(ra, D), wp)
-            odd = builder.icmp_signed("!=", builder.srem(n, intp(2)), intp(0))
-            with builder.if_then(odd):  # the last token pairs with zeros at weight 0
-                t = builder.sub(n, intp(1))
-                wp = []
-                for i in range(ng):
-                    at = builder.gep(w16.data, [builder.add(wrow[i], t)], inbounds=True)
-                    w = builder.load(builder.bitcast(at, i16p))
-                    wp.append(builder.bitcast(_splat(builder, builder.zext(w, ir.IntType(32)), IW), i16v))
-                step(c0, nch, builder.mul(builder.add(r0, t), D), None, wp)
-            for i in range(ng):
-                sc = _splat(builder, builder.load(builder.gep(wsc.data, [builder.add(g, intp(i))], inbounds=True)), IW)
-                for m in range(2 * nch):
-                    ptr = _vec_ptr(builder, acc.data, builder.add(arow[i], builder.add(c0, intp(m * IW))), f32v)
-                    total = builder.sitofp(builder.load(regs[i][m]), f32v)
-                    builder.store(builder.call(fma, [sc, total, builder.load(ptr, align=4)]), ptr, align=4)
-
-        full = builder.mul(builder.sdiv(D, intp(C * IW)), intp(C * IW))
-        with cgutils.for_range_slice(builder, intp(0), full, intp(C * IW), intp) as (c0, _):
-            one_pass(c0, C // 2)
-        with cgutils.for_range_slice(builder, full, D, intp(E), intp) as (c0, _):
-            one_pass(c0, 1)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def make_accumulate_int8(ng: int, C: int = ACC_CHUNKS, IW: int = IVEC):
-    """An intrinsic accumulate_int8(w16, wsc, g, pj, v, r0, n, acc): for heads i < ng,
-    acc[g+i] += wsc[g+i] · Σ_{t<n} w16[g+i, pj+t] · v[r0+t], the sum in exact int32 arithmetic
-    (token pairs interleaved, pmaddwd / vpdpwssd), C int32 vectors of IW lanes a head at a time
-    in registers over the n rows, then converted and added to acc.
-
-    w16 [G, S] int16 weights (n ≤ 256: |sum| < 2^31), wsc [G] float32 their scales;
-    v [R, D] int8; acc [G, D] float32 in the madd layout (`from_madd_layout`); all C-contiguous;
-    D % 2IW == 0. No bounds checks."""
-    if C % 2:
-        raise ValueError(f"C must be even (a chunk of int8 elements fills two int32 vectors), got {C}")
-
-    @intrinsic
-    def accumulate_int8(typingctx, w16, wsc, g, pj, v, r0, n, acc):
-        if not (_c_array_2d(w16, types.int16) and isinstance(wsc, types.Array) and wsc.dtype == types.float32
-                and wsc.ndim == 1 and wsc.layout == "C" and _c_array_2d(v, types.int8)
-                and _c_array_2d(acc, types.float32)):
-            return None
-        return types.void(w16, wsc, g, pj, v, r0, n, acc), _accumulate_int8_codegen(ng, C, IW)
-
-    return accumulate_int8
-
-
-@numba.njit(inline="always", nogil=True, cache=True)
-def from_madd_layout(x, out):
-    """out = x [G, D] back from the madd layout of IVEC lanes (`_madd_masks`): in each chunk
-    of 2·IVEC elements, position p < IVEC holds element 8(p // 4) + p % 4 and IVEC + p holds
-    the element 4 further."""
-    G, D = x.shape
-    for g in range(G):
-        for c in range(0, D, 2 * IVEC):
-            for p in range(IVEC):
-                d = c + 8 * (p // 4) + p % 4
-                out[g, d] = x[g, c + p]
-                out[g, d + 4] = x[g, c + IVEC + p]

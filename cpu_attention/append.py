@@ -31,8 +31,9 @@ def write_bf16(dst, blocks, offs, x):
 
 
 @numba.njit(**WJIT)
-def write_int8(dst, sc, blocks, offs, x, signs, P, inv_sqrt_p):
-    """dst [NB, Hkv, BS, D] int8, sc [NB, Hkv, BS] float32: x @ R ≈ dst * sc (signs, P,
+def write_int8(dst, sc, blocks, offs, x, signs, P, inv_sqrt_p, values):
+    """dst int8 in the VNNI order (`layout.py`: keys [NB, Hkv, D/4, BS, 4], values=True
+    [NB, Hkv, BS4/4, D, 4]), sc [NB, Hkv, BS] float32: x @ R ≈ codes * sc (signs, P,
     inv_sqrt_p: the rotation R; `layout.quantize`)."""
     y = np.empty(x.shape[2], np.float32)
     for t in range(x.shape[0]):
@@ -44,8 +45,11 @@ def write_int8(dst, sc, blocks, offs, x, signs, P, inv_sqrt_p):
             s = max(amax, np.float32(1e-8)) / np.float32(127.0)
             sc[blocks[t], h, offs[t]] = s
             for d in range(y.shape[0]):
-                c = min(max(np.rint(y[d] / s), np.float32(-127.0)), np.float32(127.0))
-                dst[blocks[t], h, offs[t], d] = np.int8(c)
+                c = np.int8(min(max(np.rint(y[d] / s), np.float32(-127.0)), np.float32(127.0)))
+                if values:
+                    dst[blocks[t], h, offs[t] >> 2, d, offs[t] & 3] = c
+                else:
+                    dst[blocks[t], h, d >> 2, offs[t], d & 3] = c
 
 
 @numba.njit(**WJIT)
@@ -195,11 +199,11 @@ def write_kv_bf16(k, v, layer, slots, block_size, xk, xv):
 
 @numba.njit(**WJIT)
 def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv, signs, P, inv_sqrt_p):
-    """As write_kv_bf16 for int8 codes k, v and their scales ks, vs [L, NB, Hkv, BS] float32,
-    both rotated (signs, P, inv_sqrt_p)."""
+    """As write_kv_bf16 for int8 codes k, v (`write_int8`'s orders, a layer dim first) and their
+    scales ks, vs [L, NB, Hkv, BS] float32, both rotated (signs, P, inv_sqrt_p)."""
     blocks, offs = slots // block_size, slots % block_size
-    write_int8(k[layer], ks[layer], blocks, offs, xk, signs, P, inv_sqrt_p)
-    write_int8(v[layer], vs[layer], blocks, offs, xv, signs, P, inv_sqrt_p)
+    write_int8(k[layer], ks[layer], blocks, offs, xk, signs, P, inv_sqrt_p, False)
+    write_int8(v[layer], vs[layer], blocks, offs, xv, signs, P, inv_sqrt_p, True)
 
 
 @numba.njit(**WJIT)

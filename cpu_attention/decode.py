@@ -24,10 +24,10 @@ import torch
 
 from cpu_attention import rotation
 from cpu_attention._numba import resolve_threads, rotate_rows, unrotate_rows
-from cpu_attention._simd import IVEC, VEC
+from cpu_attention._simd import VEC
 from cpu_attention.decode_bf16 import decode_float, decode_float_any
 from cpu_attention.decode_int4 import decode_int4
-from cpu_attention.decode_int8 import decode_int8, decode_int8_any
+from cpu_attention.decode_int8 import W as INT8_W, decode_int8, decode_int8_any
 from cpu_attention.decode_tiles import merge_items, rest_heads
 from cpu_attention.layout import HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
@@ -140,7 +140,7 @@ class DecodeWork:
             rotate_rows(qn.reshape(-1, D), *rot)
             args = (a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
                     on, ln)
-            if D % VEC == 0 and D % (2 * IVEC) == 0:
+            if D % INT8_W == 0 and pool.block_size % INT8_W == 0:
                 decode_int8(*args, rest_heads(G))
             else:
                 decode_int8_any(*args)

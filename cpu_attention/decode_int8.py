@@ -1,13 +1,13 @@
-"""int8 decode kernels: `decode_int8` (head dims a multiple of the vector widths) and
-`decode_int8_any` (any head dim), built from `decode_tiles`' steps.
+"""int8 decode kernels: `decode_int8` (vpdpbusd over the pool's VNNI byte order: head dims and
+block sizes a multiple of the vector width) and `decode_int8_any` (any head dim % 4 == 0 and
+block size), built from `decode_tiles`' steps.
 
-Keys are scored in integers: q rounded to int16 per head (`_quantize_q`), x86 pmaddwd /
-vpdpwssd against the int8 codes; the key token scales then multiply the scores and the value
-token scales the weights, not the D codes. The weights times the value scales are rounded to
-int16 per head (`_quantize_weights`) and the value sums taken in int32 as well
-(`_simd.make_accumulate_int8`), INT_SUM_TOKENS tokens at most a pass. K and V are stored
-rotated (`layout.py`): `decode_attention` rotates q before the kernel and the output back
-after it, the kernel never sees R.
+Both scores and value sums are exact integer sums (`_simd_vnni`): q rounded to 16 bits per head
+and split in two signed bytes (`_split_q`); a tile's softmax weights times the value token
+scales rounded to 16 bits per head and split in two unsigned bytes (`_split_weights`). The
+key token scales multiply the scores, W tokens a vector, inside the score kernel. K and V are
+stored rotated (`layout.py`): `decode_attention` rotates q before the kernel and the output
+back after it, the kernel never sees R.
 """
 from __future__ import annotations
 
@@ -15,69 +15,26 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, f32_to_bits, prefetch
-from cpu_attention._simd import DOT_TOKENS, from_madd_layout, make_accumulate_int8
+from cpu_attention._numba import JIT, bits_to_f32, f32_to_bits
+from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
 from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _accumulate, _keep_partial, merge_items, _next_tile, _scores, _softmax_tile, _tile_len, _tile_scores,
+    NEG_INF, TILE, _keep_partial, _next_tile, _softmax_tile, merge_items,
 )
 
-_IACC1, _IACC2, _IACC3, _IACC4 = (make_accumulate_int8(ng) for ng in (1, 2, 3, 4))
-INT_SUM_TOKENS = 256  # tokens an int8 value pass sums in int32: 256 · 32767 · 127 < 2^31
-Q16 = np.float32(32767.0)  # int16 levels of a quantized query's largest element
-TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would leave float32's normal range
+_SC1, _SC2, _SC3, _SC4 = (make_scores(ng) for ng in (1, 2, 3, 4))
+_VA1, _VA2, _VA3, _VA4 = (make_values(ng) for ng in (1, 2, 3, 4))
+W = W_LANES  # tokens a score chunk, channels a value chunk
+INT8_TILE = 128  # tokens an online-softmax step (whole blocks)
+Q16 = np.float32(32000.0)  # levels of a quantized query's largest element: hi = (x + 128) >> 8 stays in int8
+W16 = np.float32(65000.0)  # levels of a tile's largest weight: both bytes of it in uint8
+TINY = np.float32(1e-30)  # below this a row's 16-bit scale (max / levels) would leave float32's normal range
 
 
 @numba.njit(inline="always", **JIT)
-def _accumulate_rows_int8(w16, wsc, pj, vb, r0, n, acc, R):
-    """`_accumulate_rows` for int8 values and int16 weights (scales wsc [G]), acc in the madd layout."""
-    G = acc.shape[0]
-    g = 0
-    while g + 4 <= G:
-        _IACC4(w16, wsc, g, pj, vb, r0, n, acc)
-        g += 4
-    if R == 3:
-        _IACC3(w16, wsc, g, pj, vb, r0, n, acc)
-    elif R == 2:
-        _IACC2(w16, wsc, g, pj, vb, r0, n, acc)
-    elif R == 1:
-        _IACC1(w16, wsc, g, pj, vb, r0, n, acc)
-
-
-@numba.njit(inline="always", **JIT)
-def _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc, R):
-    """acc += wsc · (w16[:, :n] · V) of tokens t .. t+n-1, block by block, INT_SUM_TOKENS at most a pass."""
-    u = 0
-    while u < n:
-        blk, off = bt[b, (t + u) // BS], (t + u) % BS
-        nb = min(BS - off, n - u, INT_SUM_TOKENS)
-        _accumulate_rows_int8(w16, wsc, u, v[blk, h], off, nb, acc, R)
-        u += nb
-
-
-@numba.njit(inline="always", **JIT)
-def _quantize_weights(p, vsc, n, w16, wsc):
-    """w16[g, j] = round(p[g, j] vsc[j] / wsc[g]) for j < n, wsc[g] = max_j p[g, j] vsc[j] / 32767:
-    a tile's softmax weights times the value token scales as int16 per head (relative error
-    ≤ 2^-16 of the tile's largest weight), for the integer value sums."""
-    G = p.shape[0]
-    for g in range(G):
-        mx = np.uint32(0)
-        for j in range(n):  # the weights are >= 0, so their bits order as they do: a max that vectorizes
-            mx = max(mx, f32_to_bits(p[g, j] * vsc[j]))
-        wmax = bits_to_f32(mx)
-        # a tile ~70 below the running max (or empty): weights of 1e-30 and less become 0 rather
-        # than scaled by an overflowing 1 / wsc
-        sc = wmax / Q16 if wmax > TINY else np.float32(1.0)
-        wsc[g] = sc
-        inv = np.float32(1.0) / sc
-        for j in range(n):
-            w16[g, j] = np.int16(np.rint(p[g, j] * vsc[j] * inv))
-
-
-@numba.njit(inline="always", **JIT)
-def _quantize_q(qh, q16, qsc):
-    """q16[g] = round(qh[g] / qsc[g]) with qsc[g] = max|qh[g]| / 32767: int16 queries for the
-    integer scores (relative error ≤ 2^-16 of the largest element, far below int8 K's)."""
+def _split_q(qh, qp, qc, qsc):
+    """x = round(qh[g] / qsc[g]) with qsc[g] = max|qh[g]| / Q16, as x = 256 hi + lo with hi, lo
+    int8 (qp[0, g], qp[1, g]); qc[p, g] = -128 Σ_d qp[p, g, d] (the score kernel's start, which
+    pays back reading the keys as unsigned). Relative error ≤ 2^-16 of the largest element."""
     G, D = qh.shape
     for g in range(G):
         mx = np.float32(0.0)
@@ -86,101 +43,174 @@ def _quantize_q(qh, q16, qsc):
         sc = mx / Q16 if mx > TINY else np.float32(1.0)
         qsc[g] = sc
         inv = np.float32(1.0) / sc
+        th, tl = 0, 0
         for d in range(D):
-            q16[g, d] = np.int16(np.rint(qh[g, d] * inv))
+            x = np.int32(np.rint(qh[g, d] * inv))
+            hi = (x + np.int32(128)) >> np.int32(8)
+            lo = x - (hi << np.int32(8))
+            qp[0, g, d] = np.int8(hi)
+            qp[1, g, d] = np.int8(lo)
+            th += hi
+            tl += lo
+        qc[0, g] = np.int32(-128 * th)
+        qc[1, g] = np.int32(-128 * tl)
+
+
+@numba.njit(inline="always", **JIT)
+def _split_weights(p, vsc, n, npad, wp, wsc):
+    """x = round(p[g, j] vsc[j] / wsc[g]) for j < n, wsc[g] = max_j p[g, j] vsc[j] / W16, as
+    x = 256 hi + lo in wp[0, g, j], wp[1, g, j] (uint8); zeros for n <= j < npad. A tile's
+    softmax weights times the value token scales to 16 bits per head for the integer value sums."""
+    G = p.shape[0]
+    for g in range(G):
+        mx = np.uint32(0)
+        for j in range(n):  # the weights are >= 0, so their bits order as they do: a max that vectorizes
+            mx = max(mx, f32_to_bits(p[g, j] * vsc[j]))
+        wmax = bits_to_f32(mx)
+        # a tile ~70 below the running max (or empty): weights of 1e-30 and less become 0 rather
+        # than scaled by an overflowing 1 / wsc
+        sc = wmax / W16 if wmax > TINY else np.float32(1.0)
+        wsc[g] = sc
+        inv = np.float32(1.0) / sc
+        for j in range(n):
+            x = np.int32(np.rint(p[g, j] * vsc[j] * inv))
+            wp[0, g, j] = np.uint8(x >> np.int32(8))
+            wp[1, g, j] = np.uint8(x & np.int32(255))
+        for j in range(n, npad):
+            wp[0, g, j] = 0
+            wp[1, g, j] = 0
+
+
+@numba.njit(inline="always", **JIT)
+def _scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R):
+    """`make_scores` for all G heads: groups of four, then R = G % 4 (`rest_heads`)."""
+    G = qsc.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _SC4(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, g)
+        g += 4
+    if R == 3:
+        _SC3(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, g)
+    elif R == 2:
+        _SC2(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, g)
+    elif R == 1:
+        _SC1(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, g)
+
+
+@numba.njit(inline="always", **JIT)
+def _values_heads(wp, wsc, v, gbase, ngr, acc, R):
+    """`make_values` for all G heads: groups of four, then R = G % 4."""
+    G = acc.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _VA4(wp, wsc, v, gbase, ngr, acc, g)
+        g += 4
+    if R == 3:
+        _VA3(wp, wsc, v, gbase, ngr, acc, g)
+    elif R == 2:
+        _VA2(wp, wsc, v, gbase, ngr, acc, g)
+    elif R == 1:
+        _VA1(wp, wsc, v, gbase, ngr, acc, g)
 
 
 @numba.njit(parallel=True, **JIT)
 def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, rest):
-    """k, v [NB, Hkv, BS, D] int8; ks, vs [NB, Hkv, BS] f32; rest as decode_float.
-    Scores in integers (int16 q · int8 k, `_quantize_q`), then × q scale × token scale; the
-    weights × the V token scales in int16 (`_quantize_weights`) and the value sums in integers
-    too (`make_accumulate_int8`), into an accumulator in the madd layout. D % (2 IVEC) == 0
-    and D % VEC == 0 (else `decode_int8_any`)."""
+    """k [NB, Hkv, D/4, BS, 4], v [NB, Hkv, BS/4, D, 4] int8 (the VNNI order, `layout.py`); ks,
+    vs [NB, Hkv, BS] f32; rest as decode_float. A tile of whole blocks at a time: its scores
+    W tokens a vector (`make_scores`, the next block's K and V prefetched meanwhile), the
+    online softmax, the weights in 16 bits (`_split_weights`), the value sums (`make_values`).
+    BS % W == 0 and D % W == 0 (else `decode_int8_any`); items start at block boundaries."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
-    BS, D = k.shape[2], k.shape[3]
-    G = q.shape[1] // k.shape[1]
-    TL = _tile_len(BS)
+    Hkv, D, BS = k.shape[1], 4 * k.shape[2], k.shape[3]
+    G = q.shape[1] // Hkv
+    TL = max(INT8_TILE // BS, 1) * BS
+    region = D * BS  # bytes of one (block, head)'s keys, and of its values
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
     for it in prange(NI):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-        s = np.empty((G, TL + DOT_TOKENS), np.float32)
-        w16 = np.empty((G, TL), np.int16)
+        s = np.empty((G, TL), np.float32)
+        wp = np.empty((2, G, TL), np.uint8)
         wsc = np.empty(G, np.float32)
-        ksc = np.empty(TL, np.float32)
         vsc = np.empty(TL, np.float32)
-        q16 = np.empty((G, D), np.int16)
+        qp = np.empty((2, G, D), np.int8)
+        qc = np.empty((2, G), np.int32)
         qsc = np.empty(G, np.float32)
+        kbase = np.empty(TL // W, np.int64)
+        ksbase = np.empty(TL // W, np.int64)
+        pf = np.empty(TL // W, np.int64)
+        gbase = np.empty(TL // 4, np.int64)
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
-        acc = np.zeros((G, D), np.float32)  # madd layout
-        _quantize_q(q[b, h * G:(h + 1) * G], q16, qsc)
+        acc = np.zeros((G, D), np.float32)
+        _split_q(q[b, h * G:(h + 1) * G], qp, qc, qsc)
+        nbt = (t1 + BS - 1) // BS  # blocks of the item's tokens: t1 is the end of the range
         t = t0
         while t < t1:
             n = min(TL, t1 - t)
-            u = 0
-            while u < n:  # the tile's token scales, contiguous; the next tile's are prefetched
-                blk, off = bt[b, (t + u) // BS], (t + u) % BS
-                nb = min(BS - off, n - u)
-                for j in range(nb):
-                    ksc[u + j] = ks[blk, h, off + j]
-                    vsc[u + j] = vs[blk, h, off + j]
-                tn = t + n + u
-                if tn < t1:
-                    prefetch(ks[bt[b, tn // BS], h], tn % BS)
-                    prefetch(vs[bt[b, tn // BS], h], tn % BS)
-                u += nb
-            _tile_scores(q16, k, v, h, bt, b, t, n, t1, BS, s, R)
-            for g in range(G):
-                for j in range(n):
-                    s[g, j] *= qsc[g] * ksc[j]
+            nch, ngr = 0, 0
+            for i in range((n + BS - 1) // BS):
+                bi = t // BS + i
+                bh = bt[b, bi] * Hkv + h  # (block, head) index: its keys and values are bytes bh·region on
+                pbh = bt[b, bi + 1] * Hkv + h if bi + 1 < nbt else bh  # the block after it: prefetched
+                nt = min(BS, n - i * BS)
+                for c in range((nt + W - 1) // W):
+                    kbase[nch] = bh * region + c * 4 * W
+                    ksbase[nch] = bh * BS + c * W
+                    pf[nch] = pbh * region + c * W * D
+                    nch += 1
+                blk = bt[b, bi]
+                for j in range(nt):
+                    vsc[i * BS + j] = vs[blk, h, j]
+                for u in range((nt + 3) // 4):
+                    gbase[ngr] = bh * region + u * 4 * D
+                    ngr += 1
+            _scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
             _softmax_tile(s, n, m, l, acc)
-            _quantize_weights(s, vsc, n, w16, wsc)
-            _tile_accumulate_int8(w16, wsc, v, h, bt, b, t, n, BS, acc, R)
+            _split_weights(s, vsc, n, 4 * ngr, wp, wsc)
+            _values_heads(wp, wsc, v, gbase, ngr, acc, R)
             t += n
-        from_madd_layout(acc, part_o[it])
-        _keep_partial(it, None, m, l, part_o, part_m, part_l)
+        _keep_partial(it, acc, m, l, part_o, part_m, part_l)
     merge_items(pair_start, part_o, part_m, part_l, out, lse)
 
 
 @numba.njit(parallel=True, **JIT)
 def decode_int8_any(k, v, ks, vs, q, bt, items, pair_start, out, lse):
-    """`decode_int8` for any head dim: float scores, one block a tile, as `decode_float_any`."""
+    """`decode_int8` for any head dim (% 4) and block size: float scores over the VNNI order by
+    plain loops, a block (at most TILE tokens) a tile."""
     NI = items.shape[0]
-    BS, D = k.shape[2], k.shape[3]
-    G = q.shape[1] // k.shape[1]
+    Hkv, D, BS = k.shape[1], 4 * k.shape[2], k.shape[3]
+    G = q.shape[1] // Hkv
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
     for it in prange(NI):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
         s = np.empty((G, TILE), np.float32)
-        pw = np.empty((G, TILE), np.float32)
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
         qh = q[b, h * G:(h + 1) * G]
         t = t0
-        blk, off, n = _next_tile(bt, b, t, t1, BS)
         while t < t1:
-            nblk, noff, nn = _next_tile(bt, b, t + n, t1, BS) if t + n < t1 else (blk, off, 0)
-            if noff == 0 and nn > 0:
-                prefetch(ks[nblk, h], 0)
-                prefetch(vs[nblk, h], 0)
-            _scores(qh, k[blk, h, off:off + n], n, s, k[nblk, h, noff:], v[nblk, h, noff:], nn)
-            ksc, vsc = ks[blk, h, off:off + n], vs[blk, h, off:off + n]
+            blk, off, n = _next_tile(bt, b, t, t1, BS)
+            kb, vb = k[blk, h], v[blk, h]
             for g in range(G):
                 for j in range(n):
-                    s[g, j] *= ksc[j]
+                    x = np.float32(0.0)
+                    for c in range(D // 4):
+                        for e in range(4):
+                            x += qh[g, 4 * c + e] * np.float32(kb[c, off + j, e])
+                    s[g, j] = x * ks[blk, h, off + j]
             _softmax_tile(s, n, m, l, acc)
-            for g in range(G):
-                for j in range(n):
-                    pw[g, j] = s[g, j] * vsc[j]
-            _accumulate(pw, v[blk, h, off:off + n], n, acc)
+            for j in range(n):
+                u, e, sc = (off + j) // 4, (off + j) % 4, vs[blk, h, off + j]
+                for g in range(G):
+                    w = s[g, j] * sc
+                    for d in range(D):
+                        acc[g, d] += w * np.float32(vb[u, d, e])
             t += n
-            blk, off, n = nblk, noff, nn
         _keep_partial(it, acc, m, l, part_o, part_m, part_l)
     merge_items(pair_start, part_o, part_m, part_l, out, lse)

@@ -1,4 +1,4 @@
-"""The steps every decode kernel (`decode_bf16`, `decode_int8`, `decode_int4`) is built from.
+"""The steps the decode kernels (`decode_bf16`, `decode_int8`, `decode_int4`) are built from.
 
 A kernel walks its work item's tokens a tile at a time (whole blocks, about TOKENS_PER_TILE
 tokens): the scores of all G heads block by block into s [G, tile] (`_tile_scores`), one
@@ -14,7 +14,8 @@ head) by log-sum-exp.
 
 Head dims that are not a multiple of the vector width go to `decode_*_any`: the same
 algorithm one block a tile with LLVM's vectorized loops (`_scores`, `_accumulate`,
-`_next_tile`).
+`_next_tile`). int8 shares the online softmax, the partials and their merge; its scores and
+value sums are its own (`decode_int8`, over the VNNI byte order).
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, line_el
 from cpu_attention._simd import DOT_TOKENS, make_accumulate, make_dots
 
 TILE = 32  # `decode_*_any`: tokens a tile
-TOKENS_PER_TILE = 64  # bf16/int8/int4: tokens scored per online-softmax step (whole blocks)
+TOKENS_PER_TILE = 64  # bf16/int4: tokens scored per online-softmax step (whole blocks)
 NEG_INF = np.float32(-np.inf)
-# Vector micro-kernels for the bf16 / int8 paths (`_simd.make_dots` / `make_accumulate`),
+# Vector micro-kernels for the bf16 path (`_simd.make_dots` / `make_accumulate`),
 # one specialization per head-group size; tiles span whole blocks.
 _DOT1, _DOT2, _DOT3, _DOT4 = (make_dots(ng) for ng in (1, 2, 3, 4))
 _ACC1, _ACC2, _ACC3, _ACC4 = (make_accumulate(ng) for ng in (1, 2, 3, 4))
@@ -264,8 +265,8 @@ def rest_heads(G: int) -> tuple[int, ...]:
 @numba.njit(inline="always", **JIT)
 def _dots_rows(q, kb, r0, r1, s, sj, pk, pv, p0, p1, R):
     """s[:, sj + j - r0] = q · kb[j] for rows r0 <= j < r1 of one block, all G heads: heads in
-    groups of four (then R = G % 4 more, a compile-time constant: `rest_heads`), DOT_TOKENS tokens a pass, the pass's K rows reused by every
-    group from L1. q int16 (and kb int8): integer scores, unscaled. Each pass also prefetches
+    groups of four (then R = G % 4 more, a compile-time constant: `rest_heads`), DOT_TOKENS
+    tokens a pass, the pass's K rows reused by every group from L1. Each pass also prefetches
     as many rows p0 + j - r0 < p1 of pk and pv (a later block): spread out like this, the
     prefetches overlap the arithmetic (issued a block at a time, they measured ~15% slower)."""
     G = q.shape[0]

@@ -6,7 +6,10 @@ sequence has one block table):
     dtype  tensor            torch dtype  shape                        meaning
     f32    k, v              float32      [L, NB, Hkv, BS, D]          exact, for checks against float32 references
     bf16   k, v              bfloat16     [L, NB, Hkv, BS, D]          bf16 bits; kernels read them as uint16
-    int8   k, v              int8         [L, NB, Hkv, BS, D]          round(y / scale) of y = x @ R (`rotation.py`)
+    int8   k                 int8         [L, NB, Hkv, D/4, BS, 4]     round(y / scale) of y = x @ R (`rotation.py`),
+                                                                        channel 4c+j of token t at [c, t, j]
+           v                 int8         [L, NB, Hkv, BS4/4, D, 4]    the same codes of values, token 4u+j's
+                                                                        channel d at [u, d, j] (BS4: BS rounded up to 4)
            k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|y| / 127 per token and head
     int4   k                 uint8        [L, NB, Hkv, BS, D // 2]     key codes, two a byte (`int4.py`: nibble order)
            k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code · scale + zero
@@ -20,8 +23,13 @@ in block `block_table[t // BS]` at offset `t % BS`; its flat slot is `block * BS
 Within a block one head's BS × D values are contiguous, so a decode kernel walking one
 (sequence, kv head) streams contiguous runs of BS × D elements.
 
+int8's byte order is the one x86's vpdpbusd wants (`_simd_vnni.py`): four bytes a 32-bit lane,
+a key's four channels or a channel's four tokens, so one instruction adds four products to
+each of 16 tokens' scores or 16 channels' outputs, with no horizontal sums and no shuffles.
+D % 4 == 0; `int8_rows` gives the codes back in token order [..., BS, D].
+
 Bytes of one token's K and V in one layer (`token_bytes`, what the planner counts): f32
-8·Hkv·D, bf16 4·Hkv·D, int8 2·Hkv·(D + 4), int4 Hkv·(D + D/8 + 4·D/BS) + 4/BS (codes,
+8·Hkv·D, bf16 4·Hkv·D, int8 2·Hkv·(D + 4) (BS a multiple of 4; else V's padding tokens too), int4 Hkv·(D + D/8 + 4·D/BS) + 4/BS (codes,
 value scales and zeros, the block's key scales and zeros and its tail-slot entry spread over
 its BS tokens; Hkv 8, D 128, BS 16: 1408.25 bytes, 2/3 of int8's 2112), plus for int4 one
 tail per sequence being filled and layer, 4·Hkv·BS·D bytes (`tail_bytes`).
@@ -89,7 +97,7 @@ def token_bytes(dtype: KVDtype, num_kv_heads: int, head_dim: int, block_size: in
     `HostKVPool.bytes_per_token` / L exactly), int4's tails not included (`tail_bytes`)."""
     H, D, BS = num_kv_heads, head_dim, block_size
     if dtype is KVDtype.INT8:
-        return 2 * H * (D + 4)
+        return H * (D + D * (-(-BS // 4) * 4) / BS + 8)
     if dtype is KVDtype.INT4:
         return H * (D + D / 8 + 4 * D / BS) + 4 / BS
     return 2 * H * D * dtype.bytes_per_value
@@ -116,6 +124,8 @@ class HostKVPool:
     def __post_init__(self) -> None:
         if self.dtype is KVDtype.INT4 and self.head_dim % INT4_GROUP:
             raise ValueError(f"int4 KV needs head_dim divisible by {INT4_GROUP}, got {self.head_dim}")
+        if self.dtype is KVDtype.INT8 and self.head_dim % 4:
+            raise ValueError(f"int8 KV needs head_dim divisible by 4, got {self.head_dim}")
         L, NB, H, BS, D = self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim
         mk = lambda shape, dt: torch.zeros(shape, dtype=dt, pin_memory=self.pin)  # noqa: E731
         self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
@@ -123,7 +133,7 @@ class HostKVPool:
             dt = torch.float32 if self.dtype is KVDtype.F32 else torch.bfloat16
             self.k, self.v = mk((L, NB, H, BS, D), dt), mk((L, NB, H, BS, D), dt)
         elif self.dtype is KVDtype.INT8:
-            self.k, self.v = mk((L, NB, H, BS, D), torch.int8), mk((L, NB, H, BS, D), torch.int8)
+            self.k, self.v = mk((L, NB, H, D // 4, BS, 4), torch.int8), mk((L, NB, H, -(-BS // 4), D, 4), torch.int8)
             self.k_scale, self.v_scale = mk((L, NB, H, BS), torch.float32), mk((L, NB, H, BS), torch.float32)
         else:
             G = D // INT4_GROUP
@@ -256,6 +266,16 @@ def dequantize_blocks(dtype: KVDtype, parts: dict[str, torch.Tensor],
         y = int4.rows(parts["v"], parts["v_scale"], parts["v_zero"])
         return k, (y if rotated else rotation.unrotate(y))
     if dtype is KVDtype.INT8:
-        k, v = (parts[n].float() * parts[f"{n}_scale"][..., None] for n in ("k", "v"))
+        codes = int8_rows(parts["k"], parts["v"], parts["k_scale"].shape[-1])
+        k, v = (c.float() * parts[f"{n}_scale"][..., None] for c, n in zip(codes, ("k", "v")))
         return (k, v) if rotated else (rotation.unrotate(k), rotation.unrotate(v))
     return tuple(dequantize(parts[n], dtype, parts.get(f"{n}_scale"), parts.get(f"{n}_zero")) for n in ("k", "v"))
+
+
+def int8_rows(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 pool's codes in token order: k [..., D/4, BS, 4] and v [..., BS4/4, D, 4] (the
+    module doc's VNNI order, any leading dims, any device) → K, V [..., BS, D] int8 (copies)."""
+    lead, D = k.shape[:-3], 4 * k.shape[-3]
+    keys = k.transpose(-3, -2).reshape(*lead, block_size, D)
+    values = v.transpose(-2, -1).reshape(*lead, -1, D)[..., :block_size, :]
+    return keys, values

@@ -178,11 +178,15 @@ class KVStreamer:
         if wait and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
         rot_k, rot_v = self.host.dtype.rotated
-        if self.host.dtype is KVDtype.INT8:
+        if self.host.dtype is KVDtype.INT8 and self.host.block_size % 4 == 0:
             # codes × token scales straight into the slot, one kernel a tensor (through float32
-            # temporaries it took ~165 µs a layer at 5.7k tokens, bench/step_timeline.py)
-            for name, dst in (("k", self.pool.k), ("v", self.pool.v)):
-                torch.mul(raw[name], raw[f"{name}_scale"][..., None], out=dst[slot, : self.max_blocks])
+            # temporaries it took ~165 µs a layer at 5.7k tokens, bench/step_timeline.py): the
+            # slot [n, Hkv, BS, D] viewed in the codes' VNNI order (`layout.py`) as the output
+            n, H, BS, D = self.max_blocks, self.host.num_kv_heads, self.host.block_size, self.host.head_dim
+            k_out = self.pool.k[slot, :n].view(n, H, BS, D // 4, 4).transpose(2, 3)  # [n, H, D/4, BS, 4]
+            v_out = self.pool.v[slot, :n].view(n, H, BS // 4, 4, D).transpose(3, 4)  # [n, H, BS/4, D, 4]
+            torch.mul(raw["k"], raw["k_scale"][:, :, None, :, None], out=k_out)
+            torch.mul(raw["v"], raw["v_scale"].view(n, H, BS // 4, 1, 4), out=v_out)
         elif not self.direct:  # rotated parts stay rotated: q goes in rotated, the output comes back so
             k, v = dequantize_blocks(self.host.dtype, raw, rotated=True)  # [max_blocks, Hkv, BS, D] f32 each
             self.pool.k[slot, : self.max_blocks].copy_(k)

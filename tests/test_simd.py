@@ -10,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from cpu_attention import _simd, _simd_int4
+from cpu_attention import _simd, _simd_int4, _simd_vnni
 from cpu_attention.decode_tiles import _row_max
 
 HOST = (_simd.VEC, _simd.DOT_TOKENS, _simd.ACC_CHUNKS, _simd.IVEC)
@@ -51,17 +51,10 @@ def from_pairs(y: np.ndarray, W: int) -> np.ndarray:
     return x
 
 
-def madd_order(D: int, IW: int) -> np.ndarray:
-    """Element held at each position of the madd layout of IW lanes (`_simd.from_madd_layout`)."""
-    p = np.arange(IW)
-    chunk = np.concatenate([8 * (p // 4) + p % 4, 8 * (p // 4) + p % 4 + 4])
-    return np.concatenate([c + chunk for c in range(0, D, 2 * IW)])
-
-
 @SHAPES
-@pytest.mark.parametrize("kind", ["bf16", "int8", "f32", "int8 integer"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "f32"])
 def test_dots(W, T, C, IW, kind):
-    dots = [_simd.make_dots(ng, T, W, IW) for ng in (1, 2, 3, 4)]
+    dots = [_simd.make_dots(ng, T, W) for ng in (1, 2, 3, 4)]
     d1, d2, d3, d4 = dots
 
     @numba.njit
@@ -73,26 +66,17 @@ def test_dots(W, T, C, IW, kind):
             d1(q, 9, k, j, r1, s, j - r0)
 
     rng = np.random.default_rng(0)
-    integer = kind == "int8 integer"
-    for D in (64, 96, 128) if integer else (48, 80, 128):  # 48, 80: a last chunk of W lanes alone
-        if D % (2 * IW if integer else W):
+    for D in (48, 80, 128):  # 48, 80: a last chunk of W lanes alone
+        if D % W:
             continue
-        k, kv = rows(kind.split()[0], (20, D), rng)
-        if integer:
-            q = rng.integers(-32767, 32768, (10, D)).astype(np.int16)
-            qk = q
-        else:
-            q = rng.standard_normal((10, D)).astype(np.float32)
-            qk = to_pairs(q, W) if kind == "bf16" else q
+        k, kv = rows(kind, (20, D), rng)
+        q = rng.standard_normal((10, D)).astype(np.float32)
+        qk = to_pairs(q, W) if kind == "bf16" else q
         for r0, r1 in ((3, 16), (0, 1), (5, 20)):
             s = np.full((10, 24), np.nan, np.float32)
             run(qk, k, r0, r1, s)
             ref = q.astype(np.float64) @ kv[r0:r1].T
-            got = s[:, :r1 - r0]
-            if integer:
-                assert np.array_equal(got, ref.astype(np.float32)), (D, r0, r1)
-            else:
-                assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max(), (D, r0, r1)
+            assert np.abs(s[:, :r1 - r0] - ref).max() < 1e-4 * np.abs(ref).max(), (D, r0, r1)
 
 
 @SHAPES
@@ -120,36 +104,85 @@ def test_accumulate(W, T, C, IW, kind):
             assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max(), (D, pj, r0, n)
 
 
-@SHAPES
-def test_accumulate_int8(W, T, C, IW):
-    a1, a2, a3, a4 = (_simd.make_accumulate_int8(ng, C, IW) for ng in (1, 2, 3, 4))
+# int8 (`cpu_attention._simd_vnni`): vpdpbusd over the pool's VNNI byte order, at this host's
+# width with its instruction, and as plain IR at 16 and 8 lanes
+VNNI = pytest.mark.parametrize("W,name", [(_simd_vnni.W_LANES, _simd_vnni.DPBUSD), (16, None), (8, None)],
+                               ids=["host", "ir16", "ir8"])
+
+
+def split16(x: np.ndarray, signed: bool) -> np.ndarray:
+    """x = 256 hi + lo as [2, ...] bytes: hi, lo int8 (signed; lo in [-128, 128)) or uint8."""
+    x = x.astype(np.int64)
+    hi = (x + 128) >> 8 if signed else x >> 8
+    return np.stack([hi, x - 256 * hi]).astype(np.int8 if signed else np.uint8)
+
+
+@VNNI
+def test_vnni_scores(W, name):
+    s1, s2, s3, s4 = (_simd_vnni.make_scores(ng, W, name) for ng in (1, 2, 3, 4))
 
     @numba.njit
-    def run(w16, wsc, pj, v, r0, n, acc):
-        a4(w16, wsc, 0, pj, v, r0, n, acc)
-        a3(w16, wsc, 4, pj, v, r0, n, acc)
-        a2(w16, wsc, 7, pj, v, r0, n, acc)
-        a1(w16, wsc, 9, pj, v, r0, n, acc)
+    def run(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s):  # every head group size over heads 0..9
+        s4(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, 0)
+        s3(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, 4)
+        s2(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, 7)
+        s1(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, 9)
 
     rng = np.random.default_rng(2)
-    for D in (64, 96, 128, 256):
-        if D % (2 * IW):
-            continue
-        order = madd_order(D, IW)
-        for pj, r0, n in ((3, 5, 16), (0, 0, 1), (1, 2, 7), (0, 0, 256)):
-            v = rng.integers(-127, 128, (n + r0, D)).astype(np.int8)
-            w16 = rng.integers(-32767, 32768, (10, n + pj)).astype(np.int16)
-            w16[:, pj] = 32767  # the extreme sums the int32 lanes must hold
-            v[r0] = 127
+    for D, BS in ((64, W), (128, 2 * W), (256, W)):
+        k = rng.integers(-127, 128, (5, D // 4, BS, 4)).astype(np.int8)  # 5 (block, head) regions
+        k[2, :, 0] = -127  # the extreme sums the int32 lanes must hold
+        keys = k.transpose(0, 2, 1, 3).reshape(5, BS, D).astype(np.int64)  # token order
+        ks = rng.random((5, BS)).astype(np.float32)
+        q16 = rng.integers(-32000, 32001, (10, D))
+        q16[0] = 32000
+        qp = split16(q16, signed=True)
+        qc = (-128 * qp.astype(np.int64).sum(-1)).astype(np.int32)
+        qsc = rng.random(10).astype(np.float32)
+        for chunks in ([(2, 0)], [(3, BS // W - 1), (1, 0), (4, 0)], [(0, 0), (2, 0)]):  # (region, chunk)
+            kbase = np.array([r * D * BS + c * 4 * W for r, c in chunks], np.int64)
+            ksbase = np.array([r * BS + c * W for r, c in chunks], np.int64)
+            pf = np.array([((r + 1) % 5) * D * BS for r, _ in chunks], np.int64)
+            s = np.full((10, W * len(chunks) + 3), np.nan, np.float32)
+            run(qp, qc, qsc, k, k, kbase, ks, ksbase, pf, len(chunks), BS, s)
+            for i, (r, c) in enumerate(chunks):
+                tok = slice(c * W, (c + 1) * W)
+                exact = (q16 @ keys[r, tok].T).astype(np.float64)
+                ref = exact * qsc[:, None].astype(np.float64) * ks[r, tok].astype(np.float64)
+                got = s[:, i * W:(i + 1) * W]
+                assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max(), (D, BS, chunks, i)
+            assert np.isnan(s[:, W * len(chunks):]).all()
+
+
+@VNNI
+def test_vnni_values(W, name):
+    v1, v2, v3, v4 = (_simd_vnni.make_values(ng, _simd_vnni.VALUE_CHUNKS, W, name) for ng in (1, 2, 3, 4))
+
+    @numba.njit
+    def run(wp, wsc, v, gbase, ngr, acc):
+        v4(wp, wsc, v, gbase, ngr, acc, 0)
+        v3(wp, wsc, v, gbase, ngr, acc, 4)
+        v2(wp, wsc, v, gbase, ngr, acc, 7)
+        v1(wp, wsc, v, gbase, ngr, acc, 9)
+
+    rng = np.random.default_rng(3)
+    for D in (3 * W, 128, 256):  # 3 W: a pass of C = 2 vectors, then one of a vector
+        v = rng.integers(-127, 128, (5, 4, D, 4)).astype(np.int8)  # 5 regions of 4 groups of 4 tokens
+        v[1, 2] = -128
+        every = [(r, u) for r in range(5) for u in range(4)]
+        for groups in ([(1, 2)], [(0, 0), (3, 1), (1, 2), (4, 3), (2, 0)], every * 4):  # 80 groups: 320 tokens
+            gbase = np.array([(r * 4 + u) * 4 * D for r, u in groups], np.int64)
+            w16 = rng.integers(0, 65001, (10, 4 * len(groups) + 5))
+            w16[:, :4] = 65000
+            wp = split16(w16, signed=False)
             wsc = (rng.random(10) * 1e-6).astype(np.float32)
             acc0 = rng.standard_normal((10, D)).astype(np.float32)
-            acc = acc0[:, order].copy()  # into the madd layout
-            run(w16, wsc, pj, v, r0, n, acc)
-            got = np.empty_like(acc)
-            got[:, order] = acc
-            exact = w16[:, pj:pj + n].astype(np.int64) @ v[r0:r0 + n].astype(np.int64)
+            acc = acc0.copy()
+            run(wp, wsc, v, gbase, len(groups), acc)
+            vals = np.concatenate([v[r, u].T for r, u in groups]).astype(np.int64)  # [4 ngr, D], token order
+            exact = w16[:, :4 * len(groups)] @ vals
             ref = acc0 + wsc[:, None].astype(np.float64) * exact
-            assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max(), (D, pj, r0, n)
+            assert np.abs(acc - ref).max() < 1e-5 * np.abs(ref).max(), (D, len(groups))
 
 
 def test_layouts_round_trip():
@@ -158,18 +191,11 @@ def test_layouts_round_trip():
         _simd.to_pair_layout(x, y)
         _simd.from_pair_layout(y, z)
 
-    @numba.njit
-    def madd(x, y):
-        _simd.from_madd_layout(x, y)
-
     for D in (48, 64, 80, 128):
         x = np.arange(3 * D, dtype=np.float32).reshape(3, D)
         y, z = np.empty_like(x), np.empty_like(x)
         pairs(x, y, z)
         assert np.array_equal(y, to_pairs(x, _simd.VEC)) and np.array_equal(z, x)
-        if D % (2 * _simd.IVEC) == 0:
-            madd(x, y)
-            assert np.array_equal(y[:, madd_order(D, _simd.IVEC)], x)
 
 
 def test_row_max():
@@ -357,9 +383,10 @@ pkg.__path__ = [sys.argv[1] + "/cpu_attention"]
 sys.modules["cpu_attention"] = pkg
 import cpu_attention._simd as S
 S.VEC, S.IVEC, S.DOT_TOKENS, S.ACC_CHUNKS, S._MADD = 16, 16, 4, 4, (None, 16)
-S.make_dots.__defaults__, S.make_accumulate.__defaults__ = (4, 16, 16), (4, 16)
-S.make_accumulate_int8.__defaults__ = (4, 16)
+S.make_dots.__defaults__, S.make_accumulate.__defaults__ = (4, 16), (4, 16)
 del sys.modules["cpu_attention"]
+import cpu_attention._simd_vnni as V  # int8's vpdpbusd as plain IR
+V.make_scores.__defaults__, V.make_values.__defaults__ = (16, None), (V.VALUE_CHUNKS, 16, None)
 from cpu_attention import decode, decode_tiles, _simd_int4
 assert (decode.VEC, decode_tiles.DOT_TOKENS, _simd_int4.IVEC) == (16, 4, 16)
 from cpu_attention import decode_attention

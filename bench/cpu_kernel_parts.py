@@ -1,0 +1,225 @@
+"""Where an int8 / int4 decode kernel's time goes: the kernel with its steps switched off.
+
+    python3 bench/cpu_kernel_parts.py [--threads 1] [--tokens 2048]
+
+Each variant is the kernel of `cpu_attention.decode_int8` / `decode_int4` compiled with some of
+its steps left out (scores, softmax, weight quantization, value sums); ns per (token, kv head)
+with the KV in cache (one sequence, Llama-3-8B's head shape), so the differences between
+variants are what each step costs. The outputs of the partial variants are meaningless.
+Reports; asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from numba import prange  # noqa: E402
+
+from cpu_attention import HostKVPool, KVDtype  # noqa: E402
+from cpu_attention import decode as dm  # noqa: E402
+from cpu_attention import decode_int4 as d4  # noqa: E402
+from cpu_attention._numba import JIT  # noqa: E402
+from cpu_attention import decode_int8 as d8  # noqa: E402
+from cpu_attention._simd import DOT_TOKENS, VEC  # noqa: E402
+from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len, rest_heads  # noqa: E402
+from cpu_attention.layout import INT4_GROUP  # noqa: E402
+
+INT8_VARIANTS = {"full": (1, 1, 1, 1), "no value sums": (1, 1, 1, 0), "no scores": (0, 1, 1, 1),
+                 "softmax + weights only": (0, 1, 1, 0), "loop and scales only": (0, 0, 0, 0)}
+INT4_VARIANTS = {"full": (1, 1, 1, 1, 1), "no value sums": (1, 1, 1, 1, 0), "no key dots": (1, 0, 1, 1, 1),
+                 "no key factors, dots": (0, 0, 1, 1, 1), "no value factors, sums": (1, 1, 1, 0, 0),
+                 "loop and scales only": (0, 0, 0, 0, 0)}
+
+
+def int8_variant(SC, SM, QW, AC):
+    @numba.njit(parallel=True, **JIT)
+    def kern(k, v, ks, vs, q, bt, items, rest):
+        R = len(rest)
+        NI = items.shape[0]
+        Hkv, D, BS = k.shape[1], 4 * k.shape[2], k.shape[3]
+        G = q.shape[1] // Hkv
+        TL = max(d8.INT8_TILE // BS, 1) * BS
+        W = d8.W
+        region = D * BS
+        part_o = np.empty((NI, G, D), np.float32)
+        part_m = np.empty((NI, G), np.float32)
+        part_l = np.empty((NI, G), np.float32)
+        for it in prange(NI):
+            b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+            s = np.zeros((G, TL), np.float32)
+            wp = np.zeros((2, G, TL), np.uint8)
+            wsc = np.ones(G, np.float32)
+            vsc = np.empty(TL, np.float32)
+            qp = np.empty((2, G, D), np.int8)
+            qc = np.empty((2, G), np.int32)
+            qsc = np.empty(G, np.float32)
+            kbase = np.empty(TL // W, np.int64)
+            ksbase = np.empty(TL // W, np.int64)
+            pf = np.empty(TL // W, np.int64)
+            gbase = np.empty(TL // 4, np.int64)
+            m = np.full(G, NEG_INF, np.float32)
+            l = np.zeros(G, np.float32)
+            acc = np.zeros((G, D), np.float32)
+            d8._split_q(q[b, h * G:(h + 1) * G], qp, qc, qsc)
+            nbt = (t1 + BS - 1) // BS
+            t = t0
+            while t < t1:
+                n = min(TL, t1 - t)
+                nch, ngr = 0, 0
+                for i in range((n + BS - 1) // BS):
+                    bi = t // BS + i
+                    bh = bt[b, bi] * Hkv + h
+                    pbh = bt[b, bi + 1] * Hkv + h if bi + 1 < nbt else bh
+                    nt = min(BS, n - i * BS)
+                    for c in range((nt + W - 1) // W):
+                        kbase[nch] = bh * region + c * 4 * W
+                        ksbase[nch] = bh * BS + c * W
+                        pf[nch] = pbh * region + c * W * D
+                        nch += 1
+                    blk = bt[b, bi]
+                    for j in range(nt):
+                        vsc[i * BS + j] = vs[blk, h, j]
+                    for u in range((nt + 3) // 4):
+                        gbase[ngr] = bh * region + u * 4 * D
+                        ngr += 1
+                if SC:
+                    d8._scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
+                if SM:
+                    _softmax_tile(s, n, m, l, acc)
+                if QW:
+                    d8._split_weights(s, vsc, n, 4 * ngr, wp, wsc)
+                if AC:
+                    d8._values_heads(wp, wsc, v, gbase, ngr, acc, R)
+                t += n
+            _keep_partial(it, acc, m, l, part_o, part_m, part_l)
+        return part_o[0, 0, 0] + part_m[0, 0]
+    return kern
+
+
+def int4_variant(KF, DOT, SM, VF, AC):
+    @numba.njit(parallel=True, **JIT)
+    def kern(k, v, ks, kz, vs, vz, q, bt, items, rest):
+        R = len(rest)
+        NI = items.shape[0]
+        NB, Hkv, BS, Hb = k.shape
+        D = 2 * Hb
+        NG = D // INT4_GROUP
+        G = q.shape[1] // Hkv
+        TL = min(_tile_len(BS), d4.SUM_TOKENS)
+        TLV = -(-TL // VEC) * VEC
+        krows, vrows = k.reshape(NB * Hkv * BS, Hb), v.reshape(NB * Hkv * BS, Hb)
+        ks2, kz2 = ks.reshape(NB * Hkv, D), kz.reshape(NB * Hkv, D)
+        vs2, vz2 = vs.reshape(NB * Hkv * BS, NG), vz.reshape(NB * Hkv * BS, NG)
+        part_o = np.empty((NI, G, D), np.float32)
+        part_m = np.empty((NI, G), np.float32)
+        part_l = np.empty((NI, G), np.float32)
+        for it in prange(NI):
+            b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+            s = np.zeros((G, max(TL + DOT_TOKENS, TLV)), np.float32)
+            qn = np.empty((G, D), np.float32)
+            for g in range(G):
+                for d in range(D):
+                    qn[g, d] = q[b, h * G + g, d]
+            q16 = np.zeros((G, D), np.int16)
+            qsc = np.ones(G, np.float32)
+            qcon = np.zeros(G, np.float32)
+            vsc = np.empty((NG, TLV), np.float32)
+            vzr = np.empty((NG, TLV), np.float32)
+            w16 = np.zeros((G, NG, TLV), np.int16)
+            wsc = np.ones((G, NG), np.float32)
+            zsum = np.zeros((G, NG), np.float32)
+            rows = np.empty(TL, np.int64)
+            m = np.full(G, NEG_INF, np.float32)
+            l = np.zeros(G, np.float32)
+            acc = np.zeros((G, D), np.float32)
+            bi, off = t0 // BS, t0 % BS
+            t = t0
+            while t < t1:
+                n = min(TL, t1 - t)
+                u = 0
+                while u < n:
+                    blk = bt[b, bi]
+                    nb = min(BS - off, n - u)
+                    bh = blk * Hkv + h
+                    r0 = bh * BS + off
+                    nbi, noff = (bi + 1, 0) if off + nb == BS else (bi, off + nb)
+                    pr, pn = 0, 0
+                    if t + u + nb < t1:
+                        pbh = bt[b, nbi] * Hkv + h
+                        pr, pn = pbh * BS + noff, min(BS - noff, t1 - t - u - nb, nb)
+                    for j in range(nb):
+                        rows[u + j] = (r0 + j) * Hb
+                    if KF:
+                        d4._key_factors(qn, ks2, kz2, bh, q16, qsc, qcon, R)
+                    if DOT:
+                        d4._dots_rows_int4(q16, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn, R)
+                    d4._scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
+                    bi, off = nbi, noff
+                    u += nb
+                if SM:
+                    _softmax_tile(s, n, m, l, acc)
+                if VF:
+                    d4._value_factors(s, vsc, vzr, n, w16, wsc, zsum)
+                if AC:
+                    d4._accumulate_rows_int4(w16, wsc, zsum, vrows, rows, n, acc, R)
+                t += n
+            _keep_partial(it, acc, m, l, part_o, part_m, part_l)
+        return part_o[0, 0, 0] + part_m[0, 0]
+    return kern
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--dtypes", default="int8,int4")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    n, Hkv, D, BS, G = args.tokens, 8, 128, 16, 4
+    gen = torch.Generator().manual_seed(0)
+    numba.set_num_threads(args.threads)
+    lens = np.array([n], np.int64)
+    items, _ = dm._plan(lens, Hkv, dm.chunk_tokens(lens, Hkv, BS, args.threads))
+    bt = torch.randperm(n // BS, generator=gen).int()[None].numpy()
+    q = (torch.randn(1, Hkv * G, D, generator=gen) * 0.088).numpy()
+    print(f"{n} tokens in cache, {args.threads} thread(s), Hkv {Hkv}, G {G}, D {D}, block {BS}; "
+          f"ns per (token, kv head) × threads")
+    for dt in args.dtypes.split(","):
+        pool = HostKVPool(1, n // BS, Hkv, BS, D, KVDtype(dt))
+        for t in (pool.k, pool.v):
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+        a = pool.arrays
+        for name in ("k_scale", "v_scale", "k_zero", "v_zero"):
+            if name in a:
+                a[name][...] = np.float32(0.02) if a[name].dtype == np.float32 else np.uint16(0x3CA4)  # 0.02 as bf16
+        if dt == "int8":
+            variants, make = INT8_VARIANTS, int8_variant
+            kargs = (a["k"][0], a["v"][0], a["k_scale"][0], a["v_scale"][0], q, bt, items, rest_heads(G))
+        else:
+            variants, make = INT4_VARIANTS, int4_variant
+            kargs = (a["k"][0], a["v"][0], a["k_scale"][0], a["k_zero"][0], a["v_scale"][0], a["v_zero"][0], q, bt,
+                     items, rest_heads(G))
+        for name, flags in variants.items():
+            f = make(*flags)
+            t0 = time.perf_counter()
+            f(*kargs)
+            tc = time.perf_counter() - t0
+            ts = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                f(*kargs)
+                ts.append(time.perf_counter() - t0)
+            per = 1e9 * args.threads / (n * Hkv)
+            print(f"{dt} {name:>24}: {min(ts) * per:6.1f} ns (median {np.median(ts) * per:6.1f}; compile {tc:.0f} s)",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
