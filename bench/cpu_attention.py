@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from cpu_attention import HostKVPool, KVDtype, decode_attention, decode_attention_ref, physical_cores  # noqa: E402
 from cpu_attention import decode as decode_mod  # noqa: E402
+from cpu_attention import decode_int8 as int8_mod  # noqa: E402
 from cpu_attention._numba import dram_read_gbps  # noqa: E402
 
 SHAPES = ["1x32768", "16x4096"]
@@ -108,8 +109,9 @@ def pattern_read_gbps(pool: HostKVPool, bt: torch.Tensor, sl: torch.Tensor, thre
     """GB/s of a plain read of the K/V data (no scales) in the decode kernels' item order."""
     numba.set_num_threads(threads)
     NB, H, BS = pool.num_blocks, pool.num_kv_heads, pool.block_size
-    k = pool.k[0].view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
-    v = pool.v[0].view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
+    # a (block, head)'s bytes are contiguous in every dtype's layout: read them as BS rows of words
+    k = pool.k[0].reshape(NB, H, -1).view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
+    v = pool.v[0].reshape(NB, H, -1).view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
     sln = sl.numpy().astype(np.int64)
     items, _ = decode_mod._plan(sln, H, decode_mod.chunk_tokens(sln, H, BS, threads))
     btn = bt.numpy()
@@ -262,6 +264,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--shapes", nargs="*", default=SHAPES, help="BATCHxTOKENS runs to time (none: diagnostics only)")
     ap.add_argument("--dtypes", default="bf16,int8,int4", help="comma-separated KV dtypes to measure")
+    ap.add_argument("--int8-prefetch", default="", help="also time int8 with its K/V prefetched these many blocks "
+                    "ahead (comma-separated; the engine's: decode_int8.PREFETCH_BLOCKS)")
     args = ap.parse_args()
     dtypes = [KVDtype(d) for d in args.dtypes.split(",")]
     hs = Heads(*map(int, args.heads.split(",")), block=args.block_size)
@@ -309,6 +313,14 @@ def main() -> None:
             r["ratio_vs_dram"] = r["GBps"] / dram
             rows.append(r)
             log(json.dumps(r))
+    engine_ahead = int8_mod.PREFETCH_BLOCKS
+    for ahead in [int(x) for x in args.int8_prefetch.split(",") if x]:
+        int8_mod.PREFETCH_BLOCKS = ahead
+        for B, n in shapes:
+            r = bench_kernel(KVDtype.INT8, hs, B, n, threads, args.reps, gen)
+            log(f"int8 {B}x{n}, K/V prefetched {ahead} blocks ahead: {r['GBps']:.1f} GB/s, "
+                f"{r['GBps'] / dram:.2f} of DRAM")
+    int8_mod.PREFETCH_BLOCKS = engine_ahead
     log(f"numba threading layer: {_layer()}")
     log("")
     log(f"{'shape':>10} {'dtype':>5} {'ms':>7} {'GB/s':>6} {'DRAM':>6} {'ratio':>6}  torch twins (bf16)")

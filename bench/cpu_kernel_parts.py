@@ -31,16 +31,16 @@ from cpu_attention._simd import DOT_TOKENS, VEC  # noqa: E402
 from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len, rest_heads  # noqa: E402
 from cpu_attention.layout import INT4_GROUP  # noqa: E402
 
-INT8_VARIANTS = {"full": (1, 1, 1, 1), "no value sums": (1, 1, 1, 0), "no scores": (0, 1, 1, 1),
-                 "softmax + weights only": (0, 1, 1, 0), "loop and scales only": (0, 0, 0, 0)}
+INT8_VARIANTS = {"full": (1, 1, 1), "no value sums": (1, 1, 0), "no scores": (0, 1, 1),
+                 "softmax + weights only": (0, 1, 0), "loop and scales only": (0, 0, 0)}
 INT4_VARIANTS = {"full": (1, 1, 1, 1, 1), "no value sums": (1, 1, 1, 1, 0), "no key dots": (1, 0, 1, 1, 1),
                  "no key factors, dots": (0, 0, 1, 1, 1), "no value factors, sums": (1, 1, 1, 0, 0),
                  "loop and scales only": (0, 0, 0, 0, 0)}
 
 
-def int8_variant(SC, SM, QW, AC):
+def int8_variant(SC, SM, AC):
     @numba.njit(parallel=True, **JIT)
-    def kern(k, v, ks, vs, q, bt, items, rest):
+    def kern(k, v, ks, vs, q, bt, items, ahead, rest):
         R = len(rest)
         NI = items.shape[0]
         Hkv, D, BS = k.shape[1], 4 * k.shape[2], k.shape[3]
@@ -76,7 +76,7 @@ def int8_variant(SC, SM, QW, AC):
                 for i in range((n + BS - 1) // BS):
                     bi = t // BS + i
                     bh = bt[b, bi] * Hkv + h
-                    pbh = bt[b, bi + 1] * Hkv + h if bi + 1 < nbt else bh
+                    pbh = bt[b, bi + ahead] * Hkv + h if bi + ahead < nbt else bh
                     nt = min(BS, n - i * BS)
                     for c in range((nt + W - 1) // W):
                         kbase[nch] = bh * region + c * 4 * W
@@ -92,9 +92,7 @@ def int8_variant(SC, SM, QW, AC):
                 if SC:
                     d8._scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
                 if SM:
-                    _softmax_tile(s, n, m, l, acc)
-                if QW:
-                    d8._split_weights(s, vsc, n, 4 * ngr, wp, wsc)
+                    d8._softmax_split(s, vsc, n, 4 * ngr, m, l, acc, wp, wsc)
                 if AC:
                     d8._values_heads(wp, wsc, v, gbase, ngr, acc, R)
                 t += n
@@ -199,15 +197,18 @@ def main() -> None:
         for name in ("k_scale", "v_scale", "k_zero", "v_zero"):
             if name in a:
                 a[name][...] = np.float32(0.02) if a[name].dtype == np.float32 else np.uint16(0x3CA4)  # 0.02 as bf16
-        if dt == "int8":
-            variants, make = INT8_VARIANTS, int8_variant
-            kargs = (a["k"][0], a["v"][0], a["k_scale"][0], a["v_scale"][0], q, bt, items, rest_heads(G))
+        runs = []  # (name, kernel, its arguments)
+        if dt == "int8":  # every variant at the engine's prefetch distance, then the whole kernel at others
+            for name, flags in INT8_VARIANTS.items():
+                runs.append((name, int8_variant(*flags), d8.PREFETCH_BLOCKS))
+            runs += [(f"full, prefetch {p} blocks on", runs[0][1], p) for p in (1, 2, 8) if p != d8.PREFETCH_BLOCKS]
+            runs = [(nm, f, (a["k"][0], a["v"][0], a["k_scale"][0], a["v_scale"][0], q, bt, items, p, rest_heads(G)))
+                    for nm, f, p in runs]
         else:
-            variants, make = INT4_VARIANTS, int4_variant
             kargs = (a["k"][0], a["v"][0], a["k_scale"][0], a["k_zero"][0], a["v_scale"][0], a["v_zero"][0], q, bt,
                      items, rest_heads(G))
-        for name, flags in variants.items():
-            f = make(*flags)
+            runs = [(name, int4_variant(*flags), kargs) for name, flags in INT4_VARIANTS.items()]
+        for name, f, kargs in runs:
             t0 = time.perf_counter()
             f(*kargs)
             tc = time.perf_counter() - t0
@@ -217,7 +218,7 @@ def main() -> None:
                 f(*kargs)
                 ts.append(time.perf_counter() - t0)
             per = 1e9 * args.threads / (n * Hkv)
-            print(f"{dt} {name:>24}: {min(ts) * per:6.1f} ns (median {np.median(ts) * per:6.1f}; compile {tc:.0f} s)",
+            print(f"{dt} {name:>28}: {min(ts) * per:6.1f} ns (median {np.median(ts) * per:6.1f}; compile {tc:.0f} s)",
                   flush=True)
 
 

@@ -4,7 +4,7 @@ block size), built from `decode_tiles`' steps.
 
 Both scores and value sums are exact integer sums (`_simd_vnni`): q rounded to 16 bits per head
 and split in two signed bytes (`_split_q`); a tile's softmax weights times the value token
-scales rounded to 16 bits per head and split in two unsigned bytes (`_split_weights`). The
+scales rounded to 16 bits and split in two unsigned bytes (`_softmax_split`). The
 key token scales multiply the scores, W tokens a vector, inside the score kernel. K and V are
 stored rotated (`layout.py`): `decode_attention` rotates q before the kernel and the output
 back after it, the kernel never sees R.
@@ -15,18 +15,19 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, f32_to_bits
+from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits
 from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
-from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _keep_partial, _next_tile, _softmax_tile, merge_items,
-)
+from cpu_attention.decode_tiles import NEG_INF, TILE, _keep_partial, _next_tile, _row_max, _softmax_tile, merge_items
 
 _SC1, _SC2, _SC3, _SC4 = (make_scores(ng) for ng in (1, 2, 3, 4))
 _VA1, _VA2, _VA3, _VA4 = (make_values(ng) for ng in (1, 2, 3, 4))
 W = W_LANES  # tokens a score chunk, channels a value chunk
 INT8_TILE = 128  # tokens an online-softmax step (whole blocks)
+# blocks ahead of the one being scored whose K and V are prefetched: a block is scored in ~40 ns
+# on the GPU host, and one block ahead left every load waiting on its L3 (bench/RESULTS.md)
+PREFETCH_BLOCKS = 4
 Q16 = np.float32(32000.0)  # levels of a quantized query's largest element: hi = (x + 128) >> 8 stays in int8
-W16 = np.float32(65000.0)  # levels of a tile's largest weight: both bytes of it in uint8
+W16 = np.float32(65000.0)  # levels of the largest weight a tile can hold (p <= 1 times its largest V scale)
 TINY = np.float32(1e-30)  # below this a row's 16-bit scale (max / levels) would leave float32's normal range
 
 
@@ -57,28 +58,42 @@ def _split_q(qh, qp, qc, qsc):
 
 
 @numba.njit(inline="always", **JIT)
-def _split_weights(p, vsc, n, npad, wp, wsc):
-    """x = round(p[g, j] vsc[j] / wsc[g]) for j < n, wsc[g] = max_j p[g, j] vsc[j] / W16, as
-    x = 256 hi + lo in wp[0, g, j], wp[1, g, j] (uint8); zeros for n <= j < npad. A tile's
-    softmax weights times the value token scales to 16 bits per head for the integer value sums."""
-    G = p.shape[0]
+def _softmax_split(s, vsc, n, npad, m, l, acc, wp, wsc):
+    """The online softmax step of `_softmax_tile` over a tile's n scores s [G, :n], its weights
+    p (<= 1: m is at least the tile's max) times the value token scales written straight as
+    x = round(p[g, j] vsc[j] / wsc) = 256 hi + lo, wp[0, g, j] = hi, wp[1, g, j] = lo (uint8;
+    zeros for n <= j < npad), wsc = max_j vsc[j] / W16 for every head: 16 bits against the
+    largest weight a tile can hold, which is what the output's error is relative to (the sum
+    of weights is >= 1), in one pass over s and no max over the weights."""
+    G, D = acc.shape
+    vmax = np.uint32(0)
+    for j in range(n):  # scales are >= 0: their bits order as they do
+        vmax = max(vmax, f32_to_bits(vsc[j]))
+    wmax = bits_to_f32(vmax)
+    sc = wmax / W16 if wmax > TINY else np.float32(1.0)
+    inv = np.float32(1.0) / sc
     for g in range(G):
-        mx = np.uint32(0)
-        for j in range(n):  # the weights are >= 0, so their bits order as they do: a max that vectorizes
-            mx = max(mx, f32_to_bits(p[g, j] * vsc[j]))
-        wmax = bits_to_f32(mx)
-        # a tile ~70 below the running max (or empty): weights of 1e-30 and less become 0 rather
-        # than scaled by an overflowing 1 / wsc
-        sc = wmax / W16 if wmax > TINY else np.float32(1.0)
-        wsc[g] = sc
-        inv = np.float32(1.0) / sc
+        sg = s[g]
+        mx = _row_max(sg, n)
+        if mx > m[g]:
+            corr = exp_neg(m[g] - mx)  # 0 while m is -inf
+            l[g] *= corr
+            for d in range(D):
+                acc[g, d] *= corr
+            m[g] = mx
+        mg = m[g]
+        tot = np.float32(0.0)
         for j in range(n):
-            x = np.int32(np.rint(p[g, j] * vsc[j] * inv))
+            p = exp_neg(sg[j] - mg)
+            tot += p
+            x = np.int32(np.rint(p * vsc[j] * inv))
             wp[0, g, j] = np.uint8(x >> np.int32(8))
             wp[1, g, j] = np.uint8(x & np.int32(255))
         for j in range(n, npad):
             wp[0, g, j] = 0
             wp[1, g, j] = 0
+        l[g] += tot
+        wsc[g] = sc
 
 
 @numba.njit(inline="always", **JIT)
@@ -114,11 +129,12 @@ def _values_heads(wp, wsc, v, gbase, ngr, acc, R):
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, rest):
+def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, ahead, rest):
     """k [NB, Hkv, D/4, BS, 4], v [NB, Hkv, BS/4, D, 4] int8 (the VNNI order, `layout.py`); ks,
     vs [NB, Hkv, BS] f32; rest as decode_float. A tile of whole blocks at a time: its scores
-    W tokens a vector (`make_scores`, the next block's K and V prefetched meanwhile), the
-    online softmax, the weights in 16 bits (`_split_weights`), the value sums (`make_values`).
+    W tokens a vector (`make_scores`; meanwhile the K and V of the block `ahead` blocks on are
+    prefetched, `PREFETCH_BLOCKS`), the online softmax with the weights in 16 bits
+    (`_softmax_split`), the value sums (`make_values`).
     BS % W == 0 and D % W == 0 (else `decode_int8_any`); items start at block boundaries."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
@@ -154,7 +170,7 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, rest):
             for i in range((n + BS - 1) // BS):
                 bi = t // BS + i
                 bh = bt[b, bi] * Hkv + h  # (block, head) index: its keys and values are bytes bh·region on
-                pbh = bt[b, bi + 1] * Hkv + h if bi + 1 < nbt else bh  # the block after it: prefetched
+                pbh = bt[b, bi + ahead] * Hkv + h if bi + ahead < nbt else bh  # prefetched meanwhile
                 nt = min(BS, n - i * BS)
                 for c in range((nt + W - 1) // W):
                     kbase[nch] = bh * region + c * 4 * W
@@ -168,8 +184,7 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, rest):
                     gbase[ngr] = bh * region + u * 4 * D
                     ngr += 1
             _scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
-            _softmax_tile(s, n, m, l, acc)
-            _split_weights(s, vsc, n, 4 * ngr, wp, wsc)
+            _softmax_split(s, vsc, n, 4 * ngr, m, l, acc, wp, wsc)
             _values_heads(wp, wsc, v, gbase, ngr, acc, R)
             t += n
         _keep_partial(it, acc, m, l, part_o, part_m, part_l)
