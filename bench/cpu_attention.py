@@ -264,8 +264,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--shapes", nargs="*", default=SHAPES, help="BATCHxTOKENS runs to time (none: diagnostics only)")
     ap.add_argument("--dtypes", default="bf16,int8,int4", help="comma-separated KV dtypes to measure")
-    ap.add_argument("--int8-prefetch", default="", help="also time int8 with its K/V prefetched these many blocks "
-                    "ahead (comma-separated; the engine's: decode_int8.PREFETCH_BLOCKS)")
+    ap.add_argument("--int8-sweep", default="", help="also time int8 at these TILE:AHEAD pairs, comma-separated: tile "
+                    "tokens and blocks prefetched ahead (the engine's: decode_int8.INT8_TILE, PREFETCH_BLOCKS)")
     args = ap.parse_args()
     dtypes = [KVDtype(d) for d in args.dtypes.split(",")]
     hs = Heads(*map(int, args.heads.split(",")), block=args.block_size)
@@ -313,14 +313,17 @@ def main() -> None:
             r["ratio_vs_dram"] = r["GBps"] / dram
             rows.append(r)
             log(json.dumps(r))
-    engine_ahead = int8_mod.PREFETCH_BLOCKS
-    for ahead in [int(x) for x in args.int8_prefetch.split(",") if x]:
-        int8_mod.PREFETCH_BLOCKS = ahead
+    engine = int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS
+    for pair in [x for x in args.int8_sweep.split(",") if x]:
+        int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS = map(int, pair.split(":"))
+        _, gb = in_cache(KVDtype.INT8, hs, threads, 8192, gen)
+        log(f"int8 in cache (1 x 8192), tile {int8_mod.INT8_TILE}, prefetch {int8_mod.PREFETCH_BLOCKS} blocks ahead: "
+            f"{gb:.1f} GB/s on {threads} threads")
         for B, n in shapes:
             r = bench_kernel(KVDtype.INT8, hs, B, n, threads, args.reps, gen)
-            log(f"int8 {B}x{n}, K/V prefetched {ahead} blocks ahead: {r['GBps']:.1f} GB/s, "
-                f"{r['GBps'] / dram:.2f} of DRAM")
-    int8_mod.PREFETCH_BLOCKS = engine_ahead
+            log(f"int8 {B}x{n}, tile {int8_mod.INT8_TILE}, K/V prefetched {int8_mod.PREFETCH_BLOCKS} blocks ahead: "
+                f"{r['GBps']:.1f} GB/s, {r['GBps'] / dram:.2f} of DRAM (best {r['bytes_per_call'] / r['ms_best'] / 1e6:.1f})")
+    int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS = engine
     log(f"numba threading layer: {_layer()}")
     log("")
     log(f"{'shape':>10} {'dtype':>5} {'ms':>7} {'GB/s':>6} {'DRAM':>6} {'ratio':>6}  torch twins (bf16)")

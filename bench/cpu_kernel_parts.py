@@ -25,7 +25,7 @@ from numba import prange  # noqa: E402
 from cpu_attention import HostKVPool, KVDtype  # noqa: E402
 from cpu_attention import decode as dm  # noqa: E402
 from cpu_attention import decode_int4 as d4  # noqa: E402
-from cpu_attention._numba import JIT  # noqa: E402
+from cpu_attention._numba import JIT, prefetch  # noqa: E402
 from cpu_attention import decode_int8 as d8  # noqa: E402
 from cpu_attention._simd import DOT_TOKENS, VEC  # noqa: E402
 from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len, rest_heads  # noqa: E402
@@ -40,12 +40,12 @@ INT4_VARIANTS = {"full": (1, 1, 1, 1, 1), "no value sums": (1, 1, 1, 1, 0), "no 
 
 def int8_variant(SC, SM, AC):
     @numba.njit(parallel=True, **JIT)
-    def kern(k, v, ks, vs, q, bt, items, ahead, rest):
+    def kern(k, v, ks, vs, q, bt, items, tile, ahead, rest):
         R = len(rest)
         NI = items.shape[0]
         Hkv, D, BS = k.shape[1], 4 * k.shape[2], k.shape[3]
         G = q.shape[1] // Hkv
-        TL = max(d8.INT8_TILE // BS, 1) * BS
+        TL = max(tile // BS, 1) * BS
         W = d8.W
         region = D * BS
         part_o = np.empty((NI, G, D), np.float32)
@@ -78,6 +78,9 @@ def int8_variant(SC, SM, AC):
                     bh = bt[b, bi] * Hkv + h
                     pbh = bt[b, bi + ahead] * Hkv + h if bi + ahead < nbt else bh
                     nt = min(BS, n - i * BS)
+                    for x in range(0, BS, 16):  # its token scales too (a line is 16 of them)
+                        prefetch(ks, pbh * BS + x)
+                        prefetch(vs, pbh * BS + x)
                     for c in range((nt + W - 1) // W):
                         kbase[nch] = bh * region + c * 4 * W
                         ksbase[nch] = bh * BS + c * W
@@ -202,7 +205,8 @@ def main() -> None:
             for name, flags in INT8_VARIANTS.items():
                 runs.append((name, int8_variant(*flags), d8.PREFETCH_BLOCKS))
             runs += [(f"full, prefetch {p} blocks on", runs[0][1], p) for p in (1, 2, 8) if p != d8.PREFETCH_BLOCKS]
-            runs = [(nm, f, (a["k"][0], a["v"][0], a["k_scale"][0], a["v_scale"][0], q, bt, items, p, rest_heads(G)))
+            runs = [(nm, f, (a["k"][0], a["v"][0], a["k_scale"][0], a["v_scale"][0], q, bt, items, d8.INT8_TILE, p,
+                             rest_heads(G)))
                     for nm, f, p in runs]
         else:
             kargs = (a["k"][0], a["v"][0], a["k_scale"][0], a["k_zero"][0], a["v_scale"][0], a["v_zero"][0], q, bt,

@@ -142,7 +142,7 @@ class DecodeWork:
             args = (a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
                     on, ln)
             if D % INT8_W == 0 and pool.block_size % INT8_W == 0:
-                decode_int8(*args, int8_mod.PREFETCH_BLOCKS, rest_heads(G))
+                decode_int8(*args, int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS, rest_heads(G))
             else:
                 decode_int8_any(*args)
             unrotate_rows(on.reshape(-1, D), *rot)

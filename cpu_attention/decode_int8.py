@@ -15,7 +15,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits
+from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, prefetch
 from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
 from cpu_attention.decode_tiles import NEG_INF, TILE, _keep_partial, _next_tile, _row_max, _softmax_tile, merge_items
 
@@ -129,9 +129,10 @@ def _values_heads(wp, wsc, v, gbase, ngr, acc, R):
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, ahead, rest):
+def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, rest):
     """k [NB, Hkv, D/4, BS, 4], v [NB, Hkv, BS/4, D, 4] int8 (the VNNI order, `layout.py`); ks,
-    vs [NB, Hkv, BS] f32; rest as decode_float. A tile of whole blocks at a time: its scores
+    vs [NB, Hkv, BS] f32; rest as decode_float. A tile of whole blocks (about `tile` tokens,
+    `INT8_TILE`) at a time: its scores
     W tokens a vector (`make_scores`; meanwhile the K and V of the block `ahead` blocks on are
     prefetched, `PREFETCH_BLOCKS`), the online softmax with the weights in 16 bits
     (`_softmax_split`), the value sums (`make_values`).
@@ -140,7 +141,7 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, ahead, rest):
     NI = items.shape[0]
     Hkv, D, BS = k.shape[1], 4 * k.shape[2], k.shape[3]
     G = q.shape[1] // Hkv
-    TL = max(INT8_TILE // BS, 1) * BS
+    TL = max(tile // BS, 1) * BS
     region = D * BS  # bytes of one (block, head)'s keys, and of its values
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
@@ -172,6 +173,9 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, ahead, rest):
                 bh = bt[b, bi] * Hkv + h  # (block, head) index: its keys and values are bytes bh·region on
                 pbh = bt[b, bi + ahead] * Hkv + h if bi + ahead < nbt else bh  # prefetched meanwhile
                 nt = min(BS, n - i * BS)
+                for x in range(0, BS, 16):  # its token scales too (a line is 16 of them)
+                    prefetch(ks, pbh * BS + x)
+                    prefetch(vs, pbh * BS + x)
                 for c in range((nt + W - 1) // W):
                     kbase[nch] = bh * region + c * 4 * W
                     ksbase[nch] = bh * BS + c * W

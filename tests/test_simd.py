@@ -1,8 +1,10 @@
-"""The decode kernels' vector micro-kernels (`cpu_attention._simd`) against numpy (CPU, CI).
+"""The decode kernels' vector micro-kernels (`cpu_attention._simd`, `_simd_vnni`, `_simd_int4`)
+against numpy (CPU, CI).
 
 Each runs at this host's shapes and at the AVX-512 host's (16 float lanes, 4 tokens a score
-pass, 4 vectors an accumulator pass, pmaddwd of 16 int32 lanes): the IR is generic vectors,
-so the wide shapes run here too (split into this CPU's registers, pmaddwd as plain IR).
+pass, 4 vectors an accumulator pass, pmaddwd of 16 int32 lanes; int8's vpdpbusd as this
+host's instruction and as plain IR at 16 and 8 lanes): the IR is generic vectors, so the wide
+shapes run here too (split into this CPU's registers, pmaddwd and vpdpbusd as plain IR).
 """
 from __future__ import annotations
 
@@ -401,7 +403,7 @@ for path in sys.argv[2:]:
 @pytest.mark.slow
 def test_decode_at_avx512_shapes(tmp_path):
     """The decode kernels at the AVX-512 host's shapes (16 lanes, 4 tokens a score pass, 4
-    accumulator vectors, int8's and int4's pmaddwd of 16 int32 lanes as plain IR), run here
+    accumulator vectors, int4's pmaddwd and int8's vpdpbusd of 16 int32 lanes as plain IR), run here
     against their float64 references in a fresh process (its own Numba cache: the shapes are
     constants compiled in): the layouts, tails and remainders those shapes take, which the
     micro-kernel tests above do not reach. The pools and references are made here (the pool
