@@ -25,7 +25,7 @@ from numba import prange  # noqa: E402
 from cpu_attention import HostKVPool, KVDtype  # noqa: E402
 from cpu_attention import decode as dm  # noqa: E402
 from cpu_attention import decode_int4 as d4  # noqa: E402
-from cpu_attention._numba import JIT, prefetch  # noqa: E402
+from cpu_attention._numba import JIT  # noqa: E402
 from cpu_attention import decode_int8 as d8  # noqa: E402
 from cpu_attention._simd import DOT_TOKENS, VEC  # noqa: E402
 from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len, rest_heads  # noqa: E402
@@ -46,52 +46,23 @@ def int8_variant(SC, SM, AC):
         Hkv, D, BS = k.shape[1], 4 * k.shape[2], k.shape[3]
         G = q.shape[1] // Hkv
         TL = max(tile // BS, 1) * BS
-        W = d8.W
-        region = D * BS
         part_o = np.empty((NI, G, D), np.float32)
         part_m = np.empty((NI, G), np.float32)
         part_l = np.empty((NI, G), np.float32)
         for it in prange(NI):
             b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-            s = np.zeros((G, TL), np.float32)
-            wp = np.zeros((2, G, TL), np.uint8)
-            wsc = np.ones(G, np.float32)
-            vsc = np.empty(TL, np.float32)
-            qp = np.empty((2, G, D), np.int8)
-            qc = np.empty((2, G), np.int32)
-            qsc = np.empty(G, np.float32)
-            kbase = np.empty(TL // W, np.int64)
-            ksbase = np.empty(TL // W, np.int64)
-            pf = np.empty(TL // W, np.int64)
-            gbase = np.empty(TL // 4, np.int64)
+            s, wp, wsc, vsc, qp, qc, qsc, kbase, ksbase, pf, gbase = d8._buffers(G, D, TL)
+            s[:] = 0  # steps left out leave their outputs defined
+            wp[:] = 0
+            wsc[:] = 1
             m = np.full(G, NEG_INF, np.float32)
             l = np.zeros(G, np.float32)
             acc = np.zeros((G, D), np.float32)
             d8._split_q(q[b, h * G:(h + 1) * G], qp, qc, qsc)
-            nbt = (t1 + BS - 1) // BS
             t = t0
             while t < t1:
                 n = min(TL, t1 - t)
-                nch, ngr = 0, 0
-                for i in range((n + BS - 1) // BS):
-                    bi = t // BS + i
-                    bh = bt[b, bi] * Hkv + h
-                    pbh = bt[b, bi + ahead] * Hkv + h if bi + ahead < nbt else bh
-                    nt = min(BS, n - i * BS)
-                    for x in range(0, BS, 16):  # its token scales too (a line is 16 of them)
-                        prefetch(ks, pbh * BS + x)
-                        prefetch(vs, pbh * BS + x)
-                    for c in range((nt + W - 1) // W):
-                        kbase[nch] = bh * region + c * 4 * W
-                        ksbase[nch] = bh * BS + c * W
-                        pf[nch] = pbh * region + c * W * D
-                        nch += 1
-                    blk = bt[b, bi]
-                    for j in range(nt):
-                        vsc[i * BS + j] = vs[blk, h, j]
-                    for u in range((nt + 3) // 4):
-                        gbase[ngr] = bh * region + u * 4 * D
-                        ngr += 1
+                nch, ngr = d8._tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gbase, vsc)
                 if SC:
                     d8._scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
                 if SM:

@@ -128,6 +128,50 @@ def _values_heads(wp, wsc, v, gbase, ngr, acc, R):
         _VA1(wp, wsc, v, gbase, ngr, acc, g)
 
 
+@numba.njit(inline="always", **JIT)
+def _buffers(G, D, TL):
+    """A work item's scratch for tiles of up to TL tokens: s [G, TL] scores, wp [2, G, TL] and wsc
+    [G] the weights' pieces and scale, vsc [TL] value token scales, qp [2, G, D], qc [2, G], qsc
+    [G] q's pieces, starts and scales (`_split_q`), and the tile's addresses (`_tile_addresses`)."""
+    return (np.empty((G, TL), np.float32), np.empty((2, G, TL), np.uint8), np.empty(G, np.float32),
+            np.empty(TL, np.float32), np.empty((2, G, D), np.int8), np.empty((2, G), np.int32),
+            np.empty(G, np.float32), np.empty(TL // W, np.int64), np.empty(TL // W, np.int64),
+            np.empty(TL // W, np.int64), np.empty(TL // 4, np.int64))
+
+
+@numba.njit(inline="always", **JIT)
+def _tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gbase, vsc):
+    """Where the tile of tokens t .. t+n-1 (whole blocks from t; t1: the item's end) of sequence
+    b, kv head h lies, for `make_scores` and `make_values`: per chunk of W tokens its keys' byte
+    offset kbase, its scales' offset ksbase and the offset pf of the block `ahead` blocks on
+    (prefetched meanwhile; its token scales are prefetched here); per group of 4 tokens its
+    values' byte offset gbase; the value token scales copied to vsc. Returns (chunks, groups)."""
+    Hkv, BS = ks.shape[1], ks.shape[2]
+    region = D * BS  # bytes of one (block, head)'s keys, and of its values
+    nbt = (t1 + BS - 1) // BS
+    nch, ngr = 0, 0
+    for i in range((n + BS - 1) // BS):
+        bi = t // BS + i
+        blk = bt[b, bi]
+        bh = blk * Hkv + h  # (block, head): its keys and values are the bytes from bh · region
+        pbh = bt[b, bi + ahead] * Hkv + h if bi + ahead < nbt else bh
+        for x in range(0, BS, 16):  # a line holds 16 token scales
+            prefetch(ks, pbh * BS + x)
+            prefetch(vs, pbh * BS + x)
+        nt = min(BS, n - i * BS)
+        for c in range((nt + W - 1) // W):
+            kbase[nch] = bh * region + c * 4 * W
+            ksbase[nch] = bh * BS + c * W
+            pf[nch] = pbh * region + c * W * D
+            nch += 1
+        for j in range(nt):
+            vsc[i * BS + j] = vs[blk, h, j]
+        for u in range((nt + 3) // 4):
+            gbase[ngr] = bh * region + u * 4 * D
+            ngr += 1
+    return nch, ngr
+
+
 @numba.njit(parallel=True, **JIT)
 def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, rest):
     """k [NB, Hkv, D/4, BS, 4], v [NB, Hkv, BS/4, D, 4] int8 (the VNNI order, `layout.py`); ks,
@@ -142,51 +186,20 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, r
     Hkv, D, BS = k.shape[1], 4 * k.shape[2], k.shape[3]
     G = q.shape[1] // Hkv
     TL = max(tile // BS, 1) * BS
-    region = D * BS  # bytes of one (block, head)'s keys, and of its values
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
     for it in prange(NI):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-        s = np.empty((G, TL), np.float32)
-        wp = np.empty((2, G, TL), np.uint8)
-        wsc = np.empty(G, np.float32)
-        vsc = np.empty(TL, np.float32)
-        qp = np.empty((2, G, D), np.int8)
-        qc = np.empty((2, G), np.int32)
-        qsc = np.empty(G, np.float32)
-        kbase = np.empty(TL // W, np.int64)
-        ksbase = np.empty(TL // W, np.int64)
-        pf = np.empty(TL // W, np.int64)
-        gbase = np.empty(TL // 4, np.int64)
+        s, wp, wsc, vsc, qp, qc, qsc, kbase, ksbase, pf, gbase = _buffers(G, D, TL)
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
         _split_q(q[b, h * G:(h + 1) * G], qp, qc, qsc)
-        nbt = (t1 + BS - 1) // BS  # blocks of the item's tokens: t1 is the end of the range
         t = t0
         while t < t1:
             n = min(TL, t1 - t)
-            nch, ngr = 0, 0
-            for i in range((n + BS - 1) // BS):
-                bi = t // BS + i
-                bh = bt[b, bi] * Hkv + h  # (block, head) index: its keys and values are bytes bh·region on
-                pbh = bt[b, bi + ahead] * Hkv + h if bi + ahead < nbt else bh  # prefetched meanwhile
-                nt = min(BS, n - i * BS)
-                for x in range(0, BS, 16):  # its token scales too (a line is 16 of them)
-                    prefetch(ks, pbh * BS + x)
-                    prefetch(vs, pbh * BS + x)
-                for c in range((nt + W - 1) // W):
-                    kbase[nch] = bh * region + c * 4 * W
-                    ksbase[nch] = bh * BS + c * W
-                    pf[nch] = pbh * region + c * W * D
-                    nch += 1
-                blk = bt[b, bi]
-                for j in range(nt):
-                    vsc[i * BS + j] = vs[blk, h, j]
-                for u in range((nt + 3) // 4):
-                    gbase[ngr] = bh * region + u * 4 * D
-                    ngr += 1
+            nch, ngr = _tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gbase, vsc)
             _scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
             _softmax_split(s, vsc, n, 4 * ngr, m, l, acc, wp, wsc)
             _values_heads(wp, wsc, v, gbase, ngr, acc, R)
