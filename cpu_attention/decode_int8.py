@@ -23,8 +23,8 @@ _SC1, _SC2, _SC3, _SC4 = (make_scores(ng) for ng in (1, 2, 3, 4))
 _VA1, _VA2, _VA3, _VA4 = (make_values(ng) for ng in (1, 2, 3, 4))
 W = W_LANES  # tokens a score chunk, channels a value chunk
 INT8_TILE = 128  # tokens an online-softmax step (whole blocks)
-# blocks ahead of the one being scored whose K and V are prefetched: a block is scored in ~40 ns
-# on the GPU host, and one block ahead left every load waiting on its L3 (bench/RESULTS.md)
+# blocks ahead of the one being scored whose K, V and token scales are prefetched (1, 2, 4 and 8
+# measured on the GPU host: none stood out of the run-to-run spread, bench/RESULTS.md)
 PREFETCH_BLOCKS = 4
 Q16 = np.float32(32000.0)  # levels of a quantized query's largest element: hi = (x + 128) >> 8 stays in int8
 W16 = np.float32(65000.0)  # levels of the largest weight a tile can hold (p <= 1 times its largest V scale)
