@@ -88,15 +88,16 @@ def test_streamed_quantized_host_kv_matches_cpu_attention(tiny, kv):
     assert len(e.runner.streamer.blocks) == 8
 
 
-@pytest.mark.parametrize("kv", [KVDtype.INT8, KVDtype.INT4])
-def test_streamer_dequantizes_like_the_cpu_kernel(kv):
+@pytest.mark.parametrize("kv,BS", [(KVDtype.INT8, 8), (KVDtype.INT8, 6), (KVDtype.INT4, 8)])
+def test_streamer_dequantizes_like_the_cpu_kernel(kv, BS):
     """The streamer's device-side path for pools that store K or V rotated (int8: both, q
     rotated in and the output back; int4: keys per channel and block, values left rotated and
     the output rotated back) on the CPU stand-in: the CPU kernel's result over the same
     complete blocks, within the bf16 staging's rounding; int4: a block still being filled is
-    refused."""
+    refused. int8 with BS % 4 == 0 is multiplied straight into views of the slot in the codes'
+    VNNI order, with another BS through `dequantize_blocks`."""
     gen = torch.Generator().manual_seed(4)
-    L, H, BS, D = 2, 2, 8, 64
+    L, H, D = 2, 2, 64
     host = HostKVPool(L, 6, H, BS, D, kv)
     n = 3 * BS + 5  # three complete blocks and one being filled
     k = torch.randn(n, H, D, generator=gen) + 3 * torch.randn(D, generator=gen)  # channel offsets
