@@ -50,7 +50,7 @@ def _dpbusd(builder, acc, a, b, name):
     W = acc.type.count
     i8v, i32w = ir.VectorType(ir.IntType(8), 4 * W), ir.VectorType(ir.IntType(32), 4 * W)
     p = builder.mul(builder.zext(builder.bitcast(a, i8v), i32w), builder.sext(builder.bitcast(b, i8v), i32w))
-    for k in (2, 1):  # sum adjacent pairs twice: 4W products → W sums of 4
+    for _ in range(2):  # sum adjacent pairs twice: 4W products → W sums of 4
         n = p.type.count // 2
         ev = ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(0, 2 * n, 2)))
         od = ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(1, 2 * n, 2)))
