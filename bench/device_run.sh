@@ -4,7 +4,8 @@
 # tests:   the GPU tests (default: offload + gpu_ops)
 # attn:    bench/cpu_attention.py for bf16 and int8, first as the engine runs it, then again with
 #          Numba's default CPU features (256-bit vectors on AVX-512 Xeons): the A/B of 512-bit vectors
-#          (ATTN_AB=0: the first only; ATTN_JIT=1: with the first-call JIT times)
+#          (ATTN_AB=0: the first only; ATTN_JIT=1: with the first-call JIT times; ATTN_ARGS passed through,
+#          e.g. "--threads 8 --int8-sweep 64:2,128:4")
 # gpudecode: bench/gpu_decode.py (all-GPU decode and prefill, per-linear NF4 kernels; GPUDECODE_ARGS="--only b1")
 # mma:     bench/nf4_mma.py (the W4A16 tensor-core kernel's sweep at 4-64 rows vs bitsandbytes; MMA_ARGS passed through)
 # trace:   bench/step_trace.py for each of TRACE (workload names, "_" for spaces; needs the offload stage's profile)
@@ -56,7 +57,7 @@ for stage in $STAGES; do
     attn)
       mkdir -p "$OUT/attn512" "$OUT/attn256"  # ATTN_AB=0: only the engine's own settings
       jit=--no-jit; [ "${ATTN_JIT:-0}" = 1 ] && jit=  # ATTN_JIT=1: also the first-call JIT times (fresh processes)
-      timeout 320 python3 bench/cpu_attention.py $jit --reps 10 --dtypes ${ATTN_DTYPES:-bf16,int8} --out "$OUT/attn512" \
+      timeout 320 python3 bench/cpu_attention.py $jit --reps 10 --dtypes ${ATTN_DTYPES:-bf16,int8} ${ATTN_ARGS:-} --out "$OUT/attn512" \
         > "$OUT/attn512/stdout.log" 2>&1; tail -6 "$OUT/attn512/stdout.log"
       [ "${ATTN_AB:-1}" = 1 ] || continue
       host=$(python3 -c "from numba.core.codegen import get_host_cpu_features as f; print(f())")
