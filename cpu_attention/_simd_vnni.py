@@ -70,6 +70,15 @@ def _at(builder, arr, index):
     return builder.load(builder.gep(arr.data, [index], inbounds=True))
 
 
+def _piece_splats(builder, arr, rows, at, W):
+    """For each head i and piece p, the 4 bytes at element rows[i][p] + at of arr (int8 / uint8
+    pieces, `_split_q`'s or `_softmax_split`'s) as one 32-bit lane splat over W lanes."""
+    ir, _ = _ir()
+    i32 = ir.IntType(32)
+    return [[_splat(builder, builder.load(_ptr(builder, arr.data, builder.add(r, at), i32), align=1), W) for r in row]
+            for row in rows]
+
+
 def _fold_pieces(builder, hi, lo):
     """256 hi + lo of two <W x i32> integer sums, as float32 (one rounding)."""
     ir, cgutils = _ir()
@@ -115,13 +124,11 @@ def _scores_codegen(ng, W, name):
                     at = builder.add(pb[t], builder.mul(dg, intp(4 * W)))
                     for arr in (k, v):
                         builder.call(pref, [_ptr(builder, arr.data, at, ir.IntType(8)), i32(0), i32(2), i32(1)])  # to L2
+                qv = _piece_splats(builder, qp, qrow, builder.mul(dg, intp(4)), W)
                 for i in range(ng):
                     for p in range(2):
-                        w = builder.load(_ptr(builder, qp.data, builder.add(qrow[i][p], builder.mul(dg, intp(4))), i32),
-                                         align=1)
-                        wv = _splat(builder, w, W)
                         for t in range(T):
-                            builder.store(_dpbusd(builder, builder.load(regs[i][p][t]), xs[t], wv, name),
+                            builder.store(_dpbusd(builder, builder.load(regs[i][p][t]), xs[t], qv[i][p], name),
                                           regs[i][p][t])
             for t in range(T):
                 ksc = builder.load(_ptr(builder, ks.data, builder.mul(_at(builder, ksbase, builder.add(c, intp(t))),
@@ -176,7 +183,7 @@ def _values_codegen(ng, C, W, name):
         intp = context.get_value_type(types.intp)
         G, NP = builder.extract_value(wp.shape, 1), builder.extract_value(wp.shape, 2)
         D = builder.extract_value(acc.shape, 1)
-        i32, i32v, f32v = ir.IntType(32), ir.VectorType(ir.IntType(32), W), ir.VectorType(ir.FloatType(), W)
+        i32v, f32v = ir.VectorType(ir.IntType(32), W), ir.VectorType(ir.FloatType(), W)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), f"llvm.fmuladd.v{W}f32")
         heads = [builder.add(g, intp(i)) for i in range(ng)]
         wrow = [[builder.mul(builder.add(builder.mul(intp(p), G), heads[i]), NP) for p in range(2)] for i in range(ng)]
@@ -192,13 +199,12 @@ def _values_codegen(ng, C, W, name):
                 base = builder.add(_at(builder, gbase, u), builder.mul(c0, intp(4)))
                 xs = [builder.load(_ptr(builder, v.data, builder.add(base, intp(4 * W * c)), i32v), align=1)
                       for c in range(cc)]
+                wv = _piece_splats(builder, wp, wrow, builder.mul(u, intp(4)), W)
                 for i in range(ng):
                     for p in range(2):
-                        w = builder.load(_ptr(builder, wp.data, builder.add(wrow[i][p], builder.mul(u, intp(4))), i32),
-                                         align=1)
-                        wv = _splat(builder, w, W)
                         for c in range(cc):
-                            builder.store(_dpbusd(builder, builder.load(regs[i][p][c]), wv, xs[c], name), regs[i][p][c])
+                            builder.store(_dpbusd(builder, builder.load(regs[i][p][c]), wv[i][p], xs[c], name),
+                                          regs[i][p][c])
             for i in range(ng):
                 sc = _splat(builder, _at(builder, wsc, heads[i]), W)
                 for c in range(cc):

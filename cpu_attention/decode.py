@@ -27,8 +27,7 @@ from cpu_attention._numba import resolve_threads, rotate_rows, unrotate_rows
 from cpu_attention._simd import VEC
 from cpu_attention.decode_bf16 import decode_float, decode_float_any
 from cpu_attention.decode_int4 import decode_int4
-from cpu_attention import decode_int8 as int8_mod
-from cpu_attention.decode_int8 import W as INT8_W, decode_int8, decode_int8_any
+from cpu_attention import decode_int8 as int8_mod  # its tile and prefetch settings are read per call
 from cpu_attention.decode_tiles import merge_items, rest_heads
 from cpu_attention.layout import HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
@@ -141,10 +140,10 @@ class DecodeWork:
             rotate_rows(qn.reshape(-1, D), *rot)
             args = (a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
                     on, ln)
-            if D % INT8_W == 0 and pool.block_size % INT8_W == 0:
-                decode_int8(*args, int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS, rest_heads(G))
+            if D % int8_mod.W == 0 and pool.block_size % int8_mod.W == 0:
+                int8_mod.decode_int8(*args, int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS, rest_heads(G))
             else:
-                decode_int8_any(*args)
+                int8_mod.decode_int8_any(*args)
             unrotate_rows(on.reshape(-1, D), *rot)
         else:
             t = pool.tails.arrays

@@ -17,7 +17,7 @@ from numba import prange
 
 from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, prefetch
 from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
-from cpu_attention.decode_tiles import NEG_INF, TILE, _keep_partial, _next_tile, _row_max, _softmax_tile, merge_items
+from cpu_attention.decode_tiles import NEG_INF, TILE, _keep_partial, _next_tile, _raise_max, _softmax_tile, merge_items
 
 _SC1, _SC2, _SC3, _SC4 = (make_scores(ng) for ng in (1, 2, 3, 4))
 _VA1, _VA2, _VA3, _VA4 = (make_values(ng) for ng in (1, 2, 3, 4))
@@ -59,29 +59,21 @@ def _split_q(qh, qp, qc, qsc):
 
 @numba.njit(inline="always", **JIT)
 def _softmax_split(s, vsc, n, npad, m, l, acc, wp, wsc):
-    """The online softmax step of `_softmax_tile` over a tile's n scores s [G, :n], its weights
-    p (<= 1: m is at least the tile's max) times the value token scales written straight as
+    """The online softmax step of `_softmax_tile` (`_raise_max`) over a tile's n scores s [G, :n],
+    its weights p (<= 1: m is at least the tile's max) times the value token scales written as
     x = round(p[g, j] vsc[j] / wsc) = 256 hi + lo, wp[0, g, j] = hi, wp[1, g, j] = lo (uint8;
     zeros for n <= j < npad), wsc = max_j vsc[j] / W16 for every head: 16 bits against the
     largest weight a tile can hold, which is what the output's error is relative to (the sum
     of weights is >= 1), in one pass over s and no max over the weights."""
-    G, D = acc.shape
     vmax = np.uint32(0)
     for j in range(n):  # scales are >= 0: their bits order as they do
         vmax = max(vmax, f32_to_bits(vsc[j]))
     wmax = bits_to_f32(vmax)
     sc = wmax / W16 if wmax > TINY else np.float32(1.0)
     inv = np.float32(1.0) / sc
-    for g in range(G):
+    for g in range(acc.shape[0]):
         sg = s[g]
-        mx = _row_max(sg, n)
-        if mx > m[g]:
-            corr = exp_neg(m[g] - mx)  # 0 while m is -inf
-            l[g] *= corr
-            for d in range(D):
-                acc[g, d] *= corr
-            m[g] = mx
-        mg = m[g]
+        mg = _raise_max(sg, n, g, m, l, acc)
         tot = np.float32(0.0)
         for j in range(n):
             p = exp_neg(sg[j] - mg)

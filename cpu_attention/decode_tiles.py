@@ -110,21 +110,27 @@ def _row_max(x, n):
 
 
 @numba.njit(inline="always", **JIT)
+def _raise_max(sg, n, g, m, l, acc):
+    """Head g's running max m[g] raised to the max of its tile's n scores sg, its sum l[g] and
+    accumulator acc[g] rescaled to match (once per tile, not per token); → the new m[g]."""
+    mx = _row_max(sg, n)
+    if mx > m[g]:
+        corr = exp_neg(m[g] - mx)  # 0 while m is -inf
+        l[g] *= corr
+        ag = acc[g]
+        for d in range(ag.shape[0]):
+            ag[d] *= corr
+        m[g] = mx
+    return m[g]
+
+
+@numba.njit(inline="always", **JIT)
 def _softmax_tile(s, n, m, l, acc):
     """Online softmax step over a tile of n scores s [G, TILE] → weights in place; the running
-    max m [G], sum l [G] and accumulator acc [G, D] are rescaled once per tile, not per token."""
-    G, D = acc.shape
-    for g in range(G):
+    max m [G], sum l [G] and accumulator acc [G, D] are rescaled once per tile (`_raise_max`)."""
+    for g in range(acc.shape[0]):
         sg = s[g]
-        mx = _row_max(sg, n)
-        if mx > m[g]:
-            corr = exp_neg(m[g] - mx)  # 0 while m is -inf
-            l[g] *= corr
-            ag = acc[g]
-            for d in range(D):
-                ag[d] *= corr
-            m[g] = mx
-        mg = m[g]
+        mg = _raise_max(sg, n, g, m, l, acc)
         tot = np.float32(0.0)
         for j in range(n):  # polynomial exp: vectorizes, libm's expf would not
             p = exp_neg(sg[j] - mg)
