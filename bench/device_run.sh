@@ -16,8 +16,10 @@
 # ports:   bench/cpu_ports.py (vector instruction throughput at 1..16 threads: ports, clock, hyperthreads)
 # scaling: bench/cpu_scaling.py (fixed cost, in-cache and DRAM rates at 1, 8, 16 threads, static and dynamic
 #          schedules; SCALING_ARGS passed through), then 8 and 16 threads again with OpenMP's threads bound
-#          (OMP_PROC_BIND=spread / close, OMP_PLACES=threads)
-# kparts:  bench/cpu_kernel_parts.py at 1 and 16 threads (where the int8 / int4 kernels' time goes)
+#          (OMP_PROC_BIND=spread / close, OMP_PLACES=threads; SCALING_BINDS="" skips those)
+# kparts:  bench/cpu_kernel_parts.py at KPARTS_THREADS (default "1 16") threads (where the int8 / int4 kernels'
+#          time goes; KPARTS_DTYPES, default int8,int4)
+# cputests: the CPU kernel tests on this host's CPU (its vector width and VNNI; CPUTESTS_K: a pytest -k filter)
 # offload: bench/offload_decode.py (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -54,16 +56,20 @@ for stage in $STAGES; do
       lscpu -e > "$OUT/lscpu_e.txt" 2>&1; head -20 "$OUT/lscpu_e.txt"; export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba-scaling}
       timeout ${SCALING_TIMEOUT:-300} python3 bench/cpu_scaling.py --dynamic ${SCALING_ARGS:-} --out "$OUT/scaling" \
         > "$OUT/scaling_stdout.log" 2>&1; tail -12 "$OUT/scaling_stdout.log"
-      for bind in spread close; do
+      for bind in ${SCALING_BINDS-spread close}; do
         OMP_PROC_BIND=$bind OMP_PLACES=threads timeout 150 python3 bench/cpu_scaling.py --threads 8,16 \
           --dtypes ${SCALING_BOUND_DTYPES:-int8,bf16} --out "$OUT/scaling_$bind" > "$OUT/scaling_$bind.log" 2>&1
         echo "OMP_PROC_BIND=$bind:"; tail -5 "$OUT/scaling_$bind.log"
       done ;;
     kparts)
-      for th in 1 16; do
-        timeout 150 python3 bench/cpu_kernel_parts.py --threads $th --reps 10 > "$OUT/kernel_parts_$th.log" 2>&1
+      for th in ${KPARTS_THREADS:-1 16}; do
+        timeout 150 python3 bench/cpu_kernel_parts.py --threads $th --reps 10 --dtypes ${KPARTS_DTYPES:-int8,int4} \
+          > "$OUT/kernel_parts_$th.log" 2>&1
         cat "$OUT/kernel_parts_$th.log"
       done ;;
+    cputests)
+      timeout ${CPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/test_simd.py tests/test_cpu_attention.py \
+        ${CPUTESTS_K:+-k "$CPUTESTS_K"} 2>&1 | tee "$OUT/cpu_tests.log" | tail -6 ;;
     probe)
       timeout 120 python3 bench/pcie_probe.py 2>&1 | tee "$OUT/pcie_probe.log" ;;
     attn)
