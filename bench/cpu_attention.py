@@ -4,8 +4,10 @@
 
 Measures in one run: the DRAM read bandwidth (Numba parallel sum over 2 GiB), then for the
 Llama-3-8B shape (32 q heads, 8 kv heads, D 128, one layer; `--heads 9,3,64 --block-size 32`
-for SmolLM2-135M's) at batch 1 x 32k and 16 x 4k (`--shapes`), each KV dtype: the kernel's KV bytes read per second (data + scales + zeros), its ratio to
-DRAM, the torch twins for bf16 (the paged reference and SDPA over contiguous bf16 KV), the
+for SmolLM2-135M's) at batch 1 x 32k and 16 x 4k (`--shapes`), each KV dtype: the kernel's KV
+bytes read per second (data + scales + zeros; timed as the engine calls it, `DecodeWork.run`
+with the step's work split made beforehand; disjoint copies of the KV cycled so a call's bytes
+were last read over 1 GiB of reads before, past the GPU host's ~300 MiB L3), its ratio to DRAM, the torch twins for bf16 (the paged reference and SDPA over contiguous bf16 KV), the
 first-call JIT time in a fresh process and whether a second process loads Numba's cache,
 and the per-call cost of HostKVPool.write for one decode token. Diagnostics that tell
 compute from memory: each kernel's ns per (token, kv head) on one thread with the KV in
@@ -40,9 +42,11 @@ from cpu_attention import HostKVPool, KVDtype, decode_attention, decode_attentio
 from cpu_attention import decode as decode_mod  # noqa: E402
 from cpu_attention import decode_int8 as int8_mod  # noqa: E402
 from cpu_attention._numba import dram_read_gbps  # noqa: E402
+from cpu_attention.decode import DecodeWork  # noqa: E402
 
 SHAPES = ["1x32768", "16x4096"]
-COPIES = 4  # disjoint block sets cycled through, so the KV read is never cache-resident
+COPIES = 4  # at least this many disjoint block sets cycled through, and enough that a call's
+PAST_L3 = 2**30  # KV was last read this many bytes of reads ago (the GPU host's L3 holds ~300 MiB)
 LOG: list[str] = []
 
 
@@ -166,13 +170,15 @@ def _timed(fn) -> float:
 
 
 def fill(pool: HostKVPool, gen: torch.Generator) -> None:
-    """Random codes of realistic magnitude (values are irrelevant to speed, not to nan-freedom)."""
+    """Random codes of realistic magnitude (values are irrelevant to speed, not to nan-freedom),
+    up to 64 MiB of them repeated over a larger pool."""
     if pool.dtype is KVDtype.BF16:
         for t in (pool.k, pool.v):
-            t.copy_(torch.randn(t.shape, generator=gen))
+            _tile_fill(t.view(-1), torch.randn(min(t.numel(), 2**25), generator=gen).to(torch.bfloat16))
     else:
         for t in (pool.k, pool.v):
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+            src = torch.randint(0, 256, (min(t.numel(), 2**26),), generator=gen, dtype=torch.uint8)
+            _tile_fill(t.view(torch.uint8).view(-1), src)
         for t in (pool.k_scale, pool.v_scale):
             t.fill_(0.02)
         for t in (pool.k_zero, pool.v_zero):
@@ -180,20 +186,33 @@ def fill(pool: HostKVPool, gen: torch.Generator) -> None:
                 t.fill_(-0.15)
 
 
+def _tile_fill(dst: torch.Tensor, src: torch.Tensor) -> None:
+    for i in range(0, dst.numel(), src.numel()):
+        n = min(src.numel(), dst.numel() - i)
+        dst[i:i + n].copy_(src[:n])
+
+
 def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: int, gen) -> dict:
     nb = n // hs.block
-    pool = HostKVPool(1, COPIES * B * nb, hs.kv, hs.block, hs.d, dtype)
+    per_copy = B * n * HostKVPool(1, 1, hs.kv, hs.block, hs.d, dtype).bytes_per_token
+    copies = max(COPIES, -(-PAST_L3 // int(per_copy)) + 1)
+    pool = HostKVPool(1, copies * B * nb, hs.kv, hs.block, hs.d, dtype)
     fill(pool, gen)
-    perm = torch.randperm(COPIES * B * nb, generator=gen).int().reshape(COPIES, B, nb)
+    perm = torch.randperm(copies * B * nb, generator=gen).int().reshape(copies, B, nb)
     q = torch.randn(B, hs.q, hs.d, generator=gen)
     sl = torch.full((B,), n)
     scale = hs.d**-0.5
     bytes_read = B * n * pool.bytes_per_token
-    decode_attention(pool, 0, q, perm[0], sl, scale, threads=threads)
+    # timed as the engine calls it: the step's work split (DecodeWork) made once for all layers,
+    # then one `run` per layer into reused buffers (decode_attention would remake it every call)
+    works = [DecodeWork(pool, perm[c], sl, threads) for c in range(copies)]
+    qn = q.numpy()
+    on, ln, scaled = np.empty((B, hs.q, hs.d), np.float32), np.empty((B, hs.q), np.float32), np.empty_like(qn)
+    works[0].run(pool, 0, qn, scale, on, ln, scaled)
     ts = []
     for i in range(reps):
-        ts.append(_timed(lambda: decode_attention(pool, 0, q, perm[i % COPIES], sl, scale, threads=threads)))
-    res = {"dtype": dtype.value, "batch": B, "tokens": n, "bytes_per_call": bytes_read,
+        ts.append(_timed(lambda: works[(i + 1) % copies].run(pool, 0, qn, scale, on, ln, scaled)))
+    res = {"dtype": dtype.value, "batch": B, "tokens": n, "bytes_per_call": bytes_read, "copies": copies,
            "ms_median": 1e3 * float(np.median(ts)), "ms_best": 1e3 * min(ts),
            "GBps": bytes_read / float(np.median(ts)) / 1e9}
     res["pattern_read_GBps"], res["pattern_read_all_heads_GBps"] = pattern_read_gbps(pool, perm[0], sl, threads, 5)

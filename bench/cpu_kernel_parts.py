@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--dtypes", default="int8,int4")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--variants", default="", help="only these variants, comma-separated (e.g. full)")
     args = ap.parse_args()
     n, Hkv, D, BS, G = args.tokens, 8, 128, 16, 4
     gen = torch.Generator().manual_seed(0)
@@ -184,6 +185,8 @@ def main() -> None:
                      items, rest_heads(G))
             runs = [(name, int4_variant(*flags), kargs) for name, flags in INT4_VARIANTS.items()]
         for name, f, kargs in runs:
+            if args.variants and name not in args.variants.split(","):
+                continue
             t0 = time.perf_counter()
             f(*kargs)
             tc = time.perf_counter() - t0
