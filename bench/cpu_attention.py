@@ -2,7 +2,8 @@
 
     PYTHONUNBUFFERED=1 python3 bench/cpu_attention.py --threads 16 --out DIR
 
-Measures in one run: the DRAM read bandwidth (Numba parallel sum over 2 GiB), then for the
+Measures in one run: the DRAM read bandwidth (Numba parallel sum over 2 GiB, before and after the
+kernels; the bound is the larger), then for the
 Llama-3-8B shape (32 q heads, 8 kv heads, D 128, one layer; `--heads 9,3,64 --block-size 32`
 for SmolLM2-135M's) at batch 1 x 32k and 16 x 4k (`--shapes`), each KV dtype: the kernel's KV
 bytes read per second (data + scales + zeros; timed as the engine calls it, `DecodeWork.run`
@@ -329,9 +330,16 @@ def main() -> None:
     for B, n in shapes:
         for dt in dtypes:
             r = bench_kernel(dt, hs, B, n, threads, args.reps, gen)
-            r["ratio_vs_dram"] = r["GBps"] / dram
             rows.append(r)
             log(json.dumps(r))
+    # the bound is the best read rate the machine shows: the sum is measured again after the
+    # kernels (on the GPU host's VMs one measurement ranged 82-103 GB/s within minutes, and a
+    # kernel once read faster than the first one), the ratios are against the larger
+    dram_start, dram_end = dram, dram_read_gbps(2**31)
+    dram = max(dram_start, dram_end)
+    log(f"DRAM read again after the kernels: {dram_end:.1f} GB/s; the bound: {dram:.1f} GB/s")
+    for r in rows:
+        r["ratio_vs_dram"] = r["GBps"] / dram
     engine = int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS
     for pair in [x for x in args.int8_sweep.split(",") if x]:
         int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS = map(int, pair.split(":"))
@@ -358,7 +366,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cpu_attention.log").write_text("\n".join(LOG) + "\n")
         (args.out / "cpu_attention.json").write_text(json.dumps(
-            {"threads": threads, "heads": vars(hs), "dram_read_GBps": dram, "jit_first": first, "jit_second": second,
+            {"threads": threads, "heads": vars(hs), "dram_read_GBps": dram, "dram_read_start_end_GBps": [dram_start, dram_end],
+             "jit_first": first, "jit_second": second,
              "threading_layer": _layer(), "write_s": writes, "diagnostics": diag, "rows": rows}, indent=1))
 
 
