@@ -18,7 +18,8 @@ bits as two byte-sized pieces each (x = 256 hi + lo), one vpdpbusd per piece, co
 per W tokens or channels in float32.
 
 The IR is generic: vpdpbusd is the x86 intrinsic where the CPU Numba compiles for has AVX-512
-VNNI and 16-lane vectors, plain IR (widen, multiply, add) elsewhere, correct on any target.
+VNNI and 16-lane vectors, pmaddubsw + pmaddwd where it has AVX2 or AVX-512BW (`_dpbusd`), plain IR
+(widen, multiply, add) elsewhere, correct on any target.
 
 The score kernel also prefetches a later block's keys and values, into L2 (prefetcht1), not L1:
 an L1 prefetch holds one of the core's few L1 miss buffers until its line comes, which caps the
@@ -37,17 +38,37 @@ from cpu_attention._simd import IVEC, _FEATURES, _args, _ir, _splat
 W_LANES = IVEC  # int32 lanes a vector: tokens a score chunk, channels a value chunk
 # vpdpbusd where the target has it at this width, else None (plain IR)
 DPBUSD = "llvm.x86.avx512.vpdpbusd.512" if "avx512vnni" in _FEATURES and W_LANES == 16 else None
+# without VNNI: pmaddubsw (pairs of unsigned × signed bytes into int16, saturating) and pmaddwd
+# (pairs of int16 into int32), by int32 lanes a vector, where the target has them (`_dpbusd`)
+MADDUBS = {lanes: names for lanes, names, feature in (
+    (8, ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"), "avx2"),
+    (16, ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"), "avx512bw")) if feature in _FEATURES}
 VALUE_CHUNKS = 2  # C: output vectors a head a value pass (4 heads × 2 pieces × C accumulators + C + 8 registers)
 
 
 def _dpbusd(builder, acc, a, b, name):
     """acc + per lane the sum of 4 products of a's unsigned bytes and b's signed bytes (a, b as
-    <W x i32> holding 4 bytes a lane): x86 vpdpbusd, or the same in plain IR when name is None."""
+    <W x i32> holding 4 bytes a lane): x86 vpdpbusd; without it (name None), where the target has
+    pmaddubsw (`MADDUBS`: AVX2, AVX-512BW), a's bytes split into their low 7 bits and their top bit
+    so that no int16 pair sum saturates (127·128·2 < 2^15), each through pmaddubsw and pmaddwd
+    (8 instructions; the plain IR below measured ~6x slower than that on AVX2); else plain IR."""
     ir, cgutils = _ir()
     if name is not None:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [acc.type] * 3), name)
         return builder.call(fn, [acc, a, b])
     W = acc.type.count
+    if W in MADDUBS:
+        i8v, i16v = ir.VectorType(ir.IntType(8), 4 * W), ir.VectorType(ir.IntType(16), 2 * W)
+        ubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16v, [i8v, i8v]), MADDUBS[W][0])
+        wd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [i16v, i16v]), MADDUBS[W][1])
+        splat = lambda x, ty, n: ir.Constant(ty, [x] * n)  # noqa: E731
+        low = builder.and_(a, splat(0x7F7F7F7F, acc.type, W))
+        top = builder.and_(builder.lshr(a, splat(7, acc.type, W)), splat(0x01010101, acc.type, W))
+        bb = builder.bitcast(b, i8v)
+        for part, weight in ((low, 1), (top, 128)):
+            pairs = builder.call(ubs, [builder.bitcast(part, i8v), bb])
+            acc = builder.add(acc, builder.call(wd, [pairs, splat(weight, i16v, 2 * W)]))
+        return acc
     i8v, i32w = ir.VectorType(ir.IntType(8), 4 * W), ir.VectorType(ir.IntType(32), 4 * W)
     p = builder.mul(builder.zext(builder.bitcast(a, i8v), i32w), builder.sext(builder.bitcast(b, i8v), i32w))
     for _ in range(2):  # sum adjacent pairs twice: 4W products → W sums of 4
