@@ -8,7 +8,8 @@ Llama-3-8B shape (32 q heads, 8 kv heads, D 128, one layer; `--heads 9,3,64 --bl
 for SmolLM2-135M's) at batch 1 x 32k and 16 x 4k (`--shapes`), each KV dtype: the kernel's KV
 bytes read per second (data + scales + zeros; timed as the engine calls it, `DecodeWork.run`
 with the step's work split made beforehand; disjoint copies of the KV cycled so a call's bytes
-were last read over 1 GiB of reads before, past the GPU host's ~300 MiB L3), its ratio to DRAM, the torch twins for bf16 (the paged reference and SDPA over contiguous bf16 KV), the
+were last read over 1 GiB of reads before, past the GPU host's ~300 MiB L3), its ratio to DRAM,
+the torch twins for bf16 (the paged reference and SDPA over contiguous bf16 KV), the
 first-call JIT time in a fresh process and whether a second process loads Numba's cache,
 and the per-call cost of HostKVPool.write for one decode token. Diagnostics that tell
 compute from memory: each kernel's ns per (token, kv head) on one thread with the KV in
@@ -44,10 +45,10 @@ from cpu_attention import decode as decode_mod  # noqa: E402
 from cpu_attention import decode_int8 as int8_mod  # noqa: E402
 from cpu_attention._numba import dram_read_gbps  # noqa: E402
 from cpu_attention.decode import DecodeWork  # noqa: E402
+from kv_pools import copies_past_l3, fill  # noqa: E402
 
 SHAPES = ["1x32768", "16x4096"]
-COPIES = 4  # at least this many disjoint block sets cycled through, and enough that a call's
-PAST_L3 = 2**30  # KV was last read this many bytes of reads ago (the GPU host's L3 holds ~300 MiB)
+COPIES = 4  # disjoint block sets cycled through: at least this many, and past the L3 (`kv_pools`)
 LOG: list[str] = []
 
 
@@ -170,33 +171,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def fill(pool: HostKVPool, gen: torch.Generator) -> None:
-    """Random codes of realistic magnitude (values are irrelevant to speed, not to nan-freedom),
-    up to 64 MiB of them repeated over a larger pool."""
-    if pool.dtype is KVDtype.BF16:
-        for t in (pool.k, pool.v):
-            _tile_fill(t.view(-1), torch.randn(min(t.numel(), 2**25), generator=gen).to(torch.bfloat16))
-    else:
-        for t in (pool.k, pool.v):
-            src = torch.randint(0, 256, (min(t.numel(), 2**26),), generator=gen, dtype=torch.uint8)
-            _tile_fill(t.view(torch.uint8).view(-1), src)
-        for t in (pool.k_scale, pool.v_scale):
-            t.fill_(0.02)
-        for t in (pool.k_zero, pool.v_zero):
-            if t is not None:
-                t.fill_(-0.15)
-
-
-def _tile_fill(dst: torch.Tensor, src: torch.Tensor) -> None:
-    for i in range(0, dst.numel(), src.numel()):
-        n = min(src.numel(), dst.numel() - i)
-        dst[i:i + n].copy_(src[:n])
-
-
 def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: int, gen) -> dict:
     nb = n // hs.block
-    per_copy = B * n * HostKVPool(1, 1, hs.kv, hs.block, hs.d, dtype).bytes_per_token
-    copies = max(COPIES, -(-PAST_L3 // int(per_copy)) + 1)
+    copies = copies_past_l3(dtype, hs.kv, hs.block, hs.d, B * n, least=COPIES)
     pool = HostKVPool(1, copies * B * nb, hs.kv, hs.block, hs.d, dtype)
     fill(pool, gen)
     perm = torch.randperm(copies * B * nb, generator=gen).int().reshape(copies, B, nb)
@@ -366,8 +343,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cpu_attention.log").write_text("\n".join(LOG) + "\n")
         (args.out / "cpu_attention.json").write_text(json.dumps(
-            {"threads": threads, "heads": vars(hs), "dram_read_GBps": dram, "dram_read_start_end_GBps": [dram_start, dram_end],
-             "jit_first": first, "jit_second": second,
+            {"threads": threads, "heads": vars(hs), "dram_read_GBps": dram,
+             "dram_read_start_end_GBps": [dram_start, dram_end], "jit_first": first, "jit_second": second,
              "threading_layer": _layer(), "write_s": writes, "diagnostics": diag, "rows": rows}, indent=1))
 
 

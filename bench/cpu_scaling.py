@@ -36,9 +36,9 @@ from cpu_attention import HostKVPool, KVDtype  # noqa: E402
 from cpu_attention import decode as decode_mod  # noqa: E402
 from cpu_attention._numba import dram_read_gbps  # noqa: E402
 from cpu_attention.decode import DecodeWork  # noqa: E402
+from kv_pools import copies_past_l3, fill  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-PAST_L3 = 2**30  # bytes read between two reads of the same KV
 LOG: list[str] = []
 
 
@@ -47,37 +47,13 @@ def log(msg: str = "") -> None:
     LOG.append(msg)
 
 
-def make_pool(dtype: KVDtype, blocks: int, gen: torch.Generator) -> HostKVPool:
-    """A pool of random codes (values do not change the speed; the softmax stays finite)."""
-    pool = HostKVPool(1, blocks, HKV, BS, D, dtype)
-    if dtype is KVDtype.BF16:
-        for t in (pool.k, pool.v):
-            src = torch.randn(min(t.numel(), 2**24), generator=gen).to(torch.bfloat16)
-            _tile_fill(t.view(-1), src)
-        return pool
-    for t in (pool.k, pool.v):
-        src = torch.randint(0, 256, (min(t.numel(), 2**26),), generator=gen, dtype=torch.uint8)
-        _tile_fill(t.view(torch.uint8).view(-1), src)
-    for t in (pool.k_scale, pool.v_scale):
-        t.fill_(0.02)
-    for t in (pool.k_zero, pool.v_zero):
-        if t is not None:
-            t.fill_(-0.15)
-    return pool
-
-
-def _tile_fill(dst: torch.Tensor, src: torch.Tensor) -> None:
-    for i in range(0, dst.numel(), src.numel()):
-        n = min(src.numel(), dst.numel() - i)
-        dst[i:i + n].copy_(src[:n])
-
-
 class Case:
     """B sequences of n tokens, `copies` disjoint block sets; `call(i)` runs copy i % copies."""
 
     def __init__(self, dtype: KVDtype, B: int, n: int, copies: int, threads: int, gen: torch.Generator):
         nb = n // BS
-        self.pool = make_pool(dtype, copies * B * nb, gen)
+        self.pool = HostKVPool(1, copies * B * nb, HKV, BS, D, dtype)
+        fill(self.pool, gen)
         perm = torch.randperm(copies * B * nb, generator=gen).int().reshape(copies, B, nb)
         sl = torch.full((B,), n)
         self.works = [DecodeWork(self.pool, perm[c], sl, threads) for c in range(copies)]
@@ -94,11 +70,6 @@ class Case:
     def times(self, reps: int) -> np.ndarray:
         self.call(0)
         return np.array([self.call(i + 1) for i in range(reps)])
-
-
-def copies_past_l3(dtype: KVDtype, B: int, n: int) -> int:
-    per_copy = B * n * HostKVPool(1, 1, HKV, BS, D, dtype).bytes_per_token
-    return max(2, -(-PAST_L3 // int(per_copy)) + 1)
 
 
 def main() -> None:
@@ -141,7 +112,7 @@ def main() -> None:
                     decode_mod.ITEMS_PER_THREAD = ipt
                     decode_mod._work_items.cache_clear()
                     numba.set_parallel_chunksize(chunk)
-                    case = Case(dt, B, n, copies_past_l3(dt, B, n), t, gen)
+                    case = Case(dt, B, n, copies_past_l3(dt, HKV, BS, D, B * n), t, gen)
                     ts = case.times(args.reps)
                     med, best = case.bytes / float(np.median(ts)) / 1e9, case.bytes / ts.min() / 1e9
                     row[f"{B}x{n}_{name}_GBps"], row[f"{B}x{n}_{name}_best_GBps"] = med, best
