@@ -137,10 +137,20 @@ def in_cache(dtype: KVDtype, hs: Heads, threads: int, n: int, gen) -> tuple[floa
     fill(pool, gen)
     bt = torch.randperm(nb, generator=gen).int()[None]
     q, sl = torch.randn(1, hs.q, hs.d, generator=gen), torch.tensor([n])
-    call = lambda: decode_attention(pool, 0, q, bt, sl, hs.d**-0.5, threads=threads)  # noqa: E731
-    call()
-    t = min(_timed(call) for _ in range(20))
+    call = _engine_call(pool, [bt], sl, q, hs.d**-0.5, threads)
+    call(0)
+    t = min(_timed(lambda: call(0)) for _ in range(20))
     return t * threads / (n * hs.kv) * 1e9, n * pool.bytes_per_token / t / 1e9
+
+
+def _engine_call(pool: HostKVPool, tables, sl: torch.Tensor, q: torch.Tensor, scale: float, threads: int):
+    """call(i): the kernel over block table tables[i % len(tables)] as the engine calls it per layer,
+    `DecodeWork.run` into reused buffers, the step's work split made beforehand (`decode_attention`
+    remakes it every call: ~20-50 us of Python)."""
+    works = [DecodeWork(pool, t, sl, threads) for t in tables]
+    qn = q.numpy()
+    on, ln, scaled = np.empty(qn.shape, np.float32), np.empty(qn.shape[:2], np.float32), np.empty_like(qn)
+    return lambda i: works[i % len(works)].run(pool, 0, qn, scale, on, ln, scaled)
 
 
 def kernel_error(dtype: KVDtype, hs: Heads, threads: int, gen) -> tuple[float, float]:
@@ -181,15 +191,9 @@ def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: 
     sl = torch.full((B,), n)
     scale = hs.d**-0.5
     bytes_read = B * n * pool.bytes_per_token
-    # timed as the engine calls it: the step's work split (DecodeWork) made once for all layers,
-    # then one `run` per layer into reused buffers (decode_attention would remake it every call)
-    works = [DecodeWork(pool, perm[c], sl, threads) for c in range(copies)]
-    qn = q.numpy()
-    on, ln, scaled = np.empty((B, hs.q, hs.d), np.float32), np.empty((B, hs.q), np.float32), np.empty_like(qn)
-    works[0].run(pool, 0, qn, scale, on, ln, scaled)
-    ts = []
-    for i in range(reps):
-        ts.append(_timed(lambda: works[(i + 1) % copies].run(pool, 0, qn, scale, on, ln, scaled)))
+    call = _engine_call(pool, perm, sl, q, scale, threads)
+    call(0)
+    ts = [_timed(lambda: call(i + 1)) for i in range(reps)]
     res = {"dtype": dtype.value, "batch": B, "tokens": n, "bytes_per_call": bytes_read, "copies": copies,
            "ms_median": 1e3 * float(np.median(ts)), "ms_best": 1e3 * min(ts),
            "GBps": bytes_read / float(np.median(ts)) / 1e9}
