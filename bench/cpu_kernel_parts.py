@@ -99,7 +99,10 @@ def int4_variant(KF, DOT, SM, VF, AC):
             for g in range(G):
                 for d in range(D):
                     qn[g, d] = q[b, h * G + g, d]
-            q16 = np.zeros((G, D), np.int16)
+            q16, qa = np.empty((G, D), np.int16), np.empty(G, np.float32)
+            d4._query16(qn, q16, qa)
+            u16, zs, bsc = np.empty(D, np.int16), np.empty(D, np.float32), np.empty(1, np.float32)
+            qp = np.zeros((G, D), np.int16)
             qsc = np.ones(G, np.float32)
             qcon = np.zeros(G, np.float32)
             vsc = np.empty((NG, TLV), np.float32)
@@ -129,9 +132,9 @@ def int4_variant(KF, DOT, SM, VF, AC):
                     for j in range(nb):
                         rows[u + j] = (r0 + j) * Hb
                     if KF:
-                        d4._key_factors(qn, ks2, kz2, bh, q16, qsc, qcon, R)
+                        d4._key_factors(q16, qa, qn, ks2, kz2, bh, u16, zs, bsc, qp, qsc, qcon, R)
                     if DOT:
-                        d4._dots_rows_int4(q16, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn, R)
+                        d4._dots_rows_int4(qp, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn, R)
                     d4._scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
                     bi, off = nbi, noff
                     u += nb

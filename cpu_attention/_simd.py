@@ -46,6 +46,10 @@ _MADD = (("llvm.x86.avx512.pmaddw.d.512", 16) if "avx512bw" in _FEATURES else
          ("llvm.x86.avx2.pmadd.wd", 8) if "avx2" in _FEATURES else
          ("llvm.x86.sse2.pmadd.wd", 4) if "sse2" in _FEATURES else (None, VEC))
 IVEC = _MADD[1]  # int32 lanes of one integer vector (pmaddwd's, vpdpbusd's)
+# pmulhrsw (int16 × int16 → round(a b / 2^15)) on 2·IVEC lanes, else None: plain IR
+_MULHRS = ("llvm.x86.avx512.pmul.hr.sw.512" if "avx512bw" in _FEATURES else
+           "llvm.x86.avx2.pmul.hr.sw" if "avx2" in _FEATURES else
+           "llvm.x86.ssse3.pmul.hr.sw.128" if "ssse3" in _FEATURES else None, 2 * IVEC)
 DOT_TOKENS = 4 if VEC >= 16 else 2  # T: tokens a score-kernel pass (T·4 accumulators must fit)
 ACC_CHUNKS = 4 if VEC >= 16 else 2  # C: accumulator vectors per head a value-kernel pass
 
@@ -173,6 +177,21 @@ def _madd(builder, a, b):
     p = builder.mul(builder.sext(a, wide), builder.sext(b, wide))
     even, odd = list(range(0, 2 * L, 2)), list(range(1, 2 * L, 2))
     return builder.add(_shuffle(builder, p, p, even), _shuffle(builder, p, p, odd))
+
+
+def _mulhrs(builder, a, b):
+    """<N x i16> a, b → ((a b >> 14) + 1) >> 1 per lane, i.e. a b / 2^15 rounded half up (x86
+    pmulhrsw; exact, no overflow unless a = b = -2^15)."""
+    ir, cgutils = _ir()
+    name, lanes = _MULHRS
+    if name is not None and lanes == a.type.count:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type, a.type]), name)
+        return builder.call(fn, [a, b])
+    wide = ir.VectorType(ir.IntType(32), a.type.count)
+    p = builder.mul(builder.sext(a, wide), builder.sext(b, wide))
+    one = ir.Constant(wide, [1] * a.type.count)
+    p = builder.ashr(builder.add(builder.ashr(p, ir.Constant(wide, [14] * a.type.count)), one), one)
+    return builder.trunc(p, a.type)
 
 
 def _args(context, builder, sig, args):

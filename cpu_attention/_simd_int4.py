@@ -6,15 +6,20 @@ in registers and multiply them with int16 factors in which the scales are alread
 summing in int32 (x86 pmaddwd, which LLVM fuses with the add into vpdpwssd where VNNI is there):
 
 - keys are per channel over a block: score = Σ_d q_d (code_d s_d + z_d) = Σ_d (q_d s_d) code_d +
-  q · z, so per block and head q' = q · s is rounded to int16 once (`make_key_factors`) and each
-  token costs one integer dot product of q'16 with its codes (`make_dots_int4`);
+  q · z, so each token costs one integer dot product of an int16 q' ≈ q · s / qsc with its codes
+  (`make_dots_int4`). q' is made per block and head in one instruction a vector: q is rounded to
+  int16 once a step (q16, `decode_int4._query16`), the block's scales once for all heads (u16 =
+  s / b, `make_block_scales`), and q' = q16 · u16 / 2^15 by pmulhrsw (`make_block_query`). (Rounding
+  q · s itself, per block and head, needs a pass for its maximum and one to round: measured 13.8 of
+  the kernel's 31 ns a token and head on the GPU host.) q' then keeps 2^-15 of max|q| · max s
+  rather than of max|q s|, far finer than the 16 levels of the codes;
 - values are per token and group of 32 channels: Σ_t p_t (code_t s_tg + z_tg) = Σ_t (p_t s_tg)
   code_t + Σ_t p_t z_tg, so per tile the weights p_t s_tg are rounded to int16 (`make_value_factors`,
   from the tile's scales gathered by `make_scales_copy`) and the codes of two tokens are summed
   by one pmaddwd per pair of lanes (`make_accumulate_int4`).
 
-Rounding: q' and the weights keep 2^-16 of their largest element (as the int8 path's q and
-weights). The rounding errors e of a factor multiply codes of 0..15, whose mean ~7.5 would turn
+Rounding: the weights keep 2^-16 of their largest element (as the int8 path's q and weights), q'
+2^-15 of max|q| · max s (above). The rounding errors e of a factor multiply codes of 0..15, whose mean ~7.5 would turn
 them into a bias shared by all tokens of a block (keys: the log-sum-exp moves); the kernels' float
 constants subtract 7.5 Σ e, so what is left is Σ e (code - 7.5).
 
@@ -32,13 +37,14 @@ channel order.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
 from cpu_attention._simd import (
-    ACC_CHUNKS, DOT_TOKENS, IVEC, VEC, _args, _c_array_2d, _head_sums, _ir, _lane_sums, _madd, _shuffle, _splat,
-    _vec_ptr,
+    ACC_CHUNKS, DOT_TOKENS, IVEC, VEC, _args, _c_array_2d, _head_sums, _ir, _lane_sums, _madd, _mulhrs, _shuffle,
+    _splat, _vec_ptr,
 )
 
 Q16 = np.float32(32767.0)  # int16 levels of a factor's largest element
@@ -247,9 +253,10 @@ def _c_array_1d(t, dtype) -> bool:
     return isinstance(t, types.Array) and t.dtype == dtype and t.ndim == 1 and t.layout == "C"
 
 
+@numba.njit(nogil=True, cache=True)
 def code_order(D: int, IW: int = IVEC) -> np.ndarray:
     """The channel at each position of the code layout of IW lanes (module doc), [D] int64: the
-    plain twin of `_code_runs`, for tests and for reading a layout."""
+    plain twin of `_code_vectors`, for tests, for reading a layout, and for the kernel's q16."""
     H, out = D // 2, np.empty(D, np.int64)
     full = H // (2 * IW) * (2 * IW)
     for c in range(0, H, 2 * IW):
@@ -260,25 +267,42 @@ def code_order(D: int, IW: int = IVEC) -> np.ndarray:
     return out
 
 
-def _code_runs(builder, intp, H, IW, W, body):
-    """body(pos, ch) over the code layout of IW lanes for rows of H bytes: positions pos .. pos+W
-    hold channels ch .. ch+W (W ≤ 8 or W = IW = 16, so a run never leaves a half group)."""
+def _code_vectors(builder, intp, H, IW, W, run, store):
+    """A vector in the code layout of IW lanes for rows of H bytes, written whole: run(ch) gives
+    the W lanes of channels ch .. ch+W (W ≤ 8 or W = IW = 16, so a run never leaves a half
+    group), store(pos, x) gets them joined into the vectors of 2·IW lanes at positions pos ..
+    (`code_order`: a chunk of E = 2·IW bytes at c is positions 2c .. 2c+E, its low nibbles'
+    channels, and 2c+E .. 2c+2E, its high ones'; a last chunk of IW bytes is one vector)."""
     from numba.core import cgutils
 
     def chunk(c, E):
-        seg = min(E, 16)  # bytes of one group within the chunk
+        seg = min(E, 16)
+        parts = {0: [], 1: []}  # per nibble half: its runs, in position order
         for xr in range(0, E, seg):
             x0 = builder.add(c, intp(xr))
             ch0 = builder.add(builder.shl(builder.ashr(x0, intp(4)), intp(5)), builder.and_(x0, intp(15)))
             for h in range(2):
                 for i in range(0, seg, W):
-                    body(builder.add(builder.add(c, x0), intp(h * E + i)), builder.add(ch0, intp(16 * h + i)))
+                    parts[h].append(run(builder.add(ch0, intp(16 * h + i))))
+        if E == 2 * IW:  # positions 2c .. 2c+E: the low nibbles' runs; 2c+E .. 2c+2E: the high ones'
+            store(builder.add(c, c), _concat(builder, parts[0]))
+            store(builder.add(builder.add(c, c), intp(E)), _concat(builder, parts[1]))
+        else:  # E = IW: both halves in one vector
+            store(builder.add(c, c), _concat(builder, parts[0] + parts[1]))
 
     full = builder.mul(builder.sdiv(H, intp(2 * IW)), intp(2 * IW))
     with cgutils.for_range_slice(builder, intp(0), full, intp(2 * IW), intp) as (c, _):
         chunk(c, 2 * IW)
     with cgutils.for_range_slice(builder, full, H, intp(IW), intp) as (c, _):
         chunk(c, IW)
+
+
+def _concat(builder, parts):
+    """Equal vectors joined end to end into one (a power of two of them)."""
+    while len(parts) > 1:
+        n = parts[0].type.count
+        parts = [_shuffle(builder, a, b, list(range(2 * n))) for a, b in zip(parts[0::2], parts[1::2])]
+    return parts[0]
 
 
 def _hreduce(builder, v, op):
@@ -348,69 +372,120 @@ class _Vec:
         return s, self.b.fdiv(f32(1.0), s)
 
 
-def _key_factors_codegen(ng, W, IW):
+def _block_scales_codegen(W, IW):
     def codegen(context, builder, sig, args):
         ir, cgutils = _ir()
-        qn, g, ks, kz, row, q16, qsc, qcon = _args(context, builder, sig, args)
+        ks, kz, row, u16, zs, bsc = _args(context, builder, sig, args)
         intp = context.get_value_type(types.intp)
         V = _Vec(builder, W)
-        f32 = ir.FloatType()
-        D = builder.extract_value(qn.shape, 1)
+        D = builder.extract_value(ks.shape, 1)
         base = builder.mul(row, D)
-        qrows = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
-        mxa = [cgutils.alloca_once_value(builder, V.const_i(0)) for _ in range(ng)]
-        qza = [cgutils.alloca_once_value(builder, V.const(0)) for _ in range(ng)]
-        erra = [cgutils.alloca_once_value(builder, V.const(0)) for _ in range(ng)]
-        with cgutils.for_range_slice(builder, intp(0), D, intp(W), intp) as (d, _):  # max |q s| and q · z per head
-            sv, zv = V.load_bf16(ks.data, builder.add(base, d)), V.load_bf16(kz.data, builder.add(base, d))
-            for i in range(ng):
-                qv = V.load(qn.data, builder.add(qrows[i], d))
-                builder.store(V.imax(builder.load(mxa[i]), V.abs_bits(builder.fmul(qv, sv))), mxa[i])
-                builder.store(V.fma(qv, zv, builder.load(qza[i])), qza[i])
-        scales = [V.scale(V.hmax_f32(builder.load(mxa[i]))) for i in range(ng)]
-        splat = [(_splat(builder, s, W), _splat(builder, inv, W)) for s, inv in scales]
+        mxa = cgutils.alloca_once_value(builder, V.const_i(0))
+        with cgutils.for_range_slice(builder, intp(0), D, intp(W), intp) as (d, _):  # max s; zs = z + 7.5 s
+            sv = V.load_bf16(ks.data, builder.add(base, d))
+            builder.store(V.imax(builder.load(mxa), V.abs_bits(sv)), mxa)
+            zv = V.load_bf16(kz.data, builder.add(base, d))
+            builder.store(V.fma(V.const(float(MID)), sv, zv), _vec_ptr(builder, zs.data, d, V.f32v), align=4)
+        b, inv = V.scale(V.hmax_f32(builder.load(mxa)))
+        invv = _splat(builder, inv, W)
 
-        def run(pos, ch):  # q16 at pos = round(q s / qsc) of channels ch .., the rounding errors summed
-            sv = V.load_bf16(ks.data, builder.add(base, ch))
-            for i in range(ng):
-                prod = builder.fmul(V.load(qn.data, builder.add(qrows[i], ch)), sv)
-                r = V.rint(builder.fmul(prod, splat[i][1]))
-                at = _vec_ptr(builder, q16.data, builder.add(qrows[i], pos), V.i16v)
-                builder.store(builder.fptosi(r, V.i16v), at, align=2)
-                builder.store(builder.fadd(builder.load(erra[i]), V.fma(r, splat[i][0], builder.fneg(prod))), erra[i])
+        def run(ch):  # round(s / b) of channels ch .. ch+W
+            return builder.fptosi(V.rint(builder.fmul(V.load_bf16(ks.data, builder.add(base, ch)), invv)), V.i16v)
 
-        _code_runs(builder, intp, builder.sdiv(D, intp(2)), IW, W, run)
-        for i in range(ng):
-            gi = builder.add(g, intp(i))
-            err = V.hsum(builder.load(erra[i]))
-            builder.store(scales[i][0], builder.gep(qsc.data, [gi], inbounds=True))
-            builder.store(builder.fsub(V.hsum(builder.load(qza[i])), builder.fmul(f32(float(MID)), err)),
-                          builder.gep(qcon.data, [gi], inbounds=True))
+        def store(pos, x):
+            builder.store(x, _vec_ptr(builder, u16.data, pos, x.type), align=2)
+
+        # stored as whole vectors of 2·IW lanes, as `make_block_query` loads them (a load that
+        # spans several narrower stores still in flight is not forwarded from them: it waits)
+        _code_vectors(builder, intp, builder.sdiv(D, intp(2)), IW, W, run, store)
+        builder.store(b, builder.gep(bsc.data, [intp(0)], inbounds=True))
         return context.get_dummy_value()
 
     return codegen
 
 
-def make_key_factors(ng: int, W: int = VEC, IW: int = IVEC):
-    """An intrinsic key_factors(qn, g, ks, kz, row, q16, qsc, qcon): one block's key factors for
-    heads g .. g+ng, with s, z = ks[row], kz[row] the block's per-channel scales and zeros:
-    q16[g+i] = round(qn[g+i] · s / qsc[g+i]) in the code layout of IW lanes, qsc[g+i] =
-    max |qn[g+i] · s| / 32767, qcon[g+i] = qn[g+i] · z - 7.5 Σ (q16 qsc - qn s) (the zero points'
-    share of every score, less the rounding bias: module doc). The heads' sums are independent
-    chains, each s, z vector loaded once for all of them.
+def make_block_scales(W: int = VEC, IW: int = IVEC):
+    """An intrinsic block_scales(ks, kz, row, u16, zs, bsc): what one block's key scales s =
+    ks[row] and zeros z = kz[row] give every head's q' (`make_block_query`): bsc[0] = b = max s /
+    32767 (1 where max s ≤ TINY), u16 = round(s / b) in the code layout of IW lanes (`code_order`),
+    zs = z + 7.5 s (channel order: the zero points' share of a score plus the rounding bias's
+    counterweight, module doc).
 
-    qn [G, D] float32 (q in channel order); ks, kz [R, D] uint16 (bf16 bits); q16 [G, D] int16;
-    qsc, qcon [G] float32; all C-contiguous; D % 32 == 0, W ≤ 8 or W = IW. No bounds checks."""
+    ks, kz [R, D] uint16 (bf16 bits, s ≥ 0); u16 [D] int16; zs [D], bsc [≥ 1] float32; all
+    C-contiguous; D % 32 == 0, W ≤ 8 or W = IW. No bounds checks."""
 
     @intrinsic
-    def key_factors(typingctx, qn, g, ks, kz, row, q16, qsc, qcon):
-        if not (_c_array_2d(qn, types.float32) and _c_array_2d(ks, types.uint16) and _c_array_2d(kz, types.uint16)
-                and isinstance(row, types.Integer) and _c_array_2d(q16, types.int16)
+    def block_scales(typingctx, ks, kz, row, u16, zs, bsc):
+        if not (_c_array_2d(ks, types.uint16) and _c_array_2d(kz, types.uint16) and isinstance(row, types.Integer)
+                and _c_array_1d(u16, types.int16) and _c_array_1d(zs, types.float32)
+                and _c_array_1d(bsc, types.float32)):
+            return None
+        return types.void(ks, kz, row, u16, zs, bsc), _block_scales_codegen(W, IW)
+
+    return block_scales
+
+
+def _block_query_codegen(ng, W, IW):
+    def codegen(context, builder, sig, args):
+        ir, cgutils = _ir()
+        q16, qa, u16, bsc, zs, qn, g, qp, qsc, qcon = _args(context, builder, sig, args)
+        intp = context.get_value_type(types.intp)
+        V = _Vec(builder, W)
+        f32 = ir.FloatType()
+        D = builder.extract_value(q16.shape, 1)
+        L = 2 * IW  # int16 lanes a vector
+        i16v, i32v = ir.VectorType(ir.IntType(16), L), ir.VectorType(ir.IntType(32), IW)
+        ones = ir.Constant(i16v, [1] * L)
+        rows = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
+        suma = [cgutils.alloca_once_value(builder, ir.Constant(i32v, None)) for _ in range(ng)]
+        dota = [cgutils.alloca_once_value(builder, V.const(0)) for _ in range(ng)]
+        with cgutils.for_range_slice(builder, intp(0), D, intp(L), intp) as (d, _):  # q' = q16 u16 / 2^15, Σ q'
+            u = builder.load(_vec_ptr(builder, u16.data, d, i16v), align=2)
+            for i in range(ng):
+                at = builder.add(rows[i], d)
+                x = _mulhrs(builder, builder.load(_vec_ptr(builder, q16.data, at, i16v), align=2), u)
+                builder.store(x, _vec_ptr(builder, qp.data, at, i16v), align=2)
+                builder.store(builder.add(builder.load(suma[i]), _madd(builder, x, ones)), suma[i])
+        with cgutils.for_range_slice(builder, intp(0), D, intp(W), intp) as (d, _):  # q · zs
+            zv = V.load(zs.data, d)
+            for i in range(ng):
+                builder.store(V.fma(V.load(qn.data, builder.add(rows[i], d)), zv, builder.load(dota[i])), dota[i])
+        b = builder.load(builder.gep(bsc.data, [intp(0)], inbounds=True))
+        for i in range(ng):
+            gi = builder.add(g, intp(i))
+            a = builder.load(builder.gep(qa.data, [gi], inbounds=True))
+            sc = builder.fmul(builder.fmul(a, b), f32(32768.0))
+            total = builder.sitofp(_hreduce(builder, builder.load(suma[i]), builder.add), f32)
+            con = builder.fsub(V.hsum(builder.load(dota[i])), builder.fmul(builder.fmul(f32(float(MID)), sc), total))
+            builder.store(sc, builder.gep(qsc.data, [gi], inbounds=True))
+            builder.store(con, builder.gep(qcon.data, [gi], inbounds=True))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def make_block_query(ng: int, W: int = VEC, IW: int = IVEC):
+    """An intrinsic block_query(q16, qa, u16, bsc, zs, qn, g, qp, qsc, qcon): one block's query for
+    heads g .. g+ng from `make_block_scales`' u16, bsc, zs: qp[g+i] = round(q16[g+i] u16 / 2^15)
+    (x86 pmulhrsw: one instruction a vector, where a rounding of q · s per block and head costs a
+    pass for its maximum and one for the rounding), qsc[g+i] = qa[g+i] · bsc[0] · 2^15, so that
+    qsc · qp ≈ q · s; qcon[g+i] = qn[g+i] · zs - 7.5 · qsc · Σ qp[g+i] = q · z less 7.5 Σ (qsc qp -
+    q s), the rounding bias (module doc).
+
+    q16 [G, D] int16 (q rounded once a step: qn ≈ qa · q16, in the code layout of IW lanes); qa
+    [G], bsc [≥ 1], zs [D] float32; u16 [D] int16; qn [G, D] float32 (channel order); qp [G, D]
+    int16; qsc, qcon [G] float32; all C-contiguous; D % (2 IW) == 0, D % W == 0. No bounds checks."""
+
+    @intrinsic
+    def block_query(typingctx, q16, qa, u16, bsc, zs, qn, g, qp, qsc, qcon):
+        if not (_c_array_2d(q16, types.int16) and _c_array_1d(qa, types.float32) and _c_array_1d(u16, types.int16)
+                and _c_array_1d(bsc, types.float32) and _c_array_1d(zs, types.float32)
+                and _c_array_2d(qn, types.float32) and isinstance(g, types.Integer) and _c_array_2d(qp, types.int16)
                 and _c_array_1d(qsc, types.float32) and _c_array_1d(qcon, types.float32)):
             return None
-        return types.void(qn, g, ks, kz, row, q16, qsc, qcon), _key_factors_codegen(ng, W, IW)
+        return types.void(q16, qa, u16, bsc, zs, qn, g, qp, qsc, qcon), _block_query_codegen(ng, W, IW)
 
-    return key_factors
+    return block_query
 
 
 def _value_factors_codegen(W):

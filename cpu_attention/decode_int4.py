@@ -1,8 +1,9 @@
 """int4 decode kernel (`decode_int4`): integer dot products over the 4-bit codes (`_simd_int4`).
 
 Per tile (whole blocks, as bf16 / int8, `decode_tiles`): per block, q times the block's
-per-channel key scales rounded to int16 (the zero points' share of the scores is one float per
-head), scored against the codes widened in registers; per tile, the softmax weights times the
+per-channel key scales as int16 (q rounded once a step, the scales once a block, their product
+by one pmulhrsw a vector; the zero points' share of the scores is one float per head), scored
+against the codes widened in registers; per tile, the softmax weights times the
 tokens' value scales rounded to int16 per head, and the codes of token pairs summed against
 them in int32 (the zero points' share added per group of 32 channels). A block still being
 filled is read from its bf16 tail by plain float loops. The output is rotated back (int4 V is
@@ -17,7 +18,8 @@ from numba import prange
 from cpu_attention._numba import JIT, line_elems, prefetch, widen
 from cpu_attention._simd import DOT_TOKENS, VEC
 from cpu_attention._simd_int4 import (
-    SUM_TOKENS, make_accumulate_int4, make_dots_int4, make_key_factors, make_scales_copy, make_value_factors,
+    Q16, SUM_TOKENS, TINY, code_order, make_accumulate_int4, make_block_query, make_block_scales, make_dots_int4,
+    make_scales_copy, make_value_factors,
 )
 from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _prefetch_rows, _softmax_tile, _tile_len
 from cpu_attention.layout import INT4_GROUP
@@ -25,24 +27,42 @@ from cpu_attention.layout import INT4_GROUP
 # int4 micro-kernels (`_simd_int4`): integer dot products over the 4-bit codes
 _I4DOT1, _I4DOT2, _I4DOT3, _I4DOT4 = (make_dots_int4(ng) for ng in (1, 2, 3, 4))
 _I4ACC1, _I4ACC2, _I4ACC3, _I4ACC4 = (make_accumulate_int4(ng) for ng in (1, 2, 3, 4))
-_I4KF1, _I4KF2, _I4KF3, _I4KF4 = (make_key_factors(ng) for ng in (1, 2, 3, 4))
-_value_factors, _scales_copy = make_value_factors(), make_scales_copy()
+_I4BQ1, _I4BQ2, _I4BQ3, _I4BQ4 = (make_block_query(ng) for ng in (1, 2, 3, 4))
+_block_scales, _value_factors, _scales_copy = make_block_scales(), make_value_factors(), make_scales_copy()
 
 
 @numba.njit(inline="always", **JIT)
-def _key_factors(qn, ks, kz, row, q16, qsc, qcon, R):
-    """`make_key_factors` for all G heads: groups of four, then R = G % 4 more."""
+def _query16(qn, q16, qa):
+    """q rounded once a step for `_key_factors`: q16[g] = round(qn[g] / qa[g]) in the code layout
+    (`_simd_int4.code_order`), qa[g] = max|qn[g]| / 32767 (1 for an all but zero row)."""
+    order = code_order(qn.shape[1])
+    for g in range(qn.shape[0]):
+        mx = np.float32(0.0)
+        for d in range(qn.shape[1]):
+            mx = max(mx, abs(qn[g, d]))
+        a = mx / Q16 if mx > TINY else np.float32(1.0)
+        inv = np.float32(1.0) / a
+        for p in range(qn.shape[1]):
+            q16[g, p] = np.int16(np.rint(qn[g, order[p]] * inv))
+        qa[g] = a
+
+
+@numba.njit(inline="always", **JIT)
+def _key_factors(q16, qa, qn, ks, kz, row, u16, zs, bsc, qp, qsc, qcon, R):
+    """One block's query qp, qsc, qcon for all G heads (`make_block_scales`, then `make_block_query`
+    in groups of four heads and R = G % 4 more), from q16, qa (`_query16`); u16, zs, bsc scratch."""
+    _block_scales(ks, kz, row, u16, zs, bsc)
     G = qn.shape[0]
     g = 0
     while g + 4 <= G:
-        _I4KF4(qn, g, ks, kz, row, q16, qsc, qcon)
+        _I4BQ4(q16, qa, u16, bsc, zs, qn, g, qp, qsc, qcon)
         g += 4
     if R == 3:
-        _I4KF3(qn, g, ks, kz, row, q16, qsc, qcon)
+        _I4BQ3(q16, qa, u16, bsc, zs, qn, g, qp, qsc, qcon)
     elif R == 2:
-        _I4KF2(qn, g, ks, kz, row, q16, qsc, qcon)
+        _I4BQ2(q16, qa, u16, bsc, zs, qn, g, qp, qsc, qcon)
     elif R == 1:
-        _I4KF1(qn, g, ks, kz, row, q16, qsc, qcon)
+        _I4BQ1(q16, qa, u16, bsc, zs, qn, g, qp, qsc, qcon)
 
 
 @numba.njit(inline="always", **JIT)
@@ -127,8 +147,8 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
     `decode_tiles.rest_heads(G)`. D % 32 == 0. → each item's partial (part_o, part_m, part_l), for
     `decode_tiles.merge_items`; the merge is the caller's (`DecodeWork.run`).
 
-    Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`key_factors`: q
-    times the block's scales, as int16) and the scores by integer dot products over the codes
+    Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`_key_factors`: q
+    times the block's scales, as int16, from q16 made once per item by `_query16`) and the scores by integer dot products over the codes
     (`make_dots_int4`), or for a block read from its tail, plain float loops (`_tail_scores`);
     one `_softmax_tile` step; the value factors (`value_factors`: weights times the tokens' group
     scales, as int16) and the value sums over the whole tile in int32 (`make_accumulate_int4`),
@@ -156,7 +176,10 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
         for g in range(G):
             for d in range(D):
                 qn[g, d] = q[b, h * G + g, d]
-        q16 = np.empty((G, D), np.int16)
+        q16, qa = np.empty((G, D), np.int16), np.empty(G, np.float32)
+        _query16(qn, q16, qa)
+        u16, zs, bsc = np.empty(D, np.int16), np.empty(D, np.float32), np.empty(1, np.float32)
+        qp = np.empty((G, D), np.int16)
         qsc = np.empty(G, np.float32)
         qcon = np.empty(G, np.float32)
         vsc = np.empty((NG, TLV), np.float32)  # the tile's value scales and zeros, per group
@@ -201,8 +224,8 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
                             vsc[r, u + j] = 0.0
                             vzr[r, u + j] = 0.0
                 else:
-                    _key_factors(qn, ks2, kz2, bh, q16, qsc, qcon, R)
-                    _dots_rows_int4(q16, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn, R)
+                    _key_factors(q16, qa, qn, ks2, kz2, bh, u16, zs, bsc, qp, qsc, qcon, R)
+                    _dots_rows_int4(qp, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn, R)
                     _scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
                 bi, off = nbi, noff
                 u += nb

@@ -299,36 +299,51 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 
 @SHAPES
 def test_key_factors(W, T, C, IW):
-    f1, f2, f3, f4 = (_simd_int4.make_key_factors(ng, W, IW) for ng in (1, 2, 3, 4))
+    """A block's query: the scales' integer form (make_block_scales) and each head's q' by
+    pmulhrsw (make_block_query), against the same integer arithmetic in numpy."""
+    bs = _simd_int4.make_block_scales(W, IW)
+    f1, f2, f3, f4 = (_simd_int4.make_block_query(ng, W, IW) for ng in (1, 2, 3, 4))
 
     @numba.njit
-    def run(qn, ks, kz, row, q16, qsc, qcon):
-        f4(qn, 0, ks, kz, row, q16, qsc, qcon)
-        f3(qn, 4, ks, kz, row, q16, qsc, qcon)
-        f2(qn, 7, ks, kz, row, q16, qsc, qcon)
-        f1(qn, 9, ks, kz, row, q16, qsc, qcon)
+    def run(q16, qa, ks, kz, row, u16, zs, bsc, qn, qp, qsc, qcon):
+        bs(ks, kz, row, u16, zs, bsc)
+        f4(q16, qa, u16, bsc, zs, qn, 0, qp, qsc, qcon)
+        f3(q16, qa, u16, bsc, zs, qn, 4, qp, qsc, qcon)
+        f2(q16, qa, u16, bsc, zs, qn, 7, qp, qsc, qcon)
+        f1(q16, qa, u16, bsc, zs, qn, 9, qp, qsc, qcon)
 
     rng = np.random.default_rng(6)
     for D in (64, 96, 128, 256):
-        qn = rng.standard_normal((10, D)).astype(np.float32)
-        qn[9] = 0.0  # an all-zero query: factors 0, scale 1
-        ks = bf16_bits(rng.random((3, D)) * 0.3 + 1e-3)
-        kz = bf16_bits(rng.standard_normal((3, D)))
-        q16 = np.zeros((10, D), np.int16)
-        qsc, qcon = np.zeros(10, np.float32), np.zeros(10, np.float32)
-        run(qn, ks, kz, 1, q16, qsc, qcon)
-        s = (ks[1].astype(np.uint32) << 16).view(np.float32)
-        z = (kz[1].astype(np.uint32) << 16).view(np.float32)
-        prod = qn * s  # float32, as the kernel
-        mx = np.abs(prod).max(1)
-        sc = np.where(mx > np.float32(1e-30), mx / np.float32(32767.0), np.float32(1.0)).astype(np.float32)
-        r = np.rint(prod * (np.float32(1.0) / sc)[:, None])
+        if D % (2 * IW):
+            continue
         order = _simd_int4.code_order(D, IW)
-        assert np.array_equal(q16, r[:, order].astype(np.int16)), D  # stored in the code layout
-        assert np.array_equal(qsc, sc)
-        err = (r.astype(np.float64) * sc[:, None] - prod).sum(1)
-        ref = qn.astype(np.float64) @ z - 7.5 * err
-        assert np.abs(qcon - ref).max() < 1e-5 * (np.abs(qn) @ np.abs(z)).max(), D
+        for zero_scales in (False, True):
+            qn = rng.standard_normal((10, D)).astype(np.float32)
+            qn[9] = 0.0  # an all-zero query
+            q16 = rng.integers(-32767, 32768, (10, D)).astype(np.int16)
+            q16[0, :] = 32767  # the extreme products
+            qa = (rng.random(10) * 1e-4 + 1e-6).astype(np.float32)
+            ks = bf16_bits(np.zeros((3, D)) if zero_scales else rng.random((3, D)) * 0.3 + 1e-3)
+            kz = bf16_bits(rng.standard_normal((3, D)))
+            u16, zs, bsc = np.zeros(D, np.int16), np.zeros(D, np.float32), np.zeros(1, np.float32)
+            qp = np.zeros((10, D), np.int16)
+            qsc, qcon = np.zeros(10, np.float32), np.zeros(10, np.float32)
+            run(q16, qa, ks, kz, 1, u16, zs, bsc, qn, qp, qsc, qcon)
+            s = (ks[1].astype(np.uint32) << 16).view(np.float32)
+            z = (kz[1].astype(np.uint32) << 16).view(np.float32)
+            b = s.max() / np.float32(32767.0) if s.max() > np.float32(1e-30) else np.float32(1.0)
+            assert bsc[0] == np.float32(b)
+            u = np.rint(s * (np.float32(1.0) / np.float32(b))).astype(np.int64)
+            assert np.array_equal(u16, u[order]), D  # the code layout
+            assert np.array_equal(zs, (np.float32(7.5) * s + z).astype(np.float32)) or \
+                np.abs(zs - (7.5 * s + z)).max() < 1e-6 * np.abs(zs).max(), D
+            ref = (q16.astype(np.int64) * u[order] + (1 << 14)) >> 15  # pmulhrsw: a·b / 2^15, half up
+            assert np.array_equal(qp, ref.astype(np.int16)), D
+            sc = qa * np.float32(b) * np.float32(32768.0)
+            assert np.allclose(qsc, sc, rtol=1e-6), D
+            con = qn.astype(np.float64) @ zs.astype(np.float64) - 7.5 * sc * ref.sum(1)
+            scale = np.abs(qn).astype(np.float64) @ np.abs(zs) + 7.5 * sc * np.abs(ref).sum(1) + 1e-30
+            assert (np.abs(qcon - con) / scale).max() < 1e-5, D
 
 
 @SHAPES
