@@ -27,7 +27,7 @@ from cpu_attention import decode as dm  # noqa: E402
 from cpu_attention import decode_int4 as d4  # noqa: E402
 from cpu_attention._numba import JIT  # noqa: E402
 from cpu_attention import decode_int8 as d8  # noqa: E402
-from cpu_attention._simd import DOT_TOKENS, VEC  # noqa: E402
+from cpu_attention._simd import IVEC, VEC  # noqa: E402
 from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len, rest_heads  # noqa: E402
 from cpu_attention.layout import INT4_GROUP  # noqa: E402
 
@@ -80,13 +80,14 @@ def int4_variant(KF, DOT, SM, VF, AC):
     def kern(k, v, ks, kz, vs, vz, q, bt, items, rest):
         R = len(rest)
         NI = items.shape[0]
-        NB, Hkv, BS, Hb = k.shape
+        NB, Hkv, BS, Hb = v.shape
         D = 2 * Hb
+        region = BS * Hb
         NG = D // INT4_GROUP
         G = q.shape[1] // Hkv
         TL = min(_tile_len(BS), d4.SUM_TOKENS)
         TLV = -(-TL // VEC) * VEC
-        krows, vrows = k.reshape(NB * Hkv * BS, Hb), v.reshape(NB * Hkv * BS, Hb)
+        vrows = v.reshape(NB * Hkv * BS, Hb)
         ks2, kz2 = ks.reshape(NB * Hkv, D), kz.reshape(NB * Hkv, D)
         vs2, vz2 = vs.reshape(NB * Hkv * BS, NG), vz.reshape(NB * Hkv * BS, NG)
         part_o = np.empty((NI, G, D), np.float32)
@@ -94,7 +95,7 @@ def int4_variant(KF, DOT, SM, VF, AC):
         part_l = np.empty((NI, G), np.float32)
         for it in prange(NI):
             b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-            s = np.zeros((G, max(TL + DOT_TOKENS, TLV)), np.float32)
+            s = np.zeros((G, max(TL + IVEC, TLV)), np.float32)
             qn = np.empty((G, D), np.float32)
             for g in range(G):
                 for d in range(D):
@@ -115,6 +116,7 @@ def int4_variant(KF, DOT, SM, VF, AC):
             l = np.zeros(G, np.float32)
             acc = np.zeros((G, D), np.float32)
             bi, off = t0 // BS, t0 % BS
+            nbt = (t1 + BS - 1) // BS
             t = t0
             while t < t1:
                 n = min(TL, t1 - t)
@@ -125,16 +127,15 @@ def int4_variant(KF, DOT, SM, VF, AC):
                     bh = blk * Hkv + h
                     r0 = bh * BS + off
                     nbi, noff = (bi + 1, 0) if off + nb == BS else (bi, off + nb)
-                    pr, pn = 0, 0
-                    if t + u + nb < t1:
-                        pbh = bt[b, nbi] * Hkv + h
-                        pr, pn = pbh * BS + noff, min(BS - noff, t1 - t - u - nb, nb)
+                    pbh = bt[b, nbi] * Hkv + h if t + u + nb < t1 else bh
+                    qbh = bt[b, bi + d4.PREFETCH_BLOCKS] * Hkv + h if bi + d4.PREFETCH_BLOCKS < nbt else bh
                     for j in range(nb):
                         rows[u + j] = (r0 + j) * Hb
                     if KF:
                         d4._key_factors(q16, qa, qn, ks2, kz2, bh, u16, zs, bsc, qp, qsc, qcon, R)
                     if DOT:
-                        d4._dots_rows_int4(qp, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn, R)
+                        d4._scores_int4(qp, qsc, qcon, k, bh * region, BS, off, nb, v, qbh * region, qbh * region,
+                                        pbh * region, s, u, R)
                     d4._scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
                     bi, off = nbi, noff
                     u += nb

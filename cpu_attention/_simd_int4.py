@@ -1,33 +1,33 @@
 """SIMD micro-kernels for int4 decode: integer dot products over 4-bit codes (LLVM vector IR).
 
-int4 rows (`int4.py`: byte 16r + i of a row holds code 32r + i in its low nibble and 32r + 16 + i
-in its high one) are never widened to floats. The two hot loops widen the codes to 16-bit lanes
-in registers and multiply them with int16 factors in which the scales are already folded,
-summing in int32 (x86 pmaddwd, which LLVM fuses with the add into vpdpwssd where VNNI is there):
+The codes (`int4.py`) are never widened to floats. The two hot loops widen them to 16-bit lanes in
+registers and multiply them with int16 factors in which the scales are already folded, summing
+in int32 (x86 pmaddwd, which LLVM fuses with the add into vpdpwssd where VNNI is there):
 
 - keys are per channel over a block: score = Σ_d q_d (code_d s_d + z_d) = Σ_d (q_d s_d) code_d +
   q · z, so each token costs one integer dot product of an int16 q' ≈ q · s / qsc with its codes
-  (`make_dots_int4`). q' is made per block and head in one instruction a vector: q is rounded to
-  int16 once a step (q16, `decode_int4._query16`), the block's scales once for all heads (u16 =
-  s / b, `make_block_scales`), and q' = q16 · u16 / 2^15 by pmulhrsw (`make_block_query`). (Rounding
-  q · s itself, per block and head, needs a pass for its maximum and one to round: measured 13.8 of
-  the kernel's 31 ns a token and head on the GPU host.) q' then keeps 2^-15 of max|q| · max s
-  rather than of max|q s|, far finer than the 16 levels of the codes;
+  (`make_scores_int4`). q' is made per block and head in one instruction a vector: q is rounded
+  to int16 once a step (q16, `decode_int4._query16`), the block's scales once for all heads (u16
+  = s / b, `make_block_scales`), and q' = q16 · u16 / 2^15 by pmulhrsw (`make_block_query`).
+  (Rounding q · s itself, per block and head, needs a pass for its maximum and one to round:
+  measured 13.8 of the kernel's 31 ns a token and head on the GPU host.) q' then keeps 2^-15 of
+  max|q| · max s rather than of max|q s|, far finer than the 16 levels of the codes;
 - values are per token and group of 32 channels: Σ_t p_t (code_t s_tg + z_tg) = Σ_t (p_t s_tg)
   code_t + Σ_t p_t z_tg, so per tile the weights p_t s_tg are rounded to int16 (`make_value_factors`,
   from the tile's scales gathered by `make_scales_copy`) and the codes of two tokens are summed
   by one pmaddwd per pair of lanes (`make_accumulate_int4`).
 
 Rounding: the weights keep 2^-16 of their largest element (as the int8 path's q and weights), q'
-2^-15 of max|q| · max s (above). The rounding errors e of a factor multiply codes of 0..15, whose mean ~7.5 would turn
-them into a bias shared by all tokens of a block (keys: the log-sum-exp moves); the kernels' float
-constants subtract 7.5 Σ e, so what is left is Σ e (code - 7.5).
+2^-15 of max|q| · max s (above). The rounding errors e of a factor multiply codes of 0..15, whose
+mean ~7.5 would turn them into a bias shared by all tokens of a block (keys: the log-sum-exp
+moves); the kernels' float constants subtract 7.5 Σ e, so what is left is Σ e (code - 7.5).
 
-Key code layout: a row's bytes are read in chunks of E = 2·IW (then IW at the end, where D/2 is not
-a multiple of 2·IW), each widened to E int16 lanes and split into its low nibbles and its high
-ones. q'16 is stored in that order (`code_order`): positions 2c .. 2c+E hold the channels of
-the low nibbles of bytes c .. c+E, positions 2c+E .. 2c+2E those of their high nibbles. With
-IW = 8 (AVX2) that is the channel order itself; with 16 (AVX-512), runs of 16 channels swapped.
+Keys (the VNNI order, [D/8, BS, 4] a block and head): a 32-bit lane holds 8 channels of one token
+(8r + j low nibble, 8r + 4 + j high, j < 4), so a vector of W lanes is W tokens. Masked with
+0x000F000F, shifted right by 8, 4 or 12 first, it gives each token's channel pairs (8r, 8r+2),
+(8r+1, 8r+3), (8r+4, 8r+6), (8r+5, 8r+7) as 16-bit lanes, and one pmaddwd each against q's
+pair, splat, adds them to the W tokens' scores: no horizontal sums (the row layout this replaced
+spent a third of its score instructions on them). q' is stored in that pair order (`PAIRS`).
 
 Values: IW bytes of one group of tokens A and B, each zero-extended to IW int32 lanes and
 combined as A | B << 16; masked with 0x000F000F it holds, lane i, the int16 pair (A's code, B's
@@ -42,10 +42,7 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-from cpu_attention._simd import (
-    ACC_CHUNKS, DOT_TOKENS, IVEC, VEC, _args, _c_array_2d, _head_sums, _ir, _lane_sums, _madd, _mulhrs, _shuffle,
-    _splat, _vec_ptr,
-)
+from cpu_attention._simd import ACC_CHUNKS, IVEC, VEC, _args, _c_array_2d, _ir, _madd, _mulhrs, _shuffle, _splat, _vec_ptr
 
 Q16 = np.float32(32767.0)  # int16 levels of a factor's largest element
 TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would leave float32's normal range
@@ -64,83 +61,118 @@ def _fma(builder, n):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), f"llvm.fmuladd.v{n}f32")
 
 
-def _dots_int4_codegen(ng, T, IW):
-    """Codegen of `dots_int4`: see `make_dots_int4`."""
+PAIRS = (0, 2, 1, 3, 4, 6, 5, 7)  # pair order: the channels of positions 8r + i are 8r + PAIRS[i]
+
+
+def _scores_int4_codegen(ng, W):
+    """Codegen of `scores_int4`: see `make_scores_int4`."""
 
     def codegen(context, builder, sig, args):
         ir, cgutils = _ir()
-        q, g, k, r0, r1, s, sj, qsc, qc = _args(context, builder, sig, args)
+        qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, g = _args(context, builder, sig, args)
         intp = context.get_value_type(types.intp)
-        H = builder.extract_value(k.shape, 1)  # bytes a row: D/2
-        D = builder.mul(H, intp(2))
+        i32 = ir.IntType(32)
+        D = builder.extract_value(qp.shape, 1)
         S = builder.extract_value(s.shape, 1)
-        last = builder.sub(r1, intp(1))
-        rows = []
-        for t in range(T):  # rows past the end repeat the last one (their stores are never read)
-            r = builder.add(r0, intp(t))
-            rows.append(builder.mul(builder.select(builder.icmp_signed("<", r, r1), r, last), H))
-        qrows = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
-        i32v = ir.VectorType(ir.IntType(32), IW)
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(i32v, None)) for _ in range(T)] for _ in range(ng)]
+        i32v, i16v, f32v = ir.VectorType(i32, W), ir.VectorType(ir.IntType(16), 2 * W), ir.VectorType(ir.FloatType(), W)
+        fma = _fma(builder, W)
+        i8p = ir.IntType(8).as_pointer()
+        pref = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                              "llvm.prefetch")
+        rows = builder.sdiv(D, intp(8))
+        row_bytes = builder.mul(BS, intp(4))
+        heads = [builder.add(g, intp(i)) for i in range(ng)]
+        qrow = [builder.mul(h, D) for h in heads]
+        mask = ir.Constant(i32v, [0x000F000F] * W)
+        shifts = [None, ir.Constant(i32v, [8] * W), ir.Constant(i32v, [4] * W), ir.Constant(i32v, [12] * W)]
+        # per head, one sum per channel-pair vector: 4 ng independent chains
+        accs = [[cgutils.alloca_once(builder, i32v) for _ in range(4)] for _ in range(ng)]
+        lanes = [intp(j) for j in range(W)]
 
-        def chunk(c, E):  # bytes c .. c+E of every row: E low-nibble codes, then E high ones
-            i8v, i16v = ir.VectorType(ir.IntType(8), E), ir.VectorType(ir.IntType(16), E)
-            codes = []
-            for r in rows:
-                x = builder.zext(builder.load(_vec_ptr(builder, k.data, builder.add(r, c), i8v), align=1), i16v)
-                lo = builder.and_(x, ir.Constant(i16v, [15] * E))
-                codes.append((lo, builder.lshr(x, ir.Constant(i16v, [4] * E))))
+        def chunk(c0, load, first):  # tokens off + c0 .. off + c0 + W of the block
             for i in range(ng):
-                at = builder.add(qrows[i], builder.mul(c, intp(2)))
-                qlo = builder.load(_vec_ptr(builder, q.data, at, i16v), align=2)
-                qhi = builder.load(_vec_ptr(builder, q.data, builder.add(at, intp(E)), i16v), align=2)
-                for t in range(T):
-                    a = builder.load(accs[i][t])
-                    for qv, x in ((qlo, codes[t][0]), (qhi, codes[t][1])):
-                        if E // 2 < IW:  # a last half chunk: widened with zeros, upper lanes 0
-                            qv, x = (_shuffle(builder, y, ir.Constant(y.type, None), list(range(2 * IW)))
-                                     for y in (qv, x))
-                        a = _dot_add(builder, a, qv, x)
-                    builder.store(a, accs[i][t])
+                for p in range(4):
+                    builder.store(ir.Constant(i32v, None), accs[i][p])
+            with cgutils.for_range_slice(builder, intp(0), rows, intp(1), intp) as (r, _):
+                x = load(builder.add(kb, builder.add(builder.mul(r, row_bytes), builder.mul(builder.add(off, c0), intp(4)))))
+                pairs = [builder.bitcast(builder.and_(x if sh is None else builder.lshr(x, sh), mask), i16v)
+                         for sh in shifts]  # (8r, 8r+2), (8r+1, 8r+3), (8r+4, 8r+6), (8r+5, 8r+7) a token
+                if first:  # a line a row: a later block's keys and values into L2, the next one's values into L1
+                    at = builder.mul(r, row_bytes)
+                    for arr, base, level in ((k, pk, 2), (v, pv, 2), (v, pv1, 3)):
+                        ptr = builder.gep(arr.data, [builder.add(base, at)], inbounds=True)
+                        builder.call(pref, [builder.bitcast(ptr, i8p), i32(0), i32(level), i32(1)])
+                for i in range(ng):
+                    at = builder.add(qrow[i], builder.mul(r, intp(8)))
+                    for p in range(4):
+                        ptr = builder.bitcast(builder.gep(qp.data, [builder.add(at, intp(2 * p))], inbounds=True),
+                                              i32.as_pointer())
+                        qv = builder.bitcast(_splat(builder, builder.load(ptr, align=2), W), i16v)
+                        builder.store(_dot_add(builder, builder.load(accs[i][p]), pairs[p], qv), accs[i][p])
+            for i in range(ng):
+                tot = [builder.load(a) for a in accs[i]]
+                tot = builder.add(builder.add(tot[0], tot[1]), builder.add(tot[2], tot[3]))
+                sc = builder.call(fma, [builder.sitofp(tot, f32v), _splat(builder, _at(builder, qsc, heads[i]), W),
+                                        _splat(builder, _at(builder, qcon, heads[i]), W)])
+                dst = builder.gep(s.data, [builder.add(builder.mul(heads[i], S), builder.add(col, c0))], inbounds=True)
+                builder.store(sc, builder.bitcast(dst, f32v.as_pointer()), align=4)
 
-        full = builder.mul(builder.sdiv(H, intp(2 * IW)), intp(2 * IW))
-        with cgutils.for_range_slice(builder, intp(0), full, intp(2 * IW), intp) as (c, _):
-            chunk(c, 2 * IW)
-        with cgutils.for_range_slice(builder, full, H, intp(IW), intp) as (c, _):
-            chunk(c, IW)
-        sums = _lane_sums(builder, [builder.load(a) for row in accs for a in row], builder.add)
-        f32T = ir.VectorType(ir.FloatType(), T)
-        fma = _fma(builder, T)
-        for i in range(ng):
-            part = builder.sitofp(_head_sums(builder, sums, i, T), f32T)
-            gi = builder.add(g, intp(i))
-            sc = _splat(builder, builder.load(builder.gep(qsc.data, [gi], inbounds=True)), T)
-            c0 = _splat(builder, builder.load(builder.gep(qc.data, [gi], inbounds=True)), T)
-            at = builder.add(builder.mul(gi, S), sj)
-            builder.store(builder.call(fma, [sc, part, c0]), _vec_ptr(builder, s.data, at, f32T), align=4)
+        def vector_load(at):
+            ptr = builder.bitcast(builder.gep(k.data, [at], inbounds=True), i32v.as_pointer())
+            return builder.load(ptr, align=1)
+
+        full = builder.mul(builder.sdiv(nb, intp(W)), intp(W))
+        with cgutils.for_range_slice(builder, intp(0), full, intp(W), intp) as (c0, _):
+            chunk(c0, vector_load, True)
+        with builder.if_then(builder.icmp_signed("<", full, nb)):
+            m = builder.sub(nb, full)
+
+            def lane_load(at):  # the m tokens left, one lane at a time (never past them: the pool may end there)
+                x = ir.Constant(i32v, None)
+                for j in range(W):
+                    live = builder.icmp_signed("<", lanes[j], m)
+                    lane = builder.select(live, lanes[j], intp(0))
+                    ptr = builder.bitcast(builder.gep(k.data, [builder.add(at, builder.mul(lane, intp(4)))], inbounds=True),
+                                          i32.as_pointer())
+                    x = builder.insert_element(x, builder.select(live, builder.load(ptr, align=1), i32(0)), i32(j))
+                return x
+
+            chunk(full, lane_load, False)
         return context.get_dummy_value()
 
     return codegen
 
 
-def make_dots_int4(ng: int, T: int = DOT_TOKENS, IW: int = IVEC):
-    """An intrinsic dots_int4(q, g, k, r0, r1, s, sj, qsc, qc): for heads i < ng and tokens t < T,
-    s[g+i, sj+t] = qsc[g+i] · Σ_p q[g+i, p] · code(k[min(r0+t, r1-1)], p) + qc[g+i].
+def _at(builder, arr, i):
+    return builder.load(builder.gep(arr.data, [i], inbounds=True))
 
-    q [G, D] int16 in the code layout of IW lanes (module doc, `code_order`); k [R, D/2] uint8
-    packed rows (`int4.py`: a block's rows of one head, or a pool's rows reshaped); s [G, S]
-    float32; qsc, qc [G] float32; all C-contiguous; D % 32 == 0, IW ≤ 16.
-    The integer sums are exact (|sum| < 2^31 for D ≤ 8192). Rows past r1 repeat row r1-1, so a
-    caller may step r0 by T to r1 and give s at least T-1 spare columns. No bounds checks."""
+
+def make_scores_int4(ng: int, W: int = IVEC):
+    """An intrinsic scores_int4(qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, g): the scores
+    of a block's tokens off .. off + nb for heads g .. g+ng, s[g+i, col + j] = qsc[g+i] · Σ_c
+    qp'[g+i, c] · code(off + j, c) + qcon[g+i] for j < nb, W tokens a vector (the pool's VNNI key
+    order, `int4.py`: the block's keys of one head at byte kb of k, [D/8, BS, 4]); each 32-bit lane
+    split by a mask and shifts into a token's four channel pairs as 16-bit lanes, each summed
+    against q's pair by one pmaddwd (vpdpwssd with VNNI). Meanwhile a line a row (D·BS/2 bytes a
+    block: all of it for BS 16) of a later block's keys and values (bytes pk of k, pv of v) is
+    prefetched into L2, and of the next block's values (pv1) into L1.
+
+    qp [G, D] int16 in pair order (position 8r + i holds channel 8r + PAIRS[i]); qsc, qcon [G]
+    float32; k, v uint8 (any shape, C-contiguous); s [G, S] float32 with S ≥ col + nb rounded up
+    to W (the last vector is stored whole). Sums exact in int32 (|q| ≤ 32767, codes ≤ 15, D ≤
+    4096). D % 8 == 0. No bounds checks; reads no byte of k outside the block's tokens."""
 
     @intrinsic
-    def dots_int4(typingctx, q, g, k, r0, r1, s, sj, qsc, qc):
-        if not (_c_array_2d(q, types.int16) and _c_array_2d(k, types.uint8) and _c_array_2d(s, types.float32)
-                and _c_array_1d(qsc, types.float32) and _c_array_1d(qc, types.float32)):
+    def scores_int4(typingctx, qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, g):
+        if not (_c_array_2d(qp, types.int16) and _c_array_1d(qsc, types.float32) and _c_array_1d(qcon, types.float32)
+                and isinstance(k, types.Array) and k.dtype == types.uint8 and k.layout == "C"
+                and isinstance(v, types.Array) and v.dtype == types.uint8 and v.layout == "C"
+                and _c_array_2d(s, types.float32)):
             return None
-        return types.void(q, g, k, r0, r1, s, sj, qsc, qc), _dots_int4_codegen(ng, T, IW)
+        return (types.void(qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, g),
+                _scores_int4_codegen(ng, W))
 
-    return dots_int4
+    return scores_int4
 
 
 def _accumulate_int4_codegen(ng, C, IW):
@@ -254,47 +286,14 @@ def _c_array_1d(t, dtype) -> bool:
 
 
 @numba.njit(nogil=True, cache=True)
-def code_order(D: int, IW: int = IVEC) -> np.ndarray:
-    """The channel at each position of the code layout of IW lanes (module doc), [D] int64: the
-    plain twin of `_code_vectors`, for tests, for reading a layout, and for the kernel's q16."""
-    H, out = D // 2, np.empty(D, np.int64)
-    full = H // (2 * IW) * (2 * IW)
-    for c in range(0, H, 2 * IW):
-        E = 2 * IW if c < full else IW
-        for b in range(c, c + E):
-            for h in range(2):
-                out[c + b + h * E] = 32 * (b // 16) + 16 * h + b % 16
+def pair_order(D: int) -> np.ndarray:
+    """The channel at each position of the pair order (`make_scores_int4`), [D] int64: for the
+    kernel's q16 and for tests."""
+    out = np.empty(D, np.int64)
+    for r in range(D // 8):
+        for i in range(8):
+            out[8 * r + i] = 8 * r + PAIRS[i]
     return out
-
-
-def _code_vectors(builder, intp, H, IW, W, run, store):
-    """A vector in the code layout of IW lanes for rows of H bytes, written whole: run(ch) gives
-    the W lanes of channels ch .. ch+W (W ≤ 8 or W = IW = 16, so a run never leaves a half
-    group), store(pos, x) gets them joined into the vectors of 2·IW lanes at positions pos ..
-    (`code_order`: a chunk of E = 2·IW bytes at c is positions 2c .. 2c+E, its low nibbles'
-    channels, and 2c+E .. 2c+2E, its high ones'; a last chunk of IW bytes is one vector)."""
-    from numba.core import cgutils
-
-    def chunk(c, E):
-        seg = min(E, 16)
-        parts = {0: [], 1: []}  # per nibble half: its runs, in position order
-        for xr in range(0, E, seg):
-            x0 = builder.add(c, intp(xr))
-            ch0 = builder.add(builder.shl(builder.ashr(x0, intp(4)), intp(5)), builder.and_(x0, intp(15)))
-            for h in range(2):
-                for i in range(0, seg, W):
-                    parts[h].append(run(builder.add(ch0, intp(16 * h + i))))
-        if E == 2 * IW:  # positions 2c .. 2c+E: the low nibbles' runs; 2c+E .. 2c+2E: the high ones'
-            store(builder.add(c, c), _concat(builder, parts[0]))
-            store(builder.add(builder.add(c, c), intp(E)), _concat(builder, parts[1]))
-        else:  # E = IW: both halves in one vector
-            store(builder.add(c, c), _concat(builder, parts[0] + parts[1]))
-
-    full = builder.mul(builder.sdiv(H, intp(2 * IW)), intp(2 * IW))
-    with cgutils.for_range_slice(builder, intp(0), full, intp(2 * IW), intp) as (c, _):
-        chunk(c, 2 * IW)
-    with cgutils.for_range_slice(builder, full, H, intp(IW), intp) as (c, _):
-        chunk(c, IW)
 
 
 def _concat(builder, parts):
@@ -389,15 +388,21 @@ def _block_scales_codegen(W, IW):
         b, inv = V.scale(V.hmax_f32(builder.load(mxa)))
         invv = _splat(builder, inv, W)
 
-        def run(ch):  # round(s / b) of channels ch .. ch+W
-            return builder.fptosi(V.rint(builder.fmul(V.load_bf16(ks.data, builder.add(base, ch)), invv)), V.i16v)
-
-        def store(pos, x):
-            builder.store(x, _vec_ptr(builder, u16.data, pos, x.type), align=2)
-
-        # stored as whole vectors of 2·IW lanes, as `make_block_query` loads them (a load that
-        # spans several narrower stores still in flight is not forwarded from them: it waits)
-        _code_vectors(builder, intp, builder.sdiv(D, intp(2)), IW, W, run, store)
+        P = max(W, 8)  # lanes a run: whole rows of 8 channels, permuted into pair order
+        Vp = _Vec(builder, P)
+        perm = [8 * (i // 8) + PAIRS[i % 8] for i in range(P)]
+        L = 2 * IW  # int16 lanes of the vectors `make_block_query` loads
+        invp = _splat(builder, inv, P)
+        # stored whole, as `make_block_query` loads them: a load that spans several narrower
+        # stores still in flight is not forwarded from them and waits for them all
+        with cgutils.for_range_slice(builder, intp(0), D, intp(L), intp) as (d, _):
+            parts = []
+            for j in range(0, L, P):
+                raw = Vp.load_bf16(ks.data, builder.add(base, builder.add(d, intp(j))))
+                sv = _shuffle(builder, raw, raw, perm)
+                parts.append(builder.fptosi(Vp.rint(builder.fmul(sv, invp)), Vp.i16v))
+            x = _concat(builder, parts)
+            builder.store(x, _vec_ptr(builder, u16.data, d, x.type), align=2)
         builder.store(b, builder.gep(bsc.data, [intp(0)], inbounds=True))
         return context.get_dummy_value()
 
@@ -407,12 +412,12 @@ def _block_scales_codegen(W, IW):
 def make_block_scales(W: int = VEC, IW: int = IVEC):
     """An intrinsic block_scales(ks, kz, row, u16, zs, bsc): what one block's key scales s =
     ks[row] and zeros z = kz[row] give every head's q' (`make_block_query`): bsc[0] = b = max s /
-    32767 (1 where max s ≤ TINY), u16 = round(s / b) in the code layout of IW lanes (`code_order`),
+    32767 (1 where max s ≤ TINY), u16 = round(s / b) in pair order (`pair_order`),
     zs = z + 7.5 s (channel order: the zero points' share of a score plus the rounding bias's
     counterweight, module doc).
 
     ks, kz [R, D] uint16 (bf16 bits, s ≥ 0); u16 [D] int16; zs [D], bsc [≥ 1] float32; all
-    C-contiguous; D % 32 == 0, W ≤ 8 or W = IW. No bounds checks."""
+    C-contiguous; D % 32 == 0, 2·IW a multiple of max(W, 8). No bounds checks."""
 
     @intrinsic
     def block_scales(typingctx, ks, kz, row, u16, zs, bsc):
@@ -472,7 +477,7 @@ def make_block_query(ng: int, W: int = VEC, IW: int = IVEC):
     qsc · qp ≈ q · s; qcon[g+i] = qn[g+i] · zs - 7.5 · qsc · Σ qp[g+i] = q · z less 7.5 Σ (qsc qp -
     q s), the rounding bias (module doc).
 
-    q16 [G, D] int16 (q rounded once a step: qn ≈ qa · q16, in the code layout of IW lanes); qa
+    q16 [G, D] int16 (q rounded once a step: qn ≈ qa · q16, in pair order, `pair_order`); qa
     [G], bsc [≥ 1], zs [D] float32; u16 [D] int16; qn [G, D] float32 (channel order); qp [G, D]
     int16; qsc, qcon [G] float32; all C-contiguous; D % (2 IW) == 0, D % W == 0. No bounds checks."""
 

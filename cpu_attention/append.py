@@ -87,18 +87,9 @@ def _quantize_row(y, dst, sc, zr, clips, min_scale, group, codes, best, e2):
 
 
 @numba.njit(**WJIT)
-def _pack_row(codes, dst, group):
-    """codes [D] (0..15) → dst [D/2] in layout.py's nibble order."""
-    half = group // 2
-    for gr in range(codes.shape[0] // group):
-        for i in range(half):
-            dst[gr * half + i] = codes[gr * group + i] | (codes[gr * group + half + i] << np.uint8(4))
-
-
-@numba.njit(**WJIT)
 def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group):
     """Block b's int4 data from tail slot (int4.quantize_keys / quantize_rows): keys per channel
-    over the BS rows, values per row and group."""
+    over the BS rows (stored in the VNNI order, int4.pack_keys), values per row and group."""
     H, BS, D = tk.shape[1], tk.shape[2], tk.shape[3]
     lo, hi = np.empty(D, np.float32), np.empty(D, np.float32)
     s, z = np.empty(D, np.float32), np.empty(D, np.float32)
@@ -121,7 +112,9 @@ def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, g
             for d in range(D):
                 x = bf16_to_f32(tk[slot, h, o, d])
                 codes[d] = np.uint8(min(max(np.rint((x - z[d]) / s[d]), np.float32(0.0)), np.float32(15.0)))
-            _pack_row(codes[:D], kd[b, h, o], group)
+            for r in range(D // 8):  # byte (r, o, j): channels 8r + j (low nibble), 8r + 4 + j (high)
+                for j in range(4):
+                    kd[b, h, r, o, j] = codes[8 * r + j] | (codes[8 * r + 4 + j] << np.uint8(4))
             for d in range(D):
                 y[d] = bf16_to_f32(tv[slot, h, o, d])
             _quantize_row(y, vd[b, h, o], vs[b, h, o], vz[b, h, o], clips, min_scale, group, codes, best, e2)
@@ -134,12 +127,14 @@ def _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group):
     half = group // 2
     for h in range(H):
         for o in range(BS):
+            for r in range(D // 8):
+                for j in range(4):
+                    byte = kd[b, h, r, o, j]
+                    for e, c in ((8 * r + j, byte & np.uint8(15)), (8 * r + 4 + j, byte >> np.uint8(4))):
+                        tk[slot, h, o, e] = f32_to_bf16(np.float32(c) * bf16_to_f32(ks[b, h, e]) + bf16_to_f32(kz[b, h, e]))
             for gr in range(D // group):
                 a, z = bf16_to_f32(vs[b, h, o, gr]), bf16_to_f32(vz[b, h, o, gr])
                 for i in range(half):
-                    byte = kd[b, h, o, gr * half + i]
-                    for e, c in ((gr * group + i, byte & np.uint8(15)), (gr * group + half + i, byte >> np.uint8(4))):
-                        tk[slot, h, o, e] = f32_to_bf16(np.float32(c) * bf16_to_f32(ks[b, h, e]) + bf16_to_f32(kz[b, h, e]))
                     byte = vd[b, h, o, gr * half + i]
                     tv[slot, h, o, gr * group + i] = f32_to_bf16(np.float32(byte & np.uint8(15)) * a + z)
                     tv[slot, h, o, gr * group + half + i] = f32_to_bf16(np.float32(byte >> np.uint8(4)) * a + z)
@@ -148,13 +143,14 @@ def _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group):
 @numba.njit(**WJIT)
 def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, order, blocks, offs, xk, xv,
                clips, min_scale, signs, P, inv_sqrt_p, group):
-    """One layer of an int4 pool: kd, vd [NB, Hkv, BS, D/2] uint8; ks, kz [NB, Hkv, D] and vs, vz
+    """One layer of an int4 pool: kd [NB, Hkv, D/8, BS, 4] (int4.py's VNNI key order), vd [NB, Hkv,
+    BS, D/2] uint8; ks, kz [NB, Hkv, D] and vs, vz
     [NB, Hkv, BS, D/group] uint16 (bf16 bits); tails tk, tv [S, Hkv, BS, D] uint16 (bf16 bits),
     tail_slot [NB] int32, free slots free[:n_free[0]] (enough of them: Tails.reserve); order:
     the tokens sorted by block (stably); xk, xv [T, Hkv, D] float32; signs, P, inv_sqrt_p: the
     rotation. The rule, step by step, is int4.write's."""
     T, H, D = xk.shape
-    BS = kd.shape[2]
+    BS = vd.shape[2]
     y = np.empty(D, np.float32)
     r0 = 0
     while r0 < T:
@@ -230,7 +226,7 @@ def write_kv_int4(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, 
                   clips, min_scale, signs, P, inv_sqrt_p, group):
     """As write_kv_bf16 for an int4 pool (`write_int4`'s arguments, all layers; tail_slot
     [L, NB]): blocks, offsets and the tokens' stable order by block are computed here."""
-    BS = k.shape[3]
+    BS = v.shape[3]
     blocks, offs = slots // BS, slots % BS
     write_int4(k[layer], ks[layer], kz[layer], v[layer], vs[layer], vz[layer], tk, tv, tail_slot[layer],
                free, n_free, np.argsort(blocks, kind="mergesort"), blocks, offs, xk, xv, clips, min_scale,

@@ -16,16 +16,17 @@ import numpy as np
 from numba import prange
 
 from cpu_attention._numba import JIT, line_elems, prefetch, widen
-from cpu_attention._simd import DOT_TOKENS, VEC
+from cpu_attention._simd import IVEC, VEC
 from cpu_attention._simd_int4 import (
-    Q16, SUM_TOKENS, TINY, code_order, make_accumulate_int4, make_block_query, make_block_scales, make_dots_int4,
-    make_scales_copy, make_value_factors,
+    Q16, SUM_TOKENS, TINY, make_accumulate_int4, make_block_query, make_block_scales, make_scales_copy,
+    make_scores_int4, make_value_factors, pair_order,
 )
-from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _prefetch_rows, _softmax_tile, _tile_len
+from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len
 from cpu_attention.layout import INT4_GROUP
 
 # int4 micro-kernels (`_simd_int4`): integer dot products over the 4-bit codes
-_I4DOT1, _I4DOT2, _I4DOT3, _I4DOT4 = (make_dots_int4(ng) for ng in (1, 2, 3, 4))
+_I4SC1, _I4SC2, _I4SC3, _I4SC4 = (make_scores_int4(ng) for ng in (1, 2, 3, 4))
+PREFETCH_BLOCKS = 4  # blocks ahead of the one being scored whose key and value codes go to L2 meanwhile
 _I4ACC1, _I4ACC2, _I4ACC3, _I4ACC4 = (make_accumulate_int4(ng) for ng in (1, 2, 3, 4))
 _I4BQ1, _I4BQ2, _I4BQ3, _I4BQ4 = (make_block_query(ng) for ng in (1, 2, 3, 4))
 _block_scales, _value_factors, _scales_copy = make_block_scales(), make_value_factors(), make_scales_copy()
@@ -33,9 +34,9 @@ _block_scales, _value_factors, _scales_copy = make_block_scales(), make_value_fa
 
 @numba.njit(inline="always", **JIT)
 def _query16(qn, q16, qa):
-    """q rounded once a step for `_key_factors`: q16[g] = round(qn[g] / qa[g]) in the code layout
-    (`_simd_int4.code_order`), qa[g] = max|qn[g]| / 32767 (1 for an all but zero row)."""
-    order = code_order(qn.shape[1])
+    """q rounded once a step for `_key_factors`: q16[g] = round(qn[g] / qa[g]) in pair order
+    (`_simd_int4.pair_order`), qa[g] = max|qn[g]| / 32767 (1 for an all but zero row)."""
+    order = pair_order(qn.shape[1])
     for g in range(qn.shape[0]):
         mx = np.float32(0.0)
         for d in range(qn.shape[1]):
@@ -66,27 +67,21 @@ def _key_factors(q16, qa, qn, ks, kz, row, u16, zs, bsc, qp, qsc, qcon, R):
 
 
 @numba.njit(inline="always", **JIT)
-def _dots_rows_int4(q16, kb, r0, r1, s, sj, qsc, qcon, pk, pv, p0, p1, R):
-    """`_dots_rows` for packed int4 key rows kb [BS, D/2]: s[:, sj + j - r0] = qsc · (q16 · codes of
-    kb[j]) + qcon for r0 <= j < r1, all G heads, prefetching rows p0.. < p1 of pk and pv meanwhile."""
-    G = q16.shape[0]
-    for j in range(r0, r1, DOT_TOKENS):
-        pj = p0 + j - r0
-        pe = min(pj + DOT_TOKENS, p1)
-        if pj < pe:
-            _prefetch_rows(pk, pj, pe)
-            _prefetch_rows(pv, pj, pe)
-        c = sj + j - r0
-        g = 0
-        while g + 4 <= G:
-            _I4DOT4(q16, g, kb, j, r1, s, c, qsc, qcon)
-            g += 4
-        if R == 3:
-            _I4DOT3(q16, g, kb, j, r1, s, c, qsc, qcon)
-        elif R == 2:
-            _I4DOT2(q16, g, kb, j, r1, s, c, qsc, qcon)
-        elif R == 1:
-            _I4DOT1(q16, g, kb, j, r1, s, c, qsc, qcon)
+def _scores_int4(qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, R):
+    """`make_scores_int4` for all G heads (groups of four, then R = G % 4 more): s[:, col + j] for
+    the block's tokens off + j, j < nb (its keys at byte kb of k), prefetching bytes pk of k and pv
+    of v (a later block's) into L2 and pv1 of v (the next block's) into L1 meanwhile."""
+    G = qp.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _I4SC4(qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, g)
+        g += 4
+    if R == 3:
+        _I4SC3(qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, g)
+    elif R == 2:
+        _I4SC2(qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, g)
+    elif R == 1:
+        _I4SC1(qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, g)
 
 
 @numba.njit(inline="always", **JIT)
@@ -140,30 +135,31 @@ def _tail_values(s, c, x, n, acc):
 
 @numba.njit(parallel=True, **JIT)
 def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
-    """k [NB, Hkv, BS, D/2] uint8 with ks, kz [NB, Hkv, D] uint16 (bf16 bits: per block and
-    channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz [NB, Hkv, BS, D/32] (per
+    """k [NB, Hkv, D/8, BS, 4] uint8 (`int4.py`'s VNNI key order) with ks, kz [NB, Hkv, D] uint16
+    (bf16 bits: per block and channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz [NB, Hkv, BS, D/32] (per
     token and group); a block b with tail[b] >= 0 is not complete and is read from the bf16
     tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; rest:
     `decode_tiles.rest_heads(G)`. D % 32 == 0. → each item's partial (part_o, part_m, part_l), for
     `decode_tiles.merge_items`; the merge is the caller's (`DecodeWork.run`).
 
     Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`_key_factors`: q
-    times the block's scales, as int16, from q16 made once per item by `_query16`) and the scores by integer dot products over the codes
-    (`make_dots_int4`), or for a block read from its tail, plain float loops (`_tail_scores`);
+    times the block's scales, as int16, from q16 made once per item by `_query16`) and the scores
+    by integer dot products over the codes, W tokens a vector (`make_scores_int4`), or for a block read from its tail, plain float loops (`_tail_scores`);
     one `_softmax_tile` step; the value factors (`value_factors`: weights times the tokens' group
     scales, as int16) and the value sums over the whole tile in int32 (`make_accumulate_int4`),
     their zero points' share added per group, a tail's rows by `_tail_values`. V's output
     Σ p (vR) = (Σ p v) R is rotated back by the caller, after the merge."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
-    NB, Hkv, BS, Hb = k.shape
+    NB, Hkv, BS, Hb = v.shape
     D = 2 * Hb
+    region = BS * Hb  # bytes of one (block, head)'s key codes, and of its value codes
     NG = D // INT4_GROUP
     G = q.shape[1] // Hkv
     TL = min(_tile_len(BS), SUM_TOKENS)  # (blocks of more than SUM_TOKENS tokens span tiles)
     TLV = -(-TL // VEC) * VEC  # the value factors are computed VEC tokens at a time
     # rows and per-block vectors by index, not by views (each view is a reference count update)
-    krows, vrows = k.reshape(NB * Hkv * BS, Hb), v.reshape(NB * Hkv * BS, Hb)  # row (blk·Hkv + h)·BS + off
+    vrows = v.reshape(NB * Hkv * BS, Hb)  # row (blk·Hkv + h)·BS + off
     ks2, kz2 = ks.reshape(NB * Hkv, D), kz.reshape(NB * Hkv, D)  # row blk·Hkv + h
     vs2, vz2 = vs.reshape(NB * Hkv * BS, NG), vz.reshape(NB * Hkv * BS, NG)
     part_o = np.empty((NI, G, D), np.float32)
@@ -171,7 +167,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
     part_l = np.empty((NI, G), np.float32)
     for it in prange(NI):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-        s = np.empty((G, max(TL + DOT_TOKENS, TLV)), np.float32)
+        s = np.empty((G, max(TL + IVEC, TLV)), np.float32)  # a block's last score vector is stored whole
         qn = np.empty((G, D), np.float32)
         for g in range(G):
             for d in range(D):
@@ -193,6 +189,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
         acc = np.zeros((G, D), np.float32)
         tails = np.empty((TL, 4), np.int64)  # a tile's blocks read from their tails: (u, block, offset, tokens)
         bi, off = t0 // BS, t0 % BS  # token t's block (its index in the table) and offset, walked without divisions
+        nbt = (t1 + BS - 1) // BS  # the item's blocks end there
         t = t0
         while t < t1:
             n = min(TL, t1 - t)
@@ -204,10 +201,11 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
                 bh = blk * Hkv + h
                 r0 = bh * BS + off
                 nbi, noff = (bi + 1, 0) if off + nb == BS else (bi, off + nb)
-                pr, pn = 0, 0
-                if t + u + nb < t1:  # the next rows: the scales of a next block now, the rows while this one is scored
+                pbh = bh  # the next block's scales now, its values while this one is scored
+                qbh = bt[b, bi + PREFETCH_BLOCKS] * Hkv + h if bi + PREFETCH_BLOCKS < nbt else bh  # its codes, into L2
+                if t + u + nb < t1:
                     pbh = bt[b, nbi] * Hkv + h
-                    pr, pn = pbh * BS + noff, min(BS - noff, t1 - t - u - nb, nb)
+                    pr = pbh * BS
                     if noff == 0:
                         _prefetch_span(ks2, pbh * D, D)
                         _prefetch_span(kz2, pbh * D, D)
@@ -225,7 +223,8 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
                             vzr[r, u + j] = 0.0
                 else:
                     _key_factors(q16, qa, qn, ks2, kz2, bh, u16, zs, bsc, qp, qsc, qcon, R)
-                    _dots_rows_int4(qp, krows, r0, r0 + nb, s, u, qsc, qcon, krows, vrows, pr, pr + pn, R)
+                    _scores_int4(qp, qsc, qcon, k, bh * region, BS, off, nb, v, qbh * region, qbh * region, pbh * region,
+                                 s, u, R)
                     _scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
                 bi, off = nbi, noff
                 u += nb

@@ -4,16 +4,21 @@
 Bytes, per layer, block b and kv head h (L layers, NB blocks, BS tokens a block, D head dim,
 a multiple of 32; all tensors C-contiguous, bf16 stored as its 16 bits):
 
-    k[b, h]        uint8 [BS, D/2]   key codes, row o = the block's token o
-    k_scale[b, h]  bf16  [D]         per channel over the block's BS keys:
-    k_zero[b, h]   bf16  [D]           k[o, d] ≈ code(o, d) · k_scale[d] + k_zero[d]
-    v[b, h]        uint8 [BS, D/2]   codes of y = v @ R, the value rotated (`rotation.py`)
-    v_scale[b, h]  bf16  [BS, D/32]  per token and group of 32 channels of y:
-    v_zero[b, h]   bf16  [BS, D/32]    y[o, 32g + i] ≈ code · v_scale[o, g] + v_zero[o, g]
+    k[b, h]        uint8 [D/8, BS, 4]  key codes in the VNNI order: byte (r, o, j) holds channel
+                                       8r + j of token o in its low nibble, 8r + 4 + j in its high
+    k_scale[b, h]  bf16  [D]           per channel over the block's BS keys:
+    k_zero[b, h]   bf16  [D]             k[o, d] ≈ code(o, d) · k_scale[d] + k_zero[d]
+    v[b, h]        uint8 [BS, D/2]     codes of y = v @ R, the value rotated (`rotation.py`),
+                                       row o = the block's token o
+    v_scale[b, h]  bf16  [BS, D/32]    per token and group of 32 channels of y:
+    v_zero[b, h]   bf16  [BS, D/32]      y[o, 32g + i] ≈ code · v_scale[o, g] + v_zero[o, g]
 
-    nibbles: byte 16g + i of a row (g < D/32, i < 16) holds code 32g + i in its low nibble
-    and code 32g + 16 + i in its high one, so one 16-byte load widens to 32 consecutive
-    channels; codes are 0..15, unsigned.
+    value nibbles: byte 16g + i of a row (g < D/32, i < 16) holds code 32g + i in its low
+    nibble and code 32g + 16 + i in its high one, so one 16-byte load widens to 32 consecutive
+    channels. Keys: a 32-bit lane is 8 channels of one token, so one 16-lane load is 16 tokens
+    × 8 channels, and a mask and a shift give each token's channel pairs as 16-bit lanes for
+    pmaddwd: 16 tokens' scores a vector with no horizontal sums (`_simd_int4`). Codes are
+    0..15, unsigned.
 
     tails.slot[l, b]  int32             −1 once block b of layer l is quantized, else the slot
     tails.k[s], .v[s] bf16 [Hkv, BS, D] of its tail: the tokens written so far, keys as given,
@@ -70,6 +75,20 @@ def unpack(data: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-2).reshape(*data.shape[:-1], data.shape[-1] * 2)
 
 
+def pack_keys(codes: torch.Tensor) -> torch.Tensor:
+    """A block's key codes [..., BS, D] (0..15) → bytes [..., D/8, BS, 4] (the module doc's order)."""
+    *lead, BS, D = codes.shape
+    c = codes.to(torch.uint8).reshape(*lead, BS, D // 8, 2, 4)
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).transpose(-3, -2).contiguous()
+
+
+def unpack_keys(data: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_keys`: bytes [..., D/8, BS, 4] → codes [..., BS, D] (uint8)."""
+    *lead, R, BS, _ = data.shape
+    x = data.transpose(-3, -2)  # [..., BS, D/8, 4]
+    return torch.stack([x & 0xF, x >> 4], dim=-2).reshape(*lead, BS, 8 * R)
+
+
 def quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotated values y [..., D] → (bytes [..., D/2], scale, zero [..., D/32] bf16) per group of 32."""
     g = y.float().reshape(*y.shape[:-1], -1, GROUP)
@@ -113,19 +132,19 @@ def dequantize_values(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 
 
 def quantize_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys of whole blocks x [..., BS, D] (bf16 values) → (bytes [..., BS, D/2], scale,
+    """Keys of whole blocks x [..., BS, D] (bf16 values) → (bytes [..., D/8, BS, 4], scale,
     zero [..., D] bf16): per channel, range [min, max] over the block's BS tokens."""
     x = x.float()
     lo, hi = x.amin(-2), x.amax(-2)
     scale = ((hi - lo) / 15).clamp_min(MIN_SCALE).to(torch.bfloat16)
     zero = lo.to(torch.bfloat16)
     codes = torch.round((x - zero.float()[..., None, :]) / scale.float()[..., None, :]).clamp(0, 15)
-    return pack(codes), scale, zero
+    return pack_keys(codes), scale, zero
 
 
 def dequantize_keys(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Keys of whole blocks: bytes [..., BS, D/2], scale, zero [..., D] → [..., BS, D] float32."""
-    return unpack(data).float() * scale.float()[..., None, :] + zero.float()[..., None, :]
+    """Keys of whole blocks: bytes [..., D/8, BS, 4], scale, zero [..., D] → [..., BS, D] float32."""
+    return unpack_keys(data).float() * scale.float()[..., None, :] + zero.float()[..., None, :]
 
 
 class Tails:

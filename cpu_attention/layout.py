@@ -11,9 +11,10 @@ sequence has one block table):
            v                 int8         [L, NB, Hkv, BS4/4, D, 4]    the same codes of values, token 4u+j's
                                                                         channel d at [u, d, j] (BS4: BS rounded up to 4)
            k_scale, v_scale  float32      [L, NB, Hkv, BS]             max|y| / 127 per token and head
-    int4   k                 uint8        [L, NB, Hkv, BS, D // 2]     key codes, two a byte (`int4.py`: nibble order)
+    int4   k                 uint8        [L, NB, Hkv, D/8, BS, 4]     key codes, two a byte (`int4.py`: the VNNI
+                                                                        order, 8 channels of a token a 32-bit lane)
            k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code · scale + zero
-           v                 uint8        [L, NB, Hkv, BS, D // 2]     codes of y = v @ R (`rotation.py`), same order
+           v                 uint8        [L, NB, Hkv, BS, D // 2]     codes of y = v @ R (`rotation.py`), a row a token
            v_scale, v_zero   bfloat16     [L, NB, Hkv, BS, D // 32]    per token and group of 32: y ≈ code · scale + zero
            tails.slot        int32        [L, NB]                      the block's tail slot; −1: the block is quantized
            tails.k, tails.v  bfloat16     [S, Hkv, BS, D]              blocks being filled, unquantized (keys, y); S grows
@@ -26,7 +27,9 @@ Within a block one head's BS × D values are contiguous, so a decode kernel walk
 int8's byte order is the one x86's vpdpbusd wants (`_simd_vnni.py`): four bytes a 32-bit lane,
 a key's four channels or a channel's four tokens, so one instruction adds four products to
 each of 16 tokens' scores or 16 channels' outputs, with no horizontal sums and no shuffles.
-D % 4 == 0; `int8_rows` gives the codes back in token order [..., BS, D].
+D % 4 == 0; `int8_rows` gives the codes back in token order [..., BS, D]. int4 keys use the
+same idea (`int4.py`): a 32-bit lane holds 8 channels of one token, so a vector of lanes is
+16 tokens' channels and the scores need no horizontal sums; `int4.unpack_keys` gives them back.
 
 Bytes of one token's K and V in one layer (`token_bytes`, what the planner counts): f32
 8·Hkv·D, bf16 4·Hkv·D, int8 2·Hkv·(D + 4) (BS a multiple of 4; else V's padding tokens too), int4 Hkv·(D + D/8 + 4·D/BS) + 4/BS (codes,
@@ -137,7 +140,7 @@ class HostKVPool:
             self.k_scale, self.v_scale = mk((L, NB, H, BS), torch.float32), mk((L, NB, H, BS), torch.float32)
         else:
             G = D // INT4_GROUP
-            self.k, self.v = mk((L, NB, H, BS, D // 2), torch.uint8), mk((L, NB, H, BS, D // 2), torch.uint8)
+            self.k, self.v = mk((L, NB, H, D // 8, BS, 4), torch.uint8), mk((L, NB, H, BS, D // 2), torch.uint8)
             self.k_scale, self.k_zero = mk((L, NB, H, D), torch.bfloat16), mk((L, NB, H, D), torch.bfloat16)
             self.v_scale, self.v_zero = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
             self.tails = int4.Tails(L, NB, H, BS, D)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
+import torch
 
-from cpu_attention import _simd, _simd_int4, _simd_vnni
+from cpu_attention import _simd, _simd_int4, _simd_vnni, int4
 from cpu_attention.decode_tiles import _row_max
 
 HOST = (_simd.VEC, _simd.DOT_TOKENS, _simd.ACC_CHUNKS, _simd.IVEC)
@@ -223,43 +224,51 @@ def codes_of(rows: np.ndarray) -> np.ndarray:
     return np.stack([lo.reshape(R, -1, 16), hi.reshape(R, -1, 16)], 2).reshape(R, 2 * H).astype(np.int64)
 
 
-def test_code_order_is_a_permutation():
-    for IW in (4, 8, 16):
-        for D in (32, 64, 96, 128, 160):
-            o = _simd_int4.code_order(D, IW)
-            assert sorted(o) == list(range(D)), (IW, D)
-            if IW == 8:
-                assert np.array_equal(o, np.arange(D))  # AVX2: channel order itself
+def test_pair_order_is_a_permutation_within_rows():
+    for D in (32, 64, 96, 128, 160):
+        o = _simd_int4.pair_order(D)
+        assert sorted(o) == list(range(D)), D
+        assert np.array_equal(o // 8, np.arange(D) // 8), D  # each row of 8 channels stays in place
 
 
 @SHAPES
-def test_dots_int4(W, T, C, IW):
-    d1, d2, d3, d4 = (_simd_int4.make_dots_int4(ng, T, IW) for ng in (1, 2, 3, 4))
+def test_scores_int4(W, T, C, IW):
+    """Scores over the VNNI key order (`int4.pack_keys`) against numpy, for whole blocks, a
+    block's middle (an item starting and ending inside it), a last partial vector, and the
+    pool's last block (its tokens read lane by lane: nothing past them)."""
+    s1, s2, s3, s4 = (_simd_int4.make_scores_int4(ng, IW) for ng in (1, 2, 3, 4))
 
     @numba.njit
-    def run(q, k, r0, r1, s, qsc, qc):
-        for j in range(r0, r1, T):
-            d4(q, 0, k, j, r1, s, j - r0, qsc, qc)
-            d3(q, 4, k, j, r1, s, j - r0, qsc, qc)
-            d2(q, 7, k, j, r1, s, j - r0, qsc, qc)
-            d1(q, 9, k, j, r1, s, j - r0, qsc, qc)
+    def run(qp, qsc, qc, k, kb, BS, off, nb, v, s, col):
+        s4(qp, qsc, qc, k, kb, BS, off, nb, v, 0, 0, 0, s, col, 0)
+        s3(qp, qsc, qc, k, kb, BS, off, nb, v, 0, 0, 0, s, col, 4)
+        s2(qp, qsc, qc, k, kb, BS, off, nb, v, 0, 0, 0, s, col, 7)
+        s1(qp, qsc, qc, k, kb, BS, off, nb, v, 0, 0, 0, s, col, 9)
 
     rng = np.random.default_rng(4)
-    for D in (64, 96, 128, 256):  # 96 at 16 lanes: a last half chunk
-        k = rng.integers(0, 256, (20, D // 2)).astype(np.uint8)
-        k[3] = 255  # all codes 15: the extreme sums
-        qch = rng.integers(-32767, 32768, (10, D)).astype(np.int16)  # channel order
-        qch[:, ::7] = 32767
-        q = np.empty_like(qch)
-        q[:, :] = qch[:, _simd_int4.code_order(D, IW)]  # position p holds channel order[p]
-        qsc = (rng.random(10) * 1e-4).astype(np.float32)
-        qc = rng.standard_normal(10).astype(np.float32)
-        for r0, r1 in ((3, 16), (0, 1), (5, 20)):
-            s = np.full((10, 24), np.nan, np.float32)
-            run(q, k, r0, r1, s, qsc, qc)
-            exact = qch.astype(np.int64) @ codes_of(k[r0:r1]).T
-            ref = qsc[:, None].astype(np.float64) * exact + qc[:, None]
-            assert np.abs(s[:, :r1 - r0] - ref).max() < 1e-6 * np.abs(ref).max(), (D, r0, r1)
+    for D in (64, 96, 128, 256):
+        for BS in (16, 7, 32):
+            NB = 3
+            codes = rng.integers(0, 16, (NB, BS, D))
+            codes[1, 2] = 15  # all codes 15: the extreme sums
+            k = int4.pack_keys(torch.from_numpy(codes)).numpy()  # [NB, D/8, BS, 4]
+            v = np.zeros(8, np.uint8)
+            qch = rng.integers(-32767, 32768, (10, D)).astype(np.int16)  # channel order
+            qch[:, ::7] = 32767
+            qp = np.ascontiguousarray(qch[:, _simd_int4.pair_order(D)])  # position p holds channel order[p]
+            qsc = (rng.random(10) * 1e-4).astype(np.float32)
+            qc = rng.standard_normal(10).astype(np.float32)
+            region = BS * D // 2
+            for blk, off, nb in ((1, 0, BS), (0, 3, BS - 5), (2, 0, BS), (2, BS - 1, 1), (2, 1, BS - 1)):
+                if nb <= 0:
+                    continue
+                s = np.full((10, 3 + nb + IW), np.nan, np.float32)
+                run(qp, qsc, qc, k, blk * region, BS, off, nb, v, s, 3)
+                exact = qch.astype(np.int64) @ codes[blk, off:off + nb].T
+                ref = qsc[:, None].astype(np.float64) * exact + qc[:, None]
+                got = s[:, 3:3 + nb]
+                assert np.abs(got - ref).max() < 1e-6 * np.abs(ref).max(), (D, BS, blk, off, nb)
+                assert np.isnan(s[:, :3]).all(), (D, BS)  # nothing before col
 
 
 @SHAPES
@@ -316,7 +325,7 @@ def test_key_factors(W, T, C, IW):
     for D in (64, 96, 128, 256):
         if D % (2 * IW):
             continue
-        order = _simd_int4.code_order(D, IW)
+        order = _simd_int4.pair_order(D)
         for zero_scales in (False, True):
             qn = rng.standard_normal((10, D)).astype(np.float32)
             qn[9] = 0.0  # an all-zero query
@@ -399,7 +408,7 @@ pkg = types.ModuleType("cpu_attention")  # _simd's shapes set before the package
 pkg.__path__ = [sys.argv[1] + "/cpu_attention"]
 sys.modules["cpu_attention"] = pkg
 import cpu_attention._simd as S
-S.VEC, S.IVEC, S.DOT_TOKENS, S.ACC_CHUNKS, S._MADD = 16, 16, 4, 4, (None, 16)
+S.VEC, S.IVEC, S.DOT_TOKENS, S.ACC_CHUNKS, S._MADD, S._MULHRS = 16, 16, 4, 4, (None, 16), (None, 32)
 S.make_dots.__defaults__, S.make_accumulate.__defaults__ = (4, 16), (4, 16)
 del sys.modules["cpu_attention"]
 import cpu_attention._simd_vnni as V  # int8's vpdpbusd as plain IR
