@@ -42,7 +42,9 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-from cpu_attention._simd import ACC_CHUNKS, IVEC, VEC, _args, _c_array_2d, _ir, _madd, _mulhrs, _shuffle, _splat, _vec_ptr
+from cpu_attention._simd import (
+    ACC_CHUNKS, IVEC, VEC, _args, _c_array_2d, _ir, _madd, _mulhrs, _shuffle, _splat, _vec_ptr,
+)
 
 Q16 = np.float32(32767.0)  # int16 levels of a factor's largest element
 TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would leave float32's normal range
@@ -94,7 +96,8 @@ def _scores_int4_codegen(ng, W):
                 for p in range(4):
                     builder.store(ir.Constant(i32v, None), accs[i][p])
             with cgutils.for_range_slice(builder, intp(0), rows, intp(1), intp) as (r, _):
-                x = load(builder.add(kb, builder.add(builder.mul(r, row_bytes), builder.mul(builder.add(off, c0), intp(4)))))
+                tok = builder.mul(builder.add(off, c0), intp(4))  # the chunk's first token, in bytes
+                x = load(builder.add(kb, builder.add(builder.mul(r, row_bytes), tok)))
                 pairs = [builder.bitcast(builder.and_(x if sh is None else builder.lshr(x, sh), mask), i16v)
                          for sh in shifts]  # (8r, 8r+2), (8r+1, 8r+3), (8r+4, 8r+6), (8r+5, 8r+7) a token
                 if first:  # a line a row: a later block's keys and values into L2, the next one's values into L1
@@ -132,8 +135,8 @@ def _scores_int4_codegen(ng, W):
                 for j in range(W):
                     live = builder.icmp_signed("<", lanes[j], m)
                     lane = builder.select(live, lanes[j], intp(0))
-                    ptr = builder.bitcast(builder.gep(k.data, [builder.add(at, builder.mul(lane, intp(4)))], inbounds=True),
-                                          i32.as_pointer())
+                    at_j = builder.add(at, builder.mul(lane, intp(4)))
+                    ptr = builder.bitcast(builder.gep(k.data, [at_j], inbounds=True), i32.as_pointer())
                     x = builder.insert_element(x, builder.select(live, builder.load(ptr, align=1), i32(0)), i32(j))
                 return x
 

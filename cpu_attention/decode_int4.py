@@ -136,15 +136,16 @@ def _tail_values(s, c, x, n, acc):
 @numba.njit(parallel=True, **JIT)
 def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
     """k [NB, Hkv, D/8, BS, 4] uint8 (`int4.py`'s VNNI key order) with ks, kz [NB, Hkv, D] uint16
-    (bf16 bits: per block and channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz [NB, Hkv, BS, D/32] (per
-    token and group); a block b with tail[b] >= 0 is not complete and is read from the bf16
+    (bf16 bits: per block and channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz
+    [NB, Hkv, BS, D/32] (per token and group); a block b with tail[b] >= 0 is not complete and is read from the bf16
     tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; rest:
     `decode_tiles.rest_heads(G)`. D % 32 == 0. → each item's partial (part_o, part_m, part_l), for
     `decode_tiles.merge_items`; the merge is the caller's (`DecodeWork.run`).
 
     Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`_key_factors`: q
     times the block's scales, as int16, from q16 made once per item by `_query16`) and the scores
-    by integer dot products over the codes, W tokens a vector (`make_scores_int4`), or for a block read from its tail, plain float loops (`_tail_scores`);
+    by integer dot products over the codes, W tokens a vector (`make_scores_int4`), or for a block
+    read from its tail, plain float loops (`_tail_scores`);
     one `_softmax_tile` step; the value factors (`value_factors`: weights times the tokens' group
     scales, as int16) and the value sums over the whole tile in int32 (`make_accumulate_int4`),
     their zero points' share added per group, a tail's rows by `_tail_values`. V's output
@@ -223,8 +224,8 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
                             vzr[r, u + j] = 0.0
                 else:
                     _key_factors(q16, qa, qn, ks2, kz2, bh, u16, zs, bsc, qp, qsc, qcon, R)
-                    _scores_int4(qp, qsc, qcon, k, bh * region, BS, off, nb, v, qbh * region, qbh * region, pbh * region,
-                                 s, u, R)
+                    _scores_int4(qp, qsc, qcon, k, bh * region, BS, off, nb, v, qbh * region, qbh * region,
+                                 pbh * region, s, u, R)
                     _scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
                 bi, off = nbi, noff
                 u += nb
