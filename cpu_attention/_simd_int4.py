@@ -91,7 +91,7 @@ def _scores_int4_codegen(ng, W):
         accs = [[cgutils.alloca_once(builder, i32v) for _ in range(4)] for _ in range(ng)]
         lanes = [intp(j) for j in range(W)]
 
-        def chunk(c0, load, first):  # tokens off + c0 .. off + c0 + W of the block
+        def chunk(c0, load):  # tokens off + c0 .. off + c0 + W of the block
             for i in range(ng):
                 for p in range(4):
                     builder.store(ir.Constant(i32v, None), accs[i][p])
@@ -100,11 +100,12 @@ def _scores_int4_codegen(ng, W):
                 x = load(builder.add(kb, builder.add(builder.mul(r, row_bytes), tok)))
                 pairs = [builder.bitcast(builder.and_(x if sh is None else builder.lshr(x, sh), mask), i16v)
                          for sh in shifts]  # (8r, 8r+2), (8r+1, 8r+3), (8r+4, 8r+6), (8r+5, 8r+7) a token
-                if first:  # a line a row: a later block's keys and values into L2, the next one's values into L1
-                    at = builder.mul(r, row_bytes)
-                    for arr, base, level in ((k, pk, 2), (v, pv, 2), (v, pv1, 3)):
-                        ptr = builder.gep(arr.data, [builder.add(base, at)], inbounds=True)
-                        builder.call(pref, [builder.bitcast(ptr, i8p), i32(0), i32(level), i32(1)])
+                # a line a row: a later block's keys and values into L2, the next one's values into L1
+                # (again for each further chunk of a block: a few prefetches of lines already on their way)
+                at = builder.mul(r, row_bytes)
+                for arr, base, level in ((k, pk, 2), (v, pv, 2), (v, pv1, 3)):
+                    ptr = builder.gep(arr.data, [builder.add(base, at)], inbounds=True)
+                    builder.call(pref, [builder.bitcast(ptr, i8p), i32(0), i32(level), i32(1)])
                 for i in range(ng):
                     at = builder.add(qrow[i], builder.mul(r, intp(8)))
                     for p in range(4):
@@ -126,7 +127,7 @@ def _scores_int4_codegen(ng, W):
 
         full = builder.mul(builder.sdiv(nb, intp(W)), intp(W))
         with cgutils.for_range_slice(builder, intp(0), full, intp(W), intp) as (c0, _):
-            chunk(c0, vector_load, True)
+            chunk(c0, vector_load)
         with builder.if_then(builder.icmp_signed("<", full, nb)):
             m = builder.sub(nb, full)
 
@@ -140,7 +141,7 @@ def _scores_int4_codegen(ng, W):
                     x = builder.insert_element(x, builder.select(live, builder.load(ptr, align=1), i32(0)), i32(j))
                 return x
 
-            chunk(full, lane_load, False)
+            chunk(full, lane_load)
         return context.get_dummy_value()
 
     return codegen
