@@ -90,6 +90,7 @@ def int4_variant(KF, DOT, SM, VF, AC):
         vrows = v.reshape(NB * Hkv * BS, Hb)
         ks2, kz2 = ks.reshape(NB * Hkv, D), kz.reshape(NB * Hkv, D)
         vs2, vz2 = vs.reshape(NB * Hkv * BS, NG), vz.reshape(NB * Hkv * BS, NG)
+        order = d4.pair_order(D)
         part_o = np.empty((NI, G, D), np.float32)
         part_m = np.empty((NI, G), np.float32)
         part_l = np.empty((NI, G), np.float32)
@@ -101,7 +102,7 @@ def int4_variant(KF, DOT, SM, VF, AC):
                 for d in range(D):
                     qn[g, d] = q[b, h * G + g, d]
             q16, qa = np.empty((G, D), np.int16), np.empty(G, np.float32)
-            d4._query16(qn, q16, qa)
+            d4._query16(qn, order, q16, qa)
             u16, zs, bsc = np.empty(D, np.int16), np.empty(D, np.float32), np.empty(1, np.float32)
             qp = np.zeros((G, D), np.int16)
             qsc = np.ones(G, np.float32)

@@ -13,7 +13,8 @@ loops, pays per 16-token block: loop setup and runtime alias checks, a full hori
 bf16 rows are widened two vectors a load (even elements by a shift, odd ones by a mask), so q
 and the accumulator of bf16 values live in a "pair layout", a permutation within chunks of the
 head dim undone once per work item (`from_pair_layout`). The int8 kernels' micro-kernels
-(`_simd_vnni`) and int4's (`_simd_int4`) build on the helpers here; pmaddwd (`_madd`) is int4's.
+(`_simd_vnni`) and int4's (`_simd_int4`, `_simd_int4_factors`) build on the helpers here; pmaddwd
+(`_madd`) is int4's.
 
 Shapes are chosen for the CPU Numba compiles for (its feature string is part of Numba's cache
 key): VEC float32 lanes a register (16 with AVX-512, 8 with AVX/AVX2, 4 otherwise), T tokens a
@@ -335,6 +336,10 @@ def make_accumulate(ng: int, C: int = ACC_CHUNKS, W: int = VEC):
         return types.void(p, g, pj, v, r0, n, acc), _accumulate_codegen(ng, C, W)
 
     return accumulate
+
+
+def _c_array_1d(t, dtype) -> bool:
+    return isinstance(t, types.Array) and t.dtype == dtype and t.ndim == 1 and t.layout == "C"
 
 
 def _c_array_2d(t, dtype) -> bool:

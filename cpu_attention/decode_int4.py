@@ -17,26 +17,26 @@ from numba import prange
 
 from cpu_attention._numba import JIT, line_elems, prefetch, widen
 from cpu_attention._simd import IVEC, VEC
-from cpu_attention._simd_int4 import (
-    Q16, SUM_TOKENS, TINY, make_accumulate_int4, make_block_query, make_block_scales, make_scales_copy,
-    make_scores_int4, make_value_factors, pair_order,
+from cpu_attention._simd_int4 import SUM_TOKENS, make_accumulate_int4, make_scores_int4, pair_order
+from cpu_attention._simd_int4_factors import (
+    Q16, TINY, make_block_query, make_block_scales, make_scales_copy, make_value_factors,
 )
 from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len
 from cpu_attention.layout import INT4_GROUP
 
-# int4 micro-kernels (`_simd_int4`): integer dot products over the 4-bit codes
+# int4 micro-kernels: integer dot products over the 4-bit codes (`_simd_int4`) and their int16
+# factors (`_simd_int4_factors`)
 _I4SC1, _I4SC2, _I4SC3, _I4SC4 = (make_scores_int4(ng) for ng in (1, 2, 3, 4))
-PREFETCH_BLOCKS = 4  # blocks ahead of the one being scored whose key and value codes go to L2 meanwhile
 _I4ACC1, _I4ACC2, _I4ACC3, _I4ACC4 = (make_accumulate_int4(ng) for ng in (1, 2, 3, 4))
 _I4BQ1, _I4BQ2, _I4BQ3, _I4BQ4 = (make_block_query(ng) for ng in (1, 2, 3, 4))
 _block_scales, _value_factors, _scales_copy = make_block_scales(), make_value_factors(), make_scales_copy()
+PREFETCH_BLOCKS = 4  # blocks ahead of the one being scored whose key and value codes go to L2 meanwhile
 
 
 @numba.njit(inline="always", **JIT)
-def _query16(qn, q16, qa):
+def _query16(qn, order, q16, qa):
     """q rounded once a step for `_key_factors`: q16[g] = round(qn[g] / qa[g]) in pair order
-    (`_simd_int4.pair_order`), qa[g] = max|qn[g]| / 32767 (1 for an all but zero row)."""
-    order = pair_order(qn.shape[1])
+    (order = `_simd_int4.pair_order(D)`), qa[g] = max|qn[g]| / 32767 (1 for an all but zero row)."""
     for g in range(qn.shape[0]):
         mx = np.float32(0.0)
         for d in range(qn.shape[1]):
@@ -163,6 +163,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
     vrows = v.reshape(NB * Hkv * BS, Hb)  # row (blk·Hkv + h)·BS + off
     ks2, kz2 = ks.reshape(NB * Hkv, D), kz.reshape(NB * Hkv, D)  # row blk·Hkv + h
     vs2, vz2 = vs.reshape(NB * Hkv * BS, NG), vz.reshape(NB * Hkv * BS, NG)
+    order = pair_order(D)  # q16's channel order
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
@@ -174,7 +175,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
             for d in range(D):
                 qn[g, d] = q[b, h * G + g, d]
         q16, qa = np.empty((G, D), np.int16), np.empty(G, np.float32)
-        _query16(qn, q16, qa)
+        _query16(qn, order, q16, qa)
         u16, zs, bsc = np.empty(D, np.int16), np.empty(D, np.float32), np.empty(1, np.float32)
         qp = np.empty((G, D), np.int16)
         qsc = np.empty(G, np.float32)

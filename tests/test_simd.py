@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_attention import _simd, _simd_int4, _simd_vnni, int4
+from cpu_attention import _simd, _simd_int4, _simd_int4_factors, _simd_vnni, int4
 from cpu_attention.decode_tiles import _row_max
 
 HOST = (_simd.VEC, _simd.DOT_TOKENS, _simd.ACC_CHUNKS, _simd.IVEC)
@@ -310,8 +310,8 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 def test_key_factors(W, T, C, IW):
     """A block's query: the scales' integer form (make_block_scales) and each head's q' by
     pmulhrsw (make_block_query), against the same integer arithmetic in numpy."""
-    bs = _simd_int4.make_block_scales(W, IW)
-    f1, f2, f3, f4 = (_simd_int4.make_block_query(ng, W, IW) for ng in (1, 2, 3, 4))
+    bs = _simd_int4_factors.make_block_scales(W, IW)
+    f1, f2, f3, f4 = (_simd_int4_factors.make_block_query(ng, W, IW) for ng in (1, 2, 3, 4))
 
     @numba.njit
     def run(q16, qa, ks, kz, row, u16, zs, bsc, qn, qp, qsc, qcon):
@@ -357,7 +357,7 @@ def test_key_factors(W, T, C, IW):
 
 @SHAPES
 def test_value_factors(W, T, C, IW):
-    vf = _simd_int4.make_value_factors(W)
+    vf = _simd_int4_factors.make_value_factors(W)
     run = numba.njit(lambda p, vsc, vzr, n, w16, wsc, zsum: vf(p, vsc, vzr, n, w16, wsc, zsum))
     rng = np.random.default_rng(7)
     for NG, n in ((2, 64), (4, 37), (3, 1), (8, 16)):
@@ -386,7 +386,7 @@ def test_value_factors(W, T, C, IW):
 
 @SHAPES
 def test_scales_copy(W, T, C, IW):
-    sc = _simd_int4.make_scales_copy(W)
+    sc = _simd_int4_factors.make_scales_copy(W)
     run = numba.njit(lambda vs, vz, row, nb, vsc, vzr, col: sc(vs, vz, row, nb, vsc, vzr, col))
     rng = np.random.default_rng(8)
     for NG in (1, 2, 3, 4, 5, 8):  # 1, 5: the scalar loop
