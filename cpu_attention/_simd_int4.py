@@ -88,9 +88,10 @@ def _scores_int4_codegen(ng, W):
                 x = load(builder.add(kb, builder.add(builder.mul(r, row_bytes), tok)))
                 pairs = [builder.bitcast(builder.and_(x if sh is None else builder.lshr(x, sh), mask), i16v)
                          for sh in shifts]  # (8r, 8r+2), (8r+1, 8r+3), (8r+4, 8r+6), (8r+5, 8r+7) a token
-                # a line a row: a later block's keys and values into L2, the next one's values into L1
-                # (again for each further chunk of a block: a few prefetches of lines already on their way)
-                at = builder.mul(r, row_bytes)
+                # the same bytes of a later block's keys and values into L2, of the next one's values
+                # into L1: over a block's rows and chunks, every line of its D·BS/2 bytes (4W bytes a
+                # chunk of a row: a line where W is 16)
+                at = builder.add(builder.mul(r, row_bytes), tok)
                 for arr, base, level in ((k, pk, 2), (v, pv, 2), (v, pv1, 3)):
                     ptr = builder.gep(arr.data, [builder.add(base, at)], inbounds=True)
                     builder.call(pref, [builder.bitcast(ptr, i8p), i32(0), i32(level), i32(1)])
@@ -141,9 +142,11 @@ def make_scores_int4(ng: int, W: int = IVEC):
     qp'[g+i, c] · code(off + j, c) + qcon[g+i] for j < nb, W tokens a vector (the pool's VNNI key
     order, `int4.py`: the block's keys of one head at byte kb of k, [D/8, BS, 4]); each 32-bit lane
     split by a mask and shifts into a token's four channel pairs as 16-bit lanes, each summed
-    against q's pair by one pmaddwd (vpdpwssd with VNNI). Meanwhile a line a row (D·BS/2 bytes a
-    block: all of it for BS 16) of a later block's keys and values (bytes pk of k, pv of v) is
-    prefetched into L2, and of the next block's values (pv1) into L1.
+    against q's pair by one pmaddwd (vpdpwssd with VNNI). Meanwhile the bytes at the same offsets
+    of a later block's keys and values (bytes pk of k, pv of v) are prefetched into L2, and of the
+    next block's values (pv1) into L1: a block's D·BS/2 bytes of each over its chunks. (A line a
+    row of the first chunk only, as before, left half of a block of 32 unprefetched: int4 at
+    block 32 read 0.31–0.44 of DRAM where block 16 read 0.50–0.55, bench/RESULTS.md.)
 
     qp [G, D] int16 in pair order (position 8r + i holds channel 8r + PAIRS[i]); qsc, qcon [G]
     float32; k, v uint8 (any shape, C-contiguous); s [G, S] float32 with S ≥ col + nb rounded up
