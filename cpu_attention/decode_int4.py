@@ -3,11 +3,11 @@
 Per tile (whole blocks, as bf16 / int8, `decode_tiles`): per block, q times the block's
 per-channel key scales as int16 (q rounded once a step, the scales once a block, their product
 by one pmulhrsw a vector; the zero points' share of the scores is one float per head), scored
-against the codes widened in registers; per tile, the softmax weights times the
-tokens' value scales rounded to VALUE_PIECES bytes per head, and the codes of quads of 4 tokens
-summed against them in int32 by vpdpbusd (the zero points' share added per group of 32 channels). A block still being
-filled is read from its bf16 tail by plain float loops. The output is rotated back (int4 V is
-stored rotated, `rotation.py`) by the caller, after the merge.
+against the codes widened in registers; per tile, the softmax weights times the tokens' value
+scales rounded to VALUE_PIECES bytes per head, and the codes of quads of 4 tokens summed against
+them in int32 by vpdpbusd (the zero points' share added per group of 32 channels). A block still
+being filled is read from its bf16 tail by plain float loops. The output is rotated back (int4
+V is stored rotated, `rotation.py`) by the caller, after the merge.
 """
 from __future__ import annotations
 

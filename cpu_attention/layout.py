@@ -35,10 +35,11 @@ int4 values come in quads of 4 tokens like int8's (a 32-bit lane: 4 tokens of tw
 `int4.unquads` gives the rows back.
 
 Bytes of one token's K and V in one layer (`token_bytes`, what the planner counts): f32
-8·Hkv·D, bf16 4·Hkv·D, int8 2·Hkv·(D + 4) (BS a multiple of 4; else V's padding tokens too), int4 Hkv·(D + D/8 + 4·D/BS) + 4/BS (codes,
-value scales and zeros, the block's key scales and zeros and its tail-slot entry spread over
-its BS tokens; BS a multiple of 4, else V's padding tokens too; Hkv 8, D 128, BS 16: 1408.25 bytes, 2/3 of int8's 2112), plus for int4 one
-tail per sequence being filled and layer, 4·Hkv·BS·D bytes (`tail_bytes`).
+8·Hkv·D, bf16 4·Hkv·D, int8 2·Hkv·(D + 4), int4 Hkv·(D + D/8 + 4·D/BS) + 4/BS (codes, value
+scales and zeros, the block's key scales and zeros and its tail-slot entry spread over its BS
+tokens; Hkv 8, D 128, BS 16: 1408.25 bytes, 2/3 of int8's 2112), plus for int4 one tail per
+sequence being filled and layer, 4·Hkv·BS·D bytes (`tail_bytes`). For int8 and int4, BS a
+multiple of 4; else V's padding tokens too.
 
 int8 keys and values are stored rotated by the fixed orthonormal R (`rotation.py`), the
 issue's format (a scale per token and head) otherwise unchanged. A RoPE'd key has a few
