@@ -80,14 +80,16 @@ def int4_variant(KF, DOT, SM, VF, AC):
     def kern(k, v, ks, kz, vs, vz, q, bt, items, rest):
         R = len(rest)
         NI = items.shape[0]
-        NB, Hkv, BS, Hb = v.shape
+        NB, Hkv, BQ, Hb, _ = v.shape
+        BS = vs.shape[2]
         D = 2 * Hb
         region = BS * Hb
+        vregion = BQ * 4 * Hb
         NG = D // INT4_GROUP
         G = q.shape[1] // Hkv
         TL = min(_tile_len(BS), d4.SUM_TOKENS)
-        TLV = -(-TL // VEC) * VEC
-        vrows = v.reshape(NB * Hkv * BS, Hb)
+        TLV = -(-TL // VEC) * VEC  # (BS a multiple of 4 here: no padding columns)
+        vflat = v.reshape(NB * Hkv * vregion)
         ks2, kz2 = ks.reshape(NB * Hkv, D), kz.reshape(NB * Hkv, D)
         vs2, vz2 = vs.reshape(NB * Hkv * BS, NG), vz.reshape(NB * Hkv * BS, NG)
         order = d4.pair_order(D)
@@ -109,10 +111,10 @@ def int4_variant(KF, DOT, SM, VF, AC):
             qcon = np.zeros(G, np.float32)
             vsc = np.empty((NG, TLV), np.float32)
             vzr = np.empty((NG, TLV), np.float32)
-            w16 = np.zeros((G, NG, TLV), np.int16)
+            wq = np.zeros((d4.VALUE_PIECES, G, NG, TLV), np.uint8)
             wsc = np.ones((G, NG), np.float32)
             zsum = np.zeros((G, NG), np.float32)
-            rows = np.empty(TL, np.int64)
+            quads = np.empty(TL // 4 + 1, np.int64)
             m = np.full(G, NEG_INF, np.float32)
             l = np.zeros(G, np.float32)
             acc = np.zeros((G, D), np.float32)
@@ -130,22 +132,22 @@ def int4_variant(KF, DOT, SM, VF, AC):
                     nbi, noff = (bi + 1, 0) if off + nb == BS else (bi, off + nb)
                     pbh = bt[b, nbi] * Hkv + h if t + u + nb < t1 else bh
                     qbh = bt[b, bi + d4.PREFETCH_BLOCKS] * Hkv + h if bi + d4.PREFETCH_BLOCKS < nbt else bh
-                    for j in range(nb):
-                        rows[u + j] = (r0 + j) * Hb
+                    for j in range((nb + 3) // 4):
+                        quads[u // 4 + j] = bh * vregion + (off // 4 + j) * 4 * Hb
                     if KF:
                         d4._key_factors(q16, qa, qn, ks2, kz2, bh, u16, zs, bsc, qp, qsc, qcon, R)
                     if DOT:
-                        d4._scores_int4(qp, qsc, qcon, k, bh * region, BS, off, nb, v, qbh * region, qbh * region,
-                                        pbh * region, s, u, R)
+                        d4._scores_int4(qp, qsc, qcon, k, bh * region, BS, off, nb, v, qbh * region, qbh * vregion,
+                                        pbh * vregion, s, u, R)
                     d4._scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
                     bi, off = nbi, noff
                     u += nb
                 if SM:
                     _softmax_tile(s, n, m, l, acc)
                 if VF:
-                    d4._value_factors(s, vsc, vzr, n, w16, wsc, zsum)
+                    d4._value_factors(s, vsc, vzr, n, wq, wsc, zsum)
                 if AC:
-                    d4._accumulate_rows_int4(w16, wsc, zsum, vrows, rows, n, acc, R)
+                    d4._accumulate_quads_int4(wq, wsc, zsum, vflat, quads, (n + 3) // 4, acc, R)
                 t += n
             _keep_partial(it, acc, m, l, part_o, part_m, part_l)
         return part_o[0, 0, 0] + part_m[0, 0]

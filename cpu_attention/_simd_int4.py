@@ -1,16 +1,16 @@
 """SIMD micro-kernels for int4 decode: integer dot products over 4-bit codes (LLVM vector IR).
 
-The codes (`int4.py`) are never widened to floats. The two hot loops widen them to 16-bit lanes in
-registers and multiply them with int16 factors in which the scales are already folded
-(`_simd_int4_factors`), summing in int32 (x86 pmaddwd, which LLVM fuses with the add into
-vpdpwssd where VNNI is there):
+The codes (`int4.py`) are never widened to floats. The two hot loops widen them in registers
+and multiply them with integer factors in which the scales are already folded
+(`_simd_int4_factors`), summing in int32:
 
 - keys are per channel over a block: score = Σ_d q_d (code_d s_d + z_d) = Σ_d (q_d s_d) code_d +
-  q · z, so each token costs one integer dot product of an int16 q' ≈ q · s / qsc with its codes
-  (`make_scores_int4`);
+  q · z, so each token costs one integer dot product of an int16 q' ≈ q · s / qsc with its codes,
+  as 16-bit lanes (x86 pmaddwd, which LLVM fuses with the add into vpdpwssd where VNNI is there;
+  `make_scores_int4`);
 - values are per token and group of 32 channels: Σ_t p_t (code_t s_tg + z_tg) = Σ_t (p_t s_tg)
-  code_t + Σ_t p_t z_tg, so the codes of two tokens are summed against their int16 weights
-  p_t s_tg by one pmaddwd per pair of lanes (`make_accumulate_int4`).
+  code_t + Σ_t p_t z_tg, so the codes of four tokens are summed against their weights p_t s_tg,
+  rounded to one byte, by one vpdpbusd per 16 channels (`make_accumulate_int4`).
 
 Keys (the VNNI order, [D/8, BS, 4] a block and head): a 32-bit lane holds 8 channels of one token
 (8r + j low nibble, 8r + 4 + j high, j < 4), so a vector of W lanes is W tokens. Masked with
@@ -19,11 +19,13 @@ Keys (the VNNI order, [D/8, BS, 4] a block and head): a 32-bit lane holds 8 chan
 pair, splat, adds them to the W tokens' scores: no horizontal sums (the row layout this replaced
 spent a third of its score instructions on them). q' is stored in that pair order (`PAIRS`).
 
-Values: IW bytes of one group of tokens A and B, each zero-extended to IW int32 lanes and
-combined as A | B << 16; masked with 0x000F000F it holds, lane i, the int16 pair (A's code, B's
-code) of channel 32r + i.., and shifted right by 4 first, of channel 32r + 16 + i..: pmaddwd with
-the splat weight pair (w_A, w_B) of group r sums both tokens, and the accumulator stays in
-channel order.
+Values (the VNNI value order, quads of 4 tokens [D/2, 4]): a 32-bit lane of a quad's group r
+holds byte 16r + i of its 4 tokens' packed rows; masked with 0x0F0F0F0F it is the 4 tokens'
+codes of channel 32r + i as bytes, shifted right by 4 first, of channel 32r + 16 + i. vpdpbusd
+of the splat 4 weights (unsigned bytes) of head and group with them (signed bytes, 0..15) adds
+the 4 tokens to 16 channels: 11 instructions a token and kv head (G = 4, D = 128) where token
+pairs by pmaddwd took 30, and the accumulator stays in channel order. Without VNNI each vpdpbusd
+is one pmaddubsw and one pmaddwd (`_simd_vnni._dpbusd`; no pair saturates: 2 · 255 · 15 < 2^15).
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-from cpu_attention._simd import ACC_CHUNKS, IVEC, _args, _c_array_1d, _c_array_2d, _ir, _madd, _splat, _vec_ptr
-from cpu_attention._simd_vnni import _at, _c
+from cpu_attention._simd import IVEC, _args, _c_array_1d, _c_array_2d, _ir, _madd, _splat, _vec_ptr
+from cpu_attention._simd_vnni import DPBUSD, W_LANES, _at, _c, _dpbusd, _fold_pieces
 
-SUM_TOKENS = 4096  # tokens one value pass sums in int32: 4096 · 32767 · 15 < 2^31
+SUM_TOKENS = 4096  # tokens one value pass sums in int32: 4096 · 255 · 15 < 2^31 (2^24 in the float it becomes)
 
 
 def _dot_add(builder, acc, a, b):
@@ -86,9 +88,10 @@ def _scores_int4_codegen(ng, W):
                 x = load(builder.add(kb, builder.add(builder.mul(r, row_bytes), tok)))
                 pairs = [builder.bitcast(builder.and_(x if sh is None else builder.lshr(x, sh), mask), i16v)
                          for sh in shifts]  # (8r, 8r+2), (8r+1, 8r+3), (8r+4, 8r+6), (8r+5, 8r+7) a token
-                # a line a row: a later block's keys and values into L2, the next one's values into L1
-                # (again for each further chunk of a block: a few prefetches of lines already on their way)
-                at = builder.mul(r, row_bytes)
+                # the same bytes of a later block's keys and values into L2, of the next one's values
+                # into L1: over a block's rows and chunks, every line of its D·BS/2 bytes (4W bytes a
+                # chunk of a row: a line where W is 16)
+                at = builder.add(builder.mul(r, row_bytes), tok)
                 for arr, base, level in ((k, pk, 2), (v, pv, 2), (v, pv1, 3)):
                     ptr = builder.gep(arr.data, [builder.add(base, at)], inbounds=True)
                     builder.call(pref, [builder.bitcast(ptr, i8p), i32(0), i32(level), i32(1)])
@@ -139,9 +142,11 @@ def make_scores_int4(ng: int, W: int = IVEC):
     qp'[g+i, c] · code(off + j, c) + qcon[g+i] for j < nb, W tokens a vector (the pool's VNNI key
     order, `int4.py`: the block's keys of one head at byte kb of k, [D/8, BS, 4]); each 32-bit lane
     split by a mask and shifts into a token's four channel pairs as 16-bit lanes, each summed
-    against q's pair by one pmaddwd (vpdpwssd with VNNI). Meanwhile a line a row (D·BS/2 bytes a
-    block: all of it for BS 16) of a later block's keys and values (bytes pk of k, pv of v) is
-    prefetched into L2, and of the next block's values (pv1) into L1.
+    against q's pair by one pmaddwd (vpdpwssd with VNNI). Meanwhile the bytes at the same offsets
+    of a later block's keys and values (bytes pk of k, pv of v) are prefetched into L2, and of the
+    next block's values (pv1) into L1: a block's D·BS/2 bytes of each over its chunks. (A line a
+    row of the first chunk only, as before, left half of a block of 32 unprefetched: int4 at
+    block 32 read 0.31–0.44 of DRAM where block 16 read 0.50–0.55, bench/RESULTS.md.)
 
     qp [G, D] int16 in pair order (position 8r + i holds channel 8r + PAIRS[i]); qsc, qcon [G]
     float32; k, v uint8 (any shape, C-contiguous); s [G, S] float32 with S ≥ col + nb rounded up
@@ -159,76 +164,62 @@ def make_scores_int4(ng: int, W: int = IVEC):
     return scores_int4
 
 
-def _accumulate_int4_codegen(ng, C, IW):
+def _accumulate_int4_codegen(ng, C, IW, P, name):
     """Codegen of `accumulate_int4`: see `make_accumulate_int4`."""
 
     def codegen(context, builder, sig, args):
         ir, cgutils = _ir()
-        w16, wsc, zsum, g, v, rows, n, acc = _args(context, builder, sig, args)
+        wq, wsc, zsum, g, v, quads, nq, acc = _args(context, builder, sig, args)
         intp = context.get_value_type(types.intp)
-        H = builder.extract_value(v.shape, 1)  # bytes a row: D/2
-        D = builder.mul(H, intp(2))
-        NG = builder.extract_value(w16.shape, 1)
-        S = builder.extract_value(w16.shape, 2)
-        i8v, i32v = ir.VectorType(ir.IntType(8), IW), ir.VectorType(ir.IntType(32), IW)
-        i16v, f32v = ir.VectorType(ir.IntType(16), 2 * IW), ir.VectorType(ir.FloatType(), IW)
-        nib = ir.Constant(i32v, [0x000F000F] * IW)
+        G, NG, S = (builder.extract_value(wq.shape, i) for i in (1, 2, 3))
+        D = builder.extract_value(acc.shape, 1)
+        H = builder.sdiv(D, intp(2))  # bytes of a token's codes
+        i32, i32v, f32v = ir.IntType(32), ir.VectorType(ir.IntType(32), IW), ir.VectorType(ir.FloatType(), IW)
+        nib = ir.Constant(i32v, [0x0F0F0F0F] * IW)
+        four = ir.Constant(i32v, [4] * IW)
         fma = _fma(builder, IW)
-        wrow = [builder.mul(builder.add(g, intp(i)), NG) for i in range(ng)]  # row of (head, group 0) in w16, wsc
+        # element of (piece p, head g+i, group 0, token 0) in wq; of (head g+i, channel 0) in acc
+        wrow = [[builder.mul(builder.add(builder.mul(intp(p), G), builder.add(g, intp(i))), builder.mul(NG, S))
+                 for p in range(P)] for i in range(ng)]
         arow = [builder.mul(builder.add(g, intp(i)), D) for i in range(ng)]
-        regs = [[[cgutils.alloca_once(builder, i32v) for _ in range(2)] for _ in range(C)] for _ in range(ng)]
+        regs = [[[[cgutils.alloca_once(builder, i32v) for _ in range(2)] for _ in range(P)] for _ in range(C)]
+                for _ in range(ng)]
 
-        def row(t):  # byte offset of the tile's row t
-            return context.cast(builder, builder.load(builder.gep(rows.data, [t], inbounds=True)), sig.args[5].dtype,
-                                types.intp)
-
-        def weights(i, grp, t, pair):  # the (w_t, w_t+1) pair (or (w_t, 0)) of head g+i and group grp, splat
-            at = builder.gep(w16.data, [builder.add(builder.mul(builder.add(wrow[i], grp), S), t)], inbounds=True)
-            if pair:
-                w = builder.load(builder.bitcast(at, ir.IntType(32).as_pointer()), align=2)
-            else:
-                w = builder.zext(builder.load(at), ir.IntType(32))
-            return builder.bitcast(_splat(builder, w, IW), i16v)
-
-        def step(b0, nk, t, pair):  # regs += the codes of tokens t (and t+1) × their weights
-            ra = row(t)
-            rb = row(builder.add(t, intp(1))) if pair else None
-            for kk in range(nk):
-                off = builder.add(b0, intp(kk * IW))
-                grp = builder.sdiv(off, intp(16))
-                u = builder.zext(builder.load(_vec_ptr(builder, v.data, builder.add(ra, off), i8v), align=1), i32v)
-                if pair:
-                    ub = builder.zext(builder.load(_vec_ptr(builder, v.data, builder.add(rb, off), i8v), align=1), i32v)
-                    u = builder.or_(u, builder.shl(ub, ir.Constant(i32v, [16] * IW)))
-                lo = builder.bitcast(builder.and_(u, nib), i16v)
-                hi = builder.bitcast(builder.and_(builder.lshr(u, ir.Constant(i32v, [4] * IW)), nib), i16v)
-                for i in range(ng):
-                    wp = weights(i, grp, t, pair)
-                    for h, x in ((0, lo), (1, hi)):
-                        builder.store(_dot_add(builder, builder.load(regs[i][kk][h]), x, wp), regs[i][kk][h])
-
-        def one_pass(b0, nk):  # channels of bytes b0 .. b0 + nk·IW (nk sub-chunks of one group each)
+        def one_pass(b0, nk):  # the channels of bytes b0 .. b0 + nk·IW of a token (nk chunks, each in one group)
             for i in range(ng):
                 for kk in range(nk):
-                    for h in range(2):
-                        builder.store(ir.Constant(i32v, None), regs[i][kk][h])
-            with cgutils.for_range_slice(builder, intp(0), builder.sdiv(n, intp(2)), intp(1), intp) as (tp, _):
-                step(b0, nk, builder.mul(tp, intp(2)), True)
-            odd = builder.icmp_signed("!=", builder.srem(n, intp(2)), intp(0))
-            with builder.if_then(odd):  # the last token alone, paired with weight 0
-                step(b0, nk, builder.sub(n, intp(1)), False)
+                    for p in range(P):
+                        for h in range(2):
+                            builder.store(ir.Constant(i32v, None), regs[i][kk][p][h])
+            with cgutils.for_range_slice(builder, intp(0), nq, intp(1), intp) as (u, _):
+                base = _at(builder, quads, u)
+                for kk in range(nk):
+                    off = builder.add(b0, intp(kk * IW))
+                    x = builder.load(_vec_ptr(builder, v.data, builder.add(base, builder.mul(off, intp(4))), i32v),
+                                     align=1)
+                    codes = (builder.and_(x, nib), builder.and_(builder.lshr(x, four), nib))  # channels c, c + 16
+                    grp = builder.mul(builder.sdiv(off, intp(16)), S)
+                    for i in range(ng):
+                        for p in range(P):  # the 4 tokens' weights of head g+i, group grp: one 32-bit lane, splat
+                            at = builder.add(wrow[i][p], builder.add(grp, builder.mul(u, intp(4))))
+                            w = _splat(builder, builder.load(_vec_ptr(builder, wq.data, at, i32), align=1), IW)
+                            for h in range(2):
+                                r = regs[i][kk][p][h]
+                                builder.store(_dpbusd(builder, builder.load(r), w, codes[h], name, small_b=True), r)
             for kk in range(nk):
                 off = builder.add(b0, intp(kk * IW))
                 grp = builder.sdiv(off, intp(16))
                 ch = builder.add(builder.mul(grp, intp(32)), builder.srem(off, intp(16)))
                 for i in range(ng):
-                    at = builder.add(wrow[i], grp)
-                    sc = _splat(builder, builder.load(builder.gep(wsc.data, [at], inbounds=True)), IW)
-                    z = _splat(builder, builder.load(builder.gep(zsum.data, [at], inbounds=True)), IW)
+                    at = builder.add(builder.mul(builder.add(g, intp(i)), NG), grp)
+                    sc = _splat(builder, _at(builder, wsc, at), IW)
+                    z = _splat(builder, _at(builder, zsum, at), IW)
                     for h in range(2):
                         ptr = _vec_ptr(builder, acc.data, builder.add(arow[i], builder.add(ch, intp(16 * h))), f32v)
-                        total = builder.sitofp(builder.load(regs[i][kk][h]), f32v)
-                        builder.store(builder.call(fma, [sc, total, builder.fadd(builder.load(ptr, align=4), z)]), ptr,
+                        r = regs[i][kk]
+                        tot = (builder.sitofp(builder.load(r[0][h]), f32v) if P == 1
+                               else _fold_pieces(builder, builder.load(r[0][h]), builder.load(r[1][h])))
+                        builder.store(builder.call(fma, [sc, tot, builder.fadd(builder.load(ptr, align=4), z)]), ptr,
                                       align=4)
 
         full = builder.mul(builder.sdiv(H, intp(C * IW)), intp(C * IW))
@@ -241,26 +232,32 @@ def _accumulate_int4_codegen(ng, C, IW):
     return codegen
 
 
-def make_accumulate_int4(ng: int, C: int = max(ACC_CHUNKS // 2, 1), IW: int = IVEC):
-    """An intrinsic accumulate_int4(w16, wsc, zsum, g, v, rows, n, acc): for heads i < ng and every
-    channel d of group r = d // 32,
-    acc[g+i, d] += wsc[g+i, r] · Σ_{t<n} w16[g+i, r, t] · code(v.flat[rows[t]:], d) + zsum[g+i, r],
-    the sums in exact int32 arithmetic (token pairs, pmaddwd / vpdpwssd), 2·C int32 vectors of IW
-    lanes a head at a time in registers over the n rows, then converted and added to acc.
+VALUE_PIECES = 1  # bytes of a value weight (`make_value_factors`): 1, or 2 as int8's (hi, lo)
 
-    w16 [G, D/32, S] int16 weights (n ≤ SUM_TOKENS), wsc, zsum [G, D/32] float32 their scales and the
-    zero points' share (`value_factors`); v [R, D/2] uint8 packed rows (`int4.py`), rows [≥ n]
-    integer byte offsets of the rows in v (row index × D/2); acc [G, D] float32; all C-contiguous;
-    D % 32 == 0, IW ≤ 16. No bounds checks."""
+
+def make_accumulate_int4(ng: int, C: int | None = None, IW: int = IVEC, P: int = VALUE_PIECES):
+    """An intrinsic accumulate_int4(wq, wsc, zsum, g, v, quads, nq, acc): for heads i < ng and every
+    channel d of group r = d // 32,
+    acc[g+i, d] += wsc[g+i, r] · Σ_{u<nq} Σ_{j<4} w[g+i, r, 4u+j] · code(token j of quad u, d) + zsum[g+i, r],
+    w = wq[0] (P = 1) or 256 wq[0] + wq[1] (P = 2), the sums exact in int32: one vpdpbusd adds a quad's
+    4 tokens to 16 channels (`_simd_vnni._dpbusd`: pmaddubsw and pmaddwd without VNNI). C chunks of
+    IW channels a head (default 2 for P = 1, 1 for P = 2) in registers over the nq quads, then
+    converted and added to acc.
+
+    wq [P, G, D/32, S] uint8 weights by token column (4u + j: quad u's token j; nq ≤ SUM_TOKENS / 4), wsc,
+    zsum [G, D/32] float32 their scales and the zero points' share (`value_factors`); v uint8 (any
+    shape, C-contiguous) holding quads in the VNNI value order (`int4.py`: [D/2, 4], byte (c, j) token
+    j's packed byte c), quads [≥ nq] int64 the byte offset of each; acc [G, D] float32; all
+    C-contiguous; D % 32 == 0, IW ≤ 16. No bounds checks."""
+    C = C or (2 if P == 1 else 1)
+    name = DPBUSD if IW == W_LANES else None  # vpdpbusd only at the width it was chosen for
 
     @intrinsic
-    def accumulate_int4(typingctx, w16, wsc, zsum, g, v, rows, n, acc):
-        if not (isinstance(w16, types.Array) and w16.dtype == types.int16 and w16.ndim == 3 and w16.layout == "C"
-                and _c_array_2d(wsc, types.float32) and _c_array_2d(zsum, types.float32)
-                and _c_array_2d(v, types.uint8) and isinstance(rows, types.Array)
-                and isinstance(rows.dtype, types.Integer) and rows.ndim == 1 and _c_array_2d(acc, types.float32)):
+    def accumulate_int4(typingctx, wq, wsc, zsum, g, v, quads, nq, acc):
+        if not (_c(wq, types.uint8, 4) and _c_array_2d(wsc, types.float32) and _c_array_2d(zsum, types.float32)
+                and _c(v, types.uint8) and _c(quads, types.int64, 1) and _c_array_2d(acc, types.float32)):
             return None
-        return types.void(w16, wsc, zsum, g, v, rows, n, acc), _accumulate_int4_codegen(ng, C, IW)
+        return types.void(wq, wsc, zsum, g, v, quads, nq, acc), _accumulate_int4_codegen(ng, C, IW, P, name)
 
     return accumulate_int4
 

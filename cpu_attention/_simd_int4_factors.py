@@ -1,6 +1,6 @@
 """SIMD micro-kernels for int4 decode: the int16 factors the dot products take (LLVM vector IR).
 
-`_simd_int4`'s dot products multiply the codes by int16 factors in which the scales are folded;
+`_simd_int4`'s dot products multiply the codes by integer factors in which the scales are folded;
 these kernels make them:
 
 - keys: q' ≈ q · s / qsc per block and head, in one instruction a vector: q is rounded to int16
@@ -9,13 +9,20 @@ these kernels make them:
   itself, per block and head, needs a pass for its maximum and one to round: measured 13.8 of the
   kernel's 31 ns a token and head on the GPU host.) q' then keeps 2^-15 of max|q| · max s rather
   than of max|q s|, far finer than the 16 levels of the codes;
-- values: per tile the weights p_t s_tg rounded to int16 (`make_value_factors`), from the tile's
-  scales gathered by `make_scales_copy`.
+- values: per tile the weights p_t s_tg rounded to one byte (`make_value_factors`; VALUE_PIECES
+  2 keeps 16 bits in two, as int8's), from the tile's scales gathered by `make_scales_copy`.
 
-Rounding: the weights keep 2^-16 of their largest element (as the int8 path's q and weights), q'
-2^-15 of max|q| · max s (above). The rounding errors e of a factor multiply codes of 0..15, whose
-mean ~7.5 would turn them into a bias shared by all tokens of a block (keys: the log-sum-exp
-moves); the kernels' float constants subtract 7.5 Σ e, so what is left is Σ e (code - 7.5).
+Rounding: q' keeps 2^-15 of max|q| · max s (above); a value weight 1/255 of the tile's largest
+p · s of its head, half of that its rounding error. That is coarse next to the int8 path's 16
+bits, and on purpose: the codes it multiplies have 16 levels, and the weights' error adds
+3e-4–1e-3 to the output (relative, kernel against its float64 twin over the same codes, the
+tests' random data; 4e-3–9e-3 where a few tokens carry a tile, as in tests/test_offload.py's
+case) where int4 itself is 1e-2–4e-2 from unquantized attention, and SmolLM2's argmax
+agreement with bf16 KV stayed 0.97–0.98; the value sums take 11 instructions a token
+and kv head with one byte, 19 with two (bench/RESULTS.md, tenth session). The rounding errors e
+of a factor multiply codes of 0..15, whose mean ~7.5 would turn them into a bias shared by all
+tokens of a block (keys: the log-sum-exp moves); the kernels' float constants subtract 7.5 Σ e,
+so what is left is Σ e (code - 7.5).
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from numba.extending import intrinsic
 from cpu_attention._simd import (
     IVEC, VEC, _args, _c_array_1d, _c_array_2d, _ir, _madd, _mulhrs, _shuffle, _splat, _vec_ptr,
 )
-from cpu_attention._simd_int4 import PAIRS
+from cpu_attention._simd_int4 import PAIRS, VALUE_PIECES
 
 Q16 = np.float32(32767.0)  # int16 levels of a factor's largest element
 TINY = np.float32(1e-30)  # below this a row's int16 scale (max / 32767) would leave float32's normal range
@@ -99,12 +106,12 @@ class _Vec:
     def hsum(self, v):
         return _hreduce(self.b, v, self.b.fadd)
 
-    def scale(self, mx):
-        """(s, 1/s): s = mx / 32767, or 1 where mx ≤ TINY (a row all but zero: its int16 factors
+    def scale(self, mx, levels=Q16):
+        """(s, 1/s): s = mx / levels, or 1 where mx ≤ TINY (a row all but zero: its integer factors
         become 0 rather than scaled by an overflowing 1 / s)."""
         ir, _ = _ir()
         f32 = ir.FloatType()
-        s = self.b.select(self.b.fcmp_ordered(">", mx, f32(float(TINY))), self.b.fdiv(mx, f32(float(Q16))), f32(1.0))
+        s = self.b.select(self.b.fcmp_ordered(">", mx, f32(float(TINY))), self.b.fdiv(mx, f32(float(levels))), f32(1.0))
         return s, self.b.fdiv(f32(1.0), s)
 
 
@@ -230,16 +237,20 @@ def make_block_query(ng: int, W: int = VEC, IW: int = IVEC):
     return block_query
 
 
-def _value_factors_codegen(W):
+def _value_factors_codegen(W, P):
+    levels = WEIGHT_LEVELS[P]
+
     def codegen(context, builder, sig, args):
         ir, cgutils = _ir()
-        p, vsc, vzr, n, w16, wsc, zsum = _args(context, builder, sig, args)
+        p, vsc, vzr, n, wq, wsc, zsum = _args(context, builder, sig, args)
         intp = context.get_value_type(types.intp)
         V = _Vec(builder, W)
         f32 = ir.FloatType()
-        G, P = builder.extract_value(p.shape, 0), builder.extract_value(p.shape, 1)
+        i8v = ir.VectorType(ir.IntType(8), W)
+        G, PS = builder.extract_value(p.shape, 0), builder.extract_value(p.shape, 1)
         NG, S = builder.extract_value(vsc.shape, 0), builder.extract_value(vsc.shape, 1)
-        SW = builder.extract_value(w16.shape, 2)
+        SW = builder.extract_value(wq.shape, 3)
+        piece = builder.mul(builder.mul(G, NG), SW)  # elements between wq's pieces
         lanes = ir.Constant(ir.VectorType(ir.IntType(64), W), list(range(W)))
         full = builder.mul(builder.sdiv(n, intp(W)), intp(W))
 
@@ -259,12 +270,12 @@ def _value_factors_codegen(W):
         smax = V.hmax_f32(builder.load(mxa))
         with cgutils.for_range(builder, G, intp=intp) as gl:
             g = gl.index
-            prow = builder.mul(g, P)
+            prow = builder.mul(g, PS)
             builder.store(V.const_i(0), mxa)
             over_tokens(lambda j, keep: builder.store(
                 V.imax(builder.load(mxa), V.abs_bits(keep(V.load(p.data, builder.add(prow, j))))), mxa))
             # one scale for the head's weights of every group: its largest weight × the largest scale
-            s, inv = V.scale(builder.fmul(V.hmax_f32(builder.load(mxa)), smax))
+            s, inv = V.scale(builder.fmul(V.hmax_f32(builder.load(mxa)), smax), levels)
             sv, invv = _splat(builder, s, W), _splat(builder, inv, W)
             with cgutils.for_range(builder, NG, intp=intp) as rl:
                 r = rl.index
@@ -277,8 +288,11 @@ def _value_factors_codegen(W):
                     pv = keep(V.load(p.data, builder.add(prow, j)))
                     prod = builder.fmul(pv, keep(V.load(vsc.data, builder.add(at, j))))
                     x = V.rint(builder.fmul(prod, invv))
-                    builder.store(builder.fptosi(x, V.i16v), _vec_ptr(builder, w16.data, builder.add(wat, j), V.i16v),
-                                  align=2)
+                    xi = builder.fptosi(x, V.i32v)
+                    parts = [xi] if P == 1 else [builder.lshr(xi, V.const_i(8)), builder.and_(xi, V.const_i(255))]
+                    for k, part in enumerate(parts):
+                        dst = builder.add(builder.mul(intp(k), piece), builder.add(wat, j))
+                        builder.store(builder.trunc(part, i8v), _vec_ptr(builder, wq.data, dst, i8v), align=1)
                     builder.store(builder.fadd(builder.load(erra), V.fma(x, sv, builder.fneg(prod))), erra)
                     builder.store(V.fma(pv, keep(V.load(vzr.data, builder.add(at, j))), builder.load(za)), za)
 
@@ -292,25 +306,29 @@ def _value_factors_codegen(W):
     return codegen
 
 
-def make_value_factors(W: int = VEC):
-    """An intrinsic value_factors(p, vsc, vzr, n, w16, wsc, zsum): a tile's value factors for
-    every head g and group r: w16[g, r, j] = round(p[g, j] vsc[r, j] / wsc[g, r]) for j < n
-    (0 up to the next multiple of W), wsc[g, r] = max_j p[g, j] · max_{r', j} vsc[r', j] / 32767
-    (one scale for all groups of a head), zsum[g, r] = Σ_j p[g, j] vzr[r, j] - 7.5 Σ_j (w16 wsc -
-    p vsc) (the zero points' share, less the rounding bias: module doc).
+WEIGHT_LEVELS = {1: 255.0, 2: 65000.0}  # a weight's largest value in P bytes (2: hi = x >> 8 < 255, as int8's)
+
+
+def make_value_factors(W: int = VEC, P: int = VALUE_PIECES):
+    """An intrinsic value_factors(p, vsc, vzr, n, wq, wsc, zsum): a tile's value factors for every
+    head g and group r: w[g, r, j] = round(p[g, j] vsc[r, j] / wsc[g, r]) for j < n (0 up to the
+    next multiple of W), stored in P bytes (wq[0] = w for P = 1; wq[0] = w >> 8, wq[1] = w & 255
+    for P = 2), wsc[g, r] = max_j p[g, j] · max_{r', j} vsc[r', j] / WEIGHT_LEVELS[P] (one scale
+    for all groups of a head), zsum[g, r] = Σ_j p[g, j] vzr[r, j] - 7.5 Σ_j (w wsc - p vsc) (the
+    zero points' share, less the rounding bias: module doc).
 
     p [G, ≥ n rounded up to W] the tile's softmax weights (≥ 0; past n anything); vsc, vzr [D/32,
     same] float32: the tokens' value scales (> 0) and zeros per group (0 for tokens read elsewhere);
-    w16 [G, D/32, same] int16; wsc, zsum [G, D/32] float32; all C-contiguous. No bounds checks."""
+    wq [P, G, D/32, same] uint8; wsc, zsum [G, D/32] float32; all C-contiguous. No bounds checks."""
 
     @intrinsic
-    def value_factors(typingctx, p, vsc, vzr, n, w16, wsc, zsum):
+    def value_factors(typingctx, p, vsc, vzr, n, wq, wsc, zsum):
         if not (_c_array_2d(p, types.float32) and _c_array_2d(vsc, types.float32) and _c_array_2d(vzr, types.float32)
-                and isinstance(n, types.Integer) and isinstance(w16, types.Array) and w16.dtype == types.int16
-                and w16.ndim == 3 and w16.layout == "C" and _c_array_2d(wsc, types.float32)
+                and isinstance(n, types.Integer) and isinstance(wq, types.Array) and wq.dtype == types.uint8
+                and wq.ndim == 4 and wq.layout == "C" and _c_array_2d(wsc, types.float32)
                 and _c_array_2d(zsum, types.float32)):
             return None
-        return types.void(p, vsc, vzr, n, w16, wsc, zsum), _value_factors_codegen(W)
+        return types.void(p, vsc, vzr, n, wq, wsc, zsum), _value_factors_codegen(W, P)
 
     return value_factors
 

@@ -46,12 +46,14 @@ MADDUBS = {lanes: names for lanes, names, feature in (
 VALUE_CHUNKS = 2  # C: output vectors a head a value pass (4 heads × 2 pieces × C accumulators + C + 8 registers)
 
 
-def _dpbusd(builder, acc, a, b, name):
+def _dpbusd(builder, acc, a, b, name, small_b=False):
     """acc + per lane the sum of 4 products of a's unsigned bytes and b's signed bytes (a, b as
     <W x i32> holding 4 bytes a lane): x86 vpdpbusd; without it (name None), where the target has
     pmaddubsw (`MADDUBS`: AVX2, AVX-512BW), a's bytes split into their low 7 bits and their top bit
     so that no int16 pair sum saturates (127·128·2 < 2^15), each through pmaddubsw and pmaddwd
-    (8 instructions; the plain IR below measured ~6x slower than that on AVX2); else plain IR."""
+    (8 instructions; the plain IR below measured ~6x slower than that on AVX2); else plain IR.
+    small_b: b's bytes are within ±63 (int4 codes), so a whole byte of a goes through one pmaddubsw
+    (255·63·2 < 2^15: no pair saturates)."""
     ir, cgutils = _ir()
     if name is not None:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [acc.type] * 3), name)
@@ -62,10 +64,14 @@ def _dpbusd(builder, acc, a, b, name):
         ubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16v, [i8v, i8v]), MADDUBS[W][0])
         wd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [i16v, i16v]), MADDUBS[W][1])
         splat = lambda x, ty, n: ir.Constant(ty, [x] * n)  # noqa: E731
-        low = builder.and_(a, splat(0x7F7F7F7F, acc.type, W))
-        top = builder.and_(builder.lshr(a, splat(7, acc.type, W)), splat(0x01010101, acc.type, W))
         bb = builder.bitcast(b, i8v)
-        for part, weight in ((low, 1), (top, 128)):
+        if small_b:
+            parts = ((a, 1),)
+        else:
+            low = builder.and_(a, splat(0x7F7F7F7F, acc.type, W))
+            top = builder.and_(builder.lshr(a, splat(7, acc.type, W)), splat(0x01010101, acc.type, W))
+            parts = ((low, 1), (top, 128))
+        for part, weight in parts:
             pairs = builder.call(ubs, [builder.bitcast(part, i8v), bb])
             acc = builder.add(acc, builder.call(wd, [pairs, splat(weight, i16v, 2 * W)]))
         return acc

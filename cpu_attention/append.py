@@ -89,13 +89,15 @@ def _quantize_row(y, dst, sc, zr, clips, min_scale, group, codes, best, e2):
 @numba.njit(**WJIT)
 def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group):
     """Block b's int4 data from tail slot (int4.quantize_keys / quantize_rows): keys per channel
-    over the BS rows (stored in the VNNI order, int4.pack_keys), values per row and group."""
+    over the BS rows (stored in the VNNI order, int4.pack_keys), values per row and group (stored
+    in quads of 4 tokens, int4.quads)."""
     H, BS, D = tk.shape[1], tk.shape[2], tk.shape[3]
     lo, hi = np.empty(D, np.float32), np.empty(D, np.float32)
     s, z = np.empty(D, np.float32), np.empty(D, np.float32)
     y = np.empty(D, np.float32)
     codes, best = np.empty(max(D, group), np.uint8), np.empty(group, np.uint8)
     e2 = np.empty(group, np.float32)
+    row = np.empty(D // 2, np.uint8)
     for h in range(H):
         for d in range(D):
             lo[d] = hi[d] = bf16_to_f32(tk[slot, h, 0, d])
@@ -117,7 +119,9 @@ def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, g
                     kd[b, h, r, o, j] = codes[8 * r + j] | (codes[8 * r + 4 + j] << np.uint8(4))
             for d in range(D):
                 y[d] = bf16_to_f32(tv[slot, h, o, d])
-            _quantize_row(y, vd[b, h, o], vs[b, h, o], vz[b, h, o], clips, min_scale, group, codes, best, e2)
+            _quantize_row(y, row, vs[b, h, o], vz[b, h, o], clips, min_scale, group, codes, best, e2)
+            for c in range(D // 2):  # into its quad (int4.quads)
+                vd[b, h, o >> 2, c, o & 3] = row[c]
 
 
 @numba.njit(**WJIT)
@@ -135,7 +139,7 @@ def _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group):
             for gr in range(D // group):
                 a, z = bf16_to_f32(vs[b, h, o, gr]), bf16_to_f32(vz[b, h, o, gr])
                 for i in range(half):
-                    byte = vd[b, h, o, gr * half + i]
+                    byte = vd[b, h, o >> 2, gr * half + i, o & 3]
                     tv[slot, h, o, gr * group + i] = f32_to_bf16(np.float32(byte & np.uint8(15)) * a + z)
                     tv[slot, h, o, gr * group + half + i] = f32_to_bf16(np.float32(byte >> np.uint8(4)) * a + z)
 
@@ -144,13 +148,13 @@ def _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group):
 def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, order, blocks, offs, xk, xv,
                clips, min_scale, signs, P, inv_sqrt_p, group):
     """One layer of an int4 pool: kd [NB, Hkv, D/8, BS, 4] (int4.py's VNNI key order), vd [NB, Hkv,
-    BS, D/2] uint8; ks, kz [NB, Hkv, D] and vs, vz
+    BS4/4, D/2, 4] uint8 (its value quads); ks, kz [NB, Hkv, D] and vs, vz
     [NB, Hkv, BS, D/group] uint16 (bf16 bits); tails tk, tv [S, Hkv, BS, D] uint16 (bf16 bits),
     tail_slot [NB] int32, free slots free[:n_free[0]] (enough of them: Tails.reserve); order:
     the tokens sorted by block (stably); xk, xv [T, Hkv, D] float32; signs, P, inv_sqrt_p: the
     rotation. The rule, step by step, is int4.write's."""
     T, H, D = xk.shape
-    BS = vd.shape[2]
+    BS = vs.shape[2]
     y = np.empty(D, np.float32)
     r0 = 0
     while r0 < T:
@@ -226,7 +230,7 @@ def write_kv_int4(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, 
                   clips, min_scale, signs, P, inv_sqrt_p, group):
     """As write_kv_bf16 for an int4 pool (`write_int4`'s arguments, all layers; tail_slot
     [L, NB]): blocks, offsets and the tokens' stable order by block are computed here."""
-    BS = v.shape[3]
+    BS = vs.shape[3]
     blocks, offs = slots // BS, slots % BS
     write_int4(k[layer], ks[layer], kz[layer], v[layer], vs[layer], vz[layer], tk, tv, tail_slot[layer],
                free, n_free, np.argsort(blocks, kind="mergesort"), blocks, offs, xk, xv, clips, min_scale,

