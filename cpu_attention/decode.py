@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from cpu_attention import rotation
-from cpu_attention._numba import resolve_threads, rotate_rows, unrotate_rows
+from cpu_attention._numba import (
+    PARALLEL_ROWS, resolve_threads, rotate_rows, rotate_rows_parallel, unrotate_rows, unrotate_rows_parallel,
+)
 from cpu_attention._simd import VEC
 from cpu_attention.decode_bf16 import decode_float, decode_float_any
 from cpu_attention.decode_int4 import decode_int4
@@ -128,6 +130,10 @@ class DecodeWork:
             return
         qn = np.multiply(q, np.float32(scale), out=scaled)  # the int8 kernel rotates it in place
         D, G = qn.shape[-1], qn.shape[1] // pool.num_kv_heads
+        # q's and the output's rows are rotated on all threads from a batch of 4 (32 heads): 512
+        # rows one after the other cost more than the parallel region's start
+        many = qn.shape[0] * qn.shape[1] >= PARALLEL_ROWS
+        rotate, unrotate = (rotate_rows_parallel, unrotate_rows_parallel) if many else (rotate_rows, unrotate_rows)
         bt, items, pair_start = self.bt, self.items, self.pair_start
         a = pool.arrays
         if pool.dtype is KVDtype.BF16:
@@ -137,21 +143,21 @@ class DecodeWork:
                 decode_float_any(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
         elif pool.dtype is KVDtype.INT8:  # K and V stored rotated: q · k = (q R) · (k R), Σ p (v R) = (Σ p v) R
             rot = rotation.numba_args(D)
-            rotate_rows(qn.reshape(-1, D), *rot)
+            rotate(qn.reshape(-1, D), *rot)
             args = (a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
                     on, ln)
             if D % int8_mod.W == 0 and pool.block_size % int8_mod.W == 0:
                 int8_mod.decode_int8(*args, int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS, rest_heads(G))
             else:
                 int8_mod.decode_int8_any(*args)
-            unrotate_rows(on.reshape(-1, D), *rot)
+            unrotate(on.reshape(-1, D), *rot)
         else:
             t = pool.tails.arrays
             parts = decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer],
                                 a["v_scale"][layer], a["v_zero"][layer], t["k"], t["v"], t["slot"][layer], qn, bt, items,
                                 rest_heads(G))
             merge_items(pair_start, *parts, on, ln)  # here, not in the kernel: int4's compile is the profile's longest
-            unrotate_rows(on.reshape(-1, D), *rotation.numba_args(D))  # int4 V is stored rotated
+            unrotate(on.reshape(-1, D), *rotation.numba_args(D))  # int4 V is stored rotated
 
 
 def decode_attention(

@@ -121,10 +121,11 @@ def test_decode_matches_references(dtype, D, BS):
 
 
 @pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4])
-@pytest.mark.parametrize("g", [1, 2, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("g", [1, 2, 4, 5, 6, 7, 8, 24])
 def test_decode_every_group_size(dtype, g):
     """The kernels do heads in groups of 4, then one group of 3, 2 or 1 (G = 3 is the main
-    test's): every remainder and more than one full group, odd lengths (odd last tiles)."""
+    test's): every remainder and more than one full group, odd lengths (odd last tiles). G 24:
+    3 × 48 rows of q, which int8 and int4 rotate on all threads (`_numba.PARALLEL_ROWS`)."""
     D, BS, lens = 64, 16, [1, 17, 1000]
     _check_kernel(dtype, D, lens, *make(dtype, D, BS, lens, seed=g, g=g))
 
@@ -341,13 +342,17 @@ def test_int4_tail_slots_reserved_at_peak_and_released():
     assert int(t.n_free[0]) == 8 - 1 and int(t.slot[0, 50]) < 0 and int(t.slot[0, 51]) >= 0
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("N,D", [(1, 64), (9, 64), (33, 96), (70, 128), (5, 36)])
-def test_numba_row_rotation_equals_torch(N, D):
+def test_numba_row_rotation_equals_torch(N, D, parallel):
     """The Numba transforms that int8 decode applies to q and its output (`_numba.rotate_rows`,
-    `unrotate_rows`: ROWS rows at a time, then the rest): `rotation.rotate`'s bits, and
-    `unrotate` (a matrix product in torch) to float32 rounding."""
-    from cpu_attention._numba import rotate_rows, unrotate_rows
+    `unrotate_rows`: ROWS rows at a time, then the rest; their `_parallel` variants, the chunks
+    on several threads): `rotation.rotate`'s bits, and `unrotate` (a matrix product in torch) to
+    float32 rounding."""
+    from cpu_attention import _numba
 
+    rotate_rows = _numba.rotate_rows_parallel if parallel else _numba.rotate_rows
+    unrotate_rows = _numba.unrotate_rows_parallel if parallel else _numba.unrotate_rows
     x = torch.randn(N, D, generator=torch.Generator().manual_seed(N))
     y = x.numpy().copy()
     rotate_rows(y, *rotation.numba_args(D))
