@@ -30,35 +30,13 @@ sys.path.insert(0, str(ROOT))
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
-from numba import prange, types  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+from numba import prange  # noqa: E402
 
-from cpu_attention._numba import dram_read_gbps  # noqa: E402
+from cpu_attention._numba import dram_read_gbps, prefetch_l2  # noqa: E402
 from cpu_attention.decode import _plan, chunk_tokens  # noqa: E402
 
 PAST_L3 = 2**30
 PREFETCH = 4  # blocks
-
-
-@intrinsic
-def _prefetch_l2(typingctx, arr, index):
-    """prefetcht1 of the line holding arr.flat[index]."""
-    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        from llvmlite import ir
-        from numba.core import cgutils
-
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(arr, index), codegen
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
@@ -80,7 +58,7 @@ def _read(arrs, bt, items, BS, Hkv, all_heads, ahead):
                     for hh in range(h0, h1):
                         r = pb * Hkv + hh
                         for w in range(0, a.shape[1], 8):
-                            _prefetch_l2(a, r * a.shape[1] + w)
+                            prefetch_l2(a, r * a.shape[1] + w)
             for a in arrs:
                 for hh in range(h0, h1):
                     r = blk * Hkv + hh

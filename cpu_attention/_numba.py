@@ -273,26 +273,35 @@ def exp_neg(x):
     return r if x > np.float32(-87.0) else np.float32(0.0)
 
 
-@intrinsic
-def prefetch(typingctx, arr, index):
-    """Hint the cache line holding arr.flat[index] into L2/L1 (a no-op if unsupported)."""
-    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
-        return None
+def _make_prefetch(locality: int, doc: str):
+    """An intrinsic f(arr, index) hinting the cache line of arr.flat[index] at LLVM's locality
+    (3: L1 and L2, prefetcht0; 2: L2, prefetcht1); a no-op where the target has no prefetch."""
 
-    def codegen(context, builder, signature, args):
-        from llvmlite import ir
-        from numba.core import cgutils
+    def f(typingctx, arr, index):
+        if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+            return None
 
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            from llvmlite import ir
+            from numba.core import cgutils
 
-    return types.void(arr, index), codegen
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            ptr = builder.gep(ary.data, [args[1]])
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch")
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(locality), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(arr, index), codegen
+
+    f.__doc__ = doc
+    return intrinsic(f)
+
+
+prefetch = _make_prefetch(3, "Hint the cache line holding arr.flat[index] into L2/L1 (a no-op if unsupported).")
+prefetch_l2 = _make_prefetch(2, "Hint the cache line holding arr.flat[index] into L2 (prefetcht1).")
 
 
 def line_elems(a):
