@@ -13,8 +13,8 @@ loops, pays per 16-token block: loop setup and runtime alias checks, a full hori
 bf16 rows are widened two vectors a load (even elements by a shift, odd ones by a mask), so q
 and the accumulator of bf16 values live in a "pair layout", a permutation within chunks of the
 head dim undone once per work item (`from_pair_layout`). The int8 kernels' micro-kernels
-(`_simd_vnni`) and int4's (`_simd_int4`, `_simd_int4_factors`) build on the helpers here; pmaddwd
-(`_madd`) is int4's.
+(`_simd_vnni`) and int4's (`_simd_int4`, `_simd_int4_factors`, `_simd_int4_weights`) build on
+the helpers here; pmaddwd (`_madd`) is int4's.
 
 Shapes are chosen for the CPU Numba compiles for (its feature string is part of Numba's cache
 key): VEC float32 lanes a register (16 with AVX-512, 8 with AVX/AVX2, 4 otherwise), T tokens a

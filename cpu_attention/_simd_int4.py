@@ -2,7 +2,7 @@
 
 The codes (`int4.py`) are never widened to floats. The two hot loops widen them in registers
 and multiply them with integer factors in which the scales are already folded
-(`_simd_int4_factors`), summing in int32:
+(`_simd_int4_factors` for the keys, `_simd_int4_weights` for the values), summing in int32:
 
 - keys are per channel over a block: score = Σ_d q_d (code_d s_d + z_d) = Σ_d (q_d s_d) code_d +
   q · z, so each token costs one integer dot product of an int16 q' ≈ q · s / qsc with its codes,

@@ -18,14 +18,13 @@ from numba import prange
 from cpu_attention._numba import JIT, line_elems, prefetch, widen
 from cpu_attention._simd import IVEC, VEC
 from cpu_attention._simd_int4 import SUM_TOKENS, VALUE_PIECES, make_accumulate_int4, make_scores_int4, pair_order
-from cpu_attention._simd_int4_factors import (
-    Q16, TINY, make_block_query, make_block_scales, make_scales_copy, make_value_factors,
-)
+from cpu_attention._simd_int4_factors import Q16, TINY, make_block_query, make_block_scales
+from cpu_attention._simd_int4_weights import make_scales_copy, make_value_factors
 from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len
 from cpu_attention.layout import INT4_GROUP
 
-# int4 micro-kernels: integer dot products over the 4-bit codes (`_simd_int4`) and their int16
-# factors (`_simd_int4_factors`)
+# int4 micro-kernels: integer dot products over the 4-bit codes (`_simd_int4`) and their integer
+# factors (`_simd_int4_factors`, keys; `_simd_int4_weights`, values)
 _I4SC1, _I4SC2, _I4SC3, _I4SC4 = (make_scores_int4(ng) for ng in (1, 2, 3, 4))
 _I4ACC1, _I4ACC2, _I4ACC3, _I4ACC4 = (make_accumulate_int4(ng) for ng in (1, 2, 3, 4))
 _I4BQ1, _I4BQ2, _I4BQ3, _I4BQ4 = (make_block_query(ng) for ng in (1, 2, 3, 4))

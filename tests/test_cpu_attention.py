@@ -43,7 +43,7 @@ QUANT_TOL = {KVDtype.BF16: 4e-3, KVDtype.INT8: 2e-2, KVDtype.INT4: 8e-2}
 LSE_TOL = {KVDtype.BF16: 1e-4, KVDtype.INT8: 3e-4, KVDtype.INT4: 1e-4}
 INT4_ONE_ROW_TOL = 1e-1
 # kernel against its float64 twin over the same stored KV: exact to 1e-4, but int4 rounds its
-# value weights to one byte per tile (`_simd_int4_factors`: 3e-4–1e-3 measured on these cases,
+# value weights to one byte per tile (`_simd_int4_weights`: 3e-4–1e-3 measured on these cases,
 # ten times below int4's own error against unquantized attention, which QUANT_TOL bounds)
 KERNEL_TOL = {KVDtype.BF16: 1e-4, KVDtype.INT8: 1e-4, KVDtype.INT4: 3e-3}
 CASES = [  # (head dim, block size): every head dim, several block sizes; 72 and 36 are not

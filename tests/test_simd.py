@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_attention import _simd, _simd_int4, _simd_int4_factors, _simd_vnni, int4
+from cpu_attention import _simd, _simd_int4, _simd_int4_factors, _simd_int4_weights, _simd_vnni, int4
 from cpu_attention.decode_tiles import _row_max
 
 HOST = (_simd.VEC, _simd.DOT_TOKENS, _simd.ACC_CHUNKS, _simd.IVEC)
@@ -360,9 +360,9 @@ def test_key_factors(W, T, C, IW):
 @SHAPES
 @pytest.mark.parametrize("P", [1, 2])
 def test_value_factors(W, T, C, IW, P):
-    vf = _simd_int4_factors.make_value_factors(W, P)
+    vf = _simd_int4_weights.make_value_factors(W, P)
     run = numba.njit(lambda p, vsc, vzr, n, wq, wsc, zsum: vf(p, vsc, vzr, n, wq, wsc, zsum))
-    levels = np.float32(_simd_int4_factors.WEIGHT_LEVELS[P])
+    levels = np.float32(_simd_int4_weights.WEIGHT_LEVELS[P])
     rng = np.random.default_rng(7)
     for NG, n in ((2, 64), (4, 37), (3, 1), (8, 16)):
         cols = -(-n // W) * W
@@ -392,7 +392,7 @@ def test_value_factors(W, T, C, IW, P):
 
 @SHAPES
 def test_scales_copy(W, T, C, IW):
-    sc = _simd_int4_factors.make_scales_copy(W)
+    sc = _simd_int4_weights.make_scales_copy(W)
     run = numba.njit(lambda vs, vz, row, nb, vsc, vzr, col: sc(vs, vz, row, nb, vsc, vzr, col))
     rng = np.random.default_rng(8)
     for NG in (1, 2, 3, 4, 5, 8):  # 1, 5: the scalar loop
