@@ -3,7 +3,9 @@
     PYTHONUNBUFFERED=1 python3 bench/cpu_attention.py --threads 16 --out DIR
 
 Measures in one run: the DRAM read bandwidth (Numba parallel sum over 2 GiB, before and after the
-kernels; the bound is the larger), then for the
+kernels; the bound is the larger; torch.sum's read of the same size is printed beside it, the
+figure issue 3 quotes, ≈ 73 GB/s there, but it reads slower than Numba's sum, so the ratios
+are against Numba's), then for the
 Llama-3-8B shape (32 q heads, 8 kv heads, D 128, one layer; `--heads 9,3,64 --block-size 32`
 for SmolLM2-135M's) at batch 1 x 32k and 16 x 4k (`--shapes`), each KV dtype: the kernel's KV
 bytes read per second (data + scales + zeros; timed as the engine calls it, `DecodeWork.run`
@@ -282,6 +284,8 @@ def main() -> None:
     numba.set_num_threads(threads)
     dram = dram_read_gbps(2**31)
     log(f"DRAM read (numba parallel sum over 2 GiB, {threads} threads): {dram:.1f} GB/s")
+    torch_read = torch_read_gbps(2**31, threads)
+    log(f"DRAM read with torch.sum over 2 GiB ({threads} threads; issue 3's yardstick): {torch_read:.1f} GB/s")
     writes = {dt.value: write_cost(dt, hs) for dt in dtypes}
     log("HostKVPool.write per call, one token: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in writes.items()))
     diag = {}
@@ -335,22 +339,36 @@ def main() -> None:
     int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS = engine
     log(f"numba threading layer: {_layer()}")
     log("")
-    log(f"{'shape':>10} {'dtype':>5} {'ms':>7} {'GB/s':>6} {'DRAM':>6} {'ratio':>6}  torch twins (bf16)")
+    log(f"{'shape':>10} {'dtype':>5} {'ms':>7} {'GB/s':>6} {'DRAM':>6} {'ratio':>6} {'/torch':>6}  torch twins (bf16)")
     for r in rows:
         extra = ""
         if "torch_ref_GBps" in r:
             extra = (f"  paged ref {r['torch_ref_GBps']:.1f} GB/s, sdpa {r['torch_sdpa_GBps']:.1f} GB/s, "
                      f"kernel/sdpa {r['GBps'] / r['torch_sdpa_GBps']:.2f}x")
         log(f"{r['batch']:>4}x{r['tokens']:<5} {r['dtype']:>5} {r['ms_median']:7.2f} {r['GBps']:6.1f} "
-            f"{dram:6.1f} {r['ratio_vs_dram']:6.2f}  pattern read {r['pattern_read_GBps']:.1f} "
+            f"{dram:6.1f} {r['ratio_vs_dram']:6.2f} {r['GBps'] / torch_read:6.2f}  pattern read {r['pattern_read_GBps']:.1f} "
             f"(all heads {r['pattern_read_all_heads_GBps']:.1f}){extra}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cpu_attention.log").write_text("\n".join(LOG) + "\n")
         (args.out / "cpu_attention.json").write_text(json.dumps(
-            {"threads": threads, "heads": vars(hs), "dram_read_GBps": dram,
+            {"threads": threads, "heads": vars(hs), "dram_read_GBps": dram, "torch_read_GBps": torch_read,
              "dram_read_start_end_GBps": [dram_start, dram_end], "jit_first": first, "jit_second": second,
              "threading_layer": _layer(), "write_s": writes, "diagnostics": diag, "rows": rows}, indent=1))
+
+
+def torch_read_gbps(nbytes: int, threads: int) -> float:
+    """torch.sum's read rate of a float32 tensor of nbytes (best of 3), at `threads` intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    torch.set_num_threads(before)
+    return nbytes / best / 1e9
 
 
 def _layer() -> str:
