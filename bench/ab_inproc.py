@@ -3,14 +3,17 @@
     python3 bench/ab_inproc.py TREE[@THREADS] [TREE ...] [--dtype int4] [--threads 16] [--rounds 10] [--reps 10]
 
 Each TREE is a folder holding a version's cpu_attention/ and bench/ (e.g. `git archive main
-cpu_attention bench | tar -x -C _ab/main`); @THREADS runs it at that thread count instead. Each version's package is imported in turn under
-its own name and keeps its modules; its cases (`bench/cpu_scaling.py`'s: the rate from DRAM at
-1 × 32k and 16 × 4k, and one sequence of 8192 tokens in cache) are built and compiled while it is
-loaded. Then every round times each version's cases one after the other, with the DRAM read
-measured in the same round. The device-tool machines drift by 10–40% within minutes (neighbours,
-clocks), which separate processes minutes apart mistake for a kernel's speed; here each round's
-versions see the same machine state, and the per-round ratio to the first version is the figure
-to read. Prints per version the median over rounds of its share of DRAM, and the median ratio.
+cpu_attention bench | tar -x -C _ab/main`); @THREADS runs it at that thread count instead.
+The versions are imported one after the other, each as `cpu_attention` from its own folder, and
+dropped from sys.modules before the next: the module objects live on in its cases
+(`bench/cpu_scaling.py`'s: the rate from DRAM at 1 × 32k and 16 × 4k, and one sequence of 8192
+tokens in cache), which are built, filled and compiled while it is loaded (anything a version
+imports only when called, e.g. the pool writer, runs then). Then every round times each
+version's cases one after the other, with the DRAM read measured in the same round. The
+device-tool machines drift by 10–40% within minutes (neighbours, clocks), which separate
+processes minutes apart mistake for a kernel's speed; here each round's versions see the same
+machine state, and the per-round ratio to the first version is the figure to read. Prints per
+version the median over rounds of its rate and share of DRAM, and the median ratio.
 Reports; asserts nothing.
 """
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _forget() -> None:
 
 
 def load(tree: Path, dtype: str, threads: int, shapes, gen):
-    """tree's cpu_scaling module and its cases {label: Case}, built and compiled while it is loaded."""
+    """tree's cases {label: Case} and its DRAM read function, built and compiled while it is loaded."""
     _forget()
     paths = [str(tree), str(tree / "bench")]
     sys.path[:0] = paths
