@@ -55,6 +55,7 @@ WORKLOADS = [  # name, context, batch, host KV dtype, --gpu-mem GiB, GPU-tier to
     ("8k int8", 8192, 1, "int8", 6, 0, None, None),
     ("32k bf16", 32768, 1, "bf16", 6, 0, None, None),
     ("32k int8", 32768, 1, "int8", 6, 0, None, None),
+    ("32k int4", 32768, 1, "int4", 6, 0, None, None),
     ("8k bf16 cpu-only attn", 8192, 1, "bf16", 6, 0, None, 0),
     ("32k int8 cpu-only attn", 32768, 1, "int8", 6, 0, None, 0),
     ("32x2k bf16", 2048, 32, "bf16", 6, 0, None, None),
@@ -78,12 +79,12 @@ def fill(cache, seqs: list[int], ctx: int) -> None:
 
 
 def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps, sub_batches=None,
-                 stream_tokens=None) -> dict:
+                 stream_tokens=None, block_size=None) -> dict:
     torch.cuda.reset_peak_memory_stats()
     budget = Budget(gpu_bytes=gpu_mem * GiB, host_bytes=int(prof.host_available_bytes * 0.8))
     wl = Workload(ctx_size=ctx + steps + 8, batch=batch, prompt_tokens=ctx, gen_tokens=steps + 8)
     ov = Overrides(kv_dtype=KVDtype(kv), gpu_kv_tokens=gpu_tokens, threads=prof.physical_cores, sub_batches=sub_batches,
-                   stream_tokens=stream_tokens)
+                   stream_tokens=stream_tokens, block_size=block_size)
     plan = make_plan(LLAMA3_8B, prof, budget, wl, ov)
     # do what the plan says with the embedding table (the planner may keep it on the host)
     model.embed_w = model.embed_w.to(model.device if plan.placement(-1, Kind.EMBED).on_gpu else "cpu")
@@ -126,7 +127,7 @@ def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps, 
         busiest_ratio=step / max(gpu_t, cpu_t, xfer), host_kv_gb=host_kv_bytes / 1e9,
         cpu_attn_gbps=cpu_kv_bytes / cpu_t / 1e9 if cpu_t else 0.0, streamed_tokens=streamed,
         predicted_tok_s=plan.prediction.decode_tok_s, bottleneck=plan.prediction.bottleneck,
-        plan=f"{plan.kv.gpu_tokens} GPU / {plan.kv.host_tokens} host tokens per seq "
+        plan=f"{plan.kv.gpu_tokens} GPU / {plan.kv.host_tokens} host tokens per seq, block {plan.kv.block_size} "
              f"({plan.kv.stream_tokens} streamed), embed on "
              f"{'GPU' if plan.placement(-1, Kind.EMBED).on_gpu else 'CPU'}, sub-batches {plan.sub_batches}",
         peak_gpu_gib=peak / GiB, within_budget=peak <= budget.gpu_bytes,
@@ -143,11 +144,16 @@ def model_bytes(model) -> int:
 
 
 def workload(name: str) -> tuple:
-    """A WORKLOADS row by name; 'NAME sN' is NAME with N streamed tokens."""
+    """A WORKLOADS row by name, plus its block size (None: the planner's); 'NAME bN' is NAME in
+    blocks of N tokens, 'NAME sN' is NAME with N streamed tokens (either, or bN then sN)."""
     base, _, n = name.rpartition(" s")
     if base and n.isdigit():
-        return (name, *next(w for w in WORKLOADS if w[0] == base)[1:7], int(n))
-    return next(w for w in WORKLOADS if w[0] == name)
+        row = workload(base)
+        return (name, *row[1:7], int(n), row[8])
+    base, _, n = name.rpartition(" b")
+    if base and n.isdigit():
+        return (name, *workload(base)[1:8], int(n))
+    return (*next(w for w in WORKLOADS if w[0] == name), None)
 
 
 def main() -> None:
@@ -155,7 +161,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated workload names; a name + ' s<N>' (e.g. '8k bf16 s3072')"
-                    " runs that workload with N streamed tokens")
+                    " runs that workload with N streamed tokens, + ' b<N>' in blocks of N tokens")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this workload, print its row
     ap.add_argument("--profile", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -164,10 +170,10 @@ def main() -> None:
                         handlers=[logging.FileHandler(args.out / "offload_decode.log"), logging.StreamHandler()])
     if args.one:  # one workload in a fresh process: nothing left over from another's allocations
         prof = HardwareProfile.from_json(args.profile.read_text())
-        name, ctx, batch, kv, mem, gpu_tok, sb, stream = workload(args.one)
+        name, ctx, batch, kv, mem, gpu_tok, sb, stream, block = workload(args.one)
         model = _gpu_decode_bench().build_model(LLAMA3_8B)
         row = run_workload(model, prof, name, ctx, batch, kv, mem, gpu_tok, steps=8 if args.quick else 24,
-                           sub_batches=sb, stream_tokens=stream)
+                           sub_batches=sb, stream_tokens=stream, block_size=block)
         print("ROW " + json.dumps(row))
         return
     t = time.perf_counter()

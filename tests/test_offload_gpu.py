@@ -293,3 +293,33 @@ def test_cuda_streamed_weights_keep_the_budget(tiny):
         assert sv.nbytes <= 2 * max(b.numel() for b in sv.host.values())
     finally:
         fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("kv,block_size", [("int4", 16), ("int4", 32), ("int8", 16), ("int8", 6), ("bf16", 16)])
+def test_planned_staging_covers_the_streamers_peak(kv, block_size):
+    """What the planner sets aside for streamed host KV (`stream_staging_bytes`) covers what the
+    streamer takes on the device: its slots and, for int4 (and int8 in blocks that are not whole
+    groups of 4), the dequantization's float32 temporaries, which once pushed a plan over its
+    --gpu-mem (int4 at block 32, 6 GiB, bench/offload_decode.py)."""
+    from cpu_attention import HostKVPool
+    from hetero.config import LLAMA3_8B
+    from offload.stream import KVStreamer
+    from planner.search import stream_staging_bytes
+
+    cfg, dt, dev = LLAMA3_8B, KVDtype(kv), torch.device("cuda")
+    tokens = 2048 // block_size * block_size
+    host = HostKVPool(2, tokens // block_size + 1, cfg.num_kv_heads, block_size, cfg.head_dim, dt)
+    q = torch.randn(1, cfg.num_heads, cfg.head_dim, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    s = KVStreamer(host, tokens, dev, torch.bfloat16)
+    s.begin(list(range(tokens // block_size)))
+    for layer in (0, 1):
+        s.prefetch(layer)
+        s.attend(layer, q, cfg.head_dim ** -0.5)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    planned = stream_staging_bytes(cfg, dt, tokens, block_size)
+    assert peak <= planned + 4 * 2**20, (peak, planned)  # + q, the outputs and the rotation's tensors
+    assert planned <= 1.5 * peak + 4 * 2**20, (peak, planned)  # and does not set aside far more
