@@ -127,8 +127,8 @@ def run_workload(model, prof, name, ctx, batch, kv, gpu_mem, gpu_tokens, steps, 
         busiest_ratio=step / max(gpu_t, cpu_t, xfer), host_kv_gb=host_kv_bytes / 1e9,
         cpu_attn_gbps=cpu_kv_bytes / cpu_t / 1e9 if cpu_t else 0.0, streamed_tokens=streamed,
         predicted_tok_s=plan.prediction.decode_tok_s, bottleneck=plan.prediction.bottleneck,
-        plan=f"{plan.kv.gpu_tokens} GPU / {plan.kv.host_tokens} host tokens per seq, block {plan.kv.block_size} "
-             f"({plan.kv.stream_tokens} streamed), embed on "
+        plan=f"{plan.kv.gpu_tokens} GPU / {plan.kv.host_tokens} host tokens per seq "
+             f"({plan.kv.stream_tokens} streamed), block {plan.kv.block_size}, embed on "
              f"{'GPU' if plan.placement(-1, Kind.EMBED).on_gpu else 'CPU'}, sub-batches {plan.sub_batches}",
         peak_gpu_gib=peak / GiB, within_budget=peak <= budget.gpu_bytes,
     )
