@@ -14,9 +14,11 @@ Per layer i, two staging slots (i % 2) on the device:
 Layer i + 2's copy is queued right after layer i's attention, so each copy has a whole layer
 of time to land. On a CPU stand-in device the same code runs without streams.
 
-Dequantizing on the device is `layout.dequantize_blocks`, the CPU readers' own twin: int8 by
+Dequantizing on the device follows `layout.dequantize_blocks`, the CPU readers' own twin: int8 by
 token scales; int4 keys by the block's per-channel scales and zeros, values by their group
-scales and zeros. What the pool stores rotated (`KVDtype.rotated`: int8 keys and values,
+scales and zeros. In blocks of whole quads (block size % 4 == 0) both write the bf16 slot
+directly (int8: one multiply a tensor into views of the slot; int4: `int4_into_slot`); other
+block sizes go through `dequantize_blocks` itself and its float32 temporaries. What the pool stores rotated (`KVDtype.rotated`: int8 keys and values,
 int4 values) stays rotated, so q is rotated on the way in (int8) and the attention output
 back on the way out (`rotation.rotate`/`unrotate`, their tensors on the device), as the CPU
 readers do.
@@ -51,6 +53,33 @@ def runs(blocks: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def int4_into_slot(raw: dict[str, torch.Tensor], k_out: torch.Tensor, v_out: torch.Tensor,
+                   codes: torch.Tensor) -> None:
+    """An int4 pool's whole blocks (`HostKVPool.parts` [n, Hkv, ...], block size a multiple of 4)
+    dequantized into k_out, v_out [n, Hkv, BS, D] bf16, values still rotated: `layout.
+    dequantize_blocks` rounded to bf16 once, in five kernels and one byte of scratch a code
+    (`codes`, uint8 [≥ n·Hkv·BS·D]). The nibbles are unpacked into `codes` in the slot's own order,
+    then one addcmul a tensor scales, shifts and rounds them into the slot. (Through float32
+    K and V the same took 16.62 bytes of temporaries a code and ~30 of memory traffic,
+    bench/RESULTS.md eleventh session.)"""
+    n, H, BS, D = k_out.shape
+    c = codes[: n * H * BS * D]
+    # keys [n, H, D/8, BS, 4]: byte (r, o, j) holds channel 8r + j of token o low, 8r + 4 + j high
+    kc = c.view(n, H, BS, D // 8, 2, 4)
+    kb = raw["k"].transpose(2, 3)  # [n, H, BS, D/8, 4]
+    torch.bitwise_and(kb, 0xF, out=kc[..., 0, :])
+    torch.bitwise_right_shift(kb, 4, out=kc[..., 1, :])
+    per_channel = lambda t: t.view(n, H, 1, D // 8, 2, 4)  # noqa: E731  [n, H, D] over the block's tokens
+    torch.addcmul(per_channel(raw["k_zero"]), kc, per_channel(raw["k_scale"]), out=k_out.view(kc.shape))
+    # values [n, H, BS/4, D/2, 4]: byte (u, 16g + i, j) of token 4u + j holds channel 32g + i low, 32g + 16 + i high
+    vc = c.view(n, H, BS // 4, 4, D // 32, 2, 16)
+    vb = raw["v"].view(n, H, BS // 4, D // 32, 16, 4).permute(0, 1, 2, 5, 3, 4)  # [n, H, BS/4, 4, D/32, 16]
+    torch.bitwise_and(vb, 0xF, out=vc[..., 0, :])
+    torch.bitwise_right_shift(vb, 4, out=vc[..., 1, :])
+    per_group = lambda t: t.view(n, H, BS // 4, 4, D // 32, 1, 1)  # noqa: E731  [n, H, BS, D/32]
+    torch.addcmul(per_group(raw["v_zero"]), vc, per_group(raw["v_scale"]), out=v_out.view(vc.shape))
+
+
 def _blocks_contiguous(parts: dict[str, torch.Tensor], raw: list[dict[str, torch.Tensor]]) -> bool:
     """Whether every host tensor [L, NB, ...] and staging tensor [max_blocks, ...] is dense, blocks
     of the same bytes on both sides, the host pinned: what `_driver_copy`'s pointer arithmetic takes."""
@@ -82,6 +111,11 @@ class KVStreamer:
                          for n, t in host.parts().items()} for _ in range(2)]  # [max_blocks, Hkv, ...] each
             if any(host.dtype.rotated):  # the rotation's tensors on the device before a graph captures `attend`
                 rotation.on_device(host.head_dim, self.pool.k.device)
+        # int4 in blocks of whole quads: the codes unpacked here, one layer at a time (`int4_into_slot`)
+        self.int4_codes = None
+        if host.dtype is KVDtype.INT4 and host.block_size % 4 == 0:
+            self.int4_codes = torch.empty(self.max_blocks * host.num_kv_heads * host.block_size * host.head_dim,
+                                          dtype=torch.uint8, device=device)
         self.table = torch.arange(self.max_blocks, dtype=torch.int32, device=device)[None]
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)  # streamed tokens this step (static: graphs read it)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -102,7 +136,7 @@ class KVStreamer:
     @property
     def nbytes(self) -> int:
         raw = 0 if self.direct else sum(t.numel() * t.element_size() for r in self.raw for t in r.values())
-        return self.pool.nbytes + raw
+        return self.pool.nbytes + raw + (0 if self.int4_codes is None else self.int4_codes.numel())
 
     def begin(self, blocks: list[int]) -> None:
         """This step streams these host blocks (a sequence's first ones, all full)."""
@@ -187,6 +221,9 @@ class KVStreamer:
             v_out = self.pool.v[slot, :n].view(n, H, BS // 4, 4, D).transpose(3, 4)  # [n, H, BS/4, D, 4]
             torch.mul(raw["k"], raw["k_scale"][:, :, None, :, None], out=k_out)
             torch.mul(raw["v"], raw["v_scale"].view(n, H, BS // 4, 1, 4), out=v_out)
+        elif self.int4_codes is not None:
+            n = self.max_blocks
+            int4_into_slot(raw, self.pool.k[slot, :n], self.pool.v[slot, :n], self.int4_codes)
         elif not self.direct:  # rotated parts stay rotated: q goes in rotated, the output comes back so
             k, v = dequantize_blocks(self.host.dtype, raw, rotated=True)  # [max_blocks, Hkv, BS, D] f32 each
             self.pool.k[slot, : self.max_blocks].copy_(k)

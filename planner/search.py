@@ -262,21 +262,27 @@ GPU_TIER_FOR_STREAMING = (0.9, 0.95, 0.98)  # shares of what fits, tried as devi
 STREAM_SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # of the host tier's tokens, tried for the GPU's streamed share
 
 
-# The streamer dequantizes int4 codes (and int8 codes in blocks that are not whole groups of 4)
-# through float32 temporaries, one layer at a time (`cpu_attention.layout.dequantize_blocks`: K and
-# V in float32, the unpacked codes and the products): 16.62 bytes per token, kv head and channel at
-# their peak, measured on the GPU host (bench/RESULTS.md, eleventh session). int8 in whole groups
-# of 4 dequantizes straight into the bf16 slot (offload/stream.py), bf16 is copied as it is.
+# Device scratch of the streamer's dequantization, bytes per streamed token, kv head and channel
+# (offload/stream.py): int4 in blocks of whole quads unpacks its codes into one byte each
+# (`int4_into_slot`); int4 and int8 in other blocks go through float32 K and V
+# (`cpu_attention.layout.dequantize_blocks`), 16.62 bytes at their peak, measured on the GPU host
+# (bench/RESULTS.md, eleventh session); int8 in whole quads is multiplied straight into the bf16
+# slot, bf16 is copied as it is.
+INT4_CODES_SCRATCH = 1.0
 DEQUANT_TRANSIENT = 17.0
 
 
 def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int, block: int) -> int:
     """Device memory the KV streamer needs (offload/stream.py): two layer slots of `tokens` tokens in
     bf16, plus two of the host dtype's codes when they need dequantizing first, plus the
-    dequantization's temporaries where it has them (`DEQUANT_TRANSIENT`)."""
+    dequantization's scratch (`INT4_CODES_SCRATCH`, `DEQUANT_TRANSIENT`)."""
     per = _kv_layer_bytes(cfg, KVDtype.BF16, block) + (_kv_layer_bytes(cfg, host_dt, block) if host_dt is not KVDtype.BF16 else 0)
-    transient = host_dt is KVDtype.INT4 or (host_dt is KVDtype.INT8 and block % 4)
-    return int(2 * tokens * per + (DEQUANT_TRANSIENT * tokens * cfg.num_kv_heads * cfg.head_dim if transient else 0))
+    scratch = 0.0
+    if host_dt is KVDtype.INT4:
+        scratch = INT4_CODES_SCRATCH if block % 4 == 0 else DEQUANT_TRANSIENT
+    elif host_dt is KVDtype.INT8 and block % 4:
+        scratch = DEQUANT_TRANSIENT
+    return int(2 * tokens * per + scratch * tokens * cfg.num_kv_heads * cfg.head_dim)
 
 
 def _stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int, int, str]]:

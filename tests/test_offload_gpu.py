@@ -295,12 +295,13 @@ def test_cuda_streamed_weights_keep_the_budget(tiny):
         fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, torch.device("cuda"))
 
 
-@pytest.mark.parametrize("kv,block_size", [("int4", 16), ("int4", 32), ("int8", 16), ("int8", 6), ("bf16", 16)])
+@pytest.mark.parametrize("kv,block_size", [("int4", 16), ("int4", 32), ("int4", 6), ("int8", 16), ("int8", 6),
+                                           ("bf16", 16)])
 def test_planned_staging_covers_the_streamers_peak(kv, block_size):
     """What the planner sets aside for streamed host KV (`stream_staging_bytes`) covers what the
-    streamer takes on the device: its slots and, for int4 (and int8 in blocks that are not whole
-    groups of 4), the dequantization's float32 temporaries, which once pushed a plan over its
-    --gpu-mem (int4 at block 32, 6 GiB, bench/offload_decode.py)."""
+    streamer takes on the device: its slots and its dequantization's scratch (int4's unpacked
+    codes; in blocks that are not whole quads, int4's and int8's float32 temporaries, which
+    once pushed a plan over its --gpu-mem: int4 at block 32, 6 GiB, bench/offload_decode.py)."""
     from cpu_attention import HostKVPool
     from hetero.config import LLAMA3_8B
     from offload.stream import KVStreamer
