@@ -18,10 +18,10 @@ Dequantizing on the device follows `layout.dequantize_blocks`, the CPU readers' 
 token scales; int4 keys by the block's per-channel scales and zeros, values by their group
 scales and zeros. In blocks of whole quads (block size % 4 == 0) both write the bf16 slot
 directly (int8: one multiply a tensor into views of the slot; int4: `int4_into_slot`); other
-block sizes go through `dequantize_blocks` itself and its float32 temporaries. What the pool stores rotated (`KVDtype.rotated`: int8 keys and values,
-int4 values) stays rotated, so q is rotated on the way in (int8) and the attention output
-back on the way out (`rotation.rotate`/`unrotate`, their tensors on the device), as the CPU
-readers do.
+block sizes go through `dequantize_blocks` itself and its float32 temporaries. What the pool
+stores rotated (`KVDtype.rotated`: int8 keys and values, int4 values) stays rotated, so q is
+rotated on the way in (int8) and the attention output back on the way out
+(`rotation.rotate`/`unrotate`, their tensors on the device), as the CPU readers do.
 Streamed blocks are complete, so an int4 block is always in its codes, never in a bf16 tail
 (`begin` checks the last one, the only one that could be being filled).
 """
