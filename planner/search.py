@@ -15,10 +15,11 @@ from cpu_attention.layout import KVDtype
 from hetero.config import ModelConfig
 from hetero.errors import UserError
 from planner.cost import StepCost, decode_step, prefill_seconds
+from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
 from planner.profile import HardwareProfile
-from planner.tensors import Group, Kind, WDtype, kv_bytes_per_seq_layer, kv_bytes_per_token_layer, weight_groups
+from planner.tensors import Group, Kind, WDtype, kv_bytes_per_token_layer, weight_groups
 from planner.units import format_size as fs
 
 GIB = 1024**3
@@ -122,7 +123,7 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     if device is Device.CPU:
         pl = tuple(Placement(g.layer, g.kind, Device.CPU, g.dtype_for(weights), Mode.CPU, g.nbytes(g.dtype_for(weights)))
                    for g in groups)
-        kv = _kv(cfg, wl, block, 0, gpu_kv_dtype, host_dtype)
+        kv = kv_plan(cfg, wl, block, 0, gpu_kv_dtype, host_dtype)
         mem = _memory(hw, budget, pl, kv, 0)
         _check_host(mem, wl, host_dtype, ov)
         cost = decode_step(cfg, hw, pl, kv, wl.batch, wl.decode_context, threads, 1)
@@ -136,13 +137,14 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     work = workspace_bytes(cfg, wl)
     # Prefill reads host-tier KV back a layer at a time, double-buffered: reserve that first
     # whenever the whole batch's KV cannot sit on the GPU beside every weight.
-    readback = int(2 * wl.ctx_size * _kv_layer_bytes(cfg, KVDtype.BF16, block))
+    readback = int(2 * wl.ctx_size * kv_bytes_per_token_layer(cfg, KVDtype.BF16, block))
     all_weights = sum(g.nbytes(g.dtype_for(weights)) for g in groups)
-    full_kv = wl.batch * wl.ctx_size * cfg.num_layers * _kv_layer_bytes(cfg, gpu_kv_dtype, block)
+    gpu_tok = cfg.num_layers * kv_bytes_per_token_layer(cfg, gpu_kv_dtype, block)  # a device-tier token, all layers
+    full_kv = wl.batch * wl.ctx_size * gpu_tok
     if budget.gpu_bytes - work - all_weights < full_kv or ov.gpu_kv_tokens is not None and ov.gpu_kv_tokens < wl.ctx_size:
         work += readback
         readback = 0
-    user_kv = int(wl.batch * (ov.gpu_kv_tokens or 0) * cfg.num_layers * _kv_layer_bytes(cfg, gpu_kv_dtype, block))
+    user_kv = int(wl.batch * (ov.gpu_kv_tokens or 0) * gpu_tok)
     best, err = None, None
     for mode, (order_name, order), embed_gpu in itertools.product(modes, orders, (True, False)):
         pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv, order, embed_gpu)
@@ -154,10 +156,10 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
                 f"{fs(staging)}), budget {fs(budget.gpu_bytes)}: short by {fs(need - budget.gpu_bytes)}; lower "
                 f"--ubatch-size, --ctx-size or --parallel, raise --gpu-mem, or use --device cpu"
             )
-        for gpu_tokens, extra, kv_reason in _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_kv_dtype,
+        for gpu_tokens, extra, kv_reason in gpu_token_options(cfg, hw, wl, ov, left, block, gpu_kv_dtype,
                                                                host_dtype, threads, readback):
-            kv0 = _kv(cfg, wl, block, gpu_tokens, gpu_kv_dtype, host_dtype)
-            for stream, s_bytes, s_reason in _stream_options(cfg, hw, wl, ov, kv0, left - kv0.gpu_bytes - extra):
+            kv0 = kv_plan(cfg, wl, block, gpu_tokens, gpu_kv_dtype, host_dtype)
+            for stream, s_bytes, s_reason in stream_options(cfg, hw, wl, ov, kv0, left - kv0.gpu_bytes - extra):
                 kv = replace(kv0, stream_tokens=stream)
                 mem = _memory(hw, budget, pl, kv, work + staging + extra + s_bytes)
                 try:
@@ -219,104 +221,6 @@ def _fill(
 
 def _mode(g: Group, modes: tuple[Mode, Mode]) -> Mode:
     return modes[0] if g.kind is Kind.EXPERTS else modes[1]
-
-
-def _kv_layer_bytes(cfg: ModelConfig, dt: KVDtype, block: int) -> float:
-    return kv_bytes_per_token_layer(cfg, dt, block)
-
-
-def _gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, readback):
-    """(GPU-tier tokens per sequence, extra GPU bytes, reason) to try: as many as fit, and the
-    split where GPU and CPU attention take equal time, if smaller. `readback` is the prefill
-    buffer a host tier needs when it was not reserved already."""
-    per_tok = wl.batch * cfg.num_layers * _kv_layer_bytes(cfg, gpu_dt, block)
-    fit = min(wl.ctx_size, int(left // per_tok) // block * block)
-    if ov.gpu_kv_tokens is not None:
-        if ov.gpu_kv_tokens > wl.ctx_size:
-            raise UserError(f"--gpu-kv-tokens {ov.gpu_kv_tokens} exceeds the context ({wl.ctx_size} tokens): "
-                            "lower it or raise --ctx-size")
-        if ov.gpu_kv_tokens > fit:
-            raise UserError(
-                f"--gpu-kv-tokens {ov.gpu_kv_tokens} needs {fs(ov.gpu_kv_tokens * per_tok)} on cuda:0, "
-                f"{fs(max(0, left))} is left after weights: lower --gpu-kv-tokens or raise --gpu-mem"
-            )
-        return [(ov.gpu_kv_tokens, 0, "set by the user")]
-    out = [(fit, 0, "the whole context fits" if fit == wl.ctx_size else "what fits after the weights")]
-    if wl.batch == 1 and hw.has_gpu and block < fit < wl.ctx_size:
-        # a smaller device tier leaves room to stream a share of the host tier: a streamed token
-        # takes 2 staging slots of one layer, a device-tier token every layer (≈ L/2 times more)
-        for keep in GPU_TIER_FOR_STREAMING:
-            n = int(fit * keep) // block * block
-            if n and readback <= left - n * per_tok:
-                out.append((n, readback, "a smaller device tier, leaving room to stream more of the host tier"))
-    if hw.gpu_attention_gbps and fit:
-        a_g = _kv_layer_bytes(cfg, gpu_dt, block) / hw.gpu_attention_gbps
-        a_c = _kv_layer_bytes(cfg, host_dt, block) / max(hw.cpu_attention_rate(host_dt, threads), 1e-9)
-        balanced = int(wl.decode_context * a_c / (a_g + a_c)) // block * block
-        if 0 < balanced < fit and balanced * per_tok + readback <= left:
-            out.append((balanced, readback, "GPU and CPU attention finish together"))
-    return out
-
-
-GPU_TIER_FOR_STREAMING = (0.9, 0.95, 0.98)  # shares of what fits, tried as device tiers that leave staging room
-STREAM_SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # of the host tier's tokens, tried for the GPU's streamed share
-
-
-# Device scratch of the streamer's dequantization, bytes per streamed token, kv head and channel
-# (offload/stream.py): int4 in blocks of whole quads unpacks its codes into one byte each
-# (`int4_into_slot`); int4 and int8 in other blocks go through float32 K and V
-# (`cpu_attention.layout.dequantize_blocks`), 16.62 bytes at their peak, measured on the GPU host
-# (bench/RESULTS.md, eleventh session); int8 in whole quads is multiplied straight into the bf16
-# slot, bf16 is copied as it is.
-INT4_CODES_SCRATCH = 1.0
-DEQUANT_TRANSIENT = 17.0
-
-
-def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int, block: int) -> int:
-    """Device memory the KV streamer needs (offload/stream.py): two layer slots of `tokens` tokens in
-    bf16, plus two of the host dtype's codes when they need dequantizing first, plus the
-    dequantization's scratch (`INT4_CODES_SCRATCH`, `DEQUANT_TRANSIENT`)."""
-    per = _kv_layer_bytes(cfg, KVDtype.BF16, block) + (_kv_layer_bytes(cfg, host_dt, block) if host_dt is not KVDtype.BF16 else 0)
-    scratch = 0.0
-    if host_dt is KVDtype.INT4:
-        scratch = INT4_CODES_SCRATCH if block % 4 == 0 else DEQUANT_TRANSIENT
-    elif host_dt is KVDtype.INT8 and block % 4:
-        scratch = DEQUANT_TRANSIENT
-    return int(2 * tokens * per + scratch * tokens * cfg.num_kv_heads * cfg.head_dim)
-
-
-def _stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int, int, str]]:
-    """(streamed tokens, staging bytes, reason) to try: none, and shares of the host tier that fit.
-    Batch 1 only: at larger batches two sub-batches already keep both devices busy."""
-    if ov.stream_tokens is not None:
-        if ov.stream_tokens and not hw.has_gpu:
-            raise UserError("--kv-stream-tokens needs a GPU: drop it or use --device cuda")
-        need = stream_staging_bytes(cfg, kv.host_dtype, ov.stream_tokens, kv.block_size)
-        if ov.stream_tokens and need > left:
-            raise UserError(f"--kv-stream-tokens {ov.stream_tokens} needs {fs(need)} of staging on cuda:0, "
-                            f"{fs(max(0, left))} is left: lower it or raise --gpu-mem")
-        return [(ov.stream_tokens, need if ov.stream_tokens else 0, "set by the user")]
-    out = [(0, 0, "the CPU attends over the whole host tier")]
-    host = min(wl.decode_context - kv.gpu_tokens, kv.host_tokens)
-    if not hw.has_gpu or wl.batch != 1 or host < 2 * kv.block_size:
-        return out
-    for share in STREAM_SHARES:
-        n = int(host * share) // kv.block_size * kv.block_size
-        need = stream_staging_bytes(cfg, kv.host_dtype, n, kv.block_size)
-        if n and need <= left:
-            out.append((n, need, f"the GPU attends over {share:.0%} of the host tier, copied up over PCIe "
-                                  "while the CPU attends over the rest"))
-    return out
-
-
-def _kv(cfg, wl, block, gpu_tokens, gpu_dt, host_dt) -> KVPlan:
-    host_tokens = wl.ctx_size - gpu_tokens
-    host_tokens = -(-host_tokens // block) * block
-    L = cfg.num_layers
-    # host: the tokens, plus what each sequence holds besides them (int4: the block being filled, in bf16)
-    per_seq = host_tokens * _kv_layer_bytes(cfg, host_dt, block) + kv_bytes_per_seq_layer(cfg, host_dt, block)
-    return KVPlan(block, gpu_tokens, host_tokens, gpu_dt, host_dt,
-                  int(wl.batch * gpu_tokens * L * _kv_layer_bytes(cfg, gpu_dt, block)), int(wl.batch * L * per_seq))
 
 
 def _memory(hw, budget, pl, kv, workspace) -> Memory:

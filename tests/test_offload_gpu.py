@@ -305,7 +305,7 @@ def test_planned_staging_covers_the_streamers_peak(kv, block_size):
     from cpu_attention import HostKVPool
     from hetero.config import LLAMA3_8B
     from offload.stream import KVStreamer
-    from planner.search import stream_staging_bytes
+    from planner.kv_tiers import stream_staging_bytes
 
     cfg, dt, dev = LLAMA3_8B, KVDtype(kv), torch.device("cuda")
     tokens = 2048 // block_size * block_size
