@@ -192,29 +192,17 @@ def _butterflies_t(t, P, m):
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
-def _rotate_chunk(x, r0, t, signs, P, c):
-    """Rows r0 .. r0 + ROWS (at most) of x := row @ R, through t [D, ROWS]."""
+def _chunk(x, r0, t, signs, P, c, back):
+    """Rows r0 .. r0 + ROWS (at most) of x := row @ R, or row @ R.T where `back` (a constant at
+    each call site), through t [D, ROWS]: the signs go before the butterflies, or after."""
     m = min(t.shape[1], x.shape[0] - r0)
     for n in range(m):
         for d in range(x.shape[1]):
-            t[d, n] = x[r0 + n, d] * signs[d]
+            t[d, n] = x[r0 + n, d] if back else x[r0 + n, d] * signs[d]
     _butterflies_t(t, P, m)
     for n in range(m):
         for d in range(x.shape[1]):
-            x[r0 + n, d] = t[d, n] * c
-
-
-@numba.njit(inline="always", nogil=True, cache=True)
-def _unrotate_chunk(x, r0, t, signs, P, c):
-    """Rows r0 .. r0 + ROWS (at most) of x := row @ R.T, through t [D, ROWS]."""
-    m = min(t.shape[1], x.shape[0] - r0)
-    for n in range(m):
-        for d in range(x.shape[1]):
-            t[d, n] = x[r0 + n, d]
-    _butterflies_t(t, P, m)
-    for n in range(m):
-        for d in range(x.shape[1]):
-            x[r0 + n, d] = (t[d, n] * c) * signs[d]
+            x[r0 + n, d] = (t[d, n] * c) * signs[d] if back else t[d, n] * c
 
 
 @numba.njit(nogil=True, cache=True)
@@ -224,7 +212,7 @@ def rotate_rows(x, signs, P, c):
     all N rows costs more than the transform: its stores stride N floats)."""
     t = np.empty((x.shape[1], ROWS), np.float32)
     for r0 in range(0, x.shape[0], ROWS):
-        _rotate_chunk(x, r0, t, signs, P, c)
+        _chunk(x, r0, t, signs, P, c, False)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -232,21 +220,21 @@ def unrotate_rows(x, signs, P, c):
     """Each row of x [N, D] float32 := row @ R.T (`rotation.unrotate`), in place."""
     t = np.empty((x.shape[1], ROWS), np.float32)
     for r0 in range(0, x.shape[0], ROWS):
-        _unrotate_chunk(x, r0, t, signs, P, c)
+        _chunk(x, r0, t, signs, P, c, True)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
 def rotate_rows_parallel(x, signs, P, c):
     """`rotate_rows` with the chunks of ROWS rows spread over the threads (the same bits)."""
     for i in numba.prange((x.shape[0] + ROWS - 1) // ROWS):
-        _rotate_chunk(x, i * ROWS, np.empty((x.shape[1], ROWS), np.float32), signs, P, c)
+        _chunk(x, i * ROWS, np.empty((x.shape[1], ROWS), np.float32), signs, P, c, False)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
 def unrotate_rows_parallel(x, signs, P, c):
     """`unrotate_rows` with the chunks of ROWS rows spread over the threads (the same bits)."""
     for i in numba.prange((x.shape[0] + ROWS - 1) // ROWS):
-        _unrotate_chunk(x, i * ROWS, np.empty((x.shape[1], ROWS), np.float32), signs, P, c)
+        _chunk(x, i * ROWS, np.empty((x.shape[1], ROWS), np.float32), signs, P, c, True)
 
 
 PARALLEL_ROWS = 4 * ROWS  # rows from which a decode step's (un)rotation takes the parallel variants
