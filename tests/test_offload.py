@@ -94,9 +94,10 @@ def test_streamer_dequantizes_like_the_cpu_kernel(kv, BS):
     rotated in and the output back; int4: keys per channel and block, values left rotated and
     the output rotated back) on the CPU stand-in: the float64 twin's result over the same
     complete blocks (what the CPU kernel computes, which int4 rounds further: `KERNEL_TOL`),
-    within the bf16 staging's rounding; int4: a block still being filled is refused. int8 with BS % 4 == 0 is multiplied straight into views of the slot in the codes'
-    VNNI order, int4 with BS % 4 == 0 unpacked and scaled into it (`int4_into_slot`), other
-    block sizes go through `dequantize_blocks`."""
+    within the bf16 staging's rounding; int4: a block still being filled is refused. int8 with
+    BS % 4 == 0 is multiplied straight into views of the slot in the codes' VNNI order, int4
+    with BS % 4 == 0 unpacked and scaled into it (`int4_into_slot`), other block sizes go
+    through `dequantize_blocks`."""
     gen = torch.Generator().manual_seed(4)
     L, H, D = 2, 2, 64
     host = HostKVPool(L, 6, H, BS, D, kv)
