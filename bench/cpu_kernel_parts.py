@@ -5,7 +5,9 @@
 Each variant is the kernel of `cpu_attention.decode_int8` / `decode_int4` compiled with some of
 its steps left out (scores, softmax, weight quantization, value sums); ns per (token, kv head)
 with the KV in cache (one sequence, Llama-3-8B's head shape), so the differences between
-variants are what each step costs. The outputs of the partial variants are meaningless.
+variants are what each step costs. The outputs of the partial variants are meaningless. The
+variants split the items as the kernels did before their work queue (Numba's static split, each
+item allocating its scratch): compare them with each other, not with the kernels' own rates.
 Reports; asserts nothing.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Numba plumbing shared by the host kernels: threading layer, thread counts, bit casts.
+"""Numba plumbing shared by the host kernels: threading layer, thread counts, bit casts, the
+work queue's atomic claim.
 
 Threading layer: OpenMP ('omp') first, then TBB, then Numba's own 'workqueue'. omp is
 thread-safe (the engine launches kernels from a worker thread while other code may launch
@@ -261,6 +262,21 @@ def exp_neg(x):
     return r if x > np.float32(-87.0) else np.float32(0.0)
 
 
+@intrinsic
+def claim(typingctx, counter):
+    """The next value of counter[0] (int64, C-contiguous), taken atomically: c = counter[0]++ in
+    one lock-free step, so threads that call it at once each get a different c (a work queue)."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64 and counter.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        one = context.get_constant(types.int64, 1)
+        return builder.atomic_rmw("add", ary.data, one, "monotonic")
+
+    return types.int64(counter), codegen
+
+
 def _make_prefetch(locality: int, doc: str):
     """An intrinsic f(arr, index) hinting the cache line of arr.flat[index] at LLVM's locality
     (3: L1 and L2, prefetcht0; 2: L2, prefetcht1); a no-op where the target has no prefetch."""
@@ -327,3 +343,4 @@ def dram_read_gbps(nbytes: int = 2**30, reps: int = 5) -> float:
         _sum(x)
         best = min(best, time.perf_counter() - t)
     return x.nbytes / best / 1e9
+

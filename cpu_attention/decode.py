@@ -7,6 +7,13 @@ every core busy, and each item returns a partial (acc [G, D], running max m, sum
 second parallel loop merges by log-sum-exp. All G = Hq / Hkv query heads of a kv head are
 done together, so each K/V byte is read from DRAM once.
 
+Schedule: a work queue, not Numba's static split. Each of the call's threads allocates its
+scratch once, then claims the next unclaimed item (`_numba.claim`, one atomic add) until none
+is left, so a thread that runs slow (a busy neighbour, a core that clocks lower, an item whose
+blocks come late from DRAM) takes fewer items instead of holding up the call. Against the static
+split of the same items (which also allocated each item's scratch), on the GPU host: bf16
+1.25–1.32×, int8 1.01–1.13×, int4 1.17–1.19× (bench/RESULTS.md, twelfth session).
+
 The kernels, one module a KV dtype, walk an item a tile of whole blocks at a time with the
 steps of `decode_tiles` (scores, online softmax, value accumulation, the merge):
 `decode_bf16`, `decode_int8` (integer scores and value sums; K and V are stored rotated, so
@@ -34,7 +41,7 @@ from cpu_attention.decode_tiles import merge_items, rest_heads
 from cpu_attention.layout import HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
 
-ITEMS_PER_THREAD = 4  # equal-sized items per thread: balances Numba's static schedule
+ITEMS_PER_THREAD = 4  # equal-sized items per thread: the queue's last items end close together
 MIN_CHUNK = 256  # tokens; below this the merge and per-item setup start to show
 
 
@@ -83,10 +90,10 @@ def _work_items(seq_lens: tuple[int, ...], num_kv_heads: int, block_size: int, t
 def chunk_tokens(seq_lens: np.ndarray, num_kv_heads: int, block_size: int, threads: int) -> int:
     """Token range of one work item: ~ITEMS_PER_THREAD items a thread, block-aligned.
 
-    Numba's static schedule gives each thread an equal count of items, so the chunk is then
-    shrunk (a few steps at most) until the longest sequence splits into equal pieces and the
-    item count is a multiple of `threads`: 2048 tokens × 3 kv heads on 2 threads as 9 items
-    of ≤ 768 tokens leave one thread 3584 token-heads and the other 2560; 12 of 512 split evenly."""
+    The chunk is then shrunk (a few steps at most) until the longest sequence splits into equal
+    pieces and the item count is a multiple of `threads`, so that on equal threads the work
+    queue's rounds end together: 2048 tokens × 3 kv heads on 2 threads as 9 items of ≤ 768
+    tokens leave one thread 3584 token-heads and the other 2560; 12 of 512 split evenly."""
     lens = seq_lens.tolist()
     total, longest = sum(lens) * num_kv_heads, max(lens, default=0)
     if longest == 0:
@@ -138,7 +145,8 @@ class DecodeWork:
         a = pool.arrays
         if pool.dtype is KVDtype.BF16:
             if D % VEC == 0:
-                decode_float(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln, rest_heads(G))
+                decode_float(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln, rest_heads(G),
+                             self.threads)
             else:
                 decode_float_any(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
         elif pool.dtype is KVDtype.INT8:  # K and V stored rotated: q · k = (q R) · (k R), Σ p (v R) = (Σ p v) R
@@ -147,7 +155,8 @@ class DecodeWork:
             args = (a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
                     on, ln)
             if D % int8_mod.W == 0 and pool.block_size % int8_mod.W == 0:
-                int8_mod.decode_int8(*args, int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS, rest_heads(G))
+                int8_mod.decode_int8(*args, int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS, rest_heads(G),
+                                     self.threads)
             else:
                 int8_mod.decode_int8_any(*args)
             unrotate(on.reshape(-1, D), *rot)
@@ -155,7 +164,7 @@ class DecodeWork:
             t = pool.tails.arrays
             parts = decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer],
                                 a["v_scale"][layer], a["v_zero"][layer], t["k"], t["v"], t["slot"][layer], qn, bt, items,
-                                rest_heads(G))
+                                rest_heads(G), self.threads)
             merge_items(pair_start, *parts, on, ln)  # here, not in the kernel: int4's compile is the profile's longest
             unrotate(on.reshape(-1, D), *rotation.numba_args(D))  # int4 V is stored rotated
 

@@ -11,20 +11,21 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT
+from cpu_attention._numba import JIT, claim
 from cpu_attention._simd import DOT_TOKENS, from_pair_layout, to_pair_layout
 from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _accumulate, _keep_partial, merge_items, _next_tile, _scores, _softmax_tile, _tile_accumulate,
-    _tile_len, _tile_scores,
+    NEG_INF, TILE, _accumulate, _keep_partial, merge_items, _next_tile, _scores, _softmax_tile, _start_item,
+    _tile_accumulate, _tile_len, _tile_scores,
 )
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_float(k, v, q, bt, items, pair_start, out, lse, rest):
+def decode_float(k, v, q, bt, items, pair_start, out, lse, rest, threads):
     """k, v [NB, Hkv, BS, D] uint16 (bf16 bits); q [B, Hq, D] f32 pre-scaled;
     bt [B, MB]; items/pair_start from _plan; writes out [B, Hq, D], lse [B, Hq].
     D % VEC == 0 (else `decode_float_any`). q and the accumulator are kept in the pair layout
-    in which bf16 rows are widened (`_simd.to_pair_layout`). rest: `decode_tiles.rest_heads(G)`."""
+    in which bf16 rows are widened (`_simd.to_pair_layout`). rest: `decode_tiles.rest_heads(G)`;
+    threads: the call's thread count, the work queue's workers (`decode` module docstring)."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
@@ -33,23 +34,30 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse, rest):
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
-    for it in prange(NI):
-        b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+    NT = min(threads, NI)
+    queue = np.zeros(16, np.int64)  # the next unclaimed item (a line of its own)
+    for _th in prange(NT):
         s = np.empty((G, TL + DOT_TOKENS), np.float32)
-        m = np.full(G, NEG_INF, np.float32)
-        l = np.zeros(G, np.float32)
-        acc = np.zeros((G, D), np.float32)  # pair layout, as qh
+        m = np.empty(G, np.float32)
+        l = np.empty(G, np.float32)
+        acc = np.empty((G, D), np.float32)  # pair layout, as qh
         qh = np.empty((G, D), np.float32)
-        to_pair_layout(q[b, h * G:(h + 1) * G], qh)
-        t = t0
-        while t < t1:
-            n = min(TL, t1 - t)
-            _tile_scores(qh, k, v, h, bt, b, t, n, t1, BS, s, R)
-            _softmax_tile(s, n, m, l, acc)
-            _tile_accumulate(s, v, h, bt, b, t, n, BS, acc, R)
-            t += n
-        from_pair_layout(acc, part_o[it])
-        _keep_partial(it, None, m, l, part_o, part_m, part_l)
+        while True:
+            it = claim(queue)
+            if it >= NI:
+                break
+            b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+            _start_item(m, l, acc)
+            to_pair_layout(q[b, h * G:(h + 1) * G], qh)
+            t = t0
+            while t < t1:
+                n = min(TL, t1 - t)
+                _tile_scores(qh, k, v, h, bt, b, t, n, t1, BS, s, R)
+                _softmax_tile(s, n, m, l, acc)
+                _tile_accumulate(s, v, h, bt, b, t, n, BS, acc, R)
+                t += n
+            from_pair_layout(acc, part_o[it])
+            _keep_partial(it, None, m, l, part_o, part_m, part_l)
     merge_items(pair_start, part_o, part_m, part_l, out, lse)
 
 

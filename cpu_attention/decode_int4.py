@@ -15,12 +15,12 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, line_elems, prefetch, widen
+from cpu_attention._numba import JIT, claim, line_elems, prefetch, widen
 from cpu_attention._simd import IVEC, VEC
 from cpu_attention._simd_int4 import SUM_TOKENS, VALUE_PIECES, make_accumulate_int4, make_scores_int4, pair_order
 from cpu_attention._simd_int4_factors import Q16, TINY, make_block_query, make_block_scales
 from cpu_attention._simd_int4_weights import make_scales_copy, make_value_factors
-from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len
+from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _start_item, _tile_len
 from cpu_attention.layout import INT4_GROUP
 
 # int4 micro-kernels: integer dot products over the 4-bit codes (`_simd_int4`) and their integer
@@ -135,14 +135,14 @@ def _tail_values(s, c, x, n, acc):
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
+def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest, threads):
     """k [NB, Hkv, D/8, BS, 4] uint8 (`int4.py`'s VNNI key order) with ks, kz [NB, Hkv, D] uint16
     (bf16 bits: per block and channel); v [NB, Hkv, BS4/4, D/2, 4] uint8 holding V @ R in quads of
     4 tokens (`int4.py`'s VNNI value order; BS4 = BS rounded up to 4) with vs, vz [NB, Hkv, BS,
     D/32] (per token and group); a block b with tail[b] >= 0 is not complete and is read from
     the bf16 tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; rest:
-    `decode_tiles.rest_heads(G)`. D % 32 == 0. → each item's partial (part_o, part_m, part_l), for
-    `decode_tiles.merge_items`; the merge is the caller's (`DecodeWork.run`).
+    `decode_tiles.rest_heads(G)`; threads: as `decode_float`'s. D % 32 == 0. → each item's
+    partial (part_o, part_m, part_l), for `decode_tiles.merge_items`; the merge is the caller's (`DecodeWork.run`).
 
     Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`_key_factors`: q
     times the block's scales, as int16, from q16 made once per item by `_query16`) and the scores
@@ -173,15 +173,12 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
-    for it in prange(NI):
-        b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+    NT = min(threads, NI)
+    queue = np.zeros(16, np.int64)  # the next unclaimed item (a line of its own)
+    for _th in prange(NT):
         s = np.empty((G, max(TC + IVEC, TLV)), np.float32)  # a block's last score vector is stored whole
         qn = np.empty((G, D), np.float32)
-        for g in range(G):
-            for d in range(D):
-                qn[g, d] = q[b, h * G + g, d]
         q16, qa = np.empty((G, D), np.int16), np.empty(G, np.float32)
-        _query16(qn, order, q16, qa)
         u16, zs, bsc = np.empty(D, np.int16), np.empty(D, np.float32), np.empty(1, np.float32)
         qp = np.empty((G, D), np.int16)
         qsc = np.empty(G, np.float32)
@@ -192,65 +189,76 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest):
         wsc = np.empty((G, NG), np.float32)
         zsum = np.empty((G, NG), np.float32)
         quads = np.empty(TC // 4 + 1, np.int64)  # the tile's value quads: byte offsets in vflat
-        m = np.full(G, NEG_INF, np.float32)
-        l = np.zeros(G, np.float32)
-        acc = np.zeros((G, D), np.float32)
+        m = np.empty(G, np.float32)
+        l = np.empty(G, np.float32)
+        acc = np.empty((G, D), np.float32)
         tails = np.empty((TL, 4), np.int64)  # a tile's blocks read from their tails: (column, block, offset, tokens)
-        bi, off = t0 // BS, t0 % BS  # token t's block (its index in the table) and offset, walked without divisions
-        nbt = (t1 + BS - 1) // BS  # the item's blocks end there
-        t = t0
-        while t < t1:
-            n = min(TL, t1 - t)
-            nt = 0
-            u = 0  # tokens of the tile done
-            c = 0  # its columns used (a multiple of 4 between blocks)
-            while u < n:
-                blk = bt[b, bi]
-                nb = min(BS - off, n - u)
-                bh = blk * Hkv + h
-                r0 = bh * BS + off
-                nbi, noff = (bi + 1, 0) if off + nb == BS else (bi, off + nb)
-                pbh = bh  # the next block's scales now, its values while this one is scored
-                qbh = bt[b, bi + PREFETCH_BLOCKS] * Hkv + h if bi + PREFETCH_BLOCKS < nbt else bh  # its codes, into L2
-                if t + u + nb < t1:
-                    pbh = bt[b, nbi] * Hkv + h
-                    pr = pbh * BS
-                    if noff == 0:
-                        _prefetch_span(ks2, pbh * D, D)
-                        _prefetch_span(kz2, pbh * D, D)
-                        _prefetch_span(vs2, pr * NG, BS * NG)
-                        _prefetch_span(vz2, pr * NG, BS * NG)
-                nq = (nb + 3) // 4
-                for j in range(nq):
-                    quads[c // 4 + j] = bh * vregion + (off // 4 + j) * 4 * Hb
-                if tail[blk] >= 0:
-                    tails[nt, 0], tails[nt, 1], tails[nt, 2], tails[nt, 3] = c, blk, off, nb
-                    nt += 1
-                    _tail_scores(qn, tk[tail[blk], h, off:off + nb], nb, s, c)
-                    for r in range(NG):  # its codes are stale: weight 0
-                        for j in range(nb):
+        while True:
+            it = claim(queue)
+            if it >= NI:
+                break
+            b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+            _start_item(m, l, acc)
+            for g in range(G):
+                for d in range(D):
+                    qn[g, d] = q[b, h * G + g, d]
+            _query16(qn, order, q16, qa)
+            bi, off = t0 // BS, t0 % BS  # token t's block (its index in the table) and offset, walked without divisions
+            nbt = (t1 + BS - 1) // BS  # the item's blocks end there
+            t = t0
+            while t < t1:
+                n = min(TL, t1 - t)
+                nt = 0
+                u = 0  # tokens of the tile done
+                c = 0  # its columns used (a multiple of 4 between blocks)
+                while u < n:
+                    blk = bt[b, bi]
+                    nb = min(BS - off, n - u)
+                    bh = blk * Hkv + h
+                    r0 = bh * BS + off
+                    nbi, noff = (bi + 1, 0) if off + nb == BS else (bi, off + nb)
+                    pbh = bh  # the next block's scales now, its values while this one is scored
+                    # the block PREFETCH_BLOCKS on: its codes, into L2
+                    qbh = bt[b, bi + PREFETCH_BLOCKS] * Hkv + h if bi + PREFETCH_BLOCKS < nbt else bh
+                    if t + u + nb < t1:
+                        pbh = bt[b, nbi] * Hkv + h
+                        pr = pbh * BS
+                        if noff == 0:
+                            _prefetch_span(ks2, pbh * D, D)
+                            _prefetch_span(kz2, pbh * D, D)
+                            _prefetch_span(vs2, pr * NG, BS * NG)
+                            _prefetch_span(vz2, pr * NG, BS * NG)
+                    nq = (nb + 3) // 4
+                    for j in range(nq):
+                        quads[c // 4 + j] = bh * vregion + (off // 4 + j) * 4 * Hb
+                    if tail[blk] >= 0:
+                        tails[nt, 0], tails[nt, 1], tails[nt, 2], tails[nt, 3] = c, blk, off, nb
+                        nt += 1
+                        _tail_scores(qn, tk[tail[blk], h, off:off + nb], nb, s, c)
+                        for r in range(NG):  # its codes are stale: weight 0
+                            for j in range(nb):
+                                vsc[r, c + j] = 0.0
+                                vzr[r, c + j] = 0.0
+                    else:
+                        _key_factors(q16, qa, qn, ks2, kz2, bh, u16, zs, bsc, qp, qsc, qcon, R)
+                        _scores_int4(qp, qsc, qcon, k, bh * kregion, BS, off, nb, v, qbh * kregion, qbh * vregion,
+                                     pbh * vregion, s, c, R)
+                        _scales_copy(vs2, vz2, r0, nb, vsc, vzr, c)
+                    for j in range(nb, 4 * nq):  # the quad's padding: weight 0
+                        for g in range(G):
+                            s[g, c + j] = PAD_SCORE
+                        for r in range(NG):
                             vsc[r, c + j] = 0.0
                             vzr[r, c + j] = 0.0
-                else:
-                    _key_factors(q16, qa, qn, ks2, kz2, bh, u16, zs, bsc, qp, qsc, qcon, R)
-                    _scores_int4(qp, qsc, qcon, k, bh * kregion, BS, off, nb, v, qbh * kregion, qbh * vregion,
-                                 pbh * vregion, s, c, R)
-                    _scales_copy(vs2, vz2, r0, nb, vsc, vzr, c)
-                for j in range(nb, 4 * nq):  # the quad's padding: weight 0
-                    for g in range(G):
-                        s[g, c + j] = PAD_SCORE
-                    for r in range(NG):
-                        vsc[r, c + j] = 0.0
-                        vzr[r, c + j] = 0.0
-                bi, off = nbi, noff
-                u += nb
-                c += 4 * nq
-            _softmax_tile(s, c, m, l, acc)
-            _value_factors(s, vsc, vzr, c, wq, wsc, zsum)
-            _accumulate_quads_int4(wq, wsc, zsum, vflat, quads, c // 4, acc, R)
-            for i in range(nt):
-                tc, tb, to, tn = tails[i, 0], tails[i, 1], tails[i, 2], tails[i, 3]
-                _tail_values(s, tc, tv[tail[tb], h, to:to + tn], tn, acc)
-            t += n
-        _keep_partial(it, acc, m, l, part_o, part_m, part_l)
+                    bi, off = nbi, noff
+                    u += nb
+                    c += 4 * nq
+                _softmax_tile(s, c, m, l, acc)
+                _value_factors(s, vsc, vzr, c, wq, wsc, zsum)
+                _accumulate_quads_int4(wq, wsc, zsum, vflat, quads, c // 4, acc, R)
+                for i in range(nt):
+                    tc, tb, to, tn = tails[i, 0], tails[i, 1], tails[i, 2], tails[i, 3]
+                    _tail_values(s, tc, tv[tail[tb], h, to:to + tn], tn, acc)
+                t += n
+            _keep_partial(it, acc, m, l, part_o, part_m, part_l)
     return part_o, part_m, part_l

@@ -15,9 +15,11 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, prefetch
+from cpu_attention._numba import JIT, bits_to_f32, claim, exp_neg, f32_to_bits, prefetch
 from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
-from cpu_attention.decode_tiles import NEG_INF, TILE, _keep_partial, _next_tile, _raise_max, _softmax_tile, merge_items
+from cpu_attention.decode_tiles import (
+    NEG_INF, TILE, _keep_partial, _next_tile, _raise_max, _softmax_tile, _start_item, merge_items,
+)
 
 _SC1, _SC2, _SC3, _SC4 = (make_scores(ng) for ng in (1, 2, 3, 4))
 _VA1, _VA2, _VA3, _VA4 = (make_values(ng) for ng in (1, 2, 3, 4))
@@ -122,7 +124,7 @@ def _values_heads(wp, wsc, v, gbase, ngr, acc, R):
 
 @numba.njit(inline="always", **JIT)
 def _buffers(G, D, TL):
-    """A work item's scratch for tiles of up to TL tokens: s [G, TL] scores, wp [2, G, TL] and wsc
+    """A thread's scratch (for every item it claims) for tiles of up to TL tokens: s [G, TL] scores, wp [2, G, TL] and wsc
     [G] the weights' pieces and scale, vsc [TL] value token scales, qp [2, G, D], qc [2, G], qsc
     [G] q's pieces, starts and scales (`_split_q`), and the tile's addresses (`_tile_addresses`)."""
     return (np.empty((G, TL), np.float32), np.empty((2, G, TL), np.uint8), np.empty(G, np.float32),
@@ -165,13 +167,12 @@ def _tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gba
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, rest):
+def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, rest, threads):
     """k [NB, Hkv, D/4, BS, 4], v [NB, Hkv, BS/4, D, 4] int8 (the VNNI order, `layout.py`); ks,
-    vs [NB, Hkv, BS] f32; rest as decode_float. A tile of whole blocks (about `tile` tokens,
-    `INT8_TILE`) at a time: its scores
-    W tokens a vector (`make_scores`; meanwhile the K and V of the block `ahead` blocks on are
-    prefetched, `PREFETCH_BLOCKS`), the online softmax with the weights in 16 bits
-    (`_softmax_split`), the value sums (`make_values`).
+    vs [NB, Hkv, BS] f32; rest and threads as decode_float. A tile of whole blocks (about `tile`
+    tokens, `INT8_TILE`) at a time: its scores W tokens a vector (`make_scores`; meanwhile the K
+    and V of the block `ahead` blocks on are prefetched, `PREFETCH_BLOCKS`), the online softmax
+    with the weights in 16 bits (`_softmax_split`), the value sums (`make_values`).
     BS % W == 0 and D % W == 0 (else `decode_int8_any`); items start at block boundaries."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
@@ -181,22 +182,29 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, r
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
-    for it in prange(NI):
-        b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+    NT = min(threads, NI)
+    queue = np.zeros(16, np.int64)  # the next unclaimed item (a line of its own)
+    for _th in prange(NT):
         s, wp, wsc, vsc, qp, qc, qsc, kbase, ksbase, pf, gbase = _buffers(G, D, TL)
-        m = np.full(G, NEG_INF, np.float32)
-        l = np.zeros(G, np.float32)
-        acc = np.zeros((G, D), np.float32)
-        _split_q(q[b, h * G:(h + 1) * G], qp, qc, qsc)
-        t = t0
-        while t < t1:
-            n = min(TL, t1 - t)
-            nch, ngr = _tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gbase, vsc)
-            _scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
-            _softmax_split(s, vsc, n, 4 * ngr, m, l, acc, wp, wsc)
-            _values_heads(wp, wsc, v, gbase, ngr, acc, R)
-            t += n
-        _keep_partial(it, acc, m, l, part_o, part_m, part_l)
+        m = np.empty(G, np.float32)
+        l = np.empty(G, np.float32)
+        acc = np.empty((G, D), np.float32)
+        while True:
+            it = claim(queue)
+            if it >= NI:
+                break
+            b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+            _start_item(m, l, acc)
+            _split_q(q[b, h * G:(h + 1) * G], qp, qc, qsc)
+            t = t0
+            while t < t1:
+                n = min(TL, t1 - t)
+                nch, ngr = _tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gbase, vsc)
+                _scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
+                _softmax_split(s, vsc, n, 4 * ngr, m, l, acc, wp, wsc)
+                _values_heads(wp, wsc, v, gbase, ngr, acc, R)
+                t += n
+            _keep_partial(it, acc, m, l, part_o, part_m, part_l)
     merge_items(pair_start, part_o, part_m, part_l, out, lse)
 
 

@@ -199,6 +199,17 @@ def _next_tile(bt, b, t, t1, BS):
     return bt[b, t // BS], off, min(BS - off, t1 - t, TILE)
 
 
+@numba.njit(inline="always", **JIT)
+def _start_item(m, l, acc):
+    """An item's running max m [G] to -inf, sum l [G] and accumulator acc [G, D] to 0 (scratch a
+    thread allocates once and reuses for every item it claims)."""
+    for g in range(m.shape[0]):
+        m[g] = NEG_INF
+        l[g] = 0
+        for d in range(acc.shape[1]):
+            acc[g, d] = 0
+
+
 @numba.njit(**JIT)  # not inlined: a call per item, and acc None prunes its branch
 def _keep_partial(it, acc, m, l, part_o, part_m, part_l):
     """part_o[it], part_m[it], part_l[it] = acc, m, l (acc None: part_o[it] is written already), by

@@ -193,12 +193,39 @@ def test_decode_many_work_items_and_empty_sequence():
         assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
 
 
+def test_claim_hands_out_each_value_once():
+    """The kernels' work queue (`_numba.claim`): threads claiming from one counter at once get
+    every value below n exactly once between them, and the counter ends at n + threads."""
+    import numba
+    import numpy as np
+
+    from cpu_attention._numba import claim
+
+    @numba.njit(parallel=True)
+    def take(n, threads):
+        queue = np.zeros(16, np.int64)
+        got = np.full((threads, n), -1, np.int64)  # row th: what thread th claimed, in order
+        for th in numba.prange(threads):
+            k = 0
+            while True:
+                i = claim(queue)
+                if i >= n:
+                    break
+                got[th, k] = i
+                k += 1
+        return got, queue
+
+    threads, n = 2 * numba.config.NUMBA_NUM_THREADS, 5000
+    got, queue = take(n, threads)
+    claimed = np.sort(got[got >= 0])
+    assert np.array_equal(claimed, np.arange(n)) and queue[0] == n + threads
+
+
 @pytest.mark.parametrize("n,hkv,threads", [(2048, 3, 2), (2049, 3, 2), (2048, 3, 3), (32768, 8, 16), (100, 3, 2)])
 def test_work_split_is_even(n, hkv, threads):
     """One sequence's items: equal (but the last of each kv head, as items are block-aligned) and
     a count that is a multiple of the threads where the sequence is long enough to split, so
-    Numba's static schedule (an equal count of consecutive items a thread) hands every thread
-    the same tokens within a few percent."""
+    equal threads claiming from the work queue take the same tokens within a few percent."""
     import numpy as np
 
     from cpu_attention.decode import _plan, chunk_tokens
