@@ -13,9 +13,10 @@ four signed bytes and adds the four products to a 32-bit lane, so
 
 Both are exact integer sums. vpdpbusd takes one unsigned and one signed operand: keys are
 read as unsigned by flipping their sign bit (k + 128, one xor a load), the shift paid back by
-starting each score at -128 Σ q; weights are >= 0 anyway. q and the weights are kept to 16
-bits as two byte-sized pieces each (x = 256 hi + lo), one vpdpbusd per piece, combined once
-per W tokens or channels in float32.
+starting each score at -128 Σ q; weights are >= 0 anyway. q is kept to 16 bits as two
+byte-sized pieces (x = 256 hi + lo), one vpdpbusd per piece, combined once per W tokens in
+float32; the weights are one unsigned byte each (`decode_int8._softmax_split`: 8 bits against
+the tile's largest weight), one vpdpbusd.
 
 The IR is generic: vpdpbusd is the x86 intrinsic where the CPU Numba compiles for has AVX-512
 VNNI and 16-lane vectors, pmaddubsw + pmaddwd where it has AVX2 or AVX-512BW (`_dpbusd`), plain IR
@@ -43,7 +44,7 @@ DPBUSD = "llvm.x86.avx512.vpdpbusd.512" if "avx512vnni" in _FEATURES and W_LANES
 MADDUBS = {lanes: names for lanes, names, feature in (
     (8, ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"), "avx2"),
     (16, ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"), "avx512bw")) if feature in _FEATURES}
-VALUE_CHUNKS = 2  # C: output vectors a head a value pass (4 heads × 2 pieces × C accumulators + C + 8 registers)
+VALUE_CHUNKS = 2  # C: output vectors a head a value pass (4 heads × C accumulators + C + 4 registers)
 
 
 def _dpbusd(builder, acc, a, b, name, small_b=False):
@@ -208,37 +209,34 @@ def _values_codegen(ng, C, W, name):
         ir, cgutils = _ir()
         wp, wsc, v, gbase, ngr, acc, g = _args(context, builder, sig, args)
         intp = context.get_value_type(types.intp)
-        G, NP = builder.extract_value(wp.shape, 1), builder.extract_value(wp.shape, 2)
+        NP = builder.extract_value(wp.shape, 1)
         D = builder.extract_value(acc.shape, 1)
         i32v, f32v = ir.VectorType(ir.IntType(32), W), ir.VectorType(ir.FloatType(), W)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), f"llvm.fmuladd.v{W}f32")
         heads = [builder.add(g, intp(i)) for i in range(ng)]
-        wrow = [[builder.mul(builder.add(builder.mul(intp(p), G), heads[i]), NP) for p in range(2)] for i in range(ng)]
-        regs = [[[cgutils.alloca_once(builder, i32v) for _ in range(C)] for _ in range(2)] for _ in range(ng)]
+        wrow = [[builder.mul(heads[i], NP)] for i in range(ng)]
+        regs = [[cgutils.alloca_once(builder, i32v) for _ in range(C)] for _ in range(ng)]
         zero = ir.Constant(i32v, None)
 
         def one_pass(c0, cc):  # acc[g+i, c0 : c0 + cc W] += wsc[g+i] Σ_u w[g+i, 4u:4u+4] · v[group u, same]
             for i in range(ng):
-                for p in range(2):
-                    for c in range(cc):
-                        builder.store(zero, regs[i][p][c])
+                for c in range(cc):
+                    builder.store(zero, regs[i][c])
             with cgutils.for_range_slice(builder, intp(0), ngr, intp(1), intp) as (u, _):
                 base = builder.add(_at(builder, gbase, u), builder.mul(c0, intp(4)))
                 xs = [builder.load(_ptr(builder, v.data, builder.add(base, intp(4 * W * c)), i32v), align=1)
                       for c in range(cc)]
                 wv = _piece_splats(builder, wp, wrow, builder.mul(u, intp(4)), W)
                 for i in range(ng):
-                    for p in range(2):
-                        for c in range(cc):
-                            builder.store(_dpbusd(builder, builder.load(regs[i][p][c]), wv[i][p], xs[c], name),
-                                          regs[i][p][c])
+                    for c in range(cc):
+                        builder.store(_dpbusd(builder, builder.load(regs[i][c]), wv[i][0], xs[c], name), regs[i][c])
             for i in range(ng):
                 sc = _splat(builder, _at(builder, wsc, heads[i]), W)
                 for c in range(cc):
                     at = builder.gep(acc.data, [builder.add(builder.mul(heads[i], D), builder.add(c0, intp(c * W)))],
                                      inbounds=True)
                     ptr = builder.bitcast(at, f32v.as_pointer())
-                    tot = _fold_pieces(builder, builder.load(regs[i][0][c]), builder.load(regs[i][1][c]))
+                    tot = builder.sitofp(builder.load(regs[i][c]), f32v)
                     builder.store(builder.call(fma, [sc, tot, builder.load(ptr, align=4)]), ptr, align=4)
 
         full = builder.mul(builder.sdiv(D, intp(C * W)), intp(C * W))
@@ -253,17 +251,16 @@ def _values_codegen(ng, C, W, name):
 
 def make_values(ng: int, C: int = VALUE_CHUNKS, W: int = W_LANES, name: str | None = DPBUSD):
     """An intrinsic values(wp, wsc, v, gbase, ngr, acc, g): for heads i < ng,
-    acc[g+i] += wsc[g+i] · Σ_{u<ngr} Σ_{j<4} (256 hi + lo)[g+i, 4u+j] · v[group u][:, j], the
-    sums exact in int32, C vectors of W channels a head at a time in registers.
+    acc[g+i] += wsc[g+i] · Σ_{u<ngr} Σ_{j<4} wp[g+i, 4u+j] · v[group u][:, j], the sums exact in
+    int32, C vectors of W channels a head at a time in registers.
 
-    wp uint8 [2, G, NP]: the weights' pieces (hi, lo), token 4u+j of the tile at column 4u+j;
-    wsc float32 [G]. v: an int8 array in the VNNI value order (any shape, C-contiguous), gbase
+    wp uint8 [G, NP]: the weights, token 4u+j of the tile at column 4u+j; wsc float32 [G]. v: an int8 array in the VNNI value order (any shape, C-contiguous), gbase
     [ngr] int64 the byte offset of each group of 4 tokens ([D, 4] bytes: channel d's 4 tokens
     at 4d). acc [G, D] float32, D % W == 0. No bounds checks."""
 
     @intrinsic
     def values(typingctx, wp, wsc, v, gbase, ngr, acc, g):
-        if not (_c(wp, types.uint8, 3) and _c(wsc, types.float32, 1) and _c(v, types.int8)
+        if not (_c(wp, types.uint8, 2) and _c(wsc, types.float32, 1) and _c(v, types.int8)
                 and _c(gbase, types.int64, 1) and _c(acc, types.float32, 2)):
             return None
         return types.void(wp, wsc, v, gbase, ngr, acc, g), _values_codegen(ng, C, W, name)

@@ -4,7 +4,7 @@ block size), built from `decode_tiles`' steps.
 
 Both scores and value sums are exact integer sums (`_simd_vnni`): q rounded to 16 bits per head
 and split in two signed bytes (`_split_q`); a tile's softmax weights times the value token
-scales rounded to 16 bits and split in two unsigned bytes (`_softmax_split`). The
+scales rounded to one unsigned byte per head against the tile's largest (`_softmax_split`). The
 key token scales multiply the scores, W tokens a vector, inside the score kernel. K and V are
 stored rotated (`layout.py`): `decode_attention` rotates q before the kernel and the output
 back after it, the kernel never sees R.
@@ -29,7 +29,7 @@ INT8_TILE = 128  # tokens an online-softmax step (whole blocks)
 # measured on the GPU host: none stood out of the run-to-run spread, bench/RESULTS.md)
 PREFETCH_BLOCKS = 4
 Q16 = np.float32(32000.0)  # levels of a quantized query's largest element: hi = (x + 128) >> 8 stays in int8
-W16 = np.float32(65000.0)  # levels of the largest weight a tile can hold (p <= 1 times its largest V scale)
+W8 = np.float32(255.0)  # levels of a tile's largest weight (one unsigned byte)
 TINY = np.float32(1e-30)  # below this a row's 16-bit scale (max / levels) would leave float32's normal range
 
 
@@ -62,30 +62,30 @@ def _split_q(qh, qp, qc, qsc):
 @numba.njit(inline="always", **JIT)
 def _softmax_split(s, vsc, n, npad, m, l, acc, wp, wsc):
     """The online softmax step of `_softmax_tile` (`_raise_max`) over a tile's n scores s [G, :n],
-    its weights p (<= 1: m is at least the tile's max) times the value token scales written as
-    x = round(p[g, j] vsc[j] / wsc) = 256 hi + lo, wp[0, g, j] = hi, wp[1, g, j] = lo (uint8;
-    zeros for n <= j < npad), wsc = max_j vsc[j] / W16 for every head: 16 bits against the
-    largest weight a tile can hold, which is what the output's error is relative to (the sum
-    of weights is >= 1), in one pass over s and no max over the weights."""
-    vmax = np.uint32(0)
-    for j in range(n):  # scales are >= 0: their bits order as they do
-        vmax = max(vmax, f32_to_bits(vsc[j]))
-    wmax = bits_to_f32(vmax)
-    sc = wmax / W16 if wmax > TINY else np.float32(1.0)
-    inv = np.float32(1.0) / sc
+    its weights p times the value token scales rounded to one byte per head against the tile's
+    largest: wp[g, j] = round(p[g, j] vsc[j] / wsc[g]) (uint8; zeros for n <= j < npad), wsc[g] =
+    max_j p[g, j] vsc[j] / 255. A weight's rounding is at most 1/510 of its tile's largest, and
+    random over the tile's tokens: the output moved by ~1e-3 of its norm against the float64
+    twin (weights in 16 bits as two bytes: ~5e-6, and 4–9% slower, bench/RESULTS.md). The
+    products p·vsc go into s in place, then a second pass rounds them."""
     for g in range(acc.shape[0]):
         sg = s[g]
         mg = _raise_max(sg, n, g, m, l, acc)
         tot = np.float32(0.0)
+        wmax = np.uint32(0)
         for j in range(n):
             p = exp_neg(sg[j] - mg)
             tot += p
-            x = np.int32(np.rint(p * vsc[j] * inv))
-            wp[0, g, j] = np.uint8(x >> np.int32(8))
-            wp[1, g, j] = np.uint8(x & np.int32(255))
+            x = p * vsc[j]
+            sg[j] = x
+            wmax = max(wmax, f32_to_bits(x))  # x >= 0: its bits order as it does
+        mx = bits_to_f32(wmax)
+        sc = mx / W8 if mx > TINY else np.float32(1.0)
+        inv = np.float32(1.0) / sc
+        for j in range(n):
+            wp[g, j] = np.uint8(np.int32(np.rint(sg[j] * inv)))
         for j in range(n, npad):
-            wp[0, g, j] = 0
-            wp[1, g, j] = 0
+            wp[g, j] = 0
         l[g] += tot
         wsc[g] = sc
 
@@ -124,10 +124,10 @@ def _values_heads(wp, wsc, v, gbase, ngr, acc, R):
 
 @numba.njit(inline="always", **JIT)
 def _buffers(G, D, TL):
-    """A thread's scratch (for every item it claims) for tiles of up to TL tokens: s [G, TL] scores, wp [2, G, TL] and wsc
-    [G] the weights' pieces and scale, vsc [TL] value token scales, qp [2, G, D], qc [2, G], qsc
+    """A thread's scratch (for every item it claims) for tiles of up to TL tokens: s [G, TL] scores, wp [G, TL] and wsc
+    [G] the weights and their scales, vsc [TL] value token scales, qp [2, G, D], qc [2, G], qsc
     [G] q's pieces, starts and scales (`_split_q`), and the tile's addresses (`_tile_addresses`)."""
-    return (np.empty((G, TL), np.float32), np.empty((2, G, TL), np.uint8), np.empty(G, np.float32),
+    return (np.empty((G, TL), np.float32), np.empty((G, TL), np.uint8), np.empty(G, np.float32),
             np.empty(TL, np.float32), np.empty((2, G, D), np.int8), np.empty((2, G), np.int32),
             np.empty(G, np.float32), np.empty(TL // W, np.int64), np.empty(TL // W, np.int64),
             np.empty(TL // W, np.int64), np.empty(TL // 4, np.int64))
@@ -172,7 +172,7 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, r
     vs [NB, Hkv, BS] f32; rest and threads as decode_float. A tile of whole blocks (about `tile`
     tokens, `INT8_TILE`) at a time: its scores W tokens a vector (`make_scores`; meanwhile the K
     and V of the block `ahead` blocks on are prefetched, `PREFETCH_BLOCKS`), the online softmax
-    with the weights in 16 bits (`_softmax_split`), the value sums (`make_values`).
+    with the weights in one byte (`_softmax_split`), the value sums (`make_values`).
     BS % W == 0 and D % W == 0 (else `decode_int8_any`); items start at block boundaries."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]

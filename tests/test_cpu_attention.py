@@ -28,8 +28,8 @@ from cpu_attention.layout import int8_rows, quantize
 
 LENS = [1, 17, 1000, 4097]
 HKV, G = 2, 3  # odd group size on purpose
-# Against the dequantized pool every kernel must be exact to 1e-4 (int4: KERNEL_TOL; the issue asks 1e-3 for
-# bf16). Against the unquantized data: int8 2e-2 and int4 8e-2 as the issue asks; bf16's own
+# Against the dequantized pool every kernel must be exact to 1e-4 (int8, int4: KERNEL_TOL; the issue
+# asks 1e-3 for bf16). Against the unquantized data: int8 2e-2 and int4 8e-2 as the issue asks; bf16's own
 # storage rounding (2^-9 relative per element) alone gives ~1.5e-3 on a one-token sequence,
 # so its bound there is 4e-3.
 # int4 exception: a one-token sequence's output is one dequantized V row, and 16 levels over
@@ -42,10 +42,11 @@ QUANT_TOL = {KVDtype.BF16: 4e-3, KVDtype.INT8: 2e-2, KVDtype.INT4: 8e-2}
 # up to 8e-5 here, vs the 1e-2 of int8 keys themselves)
 LSE_TOL = {KVDtype.BF16: 1e-4, KVDtype.INT8: 3e-4, KVDtype.INT4: 1e-4}
 INT4_ONE_ROW_TOL = 1e-1
-# kernel against its float64 twin over the same stored KV: exact to 1e-4, but int4 rounds its
-# value weights to one byte per tile (`_simd_int4_weights`: 3e-4–1e-3 measured on these cases,
-# ten times below int4's own error against unquantized attention, which QUANT_TOL bounds)
-KERNEL_TOL = {KVDtype.BF16: 1e-4, KVDtype.INT8: 1e-4, KVDtype.INT4: 3e-3}
+# kernel against its float64 twin over the same stored KV: exact to 1e-4, but int8 and int4 round
+# their value weights to one byte per tile and head (`decode_int8._softmax_split`,
+# `_simd_int4_weights`: 3e-4–1.1e-3 measured on these cases, ten times below their own error
+# against unquantized attention, which QUANT_TOL bounds)
+KERNEL_TOL = {KVDtype.BF16: 1e-4, KVDtype.INT8: 3e-3, KVDtype.INT4: 3e-3}
 CASES = [  # (head dim, block size): every head dim, several block sizes; 72 and 36 are not
     # multiples of every vector width, so they also run the kernels' fallbacks (`decode_*_any`)
     (64, 16), (80, 5), (96, 32), (128, 16), (256, 7), (72, 16), (36, 9),
@@ -167,16 +168,18 @@ def test_decode_scores_far_apart(dtype):
     assert (lse.double() - rl).abs().max() < 1e-2
 
 
-def test_decode_split_merges_to_full():
-    """A sequence split between two tiers: merging the two partials gives the full result."""
+@pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT8])
+def test_decode_split_merges_to_full(dtype):
+    """A sequence split between two tiers: merging the two partials gives the full result (to
+    1e-5; int8 to its weights' rounding, which depends on where a tile starts: KERNEL_TOL)."""
     D, BS, n, cut = 128, 16, 1000, 384  # cut on a block boundary, as tiers are
-    pool, bt, sl, q, _ = make(KVDtype.INT8, D, BS, [n], seed=3)
+    pool, bt, sl, q, _ = make(dtype, D, BS, [n], seed=3)
     scale = 1 / math.sqrt(D)
     full = decode_attention(pool, 0, q, bt, sl, scale, threads=2)
     a = decode_attention(pool, 0, q, bt, torch.tensor([cut]), scale, threads=2)
     b = decode_attention(pool, 0, q, bt[:, cut // BS:], torch.tensor([n - cut]), scale, threads=2)
     o, lse = merge_attention(a[0], a[1], b[0], b[1])
-    assert rel(o, full[0]) < 1e-5
+    assert rel(o, full[0]) < (1e-5 if dtype is KVDtype.BF16 else KERNEL_TOL[dtype])
     assert (lse - full[1]).abs().max() < 1e-5
 
 

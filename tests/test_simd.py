@@ -175,15 +175,15 @@ def test_vnni_values(W, name):
         every = [(r, u) for r in range(5) for u in range(4)]
         for groups in ([(1, 2)], [(0, 0), (3, 1), (1, 2), (4, 3), (2, 0)], every * 4):  # 80 groups: 320 tokens
             gbase = np.array([(r * 4 + u) * 4 * D for r, u in groups], np.int64)
-            w16 = rng.integers(0, 65001, (10, 4 * len(groups) + 5))
-            w16[:, :4] = 65000
-            wp = split16(w16, signed=False)
-            wsc = (rng.random(10) * 1e-6).astype(np.float32)
+            w8 = rng.integers(0, 256, (10, 4 * len(groups) + 5))
+            w8[:, :4] = 255
+            wp = w8.astype(np.uint8)
+            wsc = (rng.random(10) * 1e-4).astype(np.float32)
             acc0 = rng.standard_normal((10, D)).astype(np.float32)
             acc = acc0.copy()
             run(wp, wsc, v, gbase, len(groups), acc)
             vals = np.concatenate([v[r, u].T for r, u in groups]).astype(np.int64)  # [4 ngr, D], token order
-            exact = w16[:, :4 * len(groups)] @ vals
+            exact = w8[:, :4 * len(groups)] @ vals
             ref = acc0 + wsc[:, None].astype(np.float64) * exact
             assert np.abs(acc - ref).max() < 1e-5 * np.abs(ref).max(), (D, len(groups))
 
