@@ -41,7 +41,9 @@ from cpu_attention.decode_tiles import merge_items, rest_heads
 from cpu_attention.layout import HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
 
-ITEMS_PER_THREAD = 4  # equal-sized items per thread: the queue's last items end close together
+# equal-sized items per thread: the queue's last items end close together (8 against 4, GPU host: bf16
+# 1 × 32k 1.05–1.09× with half-size items, int8 and int4 within ±4%, bench/RESULTS.md)
+ITEMS_PER_THREAD = 8
 MIN_CHUNK = 256  # tokens; below this the merge and per-item setup start to show
 
 
