@@ -12,7 +12,8 @@ scratch once, then claims the next unclaimed item (`_numba.claim`, one atomic ad
 is left, so a thread that runs slow (a busy neighbour, a core that clocks lower, an item whose
 blocks come late from DRAM) takes fewer items instead of holding up the call. Against the static
 split of the same items (which also allocated each item's scratch), on the GPU host: bf16
-1.25–1.32×, int8 1.01–1.13×, int4 1.17–1.19× (bench/RESULTS.md, twelfth session).
+1.2–1.3×, int8 1.0–1.2×, int4 1.05–1.2× (bench/RESULTS.md, twelfth session). The `decode_*_any`
+fallbacks (head dims that are not a multiple of the vector width) keep Numba's static split.
 
 The kernels, one module a KV dtype, walk an item a tile of whole blocks at a time with the
 steps of `decode_tiles` (scores, online softmax, value accumulation, the merge):
