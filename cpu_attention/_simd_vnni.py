@@ -254,9 +254,10 @@ def make_values(ng: int, C: int = VALUE_CHUNKS, W: int = W_LANES, name: str | No
     acc[g+i] += wsc[g+i] · Σ_{u<ngr} Σ_{j<4} wp[g+i, 4u+j] · v[group u][:, j], the sums exact in
     int32, C vectors of W channels a head at a time in registers.
 
-    wp uint8 [G, NP]: the weights, token 4u+j of the tile at column 4u+j; wsc float32 [G]. v: an int8 array in the VNNI value order (any shape, C-contiguous), gbase
-    [ngr] int64 the byte offset of each group of 4 tokens ([D, 4] bytes: channel d's 4 tokens
-    at 4d). acc [G, D] float32, D % W == 0. No bounds checks."""
+    wp uint8 [G, NP]: the weights, token 4u+j of the tile at column 4u+j; wsc float32 [G]. v:
+    an int8 array in the VNNI value order (any shape, C-contiguous), gbase [ngr] int64 the byte
+    offset of each group of 4 tokens ([D, 4] bytes: channel d's 4 tokens at 4d). acc [G, D]
+    float32, D % W == 0. No bounds checks."""
 
     @intrinsic
     def values(typingctx, wp, wsc, v, gbase, ngr, acc, g):
