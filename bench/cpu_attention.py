@@ -17,7 +17,7 @@ compute from memory: each kernel's ns per (token, kv head) on one thread with th
 cache, its all-thread rate with the KV in cache, and a plain read of the same K/V bytes in
 the kernel's order (the access pattern's own bound); and each kernel's error against its
 float64 twin (this host's vector code may be one the tests never ran). `--sweep` also tries
-work items per thread and Numba's dynamic chunking. Imports only torch, numpy, numba and cpu_attention.
+4, 8 and 16 work items a thread. Imports only torch, numpy, numba and cpu_attention.
 Reports; asserts nothing.
 """
 from __future__ import annotations
@@ -260,7 +260,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: physical cores)")
     ap.add_argument("--out", type=Path, default=None, help="folder for cpu_attention.log and .json")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true", help="also try items per thread and dynamic chunking")
+    ap.add_argument("--sweep", action="store_true", help="also try 4, 8 and 16 work items a thread")
     ap.add_argument("--no-jit", action="store_true", help="skip the fresh-process JIT timing")
     ap.add_argument("--heads", default="32,8,128", help="query heads, kv heads, head dim (SmolLM2-135M: 9,3,64)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -299,18 +299,16 @@ def main() -> None:
             f"out rel. error {err:.1e} (tests: < {1e-4 if dt is KVDtype.BF16 else 3e-3:.0e}), lse {lse_err:.1e} "
             f"(< 1e-4, int8 3e-4)")
     if args.sweep:
+        default = decode_mod.ITEMS_PER_THREAD
         for dt in (KVDtype.BF16, KVDtype.INT8):
-            for ipt in (4, 16):
-                for cs in (0, 1):
-                    decode_mod.ITEMS_PER_THREAD = ipt
-                    decode_mod._work_items.cache_clear()  # the split is memoized per lengths
-                    numba.set_parallel_chunksize(cs)
-                    r = bench_kernel(dt, hs, 1, 32768, threads, 10, gen)
-                    log(f"sweep {dt.value} 1x32768 items/thread {ipt} chunksize {cs}: {r['GBps']:.1f} GB/s "
-                        f"(best {r['bytes_per_call'] / r['ms_best'] / 1e6:.1f})")
-        decode_mod.ITEMS_PER_THREAD = 4
+            for ipt in (4, 8, 16):
+                decode_mod.ITEMS_PER_THREAD = ipt
+                decode_mod._work_items.cache_clear()  # the split is memoized per lengths
+                r = bench_kernel(dt, hs, 1, 32768, threads, 10, gen)
+                log(f"sweep {dt.value} 1x32768 items/thread {ipt}: {r['GBps']:.1f} GB/s "
+                    f"(best {r['bytes_per_call'] / r['ms_best'] / 1e6:.1f})")
+        decode_mod.ITEMS_PER_THREAD = default
         decode_mod._work_items.cache_clear()
-        numba.set_parallel_chunksize(0)
     rows = []
     for B, n in shapes:
         for dt in dtypes:

@@ -8,7 +8,8 @@ the step's work split built once, so no Python set-up is timed):
 - the rate with the KV in cache: one sequence of 8192 tokens, the same blocks every call;
 - the rate from DRAM at 1 × 32k and 16 × 4k: enough disjoint copies of the KV cycled through
   that a call's bytes were last touched > 1 GiB of reads ago (the GPU host's L3 holds ~300 MiB);
-- the same with Numba's dynamic schedule (`numba.set_parallel_chunksize(1)`, 16 items a thread).
+- with `--more-items`, the same with 16 work items a thread (the kernels' queue hands them out;
+  `decode.ITEMS_PER_THREAD` is the default).
 Each rate beside the DRAM read of the same thread count (Numba parallel sum over 2 GiB), median and
 best call of `--reps`. Llama-3-8B's layer shape (32 q heads, 8 kv heads, D 128, block 16).
 Reports; asserts nothing.
@@ -78,7 +79,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,int8,int4")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default="1x32768,16x4096", help="BATCHxTOKENS from DRAM (threads > 1)")
-    ap.add_argument("--dynamic", action="store_true", help="also Numba's dynamic schedule, 16 items a thread")
+    ap.add_argument("--more-items", action="store_true", help="also 16 work items a thread")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -105,13 +106,11 @@ def main() -> None:
                 f"GB/s, {row['cache_ns_token_head_thread']:.1f} ns per (token, kv head) a thread")
             del cached
             for B, n in shapes if t > 1 else []:
-                schedules = [("static", decode_mod.ITEMS_PER_THREAD, 0)]
-                if args.dynamic:
-                    schedules.append(("dynamic", 16, 1))
-                for name, ipt, chunk in schedules:
+                default = decode_mod.ITEMS_PER_THREAD
+                schedules = [("default", default)] + ([("items16", 16)] if args.more_items else [])
+                for name, ipt in schedules:
                     decode_mod.ITEMS_PER_THREAD = ipt
                     decode_mod._work_items.cache_clear()
-                    numba.set_parallel_chunksize(chunk)
                     case = Case(dt, B, n, copies_past_l3(dt, HKV, BS, D, B * n), t, gen)
                     ts = case.times(args.reps)
                     med, best = case.bytes / float(np.median(ts)) / 1e9, case.bytes / ts.min() / 1e9
@@ -120,9 +119,8 @@ def main() -> None:
                         f"best call {best:.1f} ({best / dram[t]:.2f}); {1e3 * float(np.median(ts)):.2f} ms, "
                         f"{len(case.works)} copies")
                     del case
-                decode_mod.ITEMS_PER_THREAD = 4
+                decode_mod.ITEMS_PER_THREAD = default
                 decode_mod._work_items.cache_clear()
-                numba.set_parallel_chunksize(0)
             rows.append(row)
     log("")
     keys = [f"{B}x{n}" for B, n in shapes]
@@ -131,10 +129,10 @@ def main() -> None:
     for r in rows:
         cells = []
         for k in keys:
-            if f"{k}_static_GBps" in r:
-                c = f"{r[f'{k}_static_GBps'] / r['dram_GBps']:.2f} ({r[f'{k}_static_best_GBps'] / r['dram_GBps']:.2f})"
-                if f"{k}_dynamic_GBps" in r:
-                    c += f" dyn {r[f'{k}_dynamic_GBps'] / r['dram_GBps']:.2f}"
+            if f"{k}_default_GBps" in r:
+                c = f"{r[f'{k}_default_GBps'] / r['dram_GBps']:.2f} ({r[f'{k}_default_best_GBps'] / r['dram_GBps']:.2f})"
+                if f"{k}_items16_GBps" in r:
+                    c += f" 16/thr {r[f'{k}_items16_GBps'] / r['dram_GBps']:.2f}"
                 cells.append(f"{c:>22}")
         log(f"{r['dtype']:>5} {r['threads']:>3} {r['dram_GBps']:6.1f} {r['fixed_us']:8.0f} {r['cache_GBps']:10.1f} "
             f"{r['cache_ns_token_head_thread']:11.1f}  " + "  ".join(cells))

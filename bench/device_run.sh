@@ -14,8 +14,8 @@
 #          run: the kernels compile), then again with them filled; wall times printed
 # parts:   bench/profile_parts.py (where the profile's time goes: imports, then measure() under cProfile)
 # ports:   bench/cpu_ports.py (vector instruction throughput at 1..16 threads: ports, clock, hyperthreads)
-# scaling: bench/cpu_scaling.py (fixed cost, in-cache and DRAM rates at 1, 8, 16 threads, static and dynamic
-#          schedules; SCALING_ARGS passed through), then 8 and 16 threads again with OpenMP's threads bound
+# scaling: bench/cpu_scaling.py (fixed cost, in-cache and DRAM rates at 1, 8, 16 threads, with the default and 16
+#          items a thread; SCALING_ARGS passed through), then 8 and 16 threads again with OpenMP's threads bound
 #          (OMP_PROC_BIND=spread / close, OMP_PLACES=threads; SCALING_BINDS="" skips those)
 # kparts:  bench/cpu_kernel_parts.py at KPARTS_THREADS (default "1 16") threads (where the int8 / int4 kernels'
 #          time goes; KPARTS_DTYPES, default int8,int4)
@@ -54,7 +54,7 @@ for stage in $STAGES; do
       timeout 120 python3 bench/cpu_ports.py > "$OUT/cpu_ports.log" 2>&1; tail -${PORTS_TAIL:-24} "$OUT/cpu_ports.log" ;;
     scaling)
       lscpu -e > "$OUT/lscpu_e.txt" 2>&1; head -20 "$OUT/lscpu_e.txt"; export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba-scaling}
-      timeout ${SCALING_TIMEOUT:-300} python3 bench/cpu_scaling.py --dynamic ${SCALING_ARGS:-} --out "$OUT/scaling" \
+      timeout ${SCALING_TIMEOUT:-300} python3 bench/cpu_scaling.py --more-items ${SCALING_ARGS:-} --out "$OUT/scaling" \
         > "$OUT/scaling_stdout.log" 2>&1; tail -12 "$OUT/scaling_stdout.log"
       for bind in ${SCALING_BINDS-spread close}; do
         OMP_PROC_BIND=$bind OMP_PLACES=threads timeout 150 python3 bench/cpu_scaling.py --threads 8,16 \
