@@ -343,4 +343,3 @@ def dram_read_gbps(nbytes: int = 2**30, reps: int = 5) -> float:
         _sum(x)
         best = min(best, time.perf_counter() - t)
     return x.nbytes / best / 1e9
-
