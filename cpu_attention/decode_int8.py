@@ -124,9 +124,10 @@ def _values_heads(wp, wsc, v, gbase, ngr, acc, R):
 
 @numba.njit(inline="always", **JIT)
 def _buffers(G, D, TL):
-    """A thread's scratch (for every item it claims) for tiles of up to TL tokens: s [G, TL] scores, wp [G, TL] and wsc
-    [G] the weights and their scales, vsc [TL] value token scales, qp [2, G, D], qc [2, G], qsc
-    [G] q's pieces, starts and scales (`_split_q`), and the tile's addresses (`_tile_addresses`)."""
+    """A thread's scratch (for every item it claims) for tiles of up to TL tokens: s [G, TL]
+    scores, wp [G, TL] and wsc [G] the weights and their scales, vsc [TL] value token scales, qp
+    [2, G, D], qc [2, G], qsc [G] q's pieces, starts and scales (`_split_q`), and the tile's
+    addresses (`_tile_addresses`)."""
     return (np.empty((G, TL), np.float32), np.empty((G, TL), np.uint8), np.empty(G, np.float32),
             np.empty(TL, np.float32), np.empty((2, G, D), np.int8), np.empty((2, G), np.int32),
             np.empty(G, np.float32), np.empty(TL // W, np.int64), np.empty(TL // W, np.int64),
