@@ -130,9 +130,10 @@ def main() -> None:
         cells = []
         for k in keys:
             if f"{k}_default_GBps" in r:
-                c = f"{r[f'{k}_default_GBps'] / r['dram_GBps']:.2f} ({r[f'{k}_default_best_GBps'] / r['dram_GBps']:.2f})"
+                rd = r["dram_GBps"]
+                c = f"{r[f'{k}_default_GBps'] / rd:.2f} ({r[f'{k}_default_best_GBps'] / rd:.2f})"
                 if f"{k}_items16_GBps" in r:
-                    c += f" 16/thr {r[f'{k}_items16_GBps'] / r['dram_GBps']:.2f}"
+                    c += f" 16/thr {r[f'{k}_items16_GBps'] / rd:.2f}"
                 cells.append(f"{c:>22}")
         log(f"{r['dtype']:>5} {r['threads']:>3} {r['dram_GBps']:6.1f} {r['fixed_us']:8.0f} {r['cache_GBps']:10.1f} "
             f"{r['cache_ns_token_head_thread']:11.1f}  " + "  ".join(cells))
