@@ -11,11 +11,11 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, claim
+from cpu_attention._numba import JIT
 from cpu_attention._simd import DOT_TOKENS, from_pair_layout, to_pair_layout
 from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _accumulate, _keep_partial, merge_items, _next_tile, _scores, _softmax_tile, _start_item,
-    _tile_accumulate, _tile_len, _tile_scores,
+    NEG_INF, TILE, _accumulate, _claim_item, _keep_partial, merge_items, _next_tile, _scores, _softmax_tile,
+    _tile_accumulate, _tile_len, _tile_scores, _work_queue,
 )
 
 
@@ -34,8 +34,7 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse, rest, threads):
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
-    NT = min(threads, NI)
-    queue = np.zeros(16, np.int64)  # the next unclaimed item (a line of its own)
+    NT, queue = _work_queue(threads, NI)
     for _th in prange(NT):
         s = np.empty((G, TL + DOT_TOKENS), np.float32)
         m = np.empty(G, np.float32)
@@ -43,11 +42,9 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse, rest, threads):
         acc = np.empty((G, D), np.float32)  # pair layout, as qh
         qh = np.empty((G, D), np.float32)
         while True:
-            it = claim(queue)
-            if it >= NI:
+            it, b, h, t0, t1 = _claim_item(queue, items, m, l, acc)
+            if it < 0:
                 break
-            b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-            _start_item(m, l, acc)
             to_pair_layout(q[b, h * G:(h + 1) * G], qh)
             t = t0
             while t < t1:

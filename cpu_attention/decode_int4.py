@@ -15,12 +15,12 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, claim, line_elems, prefetch, widen
+from cpu_attention._numba import JIT, line_elems, prefetch, widen
 from cpu_attention._simd import IVEC, VEC
 from cpu_attention._simd_int4 import SUM_TOKENS, VALUE_PIECES, make_accumulate_int4, make_scores_int4, pair_order
 from cpu_attention._simd_int4_factors import Q16, TINY, make_block_query, make_block_scales
 from cpu_attention._simd_int4_weights import make_scales_copy, make_value_factors
-from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _start_item, _tile_len
+from cpu_attention.decode_tiles import _claim_item, _keep_partial, _softmax_tile, _tile_len, _work_queue
 from cpu_attention.layout import INT4_GROUP
 
 # int4 micro-kernels: integer dot products over the 4-bit codes (`_simd_int4`) and their integer
@@ -173,8 +173,7 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest, threads)
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
-    NT = min(threads, NI)
-    queue = np.zeros(16, np.int64)  # the next unclaimed item (a line of its own)
+    NT, queue = _work_queue(threads, NI)
     for _th in prange(NT):
         s = np.empty((G, max(TC + IVEC, TLV)), np.float32)  # a block's last score vector is stored whole
         qn = np.empty((G, D), np.float32)
@@ -194,11 +193,9 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest, threads)
         acc = np.empty((G, D), np.float32)
         tails = np.empty((TL, 4), np.int64)  # a tile's blocks read from their tails: (column, block, offset, tokens)
         while True:
-            it = claim(queue)
-            if it >= NI:
+            it, b, h, t0, t1 = _claim_item(queue, items, m, l, acc)
+            if it < 0:
                 break
-            b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-            _start_item(m, l, acc)
             for g in range(G):
                 for d in range(D):
                     qn[g, d] = q[b, h * G + g, d]

@@ -15,10 +15,10 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, claim, exp_neg, f32_to_bits, prefetch
+from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, prefetch
 from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
 from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _keep_partial, _next_tile, _raise_max, _softmax_tile, _start_item, merge_items,
+    NEG_INF, TILE, _claim_item, _keep_partial, _next_tile, _raise_max, _softmax_tile, _work_queue, merge_items,
 )
 
 _SC1, _SC2, _SC3, _SC4 = (make_scores(ng) for ng in (1, 2, 3, 4))
@@ -183,19 +183,16 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, r
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
-    NT = min(threads, NI)
-    queue = np.zeros(16, np.int64)  # the next unclaimed item (a line of its own)
+    NT, queue = _work_queue(threads, NI)
     for _th in prange(NT):
         s, wp, wsc, vsc, qp, qc, qsc, kbase, ksbase, pf, gbase = _buffers(G, D, TL)
         m = np.empty(G, np.float32)
         l = np.empty(G, np.float32)
         acc = np.empty((G, D), np.float32)
         while True:
-            it = claim(queue)
-            if it >= NI:
+            it, b, h, t0, t1 = _claim_item(queue, items, m, l, acc)
+            if it < 0:
                 break
-            b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-            _start_item(m, l, acc)
             _split_q(q[b, h * G:(h + 1) * G], qp, qc, qsc)
             t = t0
             while t < t1:

@@ -23,7 +23,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, line_elems, prefetch, widen
+from cpu_attention._numba import JIT, bits_to_f32, claim, exp_neg, f32_to_bits, line_elems, prefetch, widen
 from cpu_attention._simd import DOT_TOKENS, make_accumulate, make_dots
 
 TILE = 32  # `decode_*_any`: tokens a tile
@@ -200,14 +200,26 @@ def _next_tile(bt, b, t, t1, BS):
 
 
 @numba.njit(inline="always", **JIT)
-def _start_item(m, l, acc):
-    """An item's running max m [G] to -inf, sum l [G] and accumulator acc [G, D] to 0 (scratch a
-    thread allocates once and reuses for every item it claims)."""
+def _work_queue(threads, NI):
+    """A kernel's work queue over its NI items: (the threads to start, at most one an item; the
+    counter of the next unclaimed item, on a cache line of its own) for `_claim_item`."""
+    return min(threads, NI), np.zeros(16, np.int64)
+
+
+@numba.njit(inline="always", **JIT)
+def _claim_item(queue, items, m, l, acc):
+    """The next unclaimed item for the calling thread (`_numba.claim`): (it, b, h, t0, t1) with
+    the running max m [G] reset to -inf, the sum l [G] and accumulator acc [G, D] to 0 (scratch a
+    thread allocates once and reuses for every item it claims); it = -1 when none is left."""
+    it = claim(queue)
+    if it >= items.shape[0]:
+        return -1, 0, 0, 0, 0
     for g in range(m.shape[0]):
         m[g] = NEG_INF
         l[g] = 0
         for d in range(acc.shape[1]):
             acc[g, d] = 0
+    return it, items[it, 0], items[it, 1], items[it, 2], items[it, 3]
 
 
 @numba.njit(**JIT)  # not inlined: a call per item, and acc None prunes its branch
