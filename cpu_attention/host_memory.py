@@ -1,0 +1,59 @@
+"""Host memory for the KV pool: zeroed tensors in 2 MiB pages where the OS gives them.
+
+Why: the decode kernels read a pool whose blocks lie scattered over gigabytes (a block table
+points anywhere), and an int4 block and kv head is six short runs in six arrays (key codes
+1 KiB, value codes 1 KiB, key scales and zeros 256 B each, value scales and zeros 128 B each,
+`int4.py`): six 4 KiB pages for 2.75 KiB read, against bf16's two pages for 8 KiB. In 4 KiB
+pages most of those are TLB misses, each a page walk. Measured on the GPU host (16 threads,
+`bench/ab_inproc.py`, the same kernels over a pool in 2 MiB pages against torch's 4 KiB ones):
+int4 1.09× at 1 × 32k, 1.13× at 16 × 4k, 1.07× in cache; int8 1.00 / 1.05 / 1.05
+(bench/RESULTS.md, thirteenth session).
+
+How: Linux's transparent huge pages are often madvise-only (the GPU host's are), and torch's
+allocator does not advise them, so the pool maps its own memory: a private anonymous mmap,
+advised MADV_HUGEPAGE before anything touches it, the tensor starting at its first 2 MiB
+boundary (`torch.frombuffer` keeps the mapping alive as long as the tensor). A pinned pool
+(the GPU copies from it) registers that mapping with CUDA (cudaHostRegister; unregistered when
+the mapping goes). Where any of that is missing (another OS, no CUDA for a pinned pool, a
+registration that fails, or a tensor under 2 MiB) it is torch.zeros as before. Pages are
+zero-filled on first touch instead of by a memset up front.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import weakref
+
+import torch
+
+HUGE_PAGE = 2 << 20  # bytes
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype, pin_memory=pin), in 2 MiB pages where the OS gives them
+    (module doc)."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+    m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages
+        pass
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE_PAGE
+    t = whole[skip:skip + n]
+    if pin and not _register(m, t.data_ptr(), n):
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    return t.view(dtype).reshape(shape)
+
+
+def _register(m: mmap.mmap, ptr: int, n: int) -> bool:
+    """Page-lock [ptr, ptr + n) for the GPU's copies (cudaHostRegister), undone when m is freed."""
+    if not torch.cuda.is_available():
+        return False
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(ptr, n, 0)) != 0:
+        return False
+    weakref.finalize(m, cudart.cudaHostUnregister, ptr)
+    return True
