@@ -15,8 +15,9 @@ advised MADV_HUGEPAGE before anything touches it, the tensor starting at its fir
 boundary (`torch.frombuffer` keeps the mapping alive as long as the tensor). A pinned pool
 (the GPU copies from it) registers that mapping with CUDA (cudaHostRegister; unregistered when
 the mapping goes). Where any of that is missing (another OS, no CUDA for a pinned pool, a
-registration that fails, or a tensor under 2 MiB) it is torch.zeros as before. Pages are
-zero-filled on first touch instead of by a memset up front.
+registration that fails, or a tensor under 2 MiB) it is torch.zeros as before. Like
+torch.zeros, it touches every page up front (a memset; registering does the same), so that no
+decode step later pays a page fault or the kernel's compaction for a fresh 2 MiB page.
 """
 from __future__ import annotations
 
@@ -43,8 +44,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> torc
     whole = torch.frombuffer(m, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     t = whole[skip:skip + n]
-    if pin and not _register(m, t.data_ptr(), n):
-        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    if pin:
+        if not _register(m, t.data_ptr(), n):
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    else:
+        t.zero_()  # fault every page in now (module doc)
     return t.view(dtype).reshape(shape)
 
 
