@@ -10,9 +10,10 @@ while the CPU attends for the other (NEO / APEX): the CPU's share runs on the wo
 With one, the main thread would only wait for the worker, so it runs the CPU's share itself
 while the device's share of attention (already queued) runs.
 
-Prefill runs layer by layer over the whole new chunk of a sequence: this layer's earlier KV
-(both tiers) is gathered to the device once, the new tokens attend to it and causally to
-themselves in one SDPA call, and the new k/v are written to their tiers.
+Prefill (`offload.prefill`, mixed in) runs layer by layer over the whole new chunk of a
+sequence: this layer's earlier KV (both tiers) is gathered to the device once, the new tokens
+attend to it and causally to themselves in one SDPA call, and the new k/v are written to their
+tiers.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 import cpu_attention
 from cpu_attention.merge import merge_attention
@@ -29,16 +29,13 @@ from hetero.model import Model
 from offload.graphs import Captured, SegmentGraphs
 from offload.inline import InlineLayers
 from offload.kv_cache import Slots, TieredKVCache
+from offload.prefill import Prefill
 from offload.stream import KVStreamer
 from offload.timers import GpuSpans, Metrics, StepTimes, now
 from offload.worker import CpuWorker
 
 if TYPE_CHECKING:
     from offload.placement import PlacedWeights
-
-PREFILL_CHUNK = 2048  # tokens per projection/MLP pass and per attention query block in prefill
-PREFILL_PIECE = 8192  # tokens of a prompt prefilled layer by layer before the next piece starts
-
 
 @dataclass
 class Part:
@@ -65,7 +62,7 @@ class Part:
     ready: torch.cuda.Event | None = None  # recorded when a layer's q (and k, v) are down; reused layer after layer
 
 
-class Runner:
+class Runner(Prefill):
     def __init__(self, model: Model, cache: TieredKVCache, threads: int | None = None,
                  sub_batches: int | None = None, detailed_timing: bool = False, max_batch: int = 1,
                  graphs: bool = True, max_context: int | None = None, stream_tokens: int = 0,
@@ -370,46 +367,6 @@ class Runner:
         m.kv_gpu_tokens, m.kv_host_tokens = self.cache.tier_tokens()
         m.swapped_out_blocks, m.swapped_in_blocks = self.cache.swapped_out_blocks, self.cache.swapped_in_blocks
 
-    # ================================================================== prefill
-    @torch.inference_mode()
-    def prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens[start:] (tokens[:start] are cached) → float32 logits of the last token [1, V] (or all).
-
-        Pieces of PREFILL_PIECE tokens bound the activations a long prompt needs on the device;
-        each piece runs layer by layer and attends to everything cached before it."""
-        outs = [self._prefill_piece(seq, tokens[: s + PREFILL_PIECE], s, all_logits)
-                for s in range(start, len(tokens), PREFILL_PIECE)]
-        return torch.cat(outs) if all_logits else outs[-1]
-
-    def _prefill_piece(self, seq: int, tokens: list[int], start: int, all_logits: bool) -> torch.Tensor:
-        c, m, dev = self.cache, self.model, self.dev
-        T = len(tokens) - start
-        prior = c.seqs.get(seq)
-        prior_gpu = 0 if prior is None else prior.gpu.num_tokens
-        prior_host = 0 if prior is None else prior.host.num_tokens
-        slots = c.reserve(seq, T)
-        s = c.seqs[seq]
-        gpu_blocks = torch.tensor(s.gpu.blocks[: -(-prior_gpu // c.block_size)], dtype=torch.int64)
-        host_blocks = torch.tensor(s.host.blocks[: -(-prior_host // c.block_size)], dtype=torch.int64)
-        pos = torch.arange(start, len(tokens), device=dev)
-        x = m.embed(torch.tensor(tokens[start:]))
-        self._begin_pass()
-        for i in range(self.cfg.num_layers):
-            self._ready(i)
-            q, k, v = self._chunked(lambda a, b: m.pre_attention(i, x[a:b], pos[a:b]), T)
-            kp, vp = self._prior_kv(i, gpu_blocks, prior_gpu, host_blocks, prior_host, q.dtype)
-            c.write(i, slots, k, v)
-            keys = torch.cat([kp, k.transpose(0, 1)], dim=1)  # [Hkv, P + T, D]
-            vals = torch.cat([vp, v.transpose(0, 1)], dim=1)
-            o = torch.cat([_causal_tail_attention(q[a:b], keys[:, : keys.shape[1] - T + b], vals[:, : keys.shape[1] - T + b],
-                                                  m.scale) for a, b in _blocks(T)])
-            x = self._chunked(lambda a, b: m.post_attention(i, x[a:b], o[a:b]), T)
-            self._release(i)
-        self._ready(self.cfg.num_layers)
-        logits = m.logits(x if all_logits else x[-1:])
-        self._release(self.cfg.num_layers)
-        return logits
-
     # ------------------------------------------------------------------ streamed weights
     def _weight_bytes(self) -> tuple[int, int]:
         """(up, down) bytes moved for weights so far: streamed weights, CPU-computed groups' activations."""
@@ -431,41 +388,5 @@ class Runner:
         if self.weights is not None:
             self.weights.release(layer)
 
-    def _prior_kv(self, i, gpu_blocks, n_gpu, host_blocks, n_host, dtype):
-        """This layer's cached K, V of the sequence from both tiers, on the device: [Hkv, P, D] each."""
-        c, dev = self.cache, self.dev
-        ks, vs = [], []
-        if n_gpu:
-            k, v = c.gpu.gather(i, gpu_blocks[None].to(c.gpu.k.device))
-            ks.append(k[0, :, :n_gpu].to(dev, dtype))
-            vs.append(v[0, :, :n_gpu].to(dev, dtype))
-        if n_host:
-            k, v = c.host.gather(i, host_blocks, n_host)
-            ks.append(k.to(dev, dtype, non_blocking=True))
-            vs.append(v.to(dev, dtype, non_blocking=True))
-        empty = torch.empty(self.cfg.num_kv_heads, 0, self.cfg.head_dim, device=dev, dtype=dtype)
-        return (torch.cat(ks, dim=1) if ks else empty), (torch.cat(vs, dim=1) if vs else empty)
-
-    @staticmethod
-    def _chunked(fn, T: int):
-        outs = [fn(a, b) for a, b in _blocks(T)]
-        if isinstance(outs[0], tuple):
-            return tuple(torch.cat(z) for z in zip(*outs))
-        return torch.cat(outs)
-
     def close(self) -> None:
         self.worker.close()
-
-
-def _blocks(T: int) -> list[tuple[int, int]]:
-    return [(a, min(a + PREFILL_CHUNK, T)) for a in range(0, T, PREFILL_CHUNK)]
-
-
-def _causal_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] are the last T of the keys' positions: key j is visible to query t iff
-    j ≤ (n_keys − T) + t (earlier tokens all, new ones causally). k, v [Hkv, n, D] → [T, Hq, D]."""
-    T, n = q.shape[0], k.shape[1]
-    mask = torch.ones(T, n, dtype=torch.bool, device=q.device).tril(diagonal=n - T)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
-                                       enable_gqa=q.shape[1] != k.shape[0])
-    return o.transpose(0, 1)

@@ -243,9 +243,9 @@ def test_tier_table_moves_whole_blocks():
 
 def test_prefill_in_pieces_matches_one_pass(folder, single, monkeypatch):
     """A long prompt is prefilled piece by piece, each attending to the tiers' earlier tokens."""
-    import offload.runner
+    import offload.prefill
 
-    monkeypatch.setattr(offload.runner, "PREFILL_PIECE", 7)
+    monkeypatch.setattr(offload.prefill, "PREFILL_PIECE", 7)
     e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=5)
     assert rel_err(e.logits(PROMPT), single[1]) <= 1e-5
     assert _greedy(e) == single[0]
