@@ -33,7 +33,7 @@ HUGE_PAGE = 2 << 20  # bytes
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype, pin_memory=pin), in 2 MiB pages where the OS gives them
     (module doc)."""
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape) * dtype.itemsize
     if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, pin_memory=pin)
     m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -44,11 +44,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> torc
     whole = torch.frombuffer(m, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     t = whole[skip:skip + n]
-    if pin:
-        if not _register(m, t.data_ptr(), n):
-            return torch.zeros(shape, dtype=dtype, pin_memory=True)
-    else:
-        t.zero_()  # fault every page in now (module doc)
+    if pin and not _register(m, t.data_ptr(), n):
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    if not pin:
+        t.zero_()  # fault every page in now (module doc; registering did that for a pinned one)
     return t.view(dtype).reshape(shape)
 
 
