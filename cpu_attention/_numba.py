@@ -193,9 +193,10 @@ def _butterflies_t(t, P, m):
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
-def _chunk(x, r0, t, signs, P, c, back):
-    """Rows r0 .. r0 + ROWS (at most) of x := row @ R, or row @ R.T where `back` (a constant at
-    each call site), through t [D, ROWS]: the signs go before the butterflies, or after."""
+def transform_rows(x, r0, t, signs, P, c, back):
+    """Rows r0 .. r0 + n (n = t.shape[1], at most) of x := row @ R, or row @ R.T where `back` (a
+    constant at each call site), through t [D, n]: the signs go before the butterflies, or after.
+    Inside a decode kernel: one kv head's G query heads (t [D, G])."""
     m = min(t.shape[1], x.shape[0] - r0)
     for n in range(m):
         for d in range(x.shape[1]):
@@ -206,6 +207,76 @@ def _chunk(x, r0, t, signs, P, c, back):
             x[r0 + n, d] = (t[d, n] * c) * signs[d] if back else t[d, n] * c
 
 
+def _indexable(arr, dtype, i) -> bool:
+    """An intrinsic's (array, index) arguments: a C-contiguous array of dtype and an integer."""
+    return (isinstance(arr, types.Array) and arr.dtype == dtype and arr.layout == "C"
+            and isinstance(i, types.Integer))
+
+
+def _flat_ptr(context, builder, signature, args):
+    """The codegen of an intrinsic f(arr, i): a pointer to arr.flat[i]."""
+    ary = context.make_array(signature.args[0])(context, builder, args[0])
+    return builder.gep(ary.data, [context.cast(builder, args[1], signature.args[1], types.int64)])
+
+
+@intrinsic
+def fwht16(typingctx, arr, i):
+    """arr.flat[i:i + 16] (float32, C-contiguous) := its unnormalized Walsh-Hadamard transform, in one
+    16-lane vector: four butterfly stages, each a lane shuffle (lane j with j ^ h), an add, a
+    subtract and a select. The stages of a transform within 16 channels, without the scalar loops
+    LLVM leaves them in (their pairs lie within a vector)."""
+    if not _indexable(arr, types.float32, i):
+        return None
+
+    def codegen(context, builder, signature, args):
+        from llvmlite import ir
+
+        vty = ir.VectorType(ir.FloatType(), 16)
+        ptr = builder.bitcast(_flat_ptr(context, builder, signature, args), vty.as_pointer())
+        v = builder.load(ptr, align=4)
+        for h in (1, 2, 4, 8):
+            partner = ir.Constant(ir.VectorType(ir.IntType(32), 16), [j ^ h for j in range(16)])
+            s = builder.shuffle_vector(v, v, partner)
+            upper = ir.Constant(ir.VectorType(ir.IntType(1), 16), [bool(j & h) for j in range(16)])
+            v = builder.select(upper, builder.fsub(s, v), builder.fadd(v, s))  # (a, b) -> (a + b, a - b)
+        builder.store(v, ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.void(arr, i), codegen
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def hadamard_rows(x, r0, n, signs, P, c, back, t):
+    """Rows r0 .. r0 + n of x [N, D] float32 (C-contiguous) := row @ R, or row @ R.T where `back`
+    (a constant at each call site): a kernel's few rows (one kv head's G query heads). Row by
+    row: the stages within 16 channels by `fwht16`, those across pieces of 16 as adds of whole
+    pieces. (`transform_rows`' columns make vectors only with many rows: ~0.5 µs a row at 4 rows,
+    GPU host.) The same ops as `rotation.rotate` in another order: equal to float32 rounding, not
+    to the bit (for readers only: q, the output). P % 16 != 0 goes to `transform_rows` through
+    t [D, n]."""
+    if P % 16:
+        transform_rows(x, r0, t, signs, P, c, back)
+        return
+    D = x.shape[1]
+    for r in range(r0, r0 + n):
+        y = x[r]
+        if not back:
+            for d in range(D):
+                y[d] *= signs[d]
+        for base in range(0, D, 16):
+            fwht16(x, r * D + base)
+        h = 16
+        while h < P:
+            for i0 in range(0, D, 2 * h):
+                a, b = y[i0:i0 + h], y[i0 + h:i0 + 2 * h]
+                for i in range(h):
+                    u, w = a[i], b[i]
+                    a[i], b[i] = u + w, u - w
+            h *= 2
+        for d in range(D):
+            y[d] = (y[d] * c) * signs[d] if back else y[d] * c
+
+
 @numba.njit(nogil=True, cache=True)
 def rotate_rows(x, signs, P, c):
     """Each row of x [N, D] float32 := row @ R, in place, with `hadamard_rotate`'s ops (so the
@@ -213,7 +284,7 @@ def rotate_rows(x, signs, P, c):
     all N rows costs more than the transform: its stores stride N floats)."""
     t = np.empty((x.shape[1], ROWS), np.float32)
     for r0 in range(0, x.shape[0], ROWS):
-        _chunk(x, r0, t, signs, P, c, False)
+        transform_rows(x, r0, t, signs, P, c, False)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -221,24 +292,7 @@ def unrotate_rows(x, signs, P, c):
     """Each row of x [N, D] float32 := row @ R.T (`rotation.unrotate`), in place."""
     t = np.empty((x.shape[1], ROWS), np.float32)
     for r0 in range(0, x.shape[0], ROWS):
-        _chunk(x, r0, t, signs, P, c, True)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def rotate_rows_parallel(x, signs, P, c):
-    """`rotate_rows` with the chunks of ROWS rows spread over the threads (the same bits)."""
-    for i in numba.prange((x.shape[0] + ROWS - 1) // ROWS):
-        _chunk(x, i * ROWS, np.empty((x.shape[1], ROWS), np.float32), signs, P, c, False)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def unrotate_rows_parallel(x, signs, P, c):
-    """`unrotate_rows` with the chunks of ROWS rows spread over the threads (the same bits)."""
-    for i in numba.prange((x.shape[0] + ROWS - 1) // ROWS):
-        _chunk(x, i * ROWS, np.empty((x.shape[1], ROWS), np.float32), signs, P, c, True)
-
-
-PARALLEL_ROWS = 4 * ROWS  # rows from which a decode step's (un)rotation takes the parallel variants
+        transform_rows(x, r0, t, signs, P, c, True)
 
 
 @numba.njit(inline="always", nogil=True, cache=True, fastmath=FASTMATH)
@@ -275,6 +329,34 @@ def claim(typingctx, counter):
         return builder.atomic_rmw("add", ary.data, one, "monotonic")
 
     return types.int64(counter), codegen
+
+
+@intrinsic
+def arrive(typingctx, counter, i):
+    """counter[i]++ atomically (int64, C-contiguous), returning the value before: of the threads that
+    arrive at one counter, exactly one sees n - 1 as the n-th. Acquire and release ordered, so that
+    thread also sees every store the others made before they arrived (their partial results)."""
+    if not _indexable(counter, types.int64, i):
+        return None
+
+    def codegen(context, builder, signature, args):
+        one = context.get_constant(types.int64, 1)
+        return builder.atomic_rmw("add", _flat_ptr(context, builder, signature, args), one, "acq_rel")
+
+    return types.int64(counter, i), codegen
+
+
+@intrinsic
+def load_acquire(typingctx, counter, i):
+    """counter[i] (int64, C-contiguous) read atomically with acquire order: once it shows what a
+    thread wrote with `arrive`, the stores that thread made before are seen too."""
+    if not _indexable(counter, types.int64, i):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_flat_ptr(context, builder, signature, args), "acquire", 8)
+
+    return types.int64(counter, i), codegen
 
 
 def _make_prefetch(locality: int, doc: str):

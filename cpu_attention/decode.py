@@ -3,9 +3,10 @@
 
 Work split: a work item is (sequence b, kv head h, token range [t0, t1)). Items of one
 (b, h) are consecutive; long sequences are cut into several ranges so batch 1 × 32k keeps
-every core busy, and each item returns a partial (acc [G, D], running max m, sum l) that a
-second parallel loop merges by log-sum-exp. All G = Hq / Hkv query heads of a kv head are
-done together, so each K/V byte is read from DRAM once.
+every core busy, and each item leaves a partial (acc [G, D], running max m, sum l); the thread
+that finishes the last item of a (b, h) merges its partials by log-sum-exp (an atomic count of
+finished items per pair), so a call is one parallel region. All G = Hq / Hkv query heads of a
+kv head are done together, so each K/V byte is read from DRAM once.
 
 Schedule: a work queue, not Numba's static split. Each of the call's threads allocates its
 scratch once, then claims the next unclaimed item (`_numba.claim`, one atomic add) until none
@@ -18,9 +19,14 @@ fallbacks (head dims that are not a multiple of the vector width) keep Numba's s
 The kernels, one module a KV dtype, walk an item a tile of whole blocks at a time with the
 steps of `decode_tiles` (scores, online softmax, value accumulation, the merge):
 `decode_bf16`, `decode_int8` (integer scores and value sums; K and V are stored rotated, so
-`decode_attention` rotates q before the kernel and the output back after it) and
-`decode_int4` (integer dot products over the 4-bit codes). Head dims that are not a multiple
-of the vector width go to the bf16 and int8 modules' `decode_*_any`.
+q is rotated as an item is claimed and the output back as its pair is merged) and
+`decode_int4` (integer dot products over the 4-bit codes; V stored rotated). These take q as the
+caller has it and do q × scale, the rotations and the merge on their own threads, in one parallel
+region (before: Python's q × scale, a serial or parallel rotation of all of q, the kernel, a second
+parallel region for the merge, the output's rotation): against that, on the GPU host, bf16 / int8
+/ int4 read 1.04 / 1.07 / 1.07 × as fast at 1 × 32k (bench/RESULTS.md, fourteenth session).
+Head dims that are not a multiple of the vector width go to the bf16 and int8 modules'
+`decode_*_any`, which leave those steps to `DecodeWork.run`.
 """
 from __future__ import annotations
 
@@ -31,14 +37,12 @@ import numpy as np
 import torch
 
 from cpu_attention import rotation
-from cpu_attention._numba import (
-    PARALLEL_ROWS, resolve_threads, rotate_rows, rotate_rows_parallel, unrotate_rows, unrotate_rows_parallel,
-)
+from cpu_attention._numba import resolve_threads, rotate_rows, unrotate_rows
 from cpu_attention._simd import VEC
 from cpu_attention.decode_bf16 import decode_float, decode_float_any
 from cpu_attention.decode_int4 import decode_int4
 from cpu_attention import decode_int8 as int8_mod  # its tile and prefetch settings are read per call
-from cpu_attention.decode_tiles import merge_items, rest_heads
+from cpu_attention.decode_tiles import rest_heads
 from cpu_attention.layout import HostKVPool, KVDtype
 from cpu_attention.reference import decode_attention_ref
 
@@ -46,6 +50,8 @@ from cpu_attention.reference import decode_attention_ref
 # 1 × 32k 1.05–1.09× with half-size items, int8 and int4 within ±4%, bench/RESULTS.md)
 ITEMS_PER_THREAD = 8
 MIN_CHUNK = 256  # tokens; below this the merge and per-item setup start to show
+FINAL_PIECES = 4  # the queue's last `threads` items are cut in up to this many, handed out last (`final_wave`)
+MIN_PIECE = 1024  # tokens: items are not cut smaller (512-token pieces cost int4 ~4% at 1 × 32k, GPU host)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -84,10 +90,39 @@ def _numpy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 @functools.lru_cache(maxsize=16)
 def _work_items(seq_lens: tuple[int, ...], num_kv_heads: int, block_size: int, threads: int):
-    """_plan's (items, pair_start) for these lengths, memoized: a decode step calls the kernel
-    once per layer with the same lengths. The arrays are shared: read them only."""
+    """(items, pair_start, order) for these lengths (`_plan`, then `final_wave`), memoized: a decode
+    step calls the kernel once per layer with the same lengths. The arrays are shared: read them only."""
     sl = np.array(seq_lens, np.int64)
-    return _plan(sl, num_kv_heads, chunk_tokens(sl, num_kv_heads, block_size, threads))
+    items, pair_start = _plan(sl, num_kv_heads, chunk_tokens(sl, num_kv_heads, block_size, threads))
+    return final_wave(items, len(pair_start) - 1, num_kv_heads, block_size, threads, FINAL_PIECES)
+
+
+def final_wave(items: np.ndarray, n_pairs: int, num_kv_heads: int, block_size: int, threads: int, pieces: int):
+    """The work queue's order, with a last wave of small items: the last `threads` items are each
+    cut into up to `pieces` block-aligned parts of at least MIN_PIECE tokens, which the queue hands
+    out after all the others (order: item indices in claim order). With items of equal size a call
+    ends when its slowest thread's last item does, up to an item after the others; small last items
+    even that out (GPU host, against the queue without: bf16 1.04 / 1.06 at 1 × 32k / 16 × 4k, int8
+    1.01 / 1.02, int4 0.96 / 1.04 with 4 pieces of 512 tokens and more, bench/RESULTS.md). Items
+    stay grouped by (sequence, kv head), as the merge reads them: → (items, pair_start, order)."""
+    NI = items.shape[0]
+    cut = NI >= 2 * threads and pieces > 1
+    rows, big, small = [], [], []
+    for i, (b, h, t0, t1) in enumerate(items.tolist()):
+        if not cut or i < NI - threads:
+            big.append(len(rows))
+            rows.append((b, h, t0, t1))
+            continue
+        n = max(min(pieces, (t1 - t0) // MIN_PIECE), 1)
+        step = -(-(t1 - t0) // (n * block_size)) * block_size
+        for u in range(t0, t1, step):
+            small.append(len(rows))
+            rows.append((b, h, u, min(u + step, t1)))
+    out = np.array(rows, np.int64).reshape(-1, 4)
+    pair = out[:, 0] * num_kv_heads + out[:, 1]
+    pair_start = np.zeros(n_pairs + 1, np.int64)
+    np.cumsum(np.bincount(pair, minlength=n_pairs), out=pair_start[1:])
+    return out, pair_start, np.array(big + small, np.int64)
 
 
 def chunk_tokens(seq_lens: np.ndarray, num_kv_heads: int, block_size: int, threads: int) -> int:
@@ -123,14 +158,15 @@ class DecodeWork:
         self.threads = resolve_threads(threads)
         self.bt = block_tables.detach().to(torch.int32).contiguous().numpy()  # [B, max_blocks]
         self.lens = seq_lens.detach().to(torch.int64).contiguous().numpy()  # [B]
-        self.items, self.pair_start = _work_items(tuple(self.lens.tolist()), pool.num_kv_heads, pool.block_size,
+        self.items, self.pair_start, self.order = _work_items(tuple(self.lens.tolist()), pool.num_kv_heads,
+                                                             pool.block_size,
                                                   self.threads)
 
     def run(self, pool: HostKVPool, layer: int, q: np.ndarray, scale: float, on: np.ndarray, ln: np.ndarray,
             scaled: np.ndarray | None = None) -> None:
         """The kernel call itself, numpy in and out: q [B, Hq, D] float32, C-contiguous (left as
         is); on [B, Hq, D], ln [B, Hq] float32 receive the output and the log-sum-exp; scaled: a
-        buffer like q for q × scale (None: a new one). `decode_attention` without its checks and
+        buffer like q for q × scale on the any-shape paths (None: a new one). `decode_attention` without its checks and
         conversions, for a caller that calls it every layer with the same buffers."""
         resolve_threads(self.threads)  # thread counts are per calling thread in Numba
         if pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
@@ -138,38 +174,33 @@ class DecodeWork:
                                           torch.from_numpy(self.lens), scale)
             on[...], ln[...] = o.numpy(), lse.numpy()
             return
-        qn = np.multiply(q, np.float32(scale), out=scaled)  # the int8 kernel rotates it in place
-        D, G = qn.shape[-1], qn.shape[1] // pool.num_kv_heads
-        # q's and the output's rows are rotated on all threads from a batch of 4 (32 heads): 512
-        # rows one after the other cost more than the parallel region's start
-        many = qn.shape[0] * qn.shape[1] >= PARALLEL_ROWS
-        rotate, unrotate = (rotate_rows_parallel, unrotate_rows_parallel) if many else (rotate_rows, unrotate_rows)
-        bt, items, pair_start = self.bt, self.items, self.pair_start
-        a = pool.arrays
-        if pool.dtype is KVDtype.BF16:
-            if D % VEC == 0:
-                decode_float(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln, rest_heads(G),
-                             self.threads)
-            else:
-                decode_float_any(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
-        elif pool.dtype is KVDtype.INT8:  # K and V stored rotated: q · k = (q R) · (k R), Σ p (v R) = (Σ p v) R
-            rot = rotation.numba_args(D)
-            rotate(qn.reshape(-1, D), *rot)
-            args = (a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt, items, pair_start,
-                    on, ln)
-            if D % int8_mod.W == 0 and pool.block_size % int8_mod.W == 0:
-                int8_mod.decode_int8(*args, int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS, rest_heads(G),
-                                     self.threads)
-            else:
-                int8_mod.decode_int8_any(*args)
-            unrotate(on.reshape(-1, D), *rot)
-        else:
+        D, G = q.shape[-1], q.shape[1] // pool.num_kv_heads
+        bt, items, pair_start, order, a = self.bt, self.items, self.pair_start, self.order, pool.arrays
+        sc = np.float32(scale)
+        # the fast kernels take q as it is and write the merged output: q × scale, int8's rotation of q,
+        # the merge and the output's rotation back all happen on the kernel's threads
+        if pool.dtype is KVDtype.INT4:
             t = pool.tails.arrays
-            parts = decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer],
-                                a["v_scale"][layer], a["v_zero"][layer], t["k"], t["v"], t["slot"][layer], qn, bt, items,
-                                rest_heads(G), self.threads)
-            merge_items(pair_start, *parts, on, ln)  # here, not in the kernel: int4's compile is the profile's longest
-            unrotate(on.reshape(-1, D), *rotation.numba_args(D))  # int4 V is stored rotated
+            decode_int4(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["k_zero"][layer], a["v_scale"][layer],
+                        a["v_zero"][layer], t["k"], t["v"], t["slot"][layer], q, sc, *rotation.numba_args(D), bt, items,
+                        order, pair_start, on, ln, rest_heads(G), self.threads)
+        elif pool.dtype is KVDtype.BF16 and D % VEC == 0:
+            decode_float(a["k"][layer], a["v"][layer], q, sc, bt, items, order, pair_start, on, ln, rest_heads(G),
+                         self.threads)
+        elif pool.dtype is KVDtype.INT8 and D % int8_mod.W == 0 and pool.block_size % int8_mod.W == 0:
+            int8_mod.decode_int8(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], q, sc,
+                                 *rotation.numba_args(D), bt, items, order, pair_start, on, ln, int8_mod.INT8_TILE,
+                                 int8_mod.PREFETCH_BLOCKS, rest_heads(G), self.threads)
+        else:  # the any-shape fallbacks: q scaled (and rotated) before, the output rotated back after
+            qn = np.multiply(q, sc, out=scaled)
+            if pool.dtype is KVDtype.BF16:
+                decode_float_any(a["k"][layer], a["v"][layer], qn, bt, items, pair_start, on, ln)
+                return
+            rot = rotation.numba_args(D)
+            rotate_rows(qn.reshape(-1, D), *rot)
+            int8_mod.decode_int8_any(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], qn, bt,
+                                     items, pair_start, on, ln)
+            unrotate_rows(on.reshape(-1, D), *rot)
 
 
 def decode_attention(

@@ -14,18 +14,19 @@ from numba import prange
 from cpu_attention._numba import JIT
 from cpu_attention._simd import DOT_TOKENS, from_pair_layout, to_pair_layout
 from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _accumulate, _claim_item, _keep_partial, merge_items, _next_tile, _scores, _softmax_tile,
-    _tile_accumulate, _tile_len, _tile_scores, _work_queue,
+    NEG_INF, TILE, _accumulate, _claim_item, _empty_pairs, _finish_item, _keep_partial, merge_items, _next_tile,
+    _scores, _softmax_tile, _tile_accumulate, _tile_len, _tile_scores, _work_queue,
 )
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_float(k, v, q, bt, items, pair_start, out, lse, rest, threads):
-    """k, v [NB, Hkv, BS, D] uint16 (bf16 bits); q [B, Hq, D] f32 pre-scaled;
-    bt [B, MB]; items/pair_start from _plan; writes out [B, Hq, D], lse [B, Hq].
+def decode_float(k, v, q, scale, bt, items, order, pair_start, out, lse, rest, threads):
+    """k, v [NB, Hkv, BS, D] uint16 (bf16 bits); q [B, Hq, D] f32, times scale here;
+    bt [B, MB]; items, order, pair_start from `decode._work_items`; writes out [B, Hq, D], lse [B, Hq].
     D % VEC == 0 (else `decode_float_any`). q and the accumulator are kept in the pair layout
     in which bf16 rows are widened (`_simd.to_pair_layout`). rest: `decode_tiles.rest_heads(G)`;
-    threads: the call's thread count, the work queue's workers (`decode` module docstring)."""
+    threads: the call's thread count, the work queue's workers (`decode` module docstring).
+    Each (sequence, kv head) is merged by the thread that finishes its last item (`_finish_item`)."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
     BS, D = k.shape[2], k.shape[3]
@@ -34,7 +35,8 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse, rest, threads):
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
-    NT, queue = _work_queue(threads, NI)
+    NT, queue, done = _work_queue(threads, NI, pair_start)
+    _empty_pairs(pair_start, G, out, lse)
     for _th in prange(NT):
         s = np.empty((G, TL + DOT_TOKENS), np.float32)
         m = np.empty(G, np.float32)
@@ -42,10 +44,13 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse, rest, threads):
         acc = np.empty((G, D), np.float32)  # pair layout, as qh
         qh = np.empty((G, D), np.float32)
         while True:
-            it, b, h, t0, t1 = _claim_item(queue, items, m, l, acc)
+            it, b, h, t0, t1 = _claim_item(queue, order, items, m, l, acc)
             if it < 0:
                 break
             to_pair_layout(q[b, h * G:(h + 1) * G], qh)
+            for g in range(G):
+                for d in range(D):
+                    qh[g, d] *= scale
             t = t0
             while t < t1:
                 n = min(TL, t1 - t)
@@ -55,7 +60,7 @@ def decode_float(k, v, q, bt, items, pair_start, out, lse, rest, threads):
                 t += n
             from_pair_layout(acc, part_o[it])
             _keep_partial(it, None, m, l, part_o, part_m, part_l)
-    merge_items(pair_start, part_o, part_m, part_l, out, lse)
+            _finish_item(b, h, pair_start, done, part_o, part_m, part_l, out, lse, None, 0, 0.0, None)
 
 
 @numba.njit(parallel=True, **JIT)

@@ -7,7 +7,7 @@ against the codes widened in registers; per tile, the softmax weights times the 
 scales rounded to VALUE_PIECES bytes per head, and the codes of quads of 4 tokens summed against
 them in int32 by vpdpbusd (the zero points' share added per group of 32 channels). A block still
 being filled is read from its bf16 tail by plain float loops. The output is rotated back (int4
-V is stored rotated, `rotation.py`) by the caller, after the merge.
+V is stored rotated, `rotation.py`) after the merge, by the thread that merges.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from cpu_attention._simd import IVEC, VEC
 from cpu_attention._simd_int4 import SUM_TOKENS, VALUE_PIECES, make_accumulate_int4, make_scores_int4, pair_order
 from cpu_attention._simd_int4_factors import Q16, TINY, make_block_query, make_block_scales
 from cpu_attention._simd_int4_weights import make_scales_copy, make_value_factors
-from cpu_attention.decode_tiles import _claim_item, _keep_partial, _softmax_tile, _tile_len, _work_queue
+from cpu_attention.decode_tiles import (
+    _claim_item, _empty_pairs, _finish_item, _keep_partial, _softmax_tile, _tile_len, _work_queue,
+)
 from cpu_attention.layout import INT4_GROUP
 
 # int4 micro-kernels: integer dot products over the 4-bit codes (`_simd_int4`) and their integer
@@ -110,6 +112,22 @@ def _prefetch_span(a, i0, n):
 
 
 @numba.njit(inline="always", **JIT)
+def _prefetch_first(k, vflat, ks2, kz2, vs2, vz2, bt, b, h, t0, t1, Hkv, BS, kregion, vregion):
+    """An item's first PREFETCH_BLOCKS blocks: their key and value codes and scales. The walk
+    prefetches each later block while it scores the one PREFETCH_BLOCKS before it; without this
+    the first blocks of every item come from DRAM on demand."""
+    D, NG = ks2.shape[1], vs2.shape[1]
+    for bi in range(t0 // BS, min(t0 // BS + PREFETCH_BLOCKS, (t1 + BS - 1) // BS)):
+        bh = bt[b, bi] * Hkv + h
+        _prefetch_span(k, bh * kregion, kregion)
+        _prefetch_span(vflat, bh * vregion, vregion)
+        _prefetch_span(ks2, bh * D, D)
+        _prefetch_span(kz2, bh * D, D)
+        _prefetch_span(vs2, bh * BS * NG, BS * NG)
+        _prefetch_span(vz2, bh * BS * NG, BS * NG)
+
+
+@numba.njit(inline="always", **JIT)
 def _tail_scores(qn, x, n, s, c):
     """s[:, c + j] = qn · x[j] for j < n, x [n, D] a tail's rows (uint16 bf16 bits). Plain loops, not
     the float micro-kernels: a tail is at most one block of a sequence, and those kernels' G
@@ -135,15 +153,18 @@ def _tail_values(s, c, x, n, acc):
 
 
 @numba.njit(parallel=True, **JIT)
-def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest, threads):
+def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, scale, signs, P, rc, bt, items, order, pair_start, out, lse,
+                rest, threads):
     """k [NB, Hkv, D/8, BS, 4] uint8 (`int4.py`'s VNNI key order) with ks, kz [NB, Hkv, D] uint16
     (bf16 bits: per block and channel); v [NB, Hkv, BS4/4, D/2, 4] uint8 holding V @ R in quads of
     4 tokens (`int4.py`'s VNNI value order; BS4 = BS rounded up to 4) with vs, vz [NB, Hkv, BS,
     D/32] (per token and group); a block b with tail[b] >= 0 is not complete and is read from
-    the bf16 tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32 pre-scaled; rest:
-    `decode_tiles.rest_heads(G)`; threads: as `decode_float`'s. D % 32 == 0. → each item's
-    partial (part_o, part_m, part_l), for `decode_tiles.merge_items`; the merge is the caller's (`DecodeWork.run`).
+    the bf16 tails tk, tv [S, Hkv, BS, D] (uint16) instead; q [B, Hq, D] f32, times scale here;
+    signs, P, rc: the rotation (`rotation.numba_args`); rest: `decode_tiles.rest_heads(G)`;
+    threads: as `decode_float`'s. D % 32 == 0. Writes out [B, Hq, D], lse [B, Hq]: each
+    (sequence, kv head) merged by the thread that finishes its last item (`_finish_item`).
 
+    An item's first PREFETCH_BLOCKS blocks are prefetched as it is claimed (`_prefetch_first`).
     Per tile (whole blocks, as bf16 / int8): block by block, the key factors (`_key_factors`: q
     times the block's scales, as int16, from q16 made once per item by `_query16`) and the scores
     by integer dot products over the codes, W tokens a vector (`make_scores_int4`), or for a block
@@ -153,7 +174,8 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest, threads)
     their zero points' share added per group, a tail's rows by `_tail_values`. The tile's columns
     follow the quads: a block's tokens start at a column ≡ their offset mod 4 (offsets are 0 or a
     multiple of SUM_TOKENS), and a block that ends inside a quad leaves the rest of it as padding
-    columns of weight 0. V's output Σ p (vR) = (Σ p v) R is rotated back by the caller, after the merge."""
+    columns of weight 0. V's output Σ p (vR) = (Σ p v) R is rotated back after the merge, by the
+    thread that merges."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
     NB, Hkv, BQ, Hb, _ = v.shape
@@ -169,11 +191,12 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest, threads)
     vflat = v.reshape(NB * Hkv * vregion)
     ks2, kz2 = ks.reshape(NB * Hkv, D), kz.reshape(NB * Hkv, D)  # row blk·Hkv + h
     vs2, vz2 = vs.reshape(NB * Hkv * BS, NG), vz.reshape(NB * Hkv * BS, NG)
-    order = pair_order(D)  # q16's channel order
+    channels = pair_order(D)  # q16's channel order
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
-    NT, queue = _work_queue(threads, NI)
+    NT, queue, done = _work_queue(threads, NI, pair_start)
+    _empty_pairs(pair_start, G, out, lse)
     for _th in prange(NT):
         s = np.empty((G, max(TC + IVEC, TLV)), np.float32)  # a block's last score vector is stored whole
         qn = np.empty((G, D), np.float32)
@@ -192,14 +215,16 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest, threads)
         l = np.empty(G, np.float32)
         acc = np.empty((G, D), np.float32)
         tails = np.empty((TL, 4), np.int64)  # a tile's blocks read from their tails: (column, block, offset, tokens)
+        tr = np.empty((D, G), np.float32)  # the output rotation's scratch (`_finish_item`)
         while True:
-            it, b, h, t0, t1 = _claim_item(queue, items, m, l, acc)
+            it, b, h, t0, t1 = _claim_item(queue, order, items, m, l, acc)
             if it < 0:
                 break
             for g in range(G):
                 for d in range(D):
-                    qn[g, d] = q[b, h * G + g, d]
-            _query16(qn, order, q16, qa)
+                    qn[g, d] = q[b, h * G + g, d] * scale
+            _query16(qn, channels, q16, qa)
+            _prefetch_first(k, vflat, ks2, kz2, vs2, vz2, bt, b, h, t0, t1, Hkv, BS, kregion, vregion)
             bi, off = t0 // BS, t0 % BS  # token t's block (its index in the table) and offset, walked without divisions
             nbt = (t1 + BS - 1) // BS  # the item's blocks end there
             t = t0
@@ -258,4 +283,4 @@ def decode_int4(k, v, ks, kz, vs, vz, tk, tv, tail, q, bt, items, rest, threads)
                     _tail_values(s, tc, tv[tail[tb], h, to:to + tn], tn, acc)
                 t += n
             _keep_partial(it, acc, m, l, part_o, part_m, part_l)
-    return part_o, part_m, part_l
+            _finish_item(b, h, pair_start, done, part_o, part_m, part_l, out, lse, signs, P, rc, tr)

@@ -6,8 +6,9 @@ Both scores and value sums are exact integer sums (`_simd_vnni`): q rounded to 1
 and split in two signed bytes (`_split_q`); a tile's softmax weights times the value token
 scales rounded to one unsigned byte per head against the tile's largest (`_softmax_split`). The
 key token scales multiply the scores, W tokens a vector, inside the score kernel. K and V are
-stored rotated (`layout.py`): `decode_attention` rotates q before the kernel and the output
-back after it, the kernel never sees R.
+stored rotated (`layout.py`): `decode_int8` rotates each (sequence, kv head)'s q rows once, as
+its threads start, and the pair's output as it merges it, inside its one parallel region; for
+`decode_int8_any` `DecodeWork.run` does both, before the kernel and after it.
 """
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, exp_neg, f32_to_bits, prefetch
+from cpu_attention._numba import (
+    JIT, arrive, bits_to_f32, claim, exp_neg, f32_to_bits, hadamard_rows, load_acquire, prefetch,
+)
 from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
 from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _claim_item, _keep_partial, _next_tile, _raise_max, _softmax_tile, _work_queue, merge_items,
+    NEG_INF, TILE, _claim_item, _empty_pairs, _finish_item, _keep_partial, _next_tile, _raise_max, _softmax_tile,
+    _work_queue, merge_items,
 )
 
 _SC1, _SC2, _SC3, _SC4 = (make_scores(ng) for ng in (1, 2, 3, 4))
@@ -123,15 +127,36 @@ def _values_heads(wp, wsc, v, gbase, ngr, acc, R):
 
 
 @numba.njit(inline="always", **JIT)
-def _buffers(G, D, TL):
+def _buffers(G, TL):
     """A thread's scratch (for every item it claims) for tiles of up to TL tokens: s [G, TL]
-    scores, wp [G, TL] and wsc [G] the weights and their scales, vsc [TL] value token scales, qp
-    [2, G, D], qc [2, G], qsc [G] q's pieces, starts and scales (`_split_q`), and the tile's
-    addresses (`_tile_addresses`)."""
+    scores, wp [G, TL] and wsc [G] the weights and their scales, vsc [TL] value token scales, and
+    the tile's addresses (`_tile_addresses`)."""
     return (np.empty((G, TL), np.float32), np.empty((G, TL), np.uint8), np.empty(G, np.float32),
-            np.empty(TL, np.float32), np.empty((2, G, D), np.int8), np.empty((2, G), np.int32),
-            np.empty(G, np.float32), np.empty(TL // W, np.int64), np.empty(TL // W, np.int64),
+            np.empty(TL, np.float32), np.empty(TL // W, np.int64), np.empty(TL // W, np.int64),
             np.empty(TL // W, np.int64), np.empty(TL // 4, np.int64))
+
+
+@numba.njit(inline="always", **JIT)
+def _prepare_queries(q, scale, signs, P, rc, prep, ready, qp, qc, qsc, qr, tr):
+    """Take (sequence, kv head) pairs p off the counter prep until none is left: the pair's G rows
+    of q times scale, rotated (`_numba.hadamard_rows` in qr [G, D], tr [D, G] its scratch) and
+    split (`_split_q`) into qp[p], qc[p], qsc[p]; ready[p] set once they are written. Each thread
+    does this before it claims items, so q is prepared once a pair, not once an item (1 × 32k: 16
+    items a pair), on all threads at once. A thread whose item's pair is not ready yet waits for
+    it; the thread preparing it never waits, so the wait always ends."""
+    G, D = qr.shape
+    Hkv = q.shape[1] // G
+    while True:
+        p = claim(prep)
+        if p >= ready.shape[0]:
+            return
+        b, h = p // Hkv, p % Hkv
+        for g in range(G):
+            for d in range(D):
+                qr[g, d] = q[b, h * G + g, d] * scale
+        hadamard_rows(qr, 0, G, signs, P, rc, False, tr)
+        _split_q(qr, qp[p], qc[p], qsc[p])
+        arrive(ready, p)
 
 
 @numba.njit(inline="always", **JIT)
@@ -167,13 +192,36 @@ def _tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gba
     return nch, ngr
 
 
+@numba.njit(inline="always", **JIT)
+def _prefetch_first(k, v, ks, vs, bt, b, h, t0, t1, ahead):
+    """An item's first `ahead` blocks: their K, V and token scales. The walk prefetches each later
+    block while it scores the one `ahead` before it (`_tile_addresses`); without this the first
+    blocks of every item come from DRAM on demand."""
+    Hkv, BS = ks.shape[1], ks.shape[2]
+    region = 4 * k.shape[2] * BS  # bytes of one (block, head)'s keys, and of its values
+    for bi in range(t0 // BS, min(t0 // BS + ahead, (t1 + BS - 1) // BS)):
+        bh = bt[b, bi] * Hkv + h
+        for x in range(0, region, 64):
+            prefetch(k, bh * region + x)
+            prefetch(v, bh * region + x)
+        for x in range(0, BS, 16):
+            prefetch(ks, bh * BS + x)
+            prefetch(vs, bh * BS + x)
+
+
 @numba.njit(parallel=True, **JIT)
-def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, rest, threads):
-    """k [NB, Hkv, D/4, BS, 4], v [NB, Hkv, BS/4, D, 4] int8 (the VNNI order, `layout.py`); ks,
-    vs [NB, Hkv, BS] f32; rest and threads as decode_float. A tile of whole blocks (about `tile`
+def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_start, out, lse, tile, ahead, rest,
+                threads):
+    """k [NB, Hkv, D/4, BS, 4], v [NB, Hkv, BS/4, D, 4] int8 (the VNNI order, `layout.py`), both
+    stored rotated; ks, vs [NB, Hkv, BS] f32; q [B, Hq, D] f32 as it comes: each (sequence, kv
+    head)'s rows are taken times scale, rotated (signs, P, rc: `rotation.numba_args`) and split
+    once, by the threads before they claim items (`_prepare_queries`), and the thread that
+    merges a pair turns its output back (`_finish_item`); items, order, pair_start from
+    `decode._work_items`; rest and threads as decode_float. A tile of whole blocks (about `tile`
     tokens, `INT8_TILE`) at a time: its scores W tokens a vector (`make_scores`; meanwhile the K
-    and V of the block `ahead` blocks on are prefetched, `PREFETCH_BLOCKS`), the online softmax
-    with the weights in one byte (`_softmax_split`), the value sums (`make_values`).
+    and V of the block `ahead` blocks on are prefetched, `PREFETCH_BLOCKS`, and an item's first
+    `ahead` blocks as it is claimed, `_prefetch_first`), the online softmax with the weights in
+    one byte (`_softmax_split`), the value sums (`make_values`).
     BS % W == 0 and D % W == 0 (else `decode_int8_any`); items start at block boundaries."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
@@ -183,17 +231,28 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, r
     part_o = np.empty((NI, G, D), np.float32)
     part_m = np.empty((NI, G), np.float32)
     part_l = np.empty((NI, G), np.float32)
-    NT, queue = _work_queue(threads, NI)
+    NT, queue, done = _work_queue(threads, NI, pair_start)
+    _empty_pairs(pair_start, G, out, lse)
+    NP = pair_start.shape[0] - 1
+    prep, ready = np.zeros(16, np.int64), np.zeros(NP, np.int64)
+    qp_all, qc_all = np.empty((NP, 2, G, D), np.int8), np.empty((NP, 2, G), np.int32)  # q's pieces per pair
+    qsc_all = np.empty((NP, G), np.float32)
     for _th in prange(NT):
-        s, wp, wsc, vsc, qp, qc, qsc, kbase, ksbase, pf, gbase = _buffers(G, D, TL)
+        s, wp, wsc, vsc, kbase, ksbase, pf, gbase = _buffers(G, TL)
         m = np.empty(G, np.float32)
         l = np.empty(G, np.float32)
         acc = np.empty((G, D), np.float32)
+        tr = np.empty((D, G), np.float32)  # the rotations' scratch (`hadamard_rows`)
+        _prepare_queries(q, scale, signs, P, rc, prep, ready, qp_all, qc_all, qsc_all, np.empty((G, D), np.float32), tr)
         while True:
-            it, b, h, t0, t1 = _claim_item(queue, items, m, l, acc)
+            it, b, h, t0, t1 = _claim_item(queue, order, items, m, l, acc)
             if it < 0:
                 break
-            _split_q(q[b, h * G:(h + 1) * G], qp, qc, qsc)
+            _prefetch_first(k, v, ks, vs, bt, b, h, t0, t1, ahead)
+            p = b * Hkv + h
+            while load_acquire(ready, p) == 0:  # its q is still being prepared by another thread
+                pass
+            qp, qc, qsc = qp_all[p], qc_all[p], qsc_all[p]
             t = t0
             while t < t1:
                 n = min(TL, t1 - t)
@@ -203,7 +262,7 @@ def decode_int8(k, v, ks, vs, q, bt, items, pair_start, out, lse, tile, ahead, r
                 _values_heads(wp, wsc, v, gbase, ngr, acc, R)
                 t += n
             _keep_partial(it, acc, m, l, part_o, part_m, part_l)
-    merge_items(pair_start, part_o, part_m, part_l, out, lse)
+            _finish_item(b, h, pair_start, done, part_o, part_m, part_l, out, lse, signs, P, rc, tr)
 
 
 @numba.njit(parallel=True, **JIT)

@@ -10,7 +10,7 @@ in registers, reduced together by a shuffle butterfly, and accumulates a block's
 up to four heads × a few vectors of the accumulator held in registers. While a block is
 scored, the next block's rows are prefetched a few rows a pass. An item ends as a partial
 (acc [G, D], running max m, sum l); `_merge_pair` merges the partials of one (sequence, kv
-head) by log-sum-exp.
+head) by log-sum-exp, called by the thread that finishes the pair's last item (`_finish_item`).
 
 Head dims that are not a multiple of the vector width go to `decode_*_any`: the same
 algorithm one block a tile with LLVM's vectorized loops (`_scores`, `_accumulate`,
@@ -23,7 +23,9 @@ import numba
 import numpy as np
 from numba import prange
 
-from cpu_attention._numba import JIT, bits_to_f32, claim, exp_neg, f32_to_bits, line_elems, prefetch, widen
+from cpu_attention._numba import (
+    JIT, arrive, bits_to_f32, claim, exp_neg, f32_to_bits, hadamard_rows, line_elems, prefetch, widen,
+)
 from cpu_attention._simd import DOT_TOKENS, make_accumulate, make_dots
 
 TILE = 32  # `decode_*_any`: tokens a tile
@@ -200,20 +202,37 @@ def _next_tile(bt, b, t, t1, BS):
 
 
 @numba.njit(inline="always", **JIT)
-def _work_queue(threads, NI):
+def _work_queue(threads, NI, pair_start):
     """A kernel's work queue over its NI items: (the threads to start, at most one an item; the
-    counter of the next unclaimed item, on a cache line of its own) for `_claim_item`."""
-    return min(threads, NI), np.zeros(16, np.int64)
+    counter of the next unclaimed item, on a cache line of its own, for `_claim_item`; the items
+    finished per (sequence, kv head) pair, for `_finish_item`)."""
+    return min(threads, NI), np.zeros(16, np.int64), np.zeros(pair_start.shape[0] - 1, np.int64)
 
 
 @numba.njit(inline="always", **JIT)
-def _claim_item(queue, items, m, l, acc):
-    """The next unclaimed item for the calling thread (`_numba.claim`): (it, b, h, t0, t1) with
-    the running max m [G] reset to -inf, the sum l [G] and accumulator acc [G, D] to 0 (scratch a
-    thread allocates once and reuses for every item it claims); it = -1 when none is left."""
-    it = claim(queue)
-    if it >= items.shape[0]:
+def _empty_pairs(pair_start, G, out, lse):
+    """out 0 and lse -inf for each (sequence, kv head) with no items (an empty sequence): the
+    merge of `_finish_item` runs only when a pair's last item ends."""
+    Hkv = out.shape[1] // G
+    for p in range(pair_start.shape[0] - 1):
+        if pair_start[p + 1] == pair_start[p]:
+            b, h = p // Hkv, p % Hkv
+            for g in range(h * G, (h + 1) * G):
+                lse[b, g] = NEG_INF
+                for d in range(out.shape[2]):
+                    out[b, g, d] = 0.0
+
+
+@numba.njit(inline="always", **JIT)
+def _claim_item(queue, order, items, m, l, acc):
+    """The next unclaimed item for the calling thread (`_numba.claim`; order: the queue's order of
+    the items, `decode.final_wave`): (it, b, h, t0, t1) with the running max m [G] reset to -inf,
+    the sum l [G] and accumulator acc [G, D] to 0 (scratch a thread allocates once and reuses for
+    every item it claims); it = -1 when none is left."""
+    c = claim(queue)
+    if c >= order.shape[0]:
         return -1, 0, 0, 0, 0
+    it = order[c]
     for g in range(m.shape[0]):
         m[g] = NEG_INF
         l[g] = 0
@@ -267,11 +286,30 @@ def _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse):
         lse[b, hq] = M + np.log(L)
 
 
+@numba.njit(**JIT)  # not inlined: once an item; signs None (bf16) prunes the rotation
+def _finish_item(b, h, pair_start, done, part_o, part_m, part_l, out, lse, signs, P, c, t):
+    """Called once an item's partial is kept (`_keep_partial`): the thread that finishes the last
+    item of (sequence b, kv head h) merges that pair's partials into out, lse (`_merge_pair`) and,
+    where signs is given, turns its G output rows back from the rotation V is stored in (row @
+    R.T: `_numba.hadamard_rows`, t [D, G] its scratch). So the merge runs inside the kernel's one
+    parallel region, spread over the threads as pairs complete: no second region, and no pass
+    over the partials after the last item. done [pairs]: the items finished per pair, zeros at
+    the call's start."""
+    G = part_m.shape[1]
+    p = b * (out.shape[1] // G) + h
+    if arrive(done, p) != pair_start[p + 1] - pair_start[p] - 1:
+        return
+    _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)
+    if signs is not None:
+        hadamard_rows(out[b], h * G, G, signs, P, c, True, t)
+
+
 @numba.njit(parallel=True, **JIT)
 def merge_items(pair_start, part_o, part_m, part_l, out, lse):
     """Merge each (sequence, kv head)'s items into out, lse (`_merge_pair`), in parallel over the
-    pairs. Its own function, shared by the kernels: as a second prange loop inside a kernel it
-    added 2–4 s to that kernel's compile (bench/RESULTS.md, sixth session)."""
+    pairs: the `decode_*_any` kernels' merge (the fast ones merge in `_finish_item`). Its own
+    function: as a second prange loop inside a kernel it added 2–4 s to that kernel's compile
+    (bench/RESULTS.md, sixth session)."""
     G = part_m.shape[1]
     for p in prange(pair_start.shape[0] - 1):
         _merge_pair(p, G, pair_start, part_o, part_m, part_l, out, lse)

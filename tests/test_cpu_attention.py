@@ -125,8 +125,7 @@ def test_decode_matches_references(dtype, D, BS):
 @pytest.mark.parametrize("g", [1, 2, 4, 5, 6, 7, 8, 24])
 def test_decode_every_group_size(dtype, g):
     """The kernels do heads in groups of 4, then one group of 3, 2 or 1 (G = 3 is the main
-    test's): every remainder and more than one full group, odd lengths (odd last tiles). G 24:
-    3 × 48 rows of q, which int8 and int4 rotate on all threads (`_numba.PARALLEL_ROWS`)."""
+    test's): every remainder and more than one full group, odd lengths (odd last tiles)."""
     D, BS, lens = 64, 16, [1, 17, 1000]
     _check_kernel(dtype, D, lens, *make(dtype, D, BS, lens, seed=g, g=g))
 
@@ -194,6 +193,53 @@ def test_decode_many_work_items_and_empty_sequence():
         ro, rl = decode_attention_ref(pool, 0, q[[0, 2]], bt[[0, 2]], sl[[0, 2]], scale, torch.float64)
         assert rel(out[[0, 2]], ro) < 1e-4
         assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
+
+
+def test_final_wave_cuts_the_last_items_and_covers_every_token():
+    """The work queue's order (`decode.final_wave`): the last `threads` items cut into block-aligned
+    pieces of at least MIN_PIECE tokens, handed out after all the others; the items of each
+    (sequence, kv head) consecutive and covering its tokens once, in order."""
+    from cpu_attention import decode as dm
+
+    lens, Hkv, BS, threads = [8192, 0, 3000], 2, 16, 2
+    items, pair_start = dm._plan(np.array(lens, np.int64), Hkv, 4096)
+    out, ps, order = dm.final_wave(items, len(pair_start) - 1, Hkv, BS, threads, 4)
+    assert sorted(order.tolist()) == list(range(len(out)))
+    assert len(out) == len(items) - threads + sum(
+        max(min(4, (t1 - t0) // dm.MIN_PIECE), 1) for _, _, t0, t1 in items[-threads:].tolist())
+    assert len(out) > len(items)  # something was cut
+    last = out[order[-(len(out) - len(items) + threads):]]
+    assert all((t1 - t0) >= dm.MIN_PIECE or t1 == lens[b] for b, _, t0, t1 in last.tolist())
+    for p in range(len(ps) - 1):
+        b, h = divmod(p, Hkv)
+        rows = out[ps[p]:ps[p + 1]]
+        assert (rows[:, 0] == b).all() and (rows[:, 1] == h).all()
+        ends = [0] + rows[:, 3].tolist()
+        assert rows[:, 2].tolist() == ends[:-1] and ends[-1] == lens[b]  # contiguous, complete
+        assert all(t0 % BS == 0 for t0 in rows[:, 2].tolist())
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4])
+def test_decode_with_small_last_items(dtype, monkeypatch):
+    """Decode over a plan whose last wave is cut into pieces (MIN_PIECE lowered so the test's
+    short sequences are cut too), an empty sequence among them: the merge of a pair's many items
+    by whichever thread finishes its last one, against the float64 twin."""
+    from cpu_attention import decode as dm
+
+    monkeypatch.setattr(dm, "MIN_PIECE", 16)
+    dm._work_items.cache_clear()
+    D, BS, lens = 64, 16, [1000, 0, 4097]
+    pool, bt, sl, q, _ = make(dtype, D, BS, lens, seed=7)
+    work = dm.DecodeWork(pool, bt, sl, 2)
+    chunk = dm.chunk_tokens(np.array(lens, np.int64), pool.num_kv_heads, BS, 2)
+    assert len(work.items) > len(dm._plan(np.array(lens, np.int64), pool.num_kv_heads, chunk)[0])  # cut
+    out, lse = decode_attention(pool, 0, q, None, None, 1 / math.sqrt(D), work=work)
+    keep = [0, 2]
+    ro, rl = decode_attention_ref(pool, 0, q[keep], bt[keep], sl[keep], 1 / math.sqrt(D), dtype=torch.float64)
+    assert rel(out[keep], ro) < KERNEL_TOL[dtype]
+    assert (lse[keep].double() - rl).abs().max() < LSE_TOL[dtype]
+    assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
+    dm._work_items.cache_clear()
 
 
 def test_claim_hands_out_each_value_once():
@@ -372,17 +418,14 @@ def test_int4_tail_slots_reserved_at_peak_and_released():
     assert int(t.n_free[0]) == 8 - 1 and int(t.slot[0, 50]) < 0 and int(t.slot[0, 51]) >= 0
 
 
-@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("N,D", [(1, 64), (9, 64), (33, 96), (70, 128), (5, 36)])
-def test_numba_row_rotation_equals_torch(N, D, parallel):
-    """The Numba transforms that int8 decode applies to q and its output (`_numba.rotate_rows`,
-    `unrotate_rows`: ROWS rows at a time, then the rest; their `_parallel` variants, the chunks
-    on several threads): `rotation.rotate`'s bits, and `unrotate` (a matrix product in torch) to
-    float32 rounding."""
-    from cpu_attention import _numba
+def test_numba_row_rotation_equals_torch(N, D):
+    """The Numba transforms that int8 decode's any-shape path applies to q and its output
+    (`_numba.rotate_rows`, `unrotate_rows`: ROWS rows at a time, then the rest; the fast kernels
+    do one kv head's rows at a time with the same `transform_rows`): `rotation.rotate`'s bits,
+    and `unrotate` (a matrix product in torch) to float32 rounding."""
+    from cpu_attention._numba import rotate_rows, unrotate_rows
 
-    rotate_rows = _numba.rotate_rows_parallel if parallel else _numba.rotate_rows
-    unrotate_rows = _numba.unrotate_rows_parallel if parallel else _numba.unrotate_rows
     x = torch.randn(N, D, generator=torch.Generator().manual_seed(N))
     y = x.numpy().copy()
     rotate_rows(y, *rotation.numba_args(D))
