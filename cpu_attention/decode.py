@@ -19,7 +19,7 @@ fallbacks (head dims that are not a multiple of the vector width) keep Numba's s
 The kernels, one module a KV dtype, walk an item a tile of whole blocks at a time with the
 steps of `decode_tiles` (scores, online softmax, value accumulation, the merge):
 `decode_bf16`, `decode_int8` (integer scores and value sums; K and V are stored rotated, so
-q is rotated as an item is claimed and the output back as its pair is merged) and
+q is rotated once a pair as the threads start and the output back as its pair is merged) and
 `decode_int4` (integer dot products over the 4-bit codes; V stored rotated). These take q as the
 caller has it and do q × scale, the rotations and the merge on their own threads, in one parallel
 region (before: Python's q × scale, a serial or parallel rotation of all of q, the kernel, a second
@@ -102,8 +102,8 @@ def final_wave(items: np.ndarray, n_pairs: int, num_kv_heads: int, block_size: i
     cut into up to `pieces` block-aligned parts of at least MIN_PIECE tokens, which the queue hands
     out after all the others (order: item indices in claim order). With items of equal size a call
     ends when its slowest thread's last item does, up to an item after the others; small last items
-    even that out (GPU host, against the queue without: bf16 1.04 / 1.06 at 1 × 32k / 16 × 4k, int8
-    1.01 / 1.02, int4 0.96 / 1.04 with 4 pieces of 512 tokens and more, bench/RESULTS.md). Items
+    even that out (GPU host, against the queue without, 1 × 32k / 16 × 4k: int8 1.05 / 1.02, int4
+    1.00 / 1.03; with pieces down to 512 tokens int4 lost 4% at 1 × 32k, bench/RESULTS.md). Items
     stay grouped by (sequence, kv head), as the merge reads them: → (items, pair_start, order)."""
     NI = items.shape[0]
     cut = NI >= 2 * threads and pieces > 1
@@ -158,16 +158,16 @@ class DecodeWork:
         self.threads = resolve_threads(threads)
         self.bt = block_tables.detach().to(torch.int32).contiguous().numpy()  # [B, max_blocks]
         self.lens = seq_lens.detach().to(torch.int64).contiguous().numpy()  # [B]
-        self.items, self.pair_start, self.order = _work_items(tuple(self.lens.tolist()), pool.num_kv_heads,
-                                                             pool.block_size,
-                                                  self.threads)
+        self.items, self.pair_start, self.order = _work_items(
+            tuple(self.lens.tolist()), pool.num_kv_heads, pool.block_size, self.threads)
 
     def run(self, pool: HostKVPool, layer: int, q: np.ndarray, scale: float, on: np.ndarray, ln: np.ndarray,
             scaled: np.ndarray | None = None) -> None:
         """The kernel call itself, numpy in and out: q [B, Hq, D] float32, C-contiguous (left as
         is); on [B, Hq, D], ln [B, Hq] float32 receive the output and the log-sum-exp; scaled: a
-        buffer like q for q × scale on the any-shape paths (None: a new one). `decode_attention` without its checks and
-        conversions, for a caller that calls it every layer with the same buffers."""
+        buffer like q for q × scale on the any-shape paths (None: a new one). `decode_attention`
+        without its checks and conversions, for a caller that calls it every layer with the same
+        buffers."""
         resolve_threads(self.threads)  # thread counts are per calling thread in Numba
         if pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
             o, lse = decode_attention_ref(pool, layer, torch.from_numpy(q), torch.from_numpy(self.bt),
