@@ -5,6 +5,7 @@ K/V activations have such channel means), queries randn, scale 1/sqrt(D).
 """
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 import sys
@@ -227,7 +228,7 @@ def test_decode_with_small_last_items(dtype, monkeypatch):
     from cpu_attention import decode as dm
 
     monkeypatch.setattr(dm, "MIN_PIECE", 16)
-    dm._work_items.cache_clear()
+    monkeypatch.setattr(dm, "_work_items", functools.lru_cache(dm._work_items.__wrapped__))  # its own plans
     D, BS, lens = 64, 16, [1000, 0, 4097]
     pool, bt, sl, q, _ = make(dtype, D, BS, lens, seed=7)
     work = dm.DecodeWork(pool, bt, sl, 2)
@@ -239,7 +240,6 @@ def test_decode_with_small_last_items(dtype, monkeypatch):
     assert rel(out[keep], ro) < KERNEL_TOL[dtype]
     assert (lse[keep].double() - rl).abs().max() < LSE_TOL[dtype]
     assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
-    dm._work_items.cache_clear()
 
 
 def test_claim_hands_out_each_value_once():
@@ -421,9 +421,8 @@ def test_int4_tail_slots_reserved_at_peak_and_released():
 @pytest.mark.parametrize("N,D", [(1, 64), (9, 64), (33, 96), (70, 128), (5, 36)])
 def test_numba_row_rotation_equals_torch(N, D):
     """The Numba transforms that int8 decode's any-shape path applies to q and its output
-    (`_numba.rotate_rows`, `unrotate_rows`: ROWS rows at a time, then the rest; the fast kernels
-    do one kv head's rows at a time with the same `transform_rows`): `rotation.rotate`'s bits,
-    and `unrotate` (a matrix product in torch) to float32 rounding."""
+    (`_numba.rotate_rows`, `unrotate_rows`: ROWS rows at a time, then the rest):
+    `rotation.rotate`'s bits, and `unrotate` (a matrix product in torch) to float32 rounding."""
     from cpu_attention._numba import rotate_rows, unrotate_rows
 
     x = torch.randn(N, D, generator=torch.Generator().manual_seed(N))
@@ -434,6 +433,32 @@ def test_numba_row_rotation_equals_torch(N, D):
     unrotate_rows(z, *rotation.numba_args(D))
     assert torch.allclose(torch.from_numpy(z), rotation.unrotate(torch.from_numpy(y)), atol=1e-5)
     assert torch.allclose(torch.from_numpy(z), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256, 72])
+def test_hadamard_rows_equals_torch(D):
+    """The fast kernels' rotation of one kv head's rows (`_numba.hadamard_rows`: 16-lane vector
+    stages, `fwht16`, then whole 16-channel pieces; P % 16 != 0, as D 72's P 8, through
+    `transform_rows`), forward and back, on rows 1 .. 4 of 6: `rotation.rotate` / `unrotate` to
+    float32 rounding, the other rows untouched."""
+    import numba
+
+    from cpu_attention._numba import hadamard_rows
+
+    @numba.njit
+    def both(x, r0, n, signs, P, c, t):
+        y = x.copy()
+        hadamard_rows(y, r0, n, signs, P, c, False, t)
+        z = y.copy()
+        hadamard_rows(z, r0, n, signs, P, c, True, t)
+        return y, z
+
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(D))
+    y, z = both(x.numpy(), 1, 4, *rotation.numba_args(D), np.empty((D, 4), np.float32))
+    y, z = torch.from_numpy(y), torch.from_numpy(z)
+    assert torch.allclose(y[1:5], rotation.rotate(x[1:5]), atol=1e-5)
+    assert torch.allclose(z[1:5], x[1:5], atol=1e-5)
+    assert torch.equal(y[[0, 5]], x[[0, 5]]) and torch.equal(z[[0, 5]], x[[0, 5]])
 
 
 def test_rotation_is_orthonormal_and_inverted():
