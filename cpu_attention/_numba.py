@@ -245,10 +245,10 @@ def fwht16(typingctx, arr, i):
     return types.void(arr, i), codegen
 
 
-@numba.njit(inline="always", nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True)  # not inlined: a call per pair, compiled once for every kernel
 def hadamard_rows(x, r0, n, signs, P, c, back, t):
-    """Rows r0 .. r0 + n of x [N, D] float32 (C-contiguous) := row @ R, or row @ R.T where `back`
-    (a constant at each call site): a kernel's few rows (one kv head's G query heads). Row by
+    """Rows r0 .. r0 + n of x [N, D] float32 (C-contiguous) := row @ R, or row @ R.T where `back`:
+    a kernel's few rows (one kv head's G query heads). Row by
     row: the stages within 16 channels by `fwht16`, those across pieces of 16 as adds of whole
     pieces. (`transform_rows`' columns make vectors only with many rows: ~0.5 µs a row at 4 rows,
     GPU host.) The same ops as `rotation.rotate` in another order: equal to float32 rounding, not

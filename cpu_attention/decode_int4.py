@@ -35,7 +35,7 @@ PAD_SCORE = np.float32(-1e30)  # a padding column's score: its softmax weight is
 PREFETCH_BLOCKS = 4  # blocks ahead of the one being scored whose key and value codes go to L2 meanwhile
 
 
-@numba.njit(inline="always", **JIT)
+@numba.njit(**JIT)  # not inlined: once an item (the kernel compiles faster)
 def _query16(qn, order, q16, qa):
     """q rounded once a step for `_key_factors`: q16[g] = round(qn[g] / qa[g]) in pair order
     (order = `_simd_int4.pair_order(D)`), qa[g] = max|qn[g]| / 32767 (1 for an all but zero row)."""
@@ -111,7 +111,7 @@ def _prefetch_span(a, i0, n):
         prefetch(a, i)
 
 
-@numba.njit(inline="always", **JIT)
+@numba.njit(**JIT)  # not inlined: once an item
 def _prefetch_first(k, vflat, ks2, kz2, vs2, vz2, bt, b, h, t0, t1, Hkv, BS, kregion, vregion):
     """An item's first PREFETCH_BLOCKS blocks: their key and value codes and scales. The walk
     prefetches each later block while it scores the one PREFETCH_BLOCKS before it; without this
@@ -127,7 +127,7 @@ def _prefetch_first(k, vflat, ks2, kz2, vs2, vz2, bt, b, h, t0, t1, Hkv, BS, kre
         _prefetch_span(vz2, bh * BS * NG, BS * NG)
 
 
-@numba.njit(inline="always", **JIT)
+@numba.njit(**JIT)  # not inlined: a block's tail only (the kernel compiles faster)
 def _tail_scores(qn, x, n, s, c):
     """s[:, c + j] = qn · x[j] for j < n, x [n, D] a tail's rows (uint16 bf16 bits). Plain loops, not
     the float micro-kernels: a tail is at most one block of a sequence, and those kernels' G
@@ -141,7 +141,7 @@ def _tail_scores(qn, x, n, s, c):
             s[g, c + j] = a
 
 
-@numba.njit(inline="always", **JIT)
+@numba.njit(**JIT)  # not inlined: a block's tail only (the kernel compiles faster)
 def _tail_values(s, c, x, n, acc):
     """acc[g] += Σ_j s[g, c + j] · x[j] for j < n (x as in `_tail_scores`)."""
     for j in range(n):

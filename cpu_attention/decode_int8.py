@@ -136,7 +136,7 @@ def _buffers(G, TL):
             np.empty(TL // W, np.int64), np.empty(TL // 4, np.int64))
 
 
-@numba.njit(inline="always", **JIT)
+@numba.njit(**JIT)  # not inlined: once a thread and call
 def _prepare_queries(q, scale, signs, P, rc, prep, ready, qp, qc, qsc, qr, tr):
     """Take (sequence, kv head) pairs p off the counter prep until none is left: the pair's G rows
     of q times scale, rotated (`_numba.hadamard_rows` in qr [G, D], tr [D, G] its scratch) and
@@ -192,7 +192,7 @@ def _tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gba
     return nch, ngr
 
 
-@numba.njit(inline="always", **JIT)
+@numba.njit(**JIT)  # not inlined: once an item
 def _prefetch_first(k, v, ks, vs, bt, b, h, t0, t1, ahead):
     """An item's first `ahead` blocks: their K, V and token scales. The walk prefetches each later
     block while it scores the one `ahead` before it (`_tile_addresses`); without this the first

@@ -209,7 +209,7 @@ def _work_queue(threads, NI, pair_start):
     return min(threads, NI), np.zeros(16, np.int64), np.zeros(pair_start.shape[0] - 1, np.int64)
 
 
-@numba.njit(inline="always", **JIT)
+@numba.njit(**JIT)  # not inlined: once a call
 def _empty_pairs(pair_start, G, out, lse):
     """out 0 and lse -inf for each (sequence, kv head) with no items (an empty sequence): the
     merge of `_finish_item` runs only when a pair's last item ends."""
