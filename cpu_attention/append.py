@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from cpu_attention import int4, rotation
-from cpu_attention._numba import bf16_to_f32, f32_to_bf16, hadamard_rotate
+from cpu_attention._hadamard import hadamard_rotate
+from cpu_attention._numba import bf16_to_f32, f32_to_bf16
 from cpu_attention.layout import HostKVPool, KVDtype
 
 WJIT = dict(nogil=True, cache=True)

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from cpu_attention import rotation
-from cpu_attention._numba import resolve_threads, rotate_rows, unrotate_rows
+from cpu_attention._hadamard import rotate_rows, unrotate_rows
+from cpu_attention._numba import resolve_threads
 from cpu_attention._simd import VEC
 from cpu_attention.decode_bf16 import decode_float, decode_float_any
 from cpu_attention.decode_int4 import decode_int4

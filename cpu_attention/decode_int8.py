@@ -17,8 +17,9 @@ import numpy as np
 from numba import prange
 
 from cpu_attention._numba import (
-    JIT, arrive, bits_to_f32, claim, exp_neg, f32_to_bits, hadamard_rows, load_acquire, prefetch,
+    JIT, arrive, bits_to_f32, claim, exp_neg, f32_to_bits, load_acquire, prefetch,
 )
+from cpu_attention._hadamard import hadamard_rows
 from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
 from cpu_attention.decode_tiles import (
     NEG_INF, TILE, _claim_item, _empty_pairs, _finish_item, _keep_partial, _next_tile, _raise_max, _softmax_tile,
@@ -139,7 +140,7 @@ def _buffers(G, TL):
 @numba.njit(**JIT)  # not inlined: once a thread and call
 def _prepare_queries(q, scale, signs, P, rc, prep, ready, qp, qc, qsc, qr, tr):
     """Take (sequence, kv head) pairs p off the counter prep until none is left: the pair's G rows
-    of q times scale, rotated (`_numba.hadamard_rows` in qr [G, D], tr [D, G] its scratch) and
+    of q times scale, rotated (`_hadamard.hadamard_rows` in qr [G, D], tr [D, G] its scratch) and
     split (`_split_q`) into qp[p], qc[p], qsc[p]; ready[p] set once they are written. Each thread
     does this before it claims items, so q is prepared once a pair, not once an item (1 × 32k: 16
     items a pair), on all threads at once. A thread whose item's pair is not ready yet waits for

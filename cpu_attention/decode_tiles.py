@@ -24,8 +24,9 @@ import numpy as np
 from numba import prange
 
 from cpu_attention._numba import (
-    JIT, arrive, bits_to_f32, claim, exp_neg, f32_to_bits, hadamard_rows, line_elems, prefetch, widen,
+    JIT, arrive, bits_to_f32, claim, exp_neg, f32_to_bits, line_elems, prefetch, widen,
 )
+from cpu_attention._hadamard import hadamard_rows
 from cpu_attention._simd import DOT_TOKENS, make_accumulate, make_dots
 
 TILE = 32  # `decode_*_any`: tokens a tile
@@ -291,7 +292,7 @@ def _finish_item(b, h, pair_start, done, part_o, part_m, part_l, out, lse, signs
     """Called once an item's partial is kept (`_keep_partial`): the thread that finishes the last
     item of (sequence b, kv head h) merges that pair's partials into out, lse (`_merge_pair`) and,
     where signs is given, turns its G output rows back from the rotation V is stored in (row @
-    R.T: `_numba.hadamard_rows`, t [D, G] its scratch). So the merge runs inside the kernel's one
+    R.T: `_hadamard.hadamard_rows`, t [D, G] its scratch). So the merge runs inside the kernel's one
     parallel region, spread over the threads as pairs complete: no second region, and no pass
     over the partials after the last item. done [pairs]: the items finished per pair, zeros at
     the call's start."""

@@ -421,9 +421,9 @@ def test_int4_tail_slots_reserved_at_peak_and_released():
 @pytest.mark.parametrize("N,D", [(1, 64), (9, 64), (33, 96), (70, 128), (5, 36)])
 def test_numba_row_rotation_equals_torch(N, D):
     """The Numba transforms that int8 decode's any-shape path applies to q and its output
-    (`_numba.rotate_rows`, `unrotate_rows`: ROWS rows at a time, then the rest):
+    (`_hadamard.rotate_rows`, `unrotate_rows`: ROWS rows at a time, then the rest):
     `rotation.rotate`'s bits, and `unrotate` (a matrix product in torch) to float32 rounding."""
-    from cpu_attention._numba import rotate_rows, unrotate_rows
+    from cpu_attention._hadamard import rotate_rows, unrotate_rows
 
     x = torch.randn(N, D, generator=torch.Generator().manual_seed(N))
     y = x.numpy().copy()
@@ -437,13 +437,13 @@ def test_numba_row_rotation_equals_torch(N, D):
 
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256, 72])
 def test_hadamard_rows_equals_torch(D):
-    """The fast kernels' rotation of one kv head's rows (`_numba.hadamard_rows`: 16-lane vector
+    """The fast kernels' rotation of one kv head's rows (`_hadamard.hadamard_rows`: 16-lane vector
     stages, `fwht16`, then whole 16-channel pieces; P % 16 != 0, as D 72's P 8, through
     `transform_rows`), forward and back, on rows 1 .. 4 of 6: `rotation.rotate` / `unrotate` to
     float32 rounding, the other rows untouched."""
     import numba
 
-    from cpu_attention._numba import hadamard_rows
+    from cpu_attention._hadamard import hadamard_rows
 
     @numba.njit
     def both(x, r0, n, signs, P, c, t):
