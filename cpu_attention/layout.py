@@ -121,6 +121,23 @@ def tail_bytes(dtype: KVDtype, num_kv_heads: int, head_dim: int, block_size: int
     return 4 * num_kv_heads * block_size * head_dim if dtype is KVDtype.INT4 else 0
 
 
+def part_shapes(dtype: KVDtype, L: int, NB: int, H: int, BS: int, D: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors a pool of `dtype` holds, by name: (shape, torch dtype), the module doc's table
+    (int4's tails aside). The host pool and the device pool (`gpu_ops.kv_pool`) both allocate
+    exactly these, so a block moves between them as a byte copy of each tensor's [L, block] rows."""
+    BS4 = -(-BS // 4)
+    if dtype in (KVDtype.F32, KVDtype.BF16):
+        dt = torch.float32 if dtype is KVDtype.F32 else torch.bfloat16
+        return {"k": ((L, NB, H, BS, D), dt), "v": ((L, NB, H, BS, D), dt)}
+    if dtype is KVDtype.INT8:
+        return {"k": ((L, NB, H, D // 4, BS, 4), torch.int8), "v": ((L, NB, H, BS4, D, 4), torch.int8),
+                "k_scale": ((L, NB, H, BS), torch.float32), "v_scale": ((L, NB, H, BS), torch.float32)}
+    G = D // INT4_GROUP
+    return {"k": ((L, NB, H, D // 8, BS, 4), torch.uint8), "v": ((L, NB, H, BS4, D // 2, 4), torch.uint8),
+            "k_scale": ((L, NB, H, D), torch.bfloat16), "k_zero": ((L, NB, H, D), torch.bfloat16),
+            "v_scale": ((L, NB, H, BS, G), torch.bfloat16), "v_zero": ((L, NB, H, BS, G), torch.bfloat16)}
+
+
 @dataclass
 class HostKVPool:
     """Paged K/V storage for all layers in host memory (see the module docstring)."""
@@ -139,20 +156,10 @@ class HostKVPool:
         if self.dtype is KVDtype.INT8 and self.head_dim % 4:
             raise ValueError(f"int8 KV needs head_dim divisible by 4, got {self.head_dim}")
         L, NB, H, BS, D = self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim
-        mk = lambda shape, dt: host_memory.zeros(shape, dt, self.pin)  # noqa: E731  (2 MiB pages)
         self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
-        if self.dtype in (KVDtype.F32, KVDtype.BF16):
-            dt = torch.float32 if self.dtype is KVDtype.F32 else torch.bfloat16
-            self.k, self.v = mk((L, NB, H, BS, D), dt), mk((L, NB, H, BS, D), dt)
-        elif self.dtype is KVDtype.INT8:
-            self.k, self.v = mk((L, NB, H, D // 4, BS, 4), torch.int8), mk((L, NB, H, -(-BS // 4), D, 4), torch.int8)
-            self.k_scale, self.v_scale = mk((L, NB, H, BS), torch.float32), mk((L, NB, H, BS), torch.float32)
-        else:
-            G = D // INT4_GROUP
-            self.k = mk((L, NB, H, D // 8, BS, 4), torch.uint8)
-            self.v = mk((L, NB, H, -(-BS // 4), D // 2, 4), torch.uint8)
-            self.k_scale, self.k_zero = mk((L, NB, H, D), torch.bfloat16), mk((L, NB, H, D), torch.bfloat16)
-            self.v_scale, self.v_zero = mk((L, NB, H, BS, G), torch.bfloat16), mk((L, NB, H, BS, G), torch.bfloat16)
+        for name, (shape, dt) in part_shapes(self.dtype, L, NB, H, BS, D).items():
+            setattr(self, name, host_memory.zeros(shape, dt, self.pin))  # 2 MiB pages
+        if self.dtype is KVDtype.INT4:
             self.tails = int4.Tails(L, NB, H, BS, D)
 
     @functools.cached_property
@@ -283,6 +290,34 @@ def dequantize_blocks(dtype: KVDtype, parts: dict[str, torch.Tensor],
         k, v = (c.float() * parts[f"{n}_scale"][..., None] for c, n in zip(codes, ("k", "v")))
         return (k, v) if rotated else (rotation.unrotate(k), rotation.unrotate(v))
     return tuple(dequantize(parts[n], dtype, parts.get(f"{n}_scale"), parts.get(f"{n}_zero")) for n in ("k", "v"))
+
+
+def quantize_blocks(dtype: KVDtype, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Whole blocks K, V [..., BS, D] (any float dtype, any device) → the pool's tensors for them
+    by name, [..., <part shape>] each: the inverse of `dequantize_blocks`, the bytes a host pool's
+    append writes for the same tokens (int4: keys and rotated values rounded to bf16 first, as
+    its tails hold them)."""
+    if dtype in (KVDtype.BF16, KVDtype.F32):
+        dt = torch.float32 if dtype is KVDtype.F32 else torch.bfloat16
+        return {"k": k.to(dt), "v": v.to(dt)}
+    *lead, BS, D = k.shape
+    if dtype is KVDtype.INT4:
+        kc, k_scale, k_zero = int4.quantize_keys(k.to(torch.bfloat16))
+        vc, v_scale, v_zero = int4.quantize_values(v)
+        return {"k": kc, "v": int4.quads(vc), "k_scale": k_scale, "k_zero": k_zero, "v_scale": v_scale,
+                "v_zero": v_zero}
+    out = {}
+    for name, x in (("k", k), ("v", v)):
+        codes, scale, _ = quantize_int8(rotation.rotate(x))  # [..., BS, D]
+        if name == "k":  # [..., D/4, BS, 4]
+            out[name] = codes.reshape(*lead, BS, D // 4, 4).transpose(-3, -2).contiguous()
+        else:  # [..., BS4/4, D, 4], the padding tokens 0
+            BS4 = -(-BS // 4) * 4
+            if BS4 != BS:
+                codes = torch.cat([codes, codes.new_zeros((*lead, BS4 - BS, D))], -2)
+            out[name] = codes.reshape(*lead, BS4 // 4, 4, D).transpose(-1, -2).contiguous()
+        out[f"{name}_scale"] = scale
+    return out
 
 
 def int8_rows(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ Prefill is torch only: it is compute-bound in the projections, not here.
 from __future__ import annotations
 
 import enum
+import importlib.util
 
 import torch
 
@@ -42,6 +43,10 @@ def decode_attention(
     (out_dtype bf16 where nothing merges the result: the Triton kernels write it, no cast kernel.)"""
     if kernel is AttnKernel.AUTO:
         kernel = AttnKernel.TRITON if triton_ok(pool, q) else AttnKernel.TORCH
+    if kernel is AttnKernel.TRITON and pool.quantized:
+        from gpu_ops.attention_quant import paged_decode_quant
+
+        return paged_decode_quant(pool, layer, q, block_tables, seq_lens, scale, out_dtype=out_dtype)
     if kernel is AttnKernel.TRITON:
         from gpu_ops.attention_triton import paged_decode
 
@@ -52,6 +57,8 @@ def decode_attention(
 
 def triton_ok(pool: GpuKVPool, q: torch.Tensor) -> bool:
     D, BS = pool.head_dim, pool.block_size
+    if pool.quantized and importlib.util.find_spec("gpu_ops.attention_quant") is None:
+        return False
     return q.is_cuda and BS >= 16 and D >= 16 and D & (D - 1) == 0 and BS & (BS - 1) == 0
 
 

@@ -122,7 +122,7 @@ def paged_decode(
     lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
     k = pool.k
     _decode_kernel[(B, Hkv, S)](
-        q.to(pool.dtype).contiguous(), k, pool.v, block_tables.contiguous(), seq_lens.to(torch.int32).contiguous(), o, lse,
+        q.to(k.dtype).contiguous(), k, pool.v, block_tables.contiguous(), seq_lens.to(torch.int32).contiguous(), o, lse,
         layer * k.stride(0), k.stride(2), k.stride(1), MB, per, scale, B, Hq,
         G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, PDL=pdl.enabled(q.device),
         num_warps=4, num_stages=2, **pdl.launch(q.device),
