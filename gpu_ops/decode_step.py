@@ -3,7 +3,7 @@
     embed → per layer: pre_attention → pool.write → paged decode attention → post_attention → logits
 
 `GpuDecoder.step` captures that whole step as one CUDA graph per batch-size bucket: its inputs
-live in static buffers (block tables padded to `max_blocks_per_seq` columns, padding rows
+(the token ids, or their embedding rows when the table stays in host memory) live in static buffers (block tables padded to `max_blocks_per_seq` columns, padding rows
 pointed at the pool's scratch block), so a replay costs one launch instead of ~15 a layer.
 Where a graph cannot hold the step (MoE routing reads expert ids back to the host; a CPU
 model) it runs eagerly, with the same arithmetic.
@@ -59,6 +59,15 @@ class GpuDecoder:
         self.slots = torch.zeros(max_batch, dtype=i64, device=dev)
         self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=i32, device=dev)
         self.lens = torch.ones(max_batch, dtype=i32, device=dev)
+        # an embedding table in host memory: the step's rows are gathered there and copied up into
+        # x_in through pinned staging before the replay (a row a token: microseconds)
+        self.host_embed = model.embed_w.device != dev
+        self.x_in = self._x_host = self._x_copied = None
+        if self.host_embed:
+            self.x_in = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.act_dtype, device=dev)
+            self._x_host = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.act_dtype,
+                                       pin_memory=dev.type == "cuda")
+            self._x_copied = torch.cuda.Event() if dev.type == "cuda" else None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
         # torch.compile fuses the ~60 small elementwise kernels a layer (norms, RoPE, SwiGLU,
@@ -96,6 +105,14 @@ class GpuDecoder:
     def _load(self, B, nb, token_ids, positions, slots, block_tables, seq_lens) -> None:
         """Copy the inputs into the static buffers; rows B..nb and unused columns → the scratch block."""
         scratch = self.pool.scratch_block
+        if self.host_embed:
+            if self._x_copied is not None:
+                self._x_copied.synchronize()  # the last step's rows have left the staging buffer
+            rows = self.model.embed_w[token_ids.cpu()]  # [B, H]
+            self._x_host[:B].copy_(rows)
+            self.x_in[:B].copy_(self._x_host[:B], non_blocking=True)
+            if self._x_copied is not None:
+                self._x_copied.record()
         self.ids[:B].copy_(token_ids, non_blocking=True)
         self.pos[:B].copy_(positions, non_blocking=True)
         self.slots[:B].copy_(slots, non_blocking=True)
@@ -123,11 +140,13 @@ class GpuDecoder:
 
     def _forward(self, ids, pos, slots, tables, lens) -> torch.Tensor:
         m = self.model
-        x = m.embed(ids)
+        x = self.x_in[: ids.shape[0]] if self.host_embed else m.embed(ids)
+        target = self.pool.write_target(slots)  # where the new k, v go: the pool, or its blocks' tails
+        kp, vp, dst = target
         for i in range(m.cfg.num_layers):
-            q, k, v = m.pre_attention(i, x, pos, kv_out=(self.pool.k, self.pool.v, i, slots, self.pool.block_size))
+            q, k, v = m.pre_attention(i, x, pos, kv_out=(kp, vp, i, dst, self.pool.block_size))
             if k is not None:  # not stored by the fused kernels
-                self.pool.write(i, slots, k, v)
+                self.pool.write(i, slots, k, v, target=target)
             o, _ = decode_attention(self.pool, i, q, tables, lens, m.scale, self.attn, out_dtype=x.dtype)
             x = m.post_attention(i, x, o)
         return m.logits(x)

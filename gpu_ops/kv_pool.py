@@ -111,6 +111,15 @@ class GpuKVPool:
         for b in blocks:
             self.free_tails.append(self._tails.pop(b))
 
+    def reopen(self, block: int) -> None:
+        """A sealed block is partly filled again (the sequence was cut short): its tokens back into a tail."""
+        if not self.quantized or block in self._tails:
+            return
+        self.open_tail(block)
+        k, v = self.blocks(torch.tensor([block]))  # [L, 1, Hkv, BS, D]
+        t = self._tails[block]
+        self.tail_k[:, t], self.tail_v[:, t] = k[:, 0], v[:, 0]
+
     def drop_tails(self, blocks: list[int]) -> None:
         """These blocks were freed: their tails (if any) go back unsealed."""
         if not self.quantized:
@@ -159,10 +168,9 @@ class GpuKVPool:
             flat = idx.reshape(-1)
             k, v = dequantize_blocks(self.kv_dtype, {n: t[layer, flat] for n, t in self.parts().items()})
             tail = self.tail_of_block[flat].long()
-            has = tail >= 0
-            if bool(has.any()):
-                k[has] = self.tail_k[layer, tail[has]].float()
-                v[has] = self.tail_v[layer, tail[has]].float()
+            has = (tail >= 0)[:, None, None, None]  # no host sync: capturable
+            k = torch.where(has, self.tail_k[layer, tail.clamp(min=0)].float(), k)
+            v = torch.where(has, self.tail_v[layer, tail.clamp(min=0)].float(), v)
             kv = (k.view(B, MB, *k.shape[1:]), v.view(B, MB, *v.shape[1:]))
         else:
             kv = (self.k[layer][idx], self.v[layer][idx])  # [B, MB, Hkv, BS, D]

@@ -32,6 +32,7 @@ def load(
     device: str = "auto",
     weights: str = "auto",
     kv_dtype: str | None = None,
+    gpu_kv_dtype: str | None = None,
     ctx_size: int = 0,
     parallel: int = 4,
     threads: int | None = None,
@@ -51,7 +52,8 @@ def load(
     With CUDA (device auto or cuda) the planner places weights and KV from the measured machine
     and the budgets (gpu_mem / cpu_mem: bytes or "8GiB"), or `plan` (a Plan or its JSON file)
     is carried out exactly; every option left None is the planner's choice.
-    device: auto|cpu|cuda; weights: auto|4bit|int8|bf16|f32; kv_dtype: bf16|int8|int4|f32;
+    device: auto|cpu|cuda; weights: auto|4bit|int8|bf16|f32; kv_dtype: bf16|int8|int4|f32 (the host
+    tier's); gpu_kv_dtype: bf16|int8|int4|f32 (the device tier's; with device cpu, the stand-in's);
     ctx_size: tokens per sequence (0: the model's, capped at 4096 unless asked);
     parallel: sequences the KV cache holds at full context; gpu_kv_tokens: each sequence's
     first tokens kept on the device tier (the rest on the host tier; with device cpu the
@@ -67,13 +69,9 @@ def load(
     ck = open_checkpoint(path)
     cfg = ck.config
     dev = _device(device)
-    try:
-        kv = KVDtype(kv_dtype or "bf16")
-    except ValueError:
-        raise UserError(f"--kv-dtype {kv_dtype!r} is not one of {', '.join(k.value for k in KVDtype)}") from None
-    if kv is KVDtype.INT4 and cfg.head_dim % INT4_GROUP:
-        raise UserError(f"--kv-dtype int4 needs a head dim divisible by {INT4_GROUP} ({cfg.name} has "
-                        f"{cfg.head_dim}): use --kv-dtype int8")
+    kv_dtype, gpu_kv_dtype = (None if d == "auto" else d for d in (kv_dtype, gpu_kv_dtype))
+    kv = _kv_dtype(kv_dtype or "bf16", "--kv-dtype", cfg)
+    gpu_kv = _kv_dtype(gpu_kv_dtype, "--gpu-kv-dtype", cfg) if gpu_kv_dtype else None
     if weight_mode not in (None, "auto", "stream", "cpu"):
         raise UserError(f"--weight-mode {weight_mode!r} is not one of auto, stream, cpu")
     limit = cfg.max_position_embeddings
@@ -90,7 +88,8 @@ def load(
         from offload.placement import FORMATS
         from planner.report import summary_line
 
-        p = _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype, threads=threads,
+        p = _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype,
+                  gpu_kv_dtype=gpu_kv_dtype, threads=threads,
                   sub_batches=sub_batches, block_size=block_size, weight_mode=weight_mode,
                   gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx),
                   stream_tokens=stream_tokens)
@@ -110,15 +109,27 @@ def load(
     fmt = WeightFormat.parse(weights, dev)
     log.info("loading %s: %s weights on %s, %s KV, context %d", path, fmt.value, dev, kv.value, ctx)
     m = load_model(ck, fmt, dev)
-    gpu_kv = min(gpu_kv_tokens or 0, ctx)
-    cache = TieredKVCache(cfg, host_tokens=(ctx - gpu_kv) * parallel + block_size * parallel,
-                          gpu_tokens=gpu_kv * parallel, host_dtype=kv, gpu_tokens_per_seq=gpu_kv, device=dev,
-                          block_size=block_size, pin=False)
+    gpu_tok = min(gpu_kv_tokens or 0, ctx)
+    cache = TieredKVCache(cfg, host_tokens=(ctx - gpu_tok) * parallel + block_size * parallel,
+                          gpu_tokens=gpu_tok * parallel, host_dtype=kv, gpu_tokens_per_seq=gpu_tok, device=dev,
+                          block_size=block_size, pin=False, gpu_dtype=gpu_kv, max_seqs=parallel)
     runner = Runner(m, cache, threads=threads, sub_batches=sub_batches, max_batch=parallel, max_context=ctx,
                     stream_tokens=stream_tokens or 0)
     info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx,
-            "kv_tiers": f"{gpu_kv} tokens/seq on {dev.type} (bf16), the rest on the host ({kv.value})"}
+            "kv_tiers": f"{gpu_tok} tokens/seq on {dev.type} ({cache.gpu.kv_dtype.value if cache.gpu else '-'}), "
+                        f"the rest on the host ({kv.value})"}
     return Engine(m, tok, runner, ctx, defaults, info=info)
+
+
+def _kv_dtype(value: str, flag: str, cfg) -> KVDtype:
+    try:
+        kv = KVDtype(value)
+    except ValueError:
+        raise UserError(f"{flag} {value!r} is not one of {', '.join(k.value for k in KVDtype)}") from None
+    if kv is KVDtype.INT4 and cfg.head_dim % INT4_GROUP:
+        raise UserError(f"{flag} int4 needs a head dim divisible by {INT4_GROUP} ({cfg.name} has "
+                        f"{cfg.head_dim}): use {flag} int8")
+    return kv
 
 
 def _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, **options):

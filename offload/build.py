@@ -55,6 +55,8 @@ def runtime_from_plan(model: Model, plan: Plan, pin: bool = False, detailed_timi
         device=dev,
         block_size=kv.block_size,
         pin=dev.type == "cuda" and (pin or kv.stream_tokens > 0),  # streamed blocks go up by DMA: pinned
+        gpu_dtype=kv.gpu_dtype,
+        max_seqs=batch,
     )
     log.info("KV: %d tokens/seq on %s (%s), %d on the host (%s), batch %d", kv.gpu_tokens, dev,
              kv.gpu_dtype.value, kv.host_tokens, kv.host_dtype.value, batch)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpu_attention import HostKVPool, KVDtype
+from cpu_attention.layout import quantize_blocks
 from gpu_ops.kv_pool import GpuKVPool
 from hetero.config import ModelConfig
 from hetero.errors import UserError
@@ -51,10 +52,16 @@ class Slots:
     gpu_slots: list[int] = field(default_factory=list)
     host_rows: list[int] = field(default_factory=list)
     host_slots: list[int] = field(default_factory=list)
+    # a quantized device tier: blocks this write fills whole (quantized straight from rows
+    # row0 .. row0 + BS - 1) rather than through their tails; their rows are not in gpu_rows
+    whole_rows: list[int] = field(default_factory=list)
+    whole_blocks: list[int] = field(default_factory=list)
 
     def extend(self, other: "Slots", offset: int) -> None:
         self.gpu_rows += [r + offset for r in other.gpu_rows]
         self.gpu_slots += other.gpu_slots
+        self.whole_rows += [r + offset for r in other.whole_rows]
+        self.whole_blocks += other.whole_blocks
         self.host_rows += [r + offset for r in other.host_rows]
         self.host_slots += other.host_slots
 
@@ -70,8 +77,13 @@ class TieredKVCache:
         device: torch.device = torch.device("cpu"),
         block_size: int = 32,
         pin: bool = False,
+        gpu_dtype: KVDtype | None = None,
+        max_seqs: int = 1,
     ):
-        """host_tokens / gpu_tokens: pool capacities; gpu_tokens_per_seq: each sequence's device share."""
+        """host_tokens / gpu_tokens: pool capacities; gpu_tokens_per_seq: each sequence's device share;
+        gpu_dtype: the device tier's format (None: bf16, f32 with an f32 host tier); max_seqs: the
+        sequences held at once (a quantized device tier keeps a bf16 tail for each one's block
+        being filled)."""
         self.cfg, self.block_size, self.device = cfg, block_size, device
         nb = lambda n: -(-n // block_size)  # noqa: E731
         self.host = HostKVPool(cfg.num_layers, nb(host_tokens), cfg.num_kv_heads, block_size, cfg.head_dim,
@@ -80,10 +92,12 @@ class TieredKVCache:
         self.gpu: GpuKVPool | None = None
         self.gpu_alloc = BlockAllocator(0)
         if gpu_tokens > 0:
-            dt = torch.float32 if host_dtype is KVDtype.F32 else torch.bfloat16
+            gpu_dtype = gpu_dtype or (KVDtype.F32 if host_dtype is KVDtype.F32 else KVDtype.BF16)
+            dt = torch.float32 if gpu_dtype is KVDtype.F32 else torch.bfloat16
             self.gpu = GpuKVPool(cfg.num_layers, nb(gpu_tokens), cfg.num_kv_heads, block_size, cfg.head_dim,
-                                 device=device, dtype=dt)
+                                 device=device, dtype=dt, kv_dtype=gpu_dtype, max_tails=max_seqs + 1)
             self.gpu_alloc = BlockAllocator(self.gpu.num_blocks)
+        self._to_seal: set[int] = set()  # device blocks a step's writes complete in their tails
         self.gpu_tokens_per_seq = gpu_tokens if gpu_tokens_per_seq is None else gpu_tokens_per_seq
         self.seqs: dict[int, SeqKV] = {}
         self.scale = cfg.head_dim ** -0.5
@@ -112,7 +126,8 @@ class TieredKVCache:
         return self.seqs[seq]
 
     def reserve(self, seq: int, n: int) -> Slots:
-        """Room for n more tokens of `seq`: the device tier first (up to its share), then the host."""
+        """Room for n more tokens of `seq`: the device tier first (up to its share), then the host.
+        A step's reservations come before its writes, and `seal_complete` after them."""
         s = self._seq(seq)
         to_gpu = max(0, min(n, s.gpu_limit - s.gpu.num_tokens))
         out = Slots()
@@ -122,7 +137,10 @@ class TieredKVCache:
                 self._make_gpu_room(need - self.gpu_alloc.num_free, keep=seq)
             if need <= self.gpu_alloc.num_free:
                 s.gpu.blocks += self.gpu_alloc.allocate(need)
-                out.gpu_rows, out.gpu_slots = list(range(to_gpu)), s.gpu.slots(s.gpu.num_tokens, to_gpu)
+                if self.gpu.quantized:
+                    self._route_quantized(s.gpu, to_gpu, out)
+                else:
+                    out.gpu_rows, out.gpu_slots = list(range(to_gpu)), s.gpu.slots(s.gpu.num_tokens, to_gpu)
                 s.gpu.num_tokens += to_gpu
             else:  # the device tier is full of the current sequence's own blocks: the rest goes to the host
                 s.gpu_limit = s.gpu.num_tokens
@@ -141,6 +159,30 @@ class TieredKVCache:
             s.host.num_tokens += rest
         return out
 
+    def _route_quantized(self, t: TierTable, n: int, out: Slots) -> None:
+        """Where n new tokens of a quantized device tier go: blocks they fill whole are quantized
+        straight from the rows; the others take them in their tails (opened now), and those the
+        tokens complete are sealed before the next reservation."""
+        BS, g0 = self.block_size, t.num_tokens
+        for j in range(g0 // BS, (g0 + n - 1) // BS + 1):
+            a, b, blk = max(g0, j * BS), min(g0 + n, (j + 1) * BS), t.blocks[j]
+            if a == j * BS and b == a + BS and not self.gpu.has_tail(blk):
+                out.whole_rows.append(a - g0)
+                out.whole_blocks.append(blk)
+                continue
+            self.gpu.open_tail(blk)
+            out.gpu_rows += list(range(a - g0, b - g0))
+            out.gpu_slots += [blk * BS + o % BS for o in range(a, b)]
+            if b == (j + 1) * BS:
+                self._to_seal.add(blk)
+
+    def seal_complete(self) -> None:
+        """Quantize the device blocks the last step's writes completed (stream-ordered after those
+        writes; before the next step's reservations)."""
+        if self._to_seal:
+            self.gpu.seal(sorted(self._to_seal))
+            self._to_seal.clear()
+
     def truncate(self, seq: int, n: int) -> None:
         """Keep the first n tokens of `seq`. Tokens are dropped from the host tier first, then the device's.
 
@@ -150,6 +192,7 @@ class TieredKVCache:
         s = self.seqs[seq]
         assert s.ordered or n == s.num_tokens, "truncating a swapped sequence"
         drop = s.num_tokens - n
+        self.seal_complete()
         for tier, alloc in ((s.host, self.host_alloc), (s.gpu, self.gpu_alloc)):
             d = min(drop, tier.num_tokens)
             tier.num_tokens -= d
@@ -157,12 +200,17 @@ class TieredKVCache:
             alloc.free(tier.blocks[keep:])
             if tier is s.host:
                 self.host.release(tier.blocks[keep:])
+            else:
+                self._drop_tails(tier.blocks[keep:])
+                if d and tier.num_tokens % self.block_size:  # a sealed block is partly filled again
+                    self.gpu.reopen(tier.blocks[keep - 1])
             del tier.blocks[keep:]
             drop -= d
 
     def free(self, seq: int) -> None:
         s = self.seqs.pop(seq, None)
         if s is not None:
+            self._drop_tails(s.gpu.blocks)
             self.gpu_alloc.free(s.gpu.blocks)
             self.host_alloc.free(s.host.blocks)
             self.host.release(s.host.blocks)
@@ -170,12 +218,21 @@ class TieredKVCache:
     def rename(self, old: int, new: int) -> None:
         self.seqs[new] = self.seqs.pop(old)
 
+    def _drop_tails(self, blocks: list[int]) -> None:
+        if self.gpu is not None and self.gpu.quantized:
+            self._to_seal.difference_update(blocks)
+            self.gpu.drop_tails(blocks)
+
     # ------------------------------------------------------------------ writes
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [N, Hkv, D] of the new tokens (on the compute device) into their tiers."""
         if slots.gpu_rows:
             r = _index(slots.gpu_rows, k.device)
             self.gpu.write(layer, torch.tensor(slots.gpu_slots, device=self.gpu.k.device), k[r], v[r])
+        if slots.whole_rows:  # [n, BS] rows of whole blocks → [n, Hkv, BS, D]
+            r = _index(slots.whole_rows, k.device)[:, None] + torch.arange(self.block_size, device=k.device)
+            kb, vb = (x[r].transpose(1, 2).to(self.gpu.k.device) for x in (k, v))
+            self.gpu.write_blocks(torch.tensor(slots.whole_blocks), kb, vb, layer=layer)
         if slots.host_rows:
             self.host.write(layer, torch.tensor(slots.host_slots, dtype=torch.int64),
                             k[_index(slots.host_rows, k.device)].cpu(), v[_index(slots.host_rows, v.device)].cpu())
@@ -204,16 +261,23 @@ class TieredKVCache:
         """Move up to max_blocks full device blocks of `seq` to the host tier; returns how many moved."""
         s = self.seqs[seq]
         n = min(max_blocks, self.host_alloc.num_free)
+        full = s.gpu.num_tokens // self.block_size
+        if full and s.gpu.blocks[full - 1] in self._to_seal:  # completed this step, not written yet
+            n = min(n, full - 1)
         move = s.gpu.take_full_blocks(n)
         if not move:
             return 0
         dst = self.host_alloc.allocate(len(move))
         src = torch.tensor(move, device=self.gpu.k.device)
-        slots = _block_slots(dst, self.block_size, torch.device("cpu"))
-        for layer in range(self.cfg.num_layers):
-            k = _flat(self.gpu.k[layer, src]).cpu()  # [n*BS, Hkv, D]
-            v = _flat(self.gpu.v[layer, src]).cpu()
-            self.host.write(layer, slots, k, v)
+        if self.gpu.kv_dtype is self.host.dtype:  # one format on both tiers: the blocks' bytes, copied
+            at = torch.tensor(dst)
+            for name, t in self.gpu.parts().items():
+                getattr(self.host, name)[:, at] = t[:, src].cpu()
+        else:
+            slots = _block_slots(dst, self.block_size, torch.device("cpu"))
+            k, v = self.gpu.blocks(src)  # [L, n, Hkv, BS, D]
+            for layer in range(self.cfg.num_layers):
+                self.host.write(layer, slots, _flat(k[layer]).cpu(), _flat(v[layer]).cpu())
         s.host.add_full_blocks(dst)
         s.ordered = False
         s.gpu_limit = s.gpu.num_tokens
@@ -223,7 +287,7 @@ class TieredKVCache:
         return len(move)
 
     def swap_in(self, seq: int, max_blocks: int) -> int:
-        """Move up to max_blocks full host blocks of `seq` to the device tier (dequantized to its dtype).
+        """Move up to max_blocks full host blocks of `seq` to the device tier (`_copy_up`).
 
         On CUDA the blocks go up from pinned staging on the copy stream, and the compute stream
         waits for that copy before its next work (the host does not wait)."""
@@ -266,26 +330,26 @@ class TieredKVCache:
         return need
 
     def _copy_up(self, src: list[int], dst: list[int]) -> None:
-        """Whole host blocks src → device blocks dst, every layer, in the device tier's dtype."""
-        g = self.gpu
-        names = ("k", "v")
-        blocks = dict(zip(names, self.host.blocks(torch.tensor(src))))  # [L, n, Hkv, BS, D] each, dequantized
+        """Whole host blocks src → device blocks dst, every layer: their bytes when both tiers share a
+        format, else dequantized and stored in the device tier's."""
+        g, h = self.gpu, self.host
+        if g.kv_dtype is h.dtype:
+            staged = {n: t[:, src] for n, t in h.parts().items()}  # [L, n, ...] each
+        else:
+            staged = quantize_blocks(g.kv_dtype, *h.blocks(torch.tensor(src)))
+        dev_parts = g.parts()
         if not self.cuda:  # the stand-in: a plain copy
-            for name in names:
-                getattr(g, name)[:, dst] = blocks[name].to(g.k.dtype)
+            for name, x in staged.items():
+                dev_parts[name][:, dst] = x
             return
-        staged = {}
-        for name in names:  # in pinned memory: the copies up are true async DMAs
-            x = blocks[name]
-            staged[name] = torch.empty(x.shape, dtype=g.k.dtype, pin_memory=True)
-            staged[name].copy_(x)
+        staged = {n: x.pin_memory() for n, x in staged.items()}  # the copies up are true async DMAs
         compute = torch.cuda.current_stream(g.k.device)
         self.copy_stream.wait_stream(compute)  # the blocks' last readers (a freed sequence's) are done
         with torch.cuda.stream(self.copy_stream):
             for first, at, n in runs(dst):
-                for name in names:
+                for name, x in staged.items():
                     for layer in range(self.cfg.num_layers):
-                        getattr(g, name)[layer, first:first + n].copy_(staged[name][layer, at:at + n], non_blocking=True)
+                        dev_parts[name][layer, first:first + n].copy_(x[layer, at:at + n], non_blocking=True)
         compute.wait_stream(self.copy_stream)  # before any attention reads them
 
 

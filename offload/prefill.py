@@ -34,6 +34,7 @@ class Prefill:
         prior = c.seqs.get(seq)
         prior_gpu = 0 if prior is None else prior.gpu.num_tokens
         prior_host = 0 if prior is None else prior.host.num_tokens
+        c.seal_complete()
         slots = c.reserve(seq, T)
         s = c.seqs[seq]
         gpu_blocks = torch.tensor(s.gpu.blocks[: -(-prior_gpu // c.block_size)], dtype=torch.int64)

@@ -94,16 +94,14 @@ class Runner(Prefill):
         self._bufs: dict[int, dict[str, torch.Tensor]] = {}
         self.driver_loop = driver_loop
         self._inline: dict[Captured, InlineLayers] = {}
-        # the all-GPU graph decoder embeds inside its graph: only when the table is on the device
-        self.graphs = (graphs and self.cuda and cache.gpu is not None and model.embed_w.device == model.device
-                       and (weights is None or weights.device_only))
+        # the all-GPU graph decoder (a table in host memory: its rows go up before the replay)
+        self.graphs = graphs and self.cuda and cache.gpu is not None and (weights is None or weights.device_only)
         self.max_batch = max_batch
         self._graph_decoder = None
         self.segments = None  # per-layer CUDA graphs of the split step
         self.streamer = None
         if stream_tokens >= cache.block_size:
-            dt = torch.float32 if cache.host.dtype is cpu_attention.KVDtype.F32 else torch.bfloat16
-            self.streamer = KVStreamer(cache.host, stream_tokens, self.dev, dt)
+            self.streamer = KVStreamer(cache.host, stream_tokens, self.dev)
         for copier in (self.streamer, self.weights):  # their copies up count as transfer time
             if copier is not None:
                 copier.timer = self.xfer
@@ -117,6 +115,7 @@ class Runner(Prefill):
         """One new token for each sequence (tokens at positions) → float32 logits [B, V]."""
         t0, st = now(), StepTimes(tokens=len(seqs))
         self.xfer.discard()  # copies a prefill queued are not this step's transfers
+        self.cache.seal_complete()  # blocks the last step completed on a quantized device tier
         # between steps: blocks swapped out earlier come back where sequences have left room,
         # short of what this step's new tokens take on the device tier
         moved_in = self.cache.swap_in_free_room(keep_free=self.cache.gpu_blocks_needed(seqs, 1))
@@ -182,7 +181,7 @@ class Runner(Prefill):
             d = self._graph_decoder = GpuDecoder(self.model, c.gpu, max(self.max_batch, len(seqs)),
                                                  max(need_blocks, bt.shape[1]))
         dev = self.dev
-        return d.step(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+        return d.step(torch.tensor(tokens), torch.tensor(positions, device=dev),
                       torch.tensor([sl.gpu_slots[0] for sl in slots], device=dev), bt.to(dev), lens.to(dev))
 
     def _split(self, seqs: list[int]) -> list[tuple[int, int]]:

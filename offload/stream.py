@@ -6,31 +6,25 @@ the host tier's read rate is the CPU kernel's alone, ~55 GB/s on the GPU host; P
 GB/s of its own, limited together by DRAM (~85–100 GB/s). The plan's `stream_tokens` says how
 many of the host tier's first tokens take the PCIe road; they stay stored on the host.
 
+The blocks go up as they are stored (bf16, int8 or int4: one block format for both tiers,
+`cpu_attention.layout.part_shapes`) into a two-layer device pool of the host's format, and the
+device's paged attention reads those bytes directly (`gpu_ops.attention`: int8 and int4
+dequantized in registers), so an int4 block crosses PCIe and is read at its own size.
+
 Per layer i, two staging slots (i % 2) on the device:
     copy stream:    wait slot free → copy the layer's blocks up (one copy per run of
                     consecutive blocks per tensor) → event `copied[slot]`
-    compute stream: wait `copied[slot]` → dequantize into a bf16 pool slot → paged attention
-                    → (o, lse) → event `free[slot]`
+    compute stream: wait `copied[slot]` → paged attention over the slot → (o, lse) → event `free[slot]`
 Layer i + 2's copy is queued right after layer i's attention, so each copy has a whole layer
-of time to land. On a CPU stand-in device the same code runs without streams.
-
-Dequantizing on the device follows `layout.dequantize_blocks`, the CPU readers' own twin: int8 by
-token scales; int4 keys by the block's per-channel scales and zeros, values by their group
-scales and zeros. In blocks of whole quads (block size % 4 == 0) both write the bf16 slot
-directly (int8: one multiply a tensor into views of the slot; int4: `int4_into_slot`); other
-block sizes go through `dequantize_blocks` itself and its float32 temporaries. What the pool
-stores rotated (`KVDtype.rotated`: int8 keys and values, int4 values) stays rotated, so q is
-rotated on the way in (int8) and the attention output back on the way out
-(`rotation.rotate`/`unrotate`, their tensors on the device), as the CPU readers do.
-Streamed blocks are complete, so an int4 block is always in its codes, never in a bf16 tail
-(`begin` checks the last one, the only one that could be being filled).
+of time to land. On a CPU stand-in device the same code runs without streams. Streamed blocks
+are complete, so an int4 block is always in its codes, never in a bf16 tail (`begin` checks the
+last one, the only one that could be being filled).
 """
 from __future__ import annotations
 
 import torch
 
-from cpu_attention import HostKVPool, KVDtype, rotation
-from cpu_attention.layout import dequantize_blocks
+from cpu_attention import HostKVPool, KVDtype
 from gpu_ops import attention as gpu_attention
 from gpu_ops.kv_pool import GpuKVPool
 from offload.driver import driver, event_handle
@@ -53,33 +47,6 @@ def runs(blocks: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def int4_into_slot(raw: dict[str, torch.Tensor], k_out: torch.Tensor, v_out: torch.Tensor,
-                   codes: torch.Tensor) -> None:
-    """An int4 pool's whole blocks (`HostKVPool.parts` [n, Hkv, ...], block size a multiple of 4)
-    dequantized into k_out, v_out [n, Hkv, BS, D] bf16, values still rotated: `layout.
-    dequantize_blocks` rounded to bf16 once, in five kernels and one byte of scratch a code
-    (`codes`, uint8 [≥ n·Hkv·BS·D]). The nibbles are unpacked into `codes` in the slot's own order,
-    then one addcmul a tensor scales, shifts and rounds them into the slot. (Through float32
-    K and V the same took 16.62 bytes of temporaries a code and ~30 of memory traffic,
-    bench/RESULTS.md eleventh session.)"""
-    n, H, BS, D = k_out.shape
-    c = codes[: n * H * BS * D]
-    # keys [n, H, D/8, BS, 4]: byte (r, o, j) holds channel 8r + j of token o low, 8r + 4 + j high
-    kc = c.view(n, H, BS, D // 8, 2, 4)
-    kb = raw["k"].transpose(2, 3)  # [n, H, BS, D/8, 4]
-    torch.bitwise_and(kb, 0xF, out=kc[..., 0, :])
-    torch.bitwise_right_shift(kb, 4, out=kc[..., 1, :])
-    per_channel = lambda t: t.view(n, H, 1, D // 8, 2, 4)  # noqa: E731  [n, H, D] over the block's tokens
-    torch.addcmul(per_channel(raw["k_zero"]), kc, per_channel(raw["k_scale"]), out=k_out.view(kc.shape))
-    # values [n, H, BS/4, D/2, 4]: byte (u, 16g + i, j) of token 4u + j holds channel 32g + i low, 32g + 16 + i high
-    vc = c.view(n, H, BS // 4, 4, D // 32, 2, 16)
-    vb = raw["v"].view(n, H, BS // 4, D // 32, 16, 4).permute(0, 1, 2, 5, 3, 4)  # [n, H, BS/4, 4, D/32, 16]
-    torch.bitwise_and(vb, 0xF, out=vc[..., 0, :])
-    torch.bitwise_right_shift(vb, 4, out=vc[..., 1, :])
-    per_group = lambda t: t.view(n, H, BS // 4, 4, D // 32, 1, 1)  # noqa: E731  [n, H, BS, D/32]
-    torch.addcmul(per_group(raw["v_zero"]), vc, per_group(raw["v_scale"]), out=v_out.view(vc.shape))
-
-
 def _blocks_contiguous(parts: dict[str, torch.Tensor], raw: list[dict[str, torch.Tensor]]) -> bool:
     """Whether every host tensor [L, NB, ...] and staging tensor [max_blocks, ...] is dense, blocks
     of the same bytes on both sides, the host pinned: what `_driver_copy`'s pointer arithmetic takes."""
@@ -94,28 +61,16 @@ def _blocks_contiguous(parts: dict[str, torch.Tensor], raw: list[dict[str, torch
 
 
 class KVStreamer:
-    def __init__(self, host: HostKVPool, max_tokens: int, device: torch.device, dtype: torch.dtype):
-        """Staging for up to max_tokens streamed tokens of one sequence, on `device`, attended in `dtype`."""
+    def __init__(self, host: HostKVPool, max_tokens: int, device: torch.device):
+        """Staging for up to max_tokens streamed tokens of one sequence, on `device`, in the host's format."""
         self.host, self.device = host, device
         self.max_blocks = max(1, max_tokens // host.block_size)
         self.cuda = device.type == "cuda"
         # the two slots are the two "layers" of a pool the paged-attention kernels already read
         self.pool = GpuKVPool(2, self.max_blocks, host.num_kv_heads, host.block_size, host.head_dim,
-                              device=device, dtype=dtype)
-        # a host tier already in the attended dtype is copied straight into the pool's slots
-        self.direct = host.k.dtype == dtype
-        if self.direct:
-            self.raw = [dict(k=self.pool.k[s, : self.max_blocks], v=self.pool.v[s, : self.max_blocks]) for s in range(2)]
-        else:  # codes (and scales, zeros) land here, then dequantize into the pool's slot
-            self.raw = [{n: torch.empty(self.max_blocks, *t.shape[2:], dtype=t.dtype, device=device)
-                         for n, t in host.parts().items()} for _ in range(2)]  # [max_blocks, Hkv, ...] each
-            if any(host.dtype.rotated):  # the rotation's tensors on the device before a graph captures `attend`
-                rotation.on_device(host.head_dim, self.pool.k.device)
-        # int4 in blocks of whole quads: the codes unpacked here, one layer at a time (`int4_into_slot`)
-        self.int4_codes = None
-        if host.dtype is KVDtype.INT4 and host.block_size % 4 == 0:
-            self.int4_codes = torch.empty(self.max_blocks * host.num_kv_heads * host.block_size * host.head_dim,
-                                          dtype=torch.uint8, device=device)
+                              device=device, dtype=torch.float32 if host.dtype is KVDtype.F32 else torch.bfloat16,
+                              kv_dtype=host.dtype)
+        self.raw = [{n: t[s, : self.max_blocks] for n, t in self.pool.parts().items()} for s in range(2)]
         self.table = torch.arange(self.max_blocks, dtype=torch.int32, device=device)[None]
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)  # streamed tokens this step (static: graphs read it)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -135,8 +90,7 @@ class KVStreamer:
 
     @property
     def nbytes(self) -> int:
-        raw = 0 if self.direct else sum(t.numel() * t.element_size() for r in self.raw for t in r.values())
-        return self.pool.nbytes + raw + (0 if self.int4_codes is None else self.int4_codes.numel())
+        return self.pool.nbytes
 
     def begin(self, blocks: list[int]) -> None:
         """This step streams these host blocks (a sequence's first ones, all full)."""
@@ -208,31 +162,9 @@ class KVStreamer:
         Static shapes (the whole slot, `lens` masks it), so a CUDA graph can hold it; wait=False
         there, and the caller waits for `copied[slot]` before the replay and records `free[slot]` after."""
         slot = layer % 2
-        raw = self.raw[slot]
         if wait and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
-        rot_k, rot_v = self.host.dtype.rotated
-        if self.host.dtype is KVDtype.INT8 and self.host.block_size % 4 == 0:
-            # codes × token scales straight into the slot, one kernel a tensor (through float32
-            # temporaries it took ~165 µs a layer at 5.7k tokens, bench/step_timeline.py): the
-            # slot [n, Hkv, BS, D] viewed in the codes' VNNI order (`layout.py`) as the output
-            n, H, BS, D = self.max_blocks, self.host.num_kv_heads, self.host.block_size, self.host.head_dim
-            k_out = self.pool.k[slot, :n].view(n, H, BS, D // 4, 4).transpose(2, 3)  # [n, H, D/4, BS, 4]
-            v_out = self.pool.v[slot, :n].view(n, H, BS // 4, 4, D).transpose(3, 4)  # [n, H, BS/4, D, 4]
-            torch.mul(raw["k"], raw["k_scale"][:, :, None, :, None], out=k_out)
-            torch.mul(raw["v"], raw["v_scale"].view(n, H, BS // 4, 1, 4), out=v_out)
-        elif self.int4_codes is not None:
-            n = self.max_blocks
-            int4_into_slot(raw, self.pool.k[slot, :n], self.pool.v[slot, :n], self.int4_codes)
-        elif not self.direct:  # rotated parts stay rotated: q goes in rotated, the output comes back so
-            k, v = dequantize_blocks(self.host.dtype, raw, rotated=True)  # [max_blocks, Hkv, BS, D] f32 each
-            self.pool.k[slot, : self.max_blocks].copy_(k)
-            self.pool.v[slot, : self.max_blocks].copy_(v)
-        if rot_k:
-            q = rotation.rotate(q).to(q.dtype)
         out = gpu_attention.decode_attention(self.pool, slot, q, self.table, self.lens, scale)
-        if rot_v:
-            out = (rotation.unrotate(out[0]), out[1])
         if wait:
             self.release(layer)
         return out

@@ -31,6 +31,11 @@ MIN_CPU_DRAM_SHARE = 0.25
 # hand-off, ~15 torch calls. Fitted on the H100 host, 2026-11-22 (the lean loop's is the profile's
 # `layer_overhead_s`).
 GENERAL_LOOP_OVERHEAD_S = 200e-6
+# Per layer of a step that runs whole on the GPU as one CUDA graph (no host-tier KV, every weight
+# resident): what the layer's small kernels (norms, RoPE, the KV write, the attention's split merge)
+# cost beyond the GEMVs' and the attention's bytes. Stated; bench/budget.py prints the prediction
+# beside the measurement.
+GRAPH_LAYER_OVERHEAD_S = 12e-6
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
 
 
@@ -144,17 +149,21 @@ def decode_step(
             T_cpu = T_c - T_s
             for b in sub:
                 g_att += attention_seconds(b, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_gbps or 1.0, BS)
-                g_att += attention_seconds(b, T_s, KVDtype.BF16, cfg, hw.gpu_attention_gbps or 1.0, BS)
+                g_att += attention_seconds(b, T_s, kv.host_dtype, cfg, hw.gpu_attention_gbps or 1.0, BS)  # as stored
                 c_att += attention_seconds(b, T_cpu, kv.host_dtype, cfg, attn_rate, BS) + (hw.cpu_attention_call_s if T_cpu else 0.0)
                 if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
                     x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
             s_up = T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
             if T_s:
                 d = T_c * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (max(hw.dram_read_gbps, 1e-9) * GB)
-            nbytes["gpu attention"] += batch * (T_g + T_s) * kv_bytes_per_token_layer(cfg, kv.gpu_dtype, BS)
+            nbytes["gpu attention"] += batch * (T_g * kv_bytes_per_token_layer(cfg, kv.gpu_dtype, BS)
+                                                + T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS))
             nbytes["cpu attention"] += batch * T_cpu * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
             nbytes["pcie kv"] += T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
-        over = (hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S) if layer >= 0 else 0.0
+        over = 0.0
+        if layer >= 0:  # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
+            over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else \
+                hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S
         if sub_batches == 1:
             t = max(g_lin + max(g_att, c_att + x_att), p + s_up, d) + c_w + x_w + over
         else:

@@ -15,20 +15,19 @@ GPU_TIER_FOR_STREAMING = (0.9, 0.95, 0.98)  # shares of what fits, tried as devi
 STREAM_SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # of the host tier's tokens, tried for the GPU's streamed share
 
 
-# Device scratch of the streamer's dequantization, bytes per streamed token, kv head and channel
-# (offload/stream.py): int4 in blocks of whole quads unpacks its codes into one byte each
-# (`int4_into_slot`); int4 and int8 in other blocks go through float32 K and V
-# (`cpu_attention.layout.dequantize_blocks`), 16.62 bytes at their peak, measured on the GPU host
-# (bench/RESULTS.md, eleventh session); int8 in whole quads is multiplied straight into the bf16
-# slot, bf16 is copied as it is.
-INT4_CODES_SCRATCH = 1.0
-DEQUANT_TRANSIENT = 17.0
+def gpu_tail_bytes(cfg: ModelConfig, gpu_dt: KVDtype, block: int, batch: int) -> int:
+    """Device memory a quantized device tier adds besides its blocks: a bf16 tail of every layer
+    for each sequence's block being filled, and a scratch one (gpu_ops/kv_pool.py)."""
+    if gpu_dt not in (KVDtype.INT8, KVDtype.INT4):
+        return 0
+    return (batch + 2) * cfg.num_layers * 4 * cfg.num_kv_heads * block * cfg.head_dim
 
 
 def gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, readback):
     """(GPU-tier tokens per sequence, extra GPU bytes, reason) to try: as many as fit, and the
     split where GPU and CPU attention take equal time, if smaller. `readback` is the prefill
     buffer a host tier needs when it was not reserved already."""
+    left -= gpu_tail_bytes(cfg, gpu_dt, block, wl.batch)
     per_tok = wl.batch * cfg.num_layers * kv_bytes_per_token_layer(cfg, gpu_dt, block)
     fit = min(wl.ctx_size, int(left // per_tok) // block * block)
     if ov.gpu_kv_tokens is not None:
@@ -60,17 +59,8 @@ def gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, re
 
 def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int, block: int) -> int:
     """Device memory the KV streamer needs (offload/stream.py): two layer slots of `tokens` tokens in
-    bf16, plus two of the host dtype's codes when they need dequantizing first, plus the
-    dequantization's scratch (`INT4_CODES_SCRATCH`, `DEQUANT_TRANSIENT`)."""
-    per = kv_bytes_per_token_layer(cfg, KVDtype.BF16, block)  # the slot's
-    if host_dt is not KVDtype.BF16:
-        per += kv_bytes_per_token_layer(cfg, host_dt, block)  # the codes copied up
-    scratch = 0.0
-    if host_dt is KVDtype.INT4:
-        scratch = INT4_CODES_SCRATCH if block % 4 == 0 else DEQUANT_TRANSIENT
-    elif host_dt is KVDtype.INT8 and block % 4:
-        scratch = DEQUANT_TRANSIENT
-    return int(2 * tokens * per + scratch * tokens * cfg.num_kv_heads * cfg.head_dim)
+    the host tier's own format (the device attends over those bytes as they are)."""
+    return int(2 * tokens * kv_bytes_per_token_layer(cfg, host_dt, block))
 
 
 def stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int, int, str]]:
@@ -105,5 +95,7 @@ def kv_plan(cfg, wl, block, gpu_tokens, gpu_dt, host_dt) -> KVPlan:
     L = cfg.num_layers
     # host: the tokens, plus what each sequence holds besides them (int4: the block being filled, in bf16)
     per_seq = host_tokens * kv_bytes_per_token_layer(cfg, host_dt, block) + kv_bytes_per_seq_layer(cfg, host_dt, block)
-    return KVPlan(block, gpu_tokens, host_tokens, gpu_dt, host_dt,
-                  int(wl.batch * gpu_tokens * L * kv_bytes_per_token_layer(cfg, gpu_dt, block)), int(wl.batch * L * per_seq))
+    gpu_bytes = wl.batch * gpu_tokens * L * kv_bytes_per_token_layer(cfg, gpu_dt, block)
+    if gpu_tokens:
+        gpu_bytes += gpu_tail_bytes(cfg, gpu_dt, block, wl.batch)
+    return KVPlan(block, gpu_tokens, host_tokens, gpu_dt, host_dt, int(gpu_bytes), int(wl.batch * L * per_seq))

@@ -94,32 +94,62 @@ def plan(
         choices.append(Choice("--threads", str(threads), "physical cores (SMT siblings share the memory bus)"))
     block = ov.block_size or BLOCK_SIZE
     groups = weight_groups(cfg)
-    host_dtypes = [ov.kv_dtype] if ov.kv_dtype else [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4]
-    gpu_kv_dtype = ov.gpu_kv_dtype or KVDtype.BF16
+    every = [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4]
+    host_dtypes = [ov.kv_dtype] if ov.kv_dtype else every
+    gpu_dtypes = [ov.gpu_kv_dtype] if ov.gpu_kv_dtype else (every if device is Device.CUDA else [KVDtype.BF16])
 
-    def run(ov_: Overrides, host_dtype: KVDtype) -> _Candidate:
-        return _search(cfg, hw, budget, wl, ov_, device, weights, threads, block, groups, gpu_kv_dtype, host_dtype)
+    def run(ov_: Overrides, host_dtype: KVDtype, gpu_dtype: KVDtype) -> _Candidate:
+        return _search(cfg, hw, budget, wl, ov_, device, weights, threads, block, groups, gpu_dtype, host_dtype)
 
-    best: _Candidate | None = None
+    scored: dict[tuple[KVDtype, KVDtype], _Candidate] = {}
     errors: list[UserError] = []
-    for host_dtype in host_dtypes:  # quality first: the first KV dtype that fits the host wins
+    for gpu_dtype, host_dtype in itertools.product(gpu_dtypes, host_dtypes):
         try:
-            best = run(ov, host_dtype)
-            break
+            scored[gpu_dtype, host_dtype] = run(ov, host_dtype, gpu_dtype)
         except UserError as e:
             errors.append(e)
-    if best is None:
-        raise errors[-1]  # the last dtype tried needs the least memory: its shortfall is the one to fix
-    if ov.kv_dtype is None and best.kv.host_tokens:
-        why = "fits in host memory at full precision" if best.kv.host_dtype is KVDtype.BF16 else \
-            f"{host_dtypes[0].value} KV does not fit the host budget"
-        choices.append(Choice("--kv-dtype", best.kv.host_dtype.value, why))
+    if not scored:
+        raise errors[-1]  # the last pair tried needs the least memory: its shortfall is the one to fix
+    best, why = choose_kv_dtypes(scored, wl.batch)
+    for flag, tier, user in (("--gpu-kv-dtype", "gpu", ov.gpu_kv_dtype), ("--kv-dtype", "host", ov.kv_dtype)):
+        if user is None and getattr(best.kv, f"{tier}_tokens"):
+            choices.append(Choice(flag, getattr(best.kv, f"{tier}_dtype").value, why))
     choices += _explain(cfg, best, ov, wl, run)
     return _finish(cfg, hw, best, wl, budget, device, weights, threads, choices)
 
 
+# KV formats from the most to the least exact; the planner takes a less exact one only for more
+# than QUALITY_MARGIN of predicted speed
+_PRECISION = {KVDtype.F32: 0, KVDtype.BF16: 0, KVDtype.INT8: 1, KVDtype.INT4: 2}
+QUALITY_MARGIN = 0.10
+
+
+def choose_kv_dtypes(scored: dict[tuple[KVDtype, KVDtype], _Candidate], batch: int) -> tuple[_Candidate, str]:
+    """The (device tier, host tier) KV formats: full precision when the whole KV fits on the GPU in
+    bf16; otherwise the fastest pair, except that a more exact pair within QUALITY_MARGIN of its
+    speed is preferred (int8 over int4, bf16 over int8). Returns the candidate and the reason."""
+    def loss(c: _Candidate) -> tuple[int, int]:  # the precision given up, over the tiers holding tokens
+        used = [_PRECISION[d] for d, n in ((c.kv.gpu_dtype, c.kv.gpu_tokens), (c.kv.host_dtype, c.kv.host_tokens)) if n]
+        return max(used, default=0), sum(used)
+
+    exact = [c for c in scored.values() if not c.kv.host_tokens and loss(c)[0] == 0]
+    if exact:
+        return max(exact, key=lambda c: _tok_s(c, batch)), "the whole KV fits on the GPU at full precision"
+    fastest = max(scored.values(), key=lambda c: _tok_s(c, batch))
+    top = _tok_s(fastest, batch)
+    near = [c for c in scored.values() if _tok_s(c, batch) >= (1 - QUALITY_MARGIN) * top]
+    best = min(near, key=lambda c: (loss(c), -_tok_s(c, batch)))
+    where = f"{best.kv.gpu_tokens} GPU ({best.kv.gpu_dtype.value}) / {best.kv.host_tokens} host ({best.kv.host_dtype.value})"
+    why = f"the fastest KV placement: {where} tokens a sequence predicts {_tok_s(best, batch):.1f} tok/s"
+    if best is not fastest:
+        f = fastest.kv
+        why += (f"; {f.gpu_dtype.value}/{f.host_dtype.value} would predict {top:.1f}, within "
+                f"{QUALITY_MARGIN:.0%}, at a larger accuracy cost")
+    return best, why
+
+
 def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gpu_kv_dtype, host_dtype) -> _Candidate:
-    """The best candidate for one host KV dtype, or UserError if none fits."""
+    """The best candidate for one (device tier, host tier) KV dtype pair, or UserError if none fits."""
     if device is Device.CPU:
         pl = tuple(Placement(g.layer, g.kind, Device.CPU, g.dtype_for(weights), Mode.CPU, g.nbytes(g.dtype_for(weights)))
                    for g in groups)
@@ -138,7 +168,7 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     # Prefill reads host-tier KV back a layer at a time, double-buffered: reserve that first
     # whenever the whole batch's KV cannot sit on the GPU beside every weight.
     readback = int(2 * wl.ctx_size * kv_bytes_per_token_layer(cfg, KVDtype.BF16, block))
-    all_weights = sum(g.nbytes(g.dtype_for(weights)) for g in groups)
+    all_weights = sum(g.nbytes(g.dtype_for(weights)) for g in groups if g.kind is not Kind.EMBED)  # the table may stay on the host
     gpu_tok = cfg.num_layers * kv_bytes_per_token_layer(cfg, gpu_kv_dtype, block)  # a device-tier token, all layers
     full_kv = wl.batch * wl.ctx_size * gpu_tok
     if budget.gpu_bytes - work - all_weights < full_kv or ov.gpu_kv_tokens is not None and ov.gpu_kv_tokens < wl.ctx_size:
@@ -263,7 +293,7 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
 
     def alt(host_dtype: KVDtype | None = None, **kw) -> float | None:
         try:
-            return _tok_s(run(replace(ov, **kw), host_dtype or best.kv.host_dtype), wl.batch)
+            return _tok_s(run(replace(ov, **kw), host_dtype or best.kv.host_dtype, best.kv.gpu_dtype), wl.batch)
         except UserError:
             return None
 

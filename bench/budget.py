@@ -1,0 +1,172 @@
+"""Decode at a GPU budget, as a user gets it: the planner's own choice, nothing forced.
+
+    python3 bench/budget.py --out DIR [--quick] [--only NAME,...] [--profile profile.json]
+
+Llama-3-8B shape, random 4-bit weights built in memory. For each row: measure the machine once
+(or load a profile), plan for the row's context, batch and --gpu-mem with no other option set,
+fence GPU memory to the budget, build the runtime from the plan, fill the KV cache to the
+context (random codes: attention's speed does not depend on the values), time decode steps.
+Prints per row the plan (dtype and tokens per tier, streamed tokens, sub-batches), tok/s, the
+planner's prediction, the bound (bytes a step must read over the measured bandwidths: weights
+and device-tier KV over HBM, host KV over DRAM or PCIe, whichever is larger) and the peak GPU
+memory against the budget. Each row runs in a fresh process.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
+import torch  # noqa: E402
+
+from hetero.config import LLAMA3_8B  # noqa: E402
+from offload.build import fence_gpu_memory, runtime_from_plan  # noqa: E402
+from planner.plan import Budget, Overrides, Workload  # noqa: E402
+from planner.profile import HardwareProfile, measure  # noqa: E402
+from planner.search import plan as make_plan  # noqa: E402
+from planner.tensors import Kind  # noqa: E402
+
+GiB = 2**30
+
+# name, context, batch, --gpu-mem GiB, target tok/s
+ROWS = [
+    ("1x8k @6GiB", 8192, 1, 6, 300),
+    ("1x32k @6GiB", 32768, 1, 6, 200),
+    ("1x64k @8GiB", 65536, 1, 8, 150),
+    ("1x128k @6GiB", 131072, 1, 6, 25),
+    ("16x8k @8GiB", 8192, 16, 8, 500),
+    ("32x2k @6GiB", 2048, 32, 6, 1000),
+]
+
+
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fill(cache, seqs: list[int], ctx: int) -> None:
+    """Reserve ctx tokens a sequence; random codes and small scales in both pools."""
+    for s in seqs:
+        cache.reserve(s, ctx)
+    cache.seal_complete()
+    pools = [cache.host] + ([cache.gpu] if cache.gpu is not None else [])
+    for pool in pools:
+        for name, t in pool.parts().items():
+            if t.dtype in (torch.int8, torch.uint8):
+                t.view(torch.uint8).random_(0, 256)
+            elif name.endswith("_zero"):
+                t.fill_(-0.05)
+            elif name.endswith("_scale"):
+                t.fill_(0.01)
+            else:
+                t.normal_(0, 0.5)
+    if cache.gpu is not None and cache.gpu.quantized:
+        cache.gpu.tail_k.normal_(0, 0.5)
+        cache.gpu.tail_v.normal_(0, 0.5)
+
+
+def bound_s(prof: HardwareProfile, weight_bytes: float, gpu_kv: float, cpu_kv: float, streamed_kv: float) -> float:
+    """The fastest a step can be: device bytes over HBM read, host KV over DRAM (the CPU's share)
+    and PCIe (the streamed share), each resource alone."""
+    hbm = prof.hbm_gbps / 2 * 1e9  # the profile's HBM figure is a copy's read + write
+    return max((weight_bytes + gpu_kv) / hbm, (cpu_kv + streamed_kv) / (prof.dram_read_gbps * 1e9),
+               streamed_kv / (prof.pcie_h2d_gbps * 1e9))
+
+
+def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int) -> dict:
+    budget = Budget(gpu_bytes=gpu_gib * GiB, host_bytes=int(prof.host_available_bytes * 0.8))
+    wl = Workload(ctx_size=ctx + steps + 16, batch=batch, prompt_tokens=ctx, gen_tokens=steps + 16)
+    plan = make_plan(LLAMA3_8B, prof, budget, wl, Overrides())
+    model = _bench_module("gpu_decode").build_model(LLAMA3_8B)
+    model.embed_w = model.embed_w.to(model.device if plan.placement(-1, Kind.EMBED).on_gpu else "cpu")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    fence_gpu_memory(budget.gpu_bytes, model.device)
+    runner = runtime_from_plan(model, plan)
+    cache = runner.cache
+    seqs = list(range(batch))
+    fill(cache, seqs, ctx)
+    toks, pos = [1] * batch, [ctx] * batch
+    for _ in range(3):  # warm-up: JIT, graph capture, Triton compiles
+        runner.decode(seqs, toks, pos)
+        pos = [p + 1 for p in pos]
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        runner.decode(seqs, toks, pos)
+        times.append(time.perf_counter() - t)
+        pos = [p + 1 for p in pos]
+    step = statistics.median(times)
+    g_tok, h_tok = cache.tier_tokens()
+    streamed = len(runner.streamer.blocks) * cache.block_size if runner.streamer is not None else 0
+    gpu_kv = g_tok * cache.gpu.block_nbytes / cache.block_size if cache.gpu is not None else 0.0
+    host_tok_bytes = cache.host.bytes_per_token
+    weights = _bench_module("offload_decode").model_bytes(model)
+    b = bound_s(prof, weights, gpu_kv, (h_tok - streamed) * host_tok_bytes, streamed * host_tok_bytes)
+    peak = torch.cuda.max_memory_allocated(model.device)
+    kv = plan.kv
+    out = dict(
+        name=name, ctx=ctx, batch=batch, gpu_mem_gib=gpu_gib, target=target,
+        plan=f"GPU {kv.gpu_tokens} {kv.gpu_dtype.value} / host {kv.host_tokens} {kv.host_dtype.value}, "
+             f"streamed {kv.stream_tokens}, sub-batches {plan.sub_batches}, embed "
+             f"{'GPU' if plan.placement(-1, Kind.EMBED).on_gpu else 'CPU'}",
+        choices=[f"{c.setting}={c.value}: {c.reason}" for c in plan.choices],
+        tok_s=batch / step, predicted_tok_s=plan.prediction.decode_tok_s, bound_tok_s=batch / b,
+        bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, peak_gpu_gib=peak / GiB,
+        within_budget=peak <= budget.gpu_bytes, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
+        graph=runner._graph_decoder is not None,
+    )
+    runner.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--quick", action="store_true", help="fewer steps, a quick profile")
+    ap.add_argument("--only", default="", help="comma-separated row names")
+    ap.add_argument("--profile", type=Path, help="a saved HardwareProfile JSON (default: measure now)")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this row, print it
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        prof = HardwareProfile.from_json(args.profile.read_text())
+        row = next(r for r in ROWS if r[0] == args.one)
+        print("ROW " + json.dumps(run_row(prof, *row, steps=12 if args.quick else 32)), flush=True)
+        return
+    prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
+    prof_path = args.out / "profile.json"
+    prof_path.write_text(prof.to_json())
+    rows = []
+    for name in args.only.split(",") if args.only else [r[0] for r in ROWS]:
+        cmd = [sys.executable, __file__, "--one", name, "--profile", str(prof_path), "--out", str(args.out)]
+        r = subprocess.run(cmd + (["--quick"] if args.quick else []), capture_output=True, text=True)
+        (args.out / f"budget-{name.replace(' ', '_').replace('@', '')}.log").write_text(r.stdout + r.stderr)
+        found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+        row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-600:])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    (args.out / "budget.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
+    print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · "
+          f"PCIe h2d {prof.pcie_h2d_gbps:.1f} GB/s · {prof.physical_cores} cores")
+    print(f"{'row':14} {'tok/s':>7} {'target':>6} {'pred':>7} {'bound':>7} {'peak GiB':>8}  plan")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:14} ERROR {r['error'][-300:]}")
+            continue
+        print(f"{r['name']:14} {r['tok_s']:7.1f} {r['target']:6.0f} {r['predicted_tok_s']:7.1f} {r['bound_tok_s']:7.1f} "
+              f"{r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2} {r['plan']}{' graph' if r['graph'] else ''}")
+
+
+if __name__ == "__main__":
+    main()
