@@ -21,6 +21,8 @@
 #          time goes; KPARTS_DTYPES, default int8,int4)
 # cputests: the CPU kernel tests on this host's CPU (its vector width and VNNI; CPUTESTS_K: a pytest -k filter)
 # offload: bench/offload_decode.py (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
+# kvattn:  bench/gpu_kv_attention.py (paged decode attention over bf16 / int8 / int4 device blocks, GB/s vs HBM)
+# budget:  bench/budget.py (decode at each --gpu-mem budget, the planner's own choice; BUDGET_ARGS passed through)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests offload}
@@ -28,7 +30,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, numba, transformers; print('torch', torch.__version__, 'numba', numba.__version__, 'transformers', transformers.__version__)"
 lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|L3|Flags" | cut -c1-300 > "$OUT/lscpu.txt"
@@ -93,6 +95,12 @@ for stage in $STAGES; do
         timeout 150 python3 bench/step_trace.py --workload "${w//_/ }" --profile "${TRACE_PROFILE:-$OUT/profile.json}" 2>&1 \
           | grep -v "^20..-" | tail -18
       done ;;
+    kvattn)
+      timeout ${KVATTN_TIMEOUT:-200} python3 bench/gpu_kv_attention.py --out "$OUT/gpu_kv_attention.json" 2>&1 \
+        | tee "$OUT/gpu_kv_attention.log" | tail -${KVATTN_TAIL:-16} ;;
+    budget)
+      timeout ${BUDGET_TIMEOUT:-420} python3 bench/budget.py --out "$OUT" ${BUDGET_ARGS:-} 2>&1 \
+        | tee "$OUT/budget_stdout.log" | tail -${BUDGET_TAIL:-10} ;;
     offload)
       timeout ${OFFLOAD_TIMEOUT:-380} python3 bench/offload_decode.py --out "$OUT" ${ONLY:+--only "$ONLY"} ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench_stdout.log" | grep -v "^20..-" | tail -30 ;;

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 PREFILL_CHUNK = 2048  # tokens per projection/MLP pass and per attention query block in prefill
 PREFILL_PIECE = 8192  # tokens of a prompt prefilled layer by layer before the next piece starts
+PRIOR_PIECE = 4096  # tokens of a quantized device tier dequantized at once for a prefill's prior KV
 
 
 class Prefill:
@@ -62,10 +63,13 @@ class Prefill:
         """This layer's cached K, V of the sequence from both tiers, on the device: [Hkv, P, D] each."""
         c, dev = self.cache, self.dev
         ks, vs = [], []
-        if n_gpu:
-            k, v = c.gpu.gather(i, gpu_blocks[None].to(c.gpu.k.device))
-            ks.append(k[0, :, :n_gpu].to(dev, dtype))
-            vs.append(v[0, :, :n_gpu].to(dev, dtype))
+        if n_gpu:  # a quantized tier dequantizes in pieces: float32 temporaries of one piece at a time
+            per = PRIOR_PIECE // c.block_size if c.gpu.quantized else len(gpu_blocks)
+            for j in range(0, len(gpu_blocks), per):
+                k, v = c.gpu.gather(i, gpu_blocks[None, j:j + per].to(c.gpu.k.device))
+                n = min(n_gpu - j * c.block_size, k.shape[2])
+                ks.append(k[0, :, :n].to(dev, dtype))
+                vs.append(v[0, :, :n].to(dev, dtype))
         if n_host:
             k, v = c.host.gather(i, host_blocks, n_host)
             ks.append(k.to(dev, dtype, non_blocking=True))

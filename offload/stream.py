@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from cpu_attention import HostKVPool, KVDtype
+from cpu_attention import HostKVPool, KVDtype, rotation
 from gpu_ops import attention as gpu_attention
 from gpu_ops.kv_pool import GpuKVPool
 from offload.driver import driver, event_handle
@@ -71,6 +71,8 @@ class KVStreamer:
                               device=device, dtype=torch.float32 if host.dtype is KVDtype.F32 else torch.bfloat16,
                               kv_dtype=host.dtype)
         self.raw = [{n: t[s, : self.max_blocks] for n, t in self.pool.parts().items()} for s in range(2)]
+        if any(host.dtype.rotated):  # the rotation's tensors on the device before a graph captures `attend`
+            rotation.on_device(host.head_dim, device)
         self.table = torch.arange(self.max_blocks, dtype=torch.int32, device=device)[None]
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)  # streamed tokens this step (static: graphs read it)
         self.stream = torch.cuda.Stream(device) if self.cuda else None

@@ -123,6 +123,49 @@ def test_gpu_budget_is_a_hard_limit(folder):
         fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, torch.device("cuda"))
 
 
+@pytest.mark.parametrize("gpu_kv", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("host_kv", ["bf16", "int8", "int4"])
+def test_planned_kv_formats_are_built_within_the_budget(tiny, gpu_kv, host_kv):
+    """The device pool is built in the planned format, both tiers hold tokens, and the peak stays
+    within --gpu-mem (the fence would raise past it)."""
+    from offload.build import fence_gpu_memory
+
+    folder = tiny("llama_hd32")[0]
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    budget = torch.cuda.memory_reserved() + 192 * 2**20
+    try:
+        e = hetero.load(folder, device="cuda", weights="bf16", kv_dtype=host_kv, gpu_kv_dtype=gpu_kv, tokenizer=False,
+                        gpu_kv_tokens=16, ctx_size=256, parallel=2, gpu_mem=budget)
+        assert e.plan.kv.gpu_dtype is KVDtype(gpu_kv) and e.cache.gpu.kv_dtype is KVDtype(gpu_kv)
+        assert e.cache.host.dtype is KVDtype(host_kv)
+        seen = []
+        for c in e.generate([PROMPT, PROMPT[::-1]], max_new_tokens=12, temperature=0.0):
+            seen.append(e.cache.tier_tokens())
+        assert max(g for g, _ in seen) > 0 and max(h for _, h in seen) > 0
+        assert torch.cuda.max_memory_reserved() <= budget
+    finally:
+        fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_cuda_quantized_device_tier_matches_the_stand_in(tiny, kv):
+    """Decode through the whole-step graph over an int8 / int4 device tier (Triton, tails written
+    in the graph, blocks sealed between steps): the CPU stand-in's logits over 60 positions, both
+    reading the same bytes."""
+    from hetero.evaluate import teacher_forced_logits
+
+    folder = tiny("llama_hd32")[0]
+    kw = dict(weights="f32", kv_dtype=kv, gpu_kv_dtype=kv, tokenizer=False, block_size=16, gpu_kv_tokens=256,
+              ctx_size=256, parallel=1)
+    ids = (PROMPT * 3)[:60]
+    want = teacher_forced_logits(hetero.load(folder, device="cpu", **kw), ids)
+    e = hetero.load(folder, device="cuda", **kw)
+    got = teacher_forced_logits(e, ids)
+    assert e.runner._graph_decoder is not None
+    assert rel_err(got.cpu(), want) < 1e-2
+
+
 def test_load_follows_the_planner_and_saved_plans(folder, tmp_path):
     from planner.plan import Plan
 
