@@ -1,0 +1,276 @@
+"""Triton paged decode attention over int8 and int4 KV blocks (`GpuKVPool.kv_dtype` INT8 / INT4).
+
+Why: the KV read is the whole cost of decode attention, and a quantized block is ~1/1.9 (int8)
+or ~1/3.6 (int4) of a bf16 block's bytes. Each code byte is read once from HBM and dequantized
+in registers; nothing is gathered or converted in memory first (`decode_attention_torch` is
+the torch twin: gather, dequantize to float32, softmax).
+
+Layouts are `cpu_attention.layout`'s (module doc) and `cpu_attention.int4`'s. Each is loaded
+as a 2-D tile whose offsets follow the VNNI order, so no tile needs a permute in registers:
+    int8 keys    [D, BS]    channel d of token t at (d//4)·4BS + 4t + d%4   (4 bytes contiguous)
+    int8 values  [BS, D]    token t of channel d at (t//4)·4D + 4d + t%4
+    int4 keys    [D/2, BS]  byte row x = (r, j) = (x//4, x%4): low nibble channel 8r + j, high 8r + 4 + j
+    int4 values  [BS, D/2]  byte c of a packed row: low nibble channel 32(c//16) + c%16, high +16
+int4 splits channels into the low and high nibbles' sets: q is loaded in the two orders, and
+values accumulate in two halves (acc_lo, acc_hi), each in its own channel order.
+
+Scales go where they cost least: int8 keys' per-token scale multiplies the score, int8 values'
+multiplies the softmax weight; int4 keys use q·(code·s + z) = (q∘s)·code + q·z per block (the
+offset stays in float32: a key's large channel mean is not rounded to bf16), int4 values are
+dequantized in registers, their per-(token, group) scale and zero expanded to the tile's
+columns by a product with a one-hot [16, D/2] matrix (exact: one nonzero term) instead of a
+gather load per element.
+
+Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores
+use q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
+accumulator is rotated and each split's output is turned back, out = acc_rot @ Rᵀ, before
+the merge (linear, so merging rotated-back partials is exact). A block whose
+`tail_of_block` ≥ 0 is read from the bf16 tail, keys and values plain: its scores use plain
+q, and its value contribution p·v is rotated (@ R) before it joins the accumulator. R enters
+as R·√P (±1 and 0, int8, exact in bf16) and a float32 1/√P; a float32 operand times it is
+split into two bf16 halves (`_rot_dot`) so the rotation keeps ~16 bits, not bf16's 8.
+
+The dense R·√P is made on the device once per (D, device) (`rotation_matrix`): by the first
+eager call, or by `prepare(pool)` before a CUDA graph is captured without an eager call
+first; a capture that finds it missing raises (no host copy may happen inside a capture).
+
+Split-K as `attention_triton`: one program per (sequence, kv head, split), splits' partial
+(out, lse) merged by its merge kernel. Shapes are static, no host sync: capturable.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from cpu_attention import rotation
+from cpu_attention.layout import KVDtype
+from gpu_ops import pdl
+from gpu_ops.attention_triton import _merge_splits_kernel, _sms
+from gpu_ops.kv_pool import GpuKVPool
+
+
+@triton.jit
+def _rot_dot(x, r, DOT_F32: tl.constexpr):
+    """x [M, K] float32 @ r [K, N] (R·√P entries, any dtype) in float32: x as two bf16 halves
+    (hi + lo), so the tensor cores keep ~16 mantissa bits of x; r's ±1 are exact in bf16."""
+    if DOT_F32:
+        return tl.dot(x, r.to(tl.float32), input_precision="ieee")
+    rb = r.to(tl.bfloat16)
+    hi = x.to(tl.bfloat16)
+    lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.dot(hi, rb) + tl.dot(lo, rb)
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One block's scores s [GP, BS] (masked: -inf) into the running max m_i and sum l_i [GP]:
+    → (p [GP, BS], alpha [GP] for the accumulator, new m_i, new l_i)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store(out, m_i, l_i, o_ptr, lse_ptr, dst, row_ok, d, D: tl.constexpr):
+    """out [GP, D] already divided by l (0 where the split saw no token) and its lse at rows dst."""
+    empty = l_i == 0.0
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + dst, lse, mask=row_ok)
+
+
+@triton.jit
+def _int8_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+):
+    b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    d = tl.arange(0, D)
+    t = tl.arange(0, BS)
+    q = tl.load(q_ptr + ((b * Hq + h * G + rows) * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = q.to(tl.float32)
+    rot_off = d[:, None] * D + d[None, :]  # [D, D]
+    q_rot = (_rot_dot(q, tl.load(rot_ptr + rot_off), DOT_F32) * inv_sqrt).to(DT)  # q @ R, for the codes
+    q_pl = q.to(DT)  # for the tails' plain keys
+    k_off = ((d // 4) * (4 * BS) + d % 4)[:, None] + (t * 4)[None, :]  # [D, BS]: codes, transposed
+    v_off = ((t // 4) * (4 * D) + t % 4)[:, None] + (d * 4)[None, :]  # [BS, D]
+    tk_off = (t * D)[None, :] + d[:, None]  # [D, BS]: a tail's keys, transposed
+    tv_off = (t * D)[:, None] + d[None, :]  # [BS, D]
+    n = tl.load(len_ptr + b)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)  # Σ p · (v @ R): rotated
+    first = sp * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
+    for i in range(first, last):
+        blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+        tail = tl.load(tob_ptr + blk)
+        hb = (layer * NB1 + blk) * Hkv + h  # (layer, block, head): index of its codes, scales
+        tb = ((layer * T1 + tl.maximum(tail, 0)) * Hkv + h).to(tl.int64) * (BS * D)
+        if tail >= 0:
+            s = tl.dot(q_pl, tl.load(tk_ptr + tb + tk_off).to(DT)).to(tl.float32) * scale
+        else:
+            ksc = tl.load(ks_ptr + hb * BS + t)  # [BS] per-token key scale, on the score
+            s = tl.dot(q_rot, tl.load(k_ptr + hb * (BS * D) + k_off).to(DT)).to(tl.float32) * (ksc * scale)[None, :]
+        s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        if tail >= 0:
+            c = tl.dot(p.to(DT), tl.load(tv_ptr + tb + tv_off).to(DT))  # plain values: rotate the sum
+            c = _rot_dot(c, tl.load(rot_ptr + rot_off), DOT_F32) * inv_sqrt
+        else:
+            vsc = tl.load(vs_ptr + hb * BS + t)  # [BS] per-token value scale, on the weight
+            c = tl.dot((p * vsc[None, :]).to(DT), tl.load(v_ptr + hb * (BS * D) + v_off).to(DT))
+        acc = acc * alpha[:, None] + c.to(tl.float32)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = _rot_dot(out, tl.trans(tl.load(rot_ptr + rot_off)), DOT_F32) * inv_sqrt  # @ Rᵀ
+    _store(out, m_i, l_i, o_ptr, lse_ptr, (sp * B + b) * Hq + h * G + rows, row_ok, d, D)
+
+
+@triton.jit
+def _int4_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr,
+    o_ptr, lse_ptr, layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+):
+    b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    d = tl.arange(0, D)
+    t = tl.arange(0, BS)
+    x = tl.arange(0, D // 2)  # key byte rows and value byte columns
+    kch = (x // 4) * 8 + x % 4  # a key byte's low-nibble channel; + 4: its high one
+    vch = (x // 16) * 32 + x % 16  # a value byte's low-nibble channel; + 16: its high one
+    q_row = ((b * Hq + h * G + rows) * D)[:, None]
+    q_lo = tl.load(q_ptr + q_row + kch[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)  # [GP, D/2]
+    q_hi = tl.load(q_ptr + q_row + kch[None, :] + 4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    k_off = ((x // 4) * (4 * BS) + x % 4)[:, None] + (t * 4)[None, :]  # [D/2, BS] key bytes
+    v_off = ((t // 4) * (2 * D) + t % 4)[:, None] + (x * 4)[None, :]  # [BS, D/2] value bytes
+    tk_off = (t * D)[None, :] + kch[:, None]  # [D/2, BS]: a tail's keys of the low-nibble channels
+    tv_off = (t * D)[:, None] + d[None, :]  # [BS, D]
+    r_off = d[:, None] * D + vch[None, :]  # [D, D/2]: R's columns of the value low-nibble channels
+    gi = tl.arange(0, 16)  # value groups, padded to a dot's minimum K
+    vs_off = (t * (D // 32))[:, None] + gi[None, :]  # [BS, 16]
+    g_ok = (gi < (D // 32))[None, :]
+    onehot = ((x // 16)[None, :] == gi[:, None]).to(DT)  # [16, D/2]: byte column → its group
+    n = tl.load(len_ptr + b)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc_lo = tl.zeros([GP, D // 2], tl.float32)  # Σ p · (v @ R) at channels vch
+    acc_hi = tl.zeros([GP, D // 2], tl.float32)  # ... at channels vch + 16
+    first = sp * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
+    for i in range(first, last):
+        blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+        tail = tl.load(tob_ptr + blk)
+        hb = (layer * NB1 + blk) * Hkv + h
+        tb = ((layer * T1 + tl.maximum(tail, 0)) * Hkv + h).to(tl.int64) * (BS * D)
+        if tail >= 0:
+            s = tl.dot(q_lo.to(DT), tl.load(tk_ptr + tb + tk_off).to(DT))
+            s = (s + tl.dot(q_hi.to(DT), tl.load(tk_ptr + tb + tk_off + 4).to(DT))) * scale
+        else:
+            kb = tl.load(k_ptr + hb * (BS * D // 2) + k_off)  # [D/2, BS] uint8
+            sc_lo = tl.load(ks_ptr + hb * D + kch).to(tl.float32)  # per block and channel
+            sc_hi = tl.load(ks_ptr + hb * D + kch + 4).to(tl.float32)
+            qz = tl.sum(q_lo * tl.load(kz_ptr + hb * D + kch).to(tl.float32)[None, :], 1)
+            qz += tl.sum(q_hi * tl.load(kz_ptr + hb * D + kch + 4).to(tl.float32)[None, :], 1)  # [GP] q · zero
+            s = tl.dot((q_lo * sc_lo[None, :]).to(DT), (kb & 15).to(DT))
+            s = (s + tl.dot((q_hi * sc_hi[None, :]).to(DT), (kb >> 4).to(DT)) + qz[:, None]) * scale
+        s = tl.where((i * BS + t)[None, :] < n, s.to(tl.float32), float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        pd = p.to(DT)
+        if tail >= 0:
+            cv = tl.dot(pd, tl.load(tv_ptr + tb + tv_off).to(DT))  # [GP, D] plain: rotate the sum
+            c_lo = _rot_dot(cv, tl.load(rot_ptr + r_off), DOT_F32) * inv_sqrt
+            c_hi = _rot_dot(cv, tl.load(rot_ptr + r_off + 16), DOT_F32) * inv_sqrt
+        else:
+            vb = tl.load(v_ptr + hb * (BS * D // 2) + v_off)  # [BS, D/2] uint8
+            vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)  # [BS, 16]
+            vzr = tl.load(vz_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)
+            vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32
+            vz_x = tl.dot(vzr, onehot)
+            c_lo = tl.dot(pd, ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT))
+            c_hi = tl.dot(pd, ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT))
+        acc_lo = acc_lo * alpha[:, None] + c_lo.to(tl.float32)
+        acc_hi = acc_hi * alpha[:, None] + c_hi.to(tl.float32)
+    inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
+    out = _rot_dot(acc_lo * inv_l[:, None], tl.trans(tl.load(rot_ptr + r_off)), DOT_F32)  # @ Rᵀ, by halves
+    out += _rot_dot(acc_hi * inv_l[:, None], tl.trans(tl.load(rot_ptr + r_off + 16)), DOT_F32)
+    _store(out * inv_sqrt, m_i, l_i, o_ptr, lse_ptr, (sp * B + b) * Hq + h * G + rows, row_ok, d, D)
+
+
+@functools.cache
+def rotation_matrix(D: int, device: torch.device) -> torch.Tensor:
+    """R·√P [D, D] int8 on `device` (±1 on the Hadamard blocks, 0 off them; `rotation.py`'s R
+    = this / √P). Made once per (D, device); not inside a CUDA graph capture."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the quantized attention's rotation for head dim {D} is not on {device} yet: call "
+                           "gpu_ops.attention_quant.prepare(pool) (or run one eager step) before capturing")
+    r = torch.round(rotation.rotate(torch.eye(D)) * math.sqrt(rotation.block(D)))
+    return r.to(torch.int8).to(device)
+
+
+def prepare(pool: GpuKVPool) -> None:
+    """Make what `paged_decode_quant` caches for this pool now (a capture may not create it)."""
+    if pool.quantized:
+        rotation_matrix(pool.head_dim, pool.k.device)
+        _sms(pool.k.device)
+
+
+def paged_decode_quant(
+    pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, out_dtype: torch.dtype = torch.float32, dot_f32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq]
+    float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter)."""
+    from gpu_ops.attention import quant_shapes_ok
+
+    B, Hq, D = q.shape
+    Hkv, BS = pool.num_kv_heads, pool.block_size
+    if not quant_shapes_ok(pool.kv_dtype, D, BS):
+        raise ValueError(f"no Triton kernel for {pool.kv_dtype.value} KV with head dim {D}, block size {BS}: "
+                         "use kernel=AttnKernel.TORCH (or AUTO)")
+    G = Hq // Hkv
+    MB = block_tables.shape[1]
+    # splits as attention_triton's: ~8 programs an SM, ≥ 4 blocks a split from 32 blocks on
+    S = max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4 if MB >= 32 else MB))
+    per = -(-MB // S)
+    o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=q.device)
+    lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
+    rot = rotation_matrix(D, q.device)
+    common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DT=tl.float32 if dot_f32 else tl.bfloat16,
+                  DOT_F32=dot_f32, PDL=pdl.enabled(q.device), num_warps=4, num_stages=2, **pdl.launch(q.device))
+    # tail_of_block is per block, layer independent; the tails are [L, T + 1, Hkv, BS, D]
+    tails = (pool.tail_k, pool.tail_v, pool.tail_of_block, rot, block_tables.contiguous(),
+             seq_lens.to(torch.int32).contiguous(), o, lse)
+    sizes = (layer, pool.k.shape[1], pool.tail_k.shape[1], Hkv, MB, per, scale, 1.0 / math.sqrt(rotation.block(D)),
+             B, Hq)
+    if pool.kv_dtype is KVDtype.INT8:
+        _int8_kernel[(B, Hkv, S)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.v_scale, *tails, *sizes, **common)
+    else:
+        _int4_kernel[(B, Hkv, S)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero,
+                                  *tails, *sizes, **common)
+    if S == 1:
+        return o[0], lse[0]
+    out = torch.empty((B, Hq, D), dtype=out_dtype, device=q.device)
+    total = torch.empty((B, Hq), dtype=torch.float32, device=q.device)  # -inf where every split was empty
+    _merge_splits_kernel[(B * Hq,)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, CH=16,
+                                    PDL=pdl.enabled(q.device), num_warps=4, **pdl.launch(q.device))
+    return out, total
