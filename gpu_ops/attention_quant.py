@@ -34,6 +34,11 @@ The dense R·√P is made on the device once per (D, device) (`rotation_matrix`)
 eager call, or by `prepare(pool)` before a CUDA graph is captured without an eager call
 first; a capture that finds it missing raises (no host copy may happen inside a capture).
 
+A block's codes, scales and zeros are loaded at the loop's top level, not inside the tail
+branch: their loads then issue together and the compiler may prefetch them across iterations;
+a block in a tail (one a sequence) also reads its stale codes, whose result the branch replaces
+(pool memory is zeroed at allocation and only ever holds finite quantizer output there).
+
 Split-K as `attention_triton`: one program per (sequence, kv head, split), splits' partial
 (out, lse) merged by its merge kernel. Shapes are static, no host sync: capturable.
 """
@@ -118,22 +123,22 @@ def _int8_kernel(
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
     for i in range(first, last):
         blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
-        tail = tl.load(tob_ptr + blk)
         hb = (layer * NB1 + blk) * Hkv + h  # (layer, block, head): index of its codes, scales
+        kc = tl.load(k_ptr + hb * (BS * D) + k_off)  # see the module doc: loads at the top level
+        ksc = tl.load(ks_ptr + hb * BS + t)  # [BS] per-token key scale, on the score
+        vc = tl.load(v_ptr + hb * (BS * D) + v_off)
+        vsc = tl.load(vs_ptr + hb * BS + t)  # [BS] per-token value scale, on the weight
+        tail = tl.load(tob_ptr + blk)
         tb = ((layer * T1 + tl.maximum(tail, 0)) * Hkv + h).to(tl.int64) * (BS * D)
-        if tail >= 0:
+        s = tl.dot(q_rot, kc.to(DT)).to(tl.float32) * (ksc * scale)[None, :]
+        if tail >= 0:  # plain bf16 keys
             s = tl.dot(q_pl, tl.load(tk_ptr + tb + tk_off).to(DT)).to(tl.float32) * scale
-        else:
-            ksc = tl.load(ks_ptr + hb * BS + t)  # [BS] per-token key scale, on the score
-            s = tl.dot(q_rot, tl.load(k_ptr + hb * (BS * D) + k_off).to(DT)).to(tl.float32) * (ksc * scale)[None, :]
         s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        if tail >= 0:
-            c = tl.dot(p.to(DT), tl.load(tv_ptr + tb + tv_off).to(DT))  # plain values: rotate the sum
+        c = tl.dot((p * vsc[None, :]).to(DT), vc.to(DT))
+        if tail >= 0:  # plain values: rotate their sum
+            c = tl.dot(p.to(DT), tl.load(tv_ptr + tb + tv_off).to(DT))
             c = _rot_dot(c, tl.load(rot_ptr + rot_off), DOT_F32) * inv_sqrt
-        else:
-            vsc = tl.load(vs_ptr + hb * BS + t)  # [BS] per-token value scale, on the weight
-            c = tl.dot((p * vsc[None, :]).to(DT), tl.load(v_ptr + hb * (BS * D) + v_off).to(DT))
         acc = acc * alpha[:, None] + c.to(tl.float32)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out = _rot_dot(out, tl.trans(tl.load(rot_ptr + rot_off)), DOT_F32) * inv_sqrt  # @ Rᵀ
@@ -179,35 +184,34 @@ def _int4_kernel(
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
     for i in range(first, last):
         blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
-        tail = tl.load(tob_ptr + blk)
         hb = (layer * NB1 + blk) * Hkv + h
+        kb = tl.load(k_ptr + hb * (BS * D // 2) + k_off)  # [D/2, BS] uint8; loads at the top level
+        sc_lo = tl.load(ks_ptr + hb * D + kch).to(tl.float32)  # per block and channel
+        sc_hi = tl.load(ks_ptr + hb * D + kch + 4).to(tl.float32)
+        z_lo = tl.load(kz_ptr + hb * D + kch).to(tl.float32)
+        z_hi = tl.load(kz_ptr + hb * D + kch + 4).to(tl.float32)
+        vb = tl.load(v_ptr + hb * (BS * D // 2) + v_off)  # [BS, D/2] uint8
+        vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)  # [BS, 16]
+        vzr = tl.load(vz_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)
+        tail = tl.load(tob_ptr + blk)
         tb = ((layer * T1 + tl.maximum(tail, 0)) * Hkv + h).to(tl.int64) * (BS * D)
-        if tail >= 0:
+        qz = tl.sum(q_lo * z_lo[None, :], 1) + tl.sum(q_hi * z_hi[None, :], 1)  # [GP] q · zero
+        s = tl.dot((q_lo * sc_lo[None, :]).to(DT), (kb & 15).to(DT))
+        s = (s + tl.dot((q_hi * sc_hi[None, :]).to(DT), (kb >> 4).to(DT)) + qz[:, None]) * scale
+        if tail >= 0:  # plain bf16 keys
             s = tl.dot(q_lo.to(DT), tl.load(tk_ptr + tb + tk_off).to(DT))
             s = (s + tl.dot(q_hi.to(DT), tl.load(tk_ptr + tb + tk_off + 4).to(DT))) * scale
-        else:
-            kb = tl.load(k_ptr + hb * (BS * D // 2) + k_off)  # [D/2, BS] uint8
-            sc_lo = tl.load(ks_ptr + hb * D + kch).to(tl.float32)  # per block and channel
-            sc_hi = tl.load(ks_ptr + hb * D + kch + 4).to(tl.float32)
-            qz = tl.sum(q_lo * tl.load(kz_ptr + hb * D + kch).to(tl.float32)[None, :], 1)
-            qz += tl.sum(q_hi * tl.load(kz_ptr + hb * D + kch + 4).to(tl.float32)[None, :], 1)  # [GP] q · zero
-            s = tl.dot((q_lo * sc_lo[None, :]).to(DT), (kb & 15).to(DT))
-            s = (s + tl.dot((q_hi * sc_hi[None, :]).to(DT), (kb >> 4).to(DT)) + qz[:, None]) * scale
         s = tl.where((i * BS + t)[None, :] < n, s.to(tl.float32), float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         pd = p.to(DT)
-        if tail >= 0:
-            cv = tl.dot(pd, tl.load(tv_ptr + tb + tv_off).to(DT))  # [GP, D] plain: rotate the sum
+        vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32: each byte column's group scale
+        vz_x = tl.dot(vzr, onehot)
+        c_lo = tl.dot(pd, ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT))
+        c_hi = tl.dot(pd, ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT))
+        if tail >= 0:  # plain values: rotate their sum
+            cv = tl.dot(pd, tl.load(tv_ptr + tb + tv_off).to(DT))  # [GP, D]
             c_lo = _rot_dot(cv, tl.load(rot_ptr + r_off), DOT_F32) * inv_sqrt
             c_hi = _rot_dot(cv, tl.load(rot_ptr + r_off + 16), DOT_F32) * inv_sqrt
-        else:
-            vb = tl.load(v_ptr + hb * (BS * D // 2) + v_off)  # [BS, D/2] uint8
-            vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)  # [BS, 16]
-            vzr = tl.load(vz_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)
-            vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32
-            vz_x = tl.dot(vzr, onehot)
-            c_lo = tl.dot(pd, ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT))
-            c_hi = tl.dot(pd, ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT))
         acc_lo = acc_lo * alpha[:, None] + c_lo.to(tl.float32)
         acc_hi = acc_hi * alpha[:, None] + c_hi.to(tl.float32)
     inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
