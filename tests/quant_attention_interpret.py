@@ -29,7 +29,8 @@ from triton.runtime import interpreter  # noqa: E402
 from cpu_attention.layout import KVDtype  # noqa: E402
 from gpu_ops.attention import decode_attention_torch  # noqa: E402
 from gpu_ops.attention_quant import paged_decode_quant  # noqa: E402
-from test_gpu_quant_attention import TRITON_TOL, check_against_references, make_case, rel  # noqa: E402  (tests/ is sys.path[0])
+# tests/ is sys.path[0] when this file runs as a script
+from test_gpu_quant_attention import TRITON_TOL, check_against_references, make_case, rel  # noqa: E402
 
 TOL = 2e-5  # float32 dots against float64 / the float32 twin over the same bytes
 BF16_LSE_TOL = 2e-2  # bf16 q in the scores: the gpu tests' bound

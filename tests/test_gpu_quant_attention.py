@@ -58,8 +58,8 @@ def make_case(kv: KVDtype, D: int, BS: int, lens: list[int], G: int = 3, Hkv: in
         for j in range(nb):
             blk, a, e = int(bt[i, j]), j * BS, min(n, (j + 1) * BS)
             pool.open_tail(blk)
-            pool.write(layer, torch.arange(blk * BS, blk * BS + e - a, device=device), k[a:e].to(device),
-                       v[a:e].to(device))
+            slots = torch.arange(blk * BS, blk * BS + e - a, device=device)
+            pool.write(layer, slots, k[a:e].float().to(device), v[a:e].float().to(device))  # into its tail
             keep = i == opened and j == n // BS - 1
             if (e - a == BS or seal_all) and not keep:
                 pool.seal([blk])
@@ -72,7 +72,8 @@ def dequantized64(pool: GpuKVPool, layer: int, bt: torch.Tensor) -> tuple[torch.
     """K, V [B, Hkv, MB·BS, D] float64 as the layout module doc defines them, assembled here (not
     by `pool.gather`): codes · scales (+ zeros), rotated parts times Rᵀ, tails as stored."""
     D, BS = pool.head_dim, pool.block_size
-    R = torch.round(rotation.rotate(torch.eye(D)) * math.sqrt(rotation.block(D))).double() / math.sqrt(rotation.block(D))
+    sq = math.sqrt(rotation.block(D))
+    R = torch.round(rotation.rotate(torch.eye(D)) * sq).double() / sq  # exact: ±1/√P and 0
     ids = bt.long().reshape(-1).cpu()
     part = {n: t[layer].cpu()[ids] for n, t in pool.parts().items()}
     if pool.kv_dtype is KVDtype.INT8:
@@ -80,7 +81,8 @@ def dequantized64(pool: GpuKVPool, layer: int, bt: torch.Tensor) -> tuple[torch.
         k = kc.double() * part["k_scale"].double()[..., None] @ R.T
         v = vc.double() * part["v_scale"].double()[..., None] @ R.T
     else:
-        k = int4.unpack_keys(part["k"]).double() * part["k_scale"].double()[..., None, :] + part["k_zero"].double()[..., None, :]
+        k = int4.unpack_keys(part["k"]).double() * part["k_scale"].double()[..., None, :]
+        k += part["k_zero"].double()[..., None, :]
         codes = int4.unpack(int4.unquads(part["v"], BS)).double().reshape(*part["v_scale"].shape, 32)
         y = codes * part["v_scale"].double()[..., None] + part["v_zero"].double()[..., None]
         v = y.reshape(*y.shape[:-2], D) @ R.T
@@ -198,8 +200,9 @@ def test_quant_shapes_ok_is_exact():
     """What the Triton kernel accepts: powers of two, D 16-128 (int4 from 32), BS 16-64."""
     ok = [(kv, D, BS) for kv in QUANT for D in (16, 32, 48, 64, 96, 128, 256) for BS in (8, 12, 16, 32, 64, 128)
           if quant_shapes_ok(kv, D, BS)]
-    assert {(D, BS) for kv, D, BS in ok if kv is KVDtype.INT8} == {(D, BS) for D in (16, 32, 64, 128) for BS in (16, 32, 64)}
-    assert {(D, BS) for kv, D, BS in ok if kv is KVDtype.INT4} == {(D, BS) for D in (32, 64, 128) for BS in (16, 32, 64)}
+    want = {KVDtype.INT8: (16, 32, 64, 128), KVDtype.INT4: (32, 64, 128)}
+    for kv in QUANT:
+        assert {(D, BS) for k, D, BS in ok if k is kv} == {(D, BS) for D in want[kv] for BS in (16, 32, 64)}
     assert not quant_shapes_ok(KVDtype.BF16, 128, 16)
 
 
@@ -216,10 +219,10 @@ def _triton(case, scale, out_dtype=torch.float32):
 @pytest.mark.parametrize("D,BS", [(64, 16), (128, 16), (64, 32), (128, 32)])
 @pytest.mark.parametrize("G", [1, 4, 8])
 def test_gpu_triton_matches_float64_and_twin(kv, D, BS, G):
-    """Batches with odd lengths, an empty sequence, tails (one holding a complete block), split-K
-    (a long sequence) and single-split shapes (many short ones)."""
+    """Batches with odd lengths, an empty sequence, tails (one holding a complete block): splits of
+    several blocks (a long sequence), of one block (32 short ones), and one split (no merge)."""
     scale = 1 / math.sqrt(D)
-    for lens in ([1, 17, 0, 2 * BS + 3, 40 * BS + 7], [BS * 3 + 1] * 16 + [0, 5] * 8):
+    for lens in ([1, 17, 0, 2 * BS + 3, 40 * BS + 7], [BS * 3 + 1] * 16 + [0, 5] * 8, [1, 5, 0, BS, BS - 1]):
         case = make_case(kv, D, BS, lens, G=G, Hkv=2, seed=G + D + BS, device="cuda", open_full=True)
         out, lse = _triton(case, scale)
         check_against_references(out, lse, case, scale, TRITON_TOL, 2e-2)
@@ -242,8 +245,9 @@ def test_gpu_triton_batch1_long_context(kv):
 @pytest.mark.parametrize("kv", QUANT)
 @pytest.mark.parametrize("lens", [[3000], [1, 100, 0, 37] * 4])
 def test_gpu_triton_in_a_cuda_graph(kv, lens):
-    """Captured and replayed after the inputs change (new q, longer sequences, a new tail): the
-    replay gives what an eager call gives on the new inputs; bf16 out as the decode step asks."""
+    """Captured, then replayed after the inputs change (new q, sequences 20 tokens longer, reaching
+    into their tails): the replay gives what an eager call gives on the new inputs, bit for bit;
+    bf16 out as the decode step asks."""
     from gpu_ops.attention_quant import prepare
 
     D, BS = 128, 16
