@@ -26,11 +26,14 @@ use q_rot = q @ R, made once per program; int8 and int4 values are stored as v @
 accumulator is rotated and each split's output is turned back, out = acc_rot @ Rᵀ, before
 the merge (linear, so merging rotated-back partials is exact). A block whose
 `tail_of_block` ≥ 0 is read from the bf16 tail, keys and values plain: its scores use plain
-q, and its value contribution p·v is rotated (@ R) before it joins the accumulator. R enters
-as R·√P (±1 and 0, int8, exact in bf16) and a float32 1/√P; a float32 operand times it is
-split into two bf16 halves (`_rot_dot`) so the rotation keeps ~16 bits, not bf16's 8.
+q; int8 rotates its values on the way in (v @ R, into the one accumulator), int4 sums them in
+a second, plain accumulator added in the epilogue (rotating two halves in the loop took more
+registers). R enters as R·√P and Rᵀ·√P (±1 and 0, int8, exact in bf16) and a float32 1/√P; a
+float32 operand times it is split into two bf16 halves (`_rot_dot`) so the rotation keeps ~16
+bits, not bf16's 8. Every product with R goes in chunks of RC = 32 rows or columns read from
+memory (L2): a [D, D] operand in registers took all 255 and spilled (`ptxas -v` on sm_90).
 
-The dense R·√P is made on the device once per (D, device) (`rotation_matrix`): by the first
+The dense [R·√P, Rᵀ·√P] is made on the device once per (D, device) (`rotation_matrix`): by the first
 eager call, or by `prepare(pool)` before a CUDA graph is captured without an eager call
 first; a capture that finds it missing raises (no host copy may happen inside a capture).
 
@@ -72,6 +75,34 @@ def _rot_dot(x, r, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _rotate_rows(src_ptr, row_off, row_ok, rot_ptr, cols, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                 RC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Rows x of a float tile in memory (row r at src_ptr + row_off[r], D contiguous values) → x @ R·√P
+    at channels cols: [M, N] float32. K goes in chunks of RC rows of R, read from memory, so no
+    operand is larger than [RC, N] (a [D, D] operand in registers took all 255 and spilled)."""
+    acc = tl.zeros([M, N], tl.float32)
+    for k0 in tl.static_range(0, D, RC):
+        k = k0 + tl.arange(0, RC)
+        x = tl.load(src_ptr + row_off[:, None] + k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        acc += _rot_dot(x, tl.load(rot_ptr + k[:, None] * D + cols[None, :]), DOT_F32)
+    return acc
+
+
+@triton.jit
+def _rotate_rows_t(src_ptr, row_off, row_ok, rot_t_ptr, cols, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                   RC: tl.constexpr, DOT_F32: tl.constexpr):
+    """`_rotate_rows` reading R from its transpose (rot_t_ptr: Rᵀ·√P): used inside the block loop,
+    where the same offsets as the prologue's `_rotate_rows` would be merged with them (CSE) and
+    kept live across the loop (measured: 254 registers instead of 140)."""
+    acc = tl.zeros([M, N], tl.float32)
+    for k0 in tl.static_range(0, D, RC):
+        k = k0 + tl.arange(0, RC)
+        x = tl.load(src_ptr + row_off[:, None] + k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        acc += _rot_dot(x, tl.load(rot_t_ptr + cols[None, :] * D + k[:, None]), DOT_F32)
+    return acc
+
+
+@triton.jit
 def _online_softmax(s, m_i, l_i):
     """One block's scores s [GP, BS] (masked: -inf) into the running max m_i and sum l_i [GP]:
     → (p [GP, BS], alpha [GP] for the accumulator, new m_i, new l_i)."""
@@ -83,19 +114,18 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
-def _store(out, m_i, l_i, o_ptr, lse_ptr, dst, row_ok, d, D: tl.constexpr):
-    """out [GP, D] already divided by l (0 where the split saw no token) and its lse at rows dst."""
+def _lse(m_i, l_i, lse_ptr, dst, row_ok):
+    """Stores the split's lse (-inf where it saw no token) → 1 / l (1 there: its out stays 0)."""
     empty = l_i == 0.0
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse_ptr + dst, lse, mask=row_ok)
+    tl.store(lse_ptr + dst, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))), mask=row_ok)
+    return 1.0 / tl.where(empty, 1.0, l_i)
 
 
 @triton.jit
 def _int8_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
     layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
-    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, DT: tl.constexpr,
     DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -106,15 +136,11 @@ def _int8_kernel(
     row_ok = rows < G
     d = tl.arange(0, D)
     t = tl.arange(0, BS)
-    q = tl.load(q_ptr + ((b * Hq + h * G + rows) * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    q = q.to(tl.float32)
-    rot_off = d[:, None] * D + d[None, :]  # [D, D]
-    q_rot = (_rot_dot(q, tl.load(rot_ptr + rot_off), DOT_F32) * inv_sqrt).to(DT)  # q @ R, for the codes
-    q_pl = q.to(DT)  # for the tails' plain keys
+    q_row = (b * Hq + h * G + rows) * D
+    q_rot = (_rotate_rows(q_ptr, q_row, row_ok, rot_ptr, d, GP, D, D, RC, DOT_F32) * inv_sqrt).to(DT)  # q @ R
+    q_pl = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)  # for the tails
     k_off = ((d // 4) * (4 * BS) + d % 4)[:, None] + (t * 4)[None, :]  # [D, BS]: codes, transposed
     v_off = ((t // 4) * (4 * D) + t % 4)[:, None] + (d * 4)[None, :]  # [BS, D]
-    tk_off = (t * D)[None, :] + d[:, None]  # [D, BS]: a tail's keys, transposed
-    tv_off = (t * D)[:, None] + d[None, :]  # [BS, D]
     n = tl.load(len_ptr + b)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -132,24 +158,30 @@ def _int8_kernel(
         tb = ((layer * T1 + tl.maximum(tail, 0)) * Hkv + h).to(tl.int64) * (BS * D)
         s = tl.dot(q_rot, kc.to(DT)).to(tl.float32) * (ksc * scale)[None, :]
         if tail >= 0:  # plain bf16 keys
-            s = tl.dot(q_pl, tl.load(tk_ptr + tb + tk_off).to(DT)).to(tl.float32) * scale
+            kt = tl.load(tk_ptr + tb + (t * D)[None, :] + d[:, None])  # [D, BS] transposed
+            s = tl.dot(q_pl, kt.to(DT)).to(tl.float32) * scale
         s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        c = tl.dot((p * vsc[None, :]).to(DT), vc.to(DT))
-        if tail >= 0:  # plain values: rotate their sum
-            c = tl.dot(p.to(DT), tl.load(tv_ptr + tb + tv_off).to(DT))
-            c = _rot_dot(c, tl.load(rot_ptr + rot_off), DOT_F32) * inv_sqrt
-        acc = acc * alpha[:, None] + c.to(tl.float32)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out = _rot_dot(out, tl.trans(tl.load(rot_ptr + rot_off)), DOT_F32) * inv_sqrt  # @ Rᵀ
-    _store(out, m_i, l_i, o_ptr, lse_ptr, (sp * B + b) * Hq + h * G + rows, row_ok, d, D)
+        pw = (p * vsc[None, :]).to(DT)
+        vt = vc.to(DT)
+        if tail >= 0:  # plain values, rotated on the way in
+            pw = p.to(DT)
+            vt = _rotate_rows_t(tv_ptr + tb, t * D, t < BS, rot_ptr + D * D, d, BS, D, D, RC, DOT_F32)
+            vt = (vt * inv_sqrt).to(DT)
+        acc = acc * alpha[:, None] + tl.dot(pw, vt)
+    dst = (sp * B + b) * Hq + h * G + rows
+    inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok) * inv_sqrt
+    for n0 in tl.static_range(0, D, RC):  # out = acc @ Rᵀ, by column chunks (no [D, D] operand)
+        e = n0 + tl.arange(0, RC)
+        o = _rot_dot(acc, tl.load(rot_ptr + e[None, :] * D + d[:, None]), DOT_F32) * inv_l[:, None]
+        tl.store(o_ptr + (dst * D)[:, None] + e[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _int4_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr,
     o_ptr, lse_ptr, layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
-    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, DT: tl.constexpr,
     DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -158,7 +190,6 @@ def _int4_kernel(
         gdc_launch_dependents()
     rows = tl.arange(0, GP)
     row_ok = rows < G
-    d = tl.arange(0, D)
     t = tl.arange(0, BS)
     x = tl.arange(0, D // 2)  # key byte rows and value byte columns
     kch = (x // 4) * 8 + x % 4  # a key byte's low-nibble channel; + 4: its high one
@@ -166,11 +197,9 @@ def _int4_kernel(
     q_row = ((b * Hq + h * G + rows) * D)[:, None]
     q_lo = tl.load(q_ptr + q_row + kch[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)  # [GP, D/2]
     q_hi = tl.load(q_ptr + q_row + kch[None, :] + 4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qb_lo, qb_hi = q_lo.to(DT), q_hi.to(DT)  # for the tails' plain keys
     k_off = ((x // 4) * (4 * BS) + x % 4)[:, None] + (t * 4)[None, :]  # [D/2, BS] key bytes
     v_off = ((t // 4) * (2 * D) + t % 4)[:, None] + (x * 4)[None, :]  # [BS, D/2] value bytes
-    tk_off = (t * D)[None, :] + kch[:, None]  # [D/2, BS]: a tail's keys of the low-nibble channels
-    tv_off = (t * D)[:, None] + d[None, :]  # [BS, D]
-    r_off = d[:, None] * D + vch[None, :]  # [D, D/2]: R's columns of the value low-nibble channels
     gi = tl.arange(0, 16)  # value groups, padded to a dot's minimum K
     vs_off = (t * (D // 32))[:, None] + gi[None, :]  # [BS, 16]
     g_ok = (gi < (D // 32))[None, :]
@@ -180,6 +209,8 @@ def _int4_kernel(
     l_i = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, D // 2], tl.float32)  # Σ p · (v @ R) at channels vch
     acc_hi = tl.zeros([GP, D // 2], tl.float32)  # ... at channels vch + 16
+    acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
+    d = tl.arange(0, D)
     first = sp * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
     for i in range(first, last):
@@ -199,36 +230,44 @@ def _int4_kernel(
         s = tl.dot((q_lo * sc_lo[None, :]).to(DT), (kb & 15).to(DT))
         s = (s + tl.dot((q_hi * sc_hi[None, :]).to(DT), (kb >> 4).to(DT)) + qz[:, None]) * scale
         if tail >= 0:  # plain bf16 keys
-            s = tl.dot(q_lo.to(DT), tl.load(tk_ptr + tb + tk_off).to(DT))
-            s = (s + tl.dot(q_hi.to(DT), tl.load(tk_ptr + tb + tk_off + 4).to(DT))) * scale
+            tk_off = tb + (t * D)[None, :] + kch[:, None]  # [D/2, BS]: the low-nibble channels
+            s = tl.dot(qb_lo, tl.load(tk_ptr + tk_off).to(DT))
+            s = (s + tl.dot(qb_hi, tl.load(tk_ptr + tk_off + 4).to(DT))) * scale
         s = tl.where((i * BS + t)[None, :] < n, s.to(tl.float32), float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         pd = p.to(DT)
         vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32: each byte column's group scale
         vz_x = tl.dot(vzr, onehot)
-        c_lo = tl.dot(pd, ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT))
-        c_hi = tl.dot(pd, ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT))
-        if tail >= 0:  # plain values: rotate their sum
-            cv = tl.dot(pd, tl.load(tv_ptr + tb + tv_off).to(DT))  # [GP, D]
-            c_lo = _rot_dot(cv, tl.load(rot_ptr + r_off), DOT_F32) * inv_sqrt
-            c_hi = _rot_dot(cv, tl.load(rot_ptr + r_off + 16), DOT_F32) * inv_sqrt
-        acc_lo = acc_lo * alpha[:, None] + c_lo.to(tl.float32)
-        acc_hi = acc_hi * alpha[:, None] + c_hi.to(tl.float32)
-    inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
-    out = _rot_dot(acc_lo * inv_l[:, None], tl.trans(tl.load(rot_ptr + r_off)), DOT_F32)  # @ Rᵀ, by halves
-    out += _rot_dot(acc_hi * inv_l[:, None], tl.trans(tl.load(rot_ptr + r_off + 16)), DOT_F32)
-    _store(out * inv_sqrt, m_i, l_i, o_ptr, lse_ptr, (sp * B + b) * Hq + h * G + rows, row_ok, d, D)
+        v_lo = ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT)
+        v_hi = ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT)
+        acc_lo = acc_lo * alpha[:, None]
+        acc_hi = acc_hi * alpha[:, None]
+        acc_tail = acc_tail * alpha[:, None]
+        if tail >= 0:
+            acc_tail += tl.dot(pd, tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :]).to(DT))
+        else:
+            acc_lo += tl.dot(pd, v_lo)
+            acc_hi += tl.dot(pd, v_hi)
+    dst = (sp * B + b) * Hq + h * G + rows
+    inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
+    for n0 in tl.static_range(0, D, RC):  # out = acc @ Rᵀ by column chunks, acc's rows by halves
+        e = n0 + tl.arange(0, RC)
+        o = _rot_dot(acc_lo, tl.load(rot_ptr + e[None, :] * D + vch[:, None]), DOT_F32)
+        o += _rot_dot(acc_hi, tl.load(rot_ptr + e[None, :] * D + vch[:, None] + 16), DOT_F32)
+        o = o * inv_sqrt + _rot_dot(acc_tail, (d[:, None] == e[None, :]).to(tl.int8), DOT_F32)
+        o = o * inv_l[:, None]
+        tl.store(o_ptr + (dst * D)[:, None] + e[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @functools.cache
 def rotation_matrix(D: int, device: torch.device) -> torch.Tensor:
-    """R·√P [D, D] int8 on `device` (±1 on the Hadamard blocks, 0 off them; `rotation.py`'s R
-    = this / √P). Made once per (D, device); not inside a CUDA graph capture."""
+    """[R·√P, Rᵀ·√P] [2, D, D] int8 on `device` (±1 on the Hadamard blocks, 0 off them; `rotation.py`'s
+    R = [0] / √P). Made once per (D, device); not inside a CUDA graph capture."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"the quantized attention's rotation for head dim {D} is not on {device} yet: call "
                            "gpu_ops.attention_quant.prepare(pool) (or run one eager step) before capturing")
     r = torch.round(rotation.rotate(torch.eye(D)) * math.sqrt(rotation.block(D)))
-    return r.to(torch.int8).to(device)
+    return torch.stack([r, r.T]).to(torch.int8).contiguous().to(device)
 
 
 def prepare(pool: GpuKVPool) -> None:
@@ -259,7 +298,8 @@ def paged_decode_quant(
     o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=q.device)
     lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
     rot = rotation_matrix(D, q.device)
-    common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DT=tl.float32 if dot_f32 else tl.bfloat16,
+    common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, RC=min(32, D),
+                  DT=tl.float32 if dot_f32 else tl.bfloat16,
                   DOT_F32=dot_f32, PDL=pdl.enabled(q.device), num_warps=4, num_stages=2, **pdl.launch(q.device))
     # tail_of_block is per block, layer independent; the tails are [L, T + 1, Hkv, BS, D]
     tails = (pool.tail_k, pool.tail_v, pool.tail_of_block, rot, block_tables.contiguous(),
