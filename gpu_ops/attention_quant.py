@@ -24,23 +24,23 @@ gather load per element.
 Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores
 use q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
 accumulator is rotated and each split's output is turned back, out = acc_rot @ Rᵀ, before
-the merge (linear, so merging rotated-back partials is exact). A block whose
-`tail_of_block` ≥ 0 is read from the bf16 tail, keys and values plain: its scores use plain
-q; int8 rotates its values on the way in (v @ R, into the one accumulator), int4 sums them in
-a second, plain accumulator added in the epilogue (rotating two halves in the loop took more
-registers). R enters as R·√P and Rᵀ·√P (±1 and 0, int8, exact in bf16) and a float32 1/√P; a
-float32 operand times it is split into two bf16 halves (`_rot_dot`) so the rotation keeps ~16
-bits, not bf16's 8. Every product with R goes in chunks of RC = 32 rows or columns read from
-memory (L2): a [D, D] operand in registers took all 255 and spilled (`ptxas -v` on sm_90).
+the merge (linear, so merging rotated-back partials is exact). R enters as R·√P (±1 and 0,
+int8, exact in bf16) and a float32 1/√P; a float32 operand times it is split into two bf16
+halves (`_rot_dot`) so the rotation keeps ~16 bits, not bf16's 8. Every product with R goes in
+chunks of RC = 32 rows or columns read from memory (L2): a [D, D] operand in registers took
+all 255 and spilled (`ptxas -v` for sm_90).
 
-The dense [R·√P, Rᵀ·√P] is made on the device once per (D, device) (`rotation_matrix`): by the first
-eager call, or by `prepare(pool)` before a CUDA graph is captured without an eager call
+Blocks being filled (`tail_of_block` ≥ 0: bf16 tail, keys and values plain) are not branched
+on in the main loop, which attends the codes only (a tail block's scores masked to -inf; its
+stale codes are read and weighted 0: pool memory is zeroed at allocation and only ever holds
+finite quantizer output). A second loop, run only by a split holding a tail (`_has_tail`: one
+vector load of its block ids' entries), attends them with plain q into a plain accumulator,
+acc_tail, which the epilogue stores first and adds to acc @ Rᵀ chunk by chunk. A branch in the
+main loop kept its temporaries live there: 227-255 registers against 128-140 now (int8).
+
+The dense R·√P is made on the device once per (D, device) (`rotation_matrix`): by the
+first eager call, or by `prepare(pool)` before a CUDA graph is captured without an eager call
 first; a capture that finds it missing raises (no host copy may happen inside a capture).
-
-A block's codes, scales and zeros are loaded at the loop's top level, not inside the tail
-branch: their loads then issue together and the compiler may prefetch them across iterations;
-a block in a tail (one a sequence) also reads its stale codes, whose result the branch replaces
-(pool memory is zeroed at allocation and only ever holds finite quantizer output there).
 
 Split-K as `attention_triton`: one program per (sequence, kv head, split), splits' partial
 (out, lse) merged by its merge kernel. Shapes are static, no host sync: capturable.
@@ -89,17 +89,13 @@ def _rotate_rows(src_ptr, row_off, row_ok, rot_ptr, cols, M: tl.constexpr, N: tl
 
 
 @triton.jit
-def _rotate_rows_t(src_ptr, row_off, row_ok, rot_t_ptr, cols, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
-                   RC: tl.constexpr, DOT_F32: tl.constexpr):
-    """`_rotate_rows` reading R from its transpose (rot_t_ptr: Rᵀ·√P): used inside the block loop,
-    where the same offsets as the prologue's `_rotate_rows` would be merged with them (CSE) and
-    kept live across the loop (measured: 254 registers instead of 140)."""
-    acc = tl.zeros([M, N], tl.float32)
-    for k0 in tl.static_range(0, D, RC):
-        k = k0 + tl.arange(0, RC)
-        x = tl.load(src_ptr + row_off[:, None] + k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        acc += _rot_dot(x, tl.load(rot_t_ptr + cols[None, :] * D + k[:, None]), DOT_F32)
-    return acc
+def _has_tail(bt_row_ptr, tob_ptr, first, last, PER: tl.constexpr):
+    """Whether any of this split's blocks first .. last - 1 is in a tail: one vector load of the
+    split's block ids and their tail_of_block entries (PER ≥ last - first, a power of two)."""
+    j = first + tl.arange(0, PER)
+    ok = j < last
+    blk = tl.load(bt_row_ptr + j, mask=ok, other=0)
+    return tl.max(tl.load(tob_ptr + blk, mask=ok, other=-1), 0) >= 0
 
 
 @triton.jit
@@ -122,11 +118,27 @@ def _lse(m_i, l_i, lse_ptr, dst, row_ok):
 
 
 @triton.jit
+def _store_rotated_back(acc, acc_tail, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D: tl.constexpr,
+                        RC: tl.constexpr, DOT_F32: tl.constexpr):
+    """out = (acc @ Rᵀ·√P · inv_sqrt + acc_tail) · inv_l at rows dst: acc_tail stored first, then
+    acc's product by column chunks of RC (no [D, D] operand), each chunk added to what is there."""
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], (acc_tail * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+    for n0 in tl.static_range(0, D, RC):
+        e = n0 + tl.arange(0, RC)
+        o = _rot_dot(acc, tl.load(rot_ptr + e[None, :] * D + d[:, None]), DOT_F32)
+        ptr = o_ptr + (dst * D)[:, None] + e[None, :]
+        o = o * (inv_sqrt * inv_l)[:, None] + tl.load(ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        tl.store(ptr, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def _int8_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
     layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
-    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, DT: tl.constexpr,
-    DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, PER: tl.constexpr,
+    DT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
@@ -138,7 +150,6 @@ def _int8_kernel(
     t = tl.arange(0, BS)
     q_row = (b * Hq + h * G + rows) * D
     q_rot = (_rotate_rows(q_ptr, q_row, row_ok, rot_ptr, d, GP, D, D, RC, DOT_F32) * inv_sqrt).to(DT)  # q @ R
-    q_pl = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)  # for the tails
     k_off = ((d // 4) * (4 * BS) + d % 4)[:, None] + (t * 4)[None, :]  # [D, BS]: codes, transposed
     v_off = ((t // 4) * (4 * D) + t % 4)[:, None] + (d * 4)[None, :]  # [BS, D]
     n = tl.load(len_ptr + b)
@@ -154,35 +165,37 @@ def _int8_kernel(
         ksc = tl.load(ks_ptr + hb * BS + t)  # [BS] per-token key scale, on the score
         vc = tl.load(v_ptr + hb * (BS * D) + v_off)
         vsc = tl.load(vs_ptr + hb * BS + t)  # [BS] per-token value scale, on the weight
-        tail = tl.load(tob_ptr + blk)
-        tb = ((layer * T1 + tl.maximum(tail, 0)) * Hkv + h).to(tl.int64) * (BS * D)
+        tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the loop below
         s = tl.dot(q_rot, kc.to(DT)).to(tl.float32) * (ksc * scale)[None, :]
-        if tail >= 0:  # plain bf16 keys
-            kt = tl.load(tk_ptr + tb + (t * D)[None, :] + d[:, None])  # [D, BS] transposed
-            s = tl.dot(q_pl, kt.to(DT)).to(tl.float32) * scale
-        s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
+        s = tl.where(((i * BS + t)[None, :] < n) & (tail < 0), s, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        pw = (p * vsc[None, :]).to(DT)
-        vt = vc.to(DT)
-        if tail >= 0:  # plain values, rotated on the way in
-            pw = p.to(DT)
-            vt = _rotate_rows_t(tv_ptr + tb, t * D, t < BS, rot_ptr + D * D, d, BS, D, D, RC, DOT_F32)
-            vt = (vt * inv_sqrt).to(DT)
-        acc = acc * alpha[:, None] + tl.dot(pw, vt)
+        acc = acc * alpha[:, None] + tl.dot((p * vsc[None, :]).to(DT), vc.to(DT))
+    acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
+    if _has_tail(bt_ptr + b * MB, tob_ptr, first, last, PER):
+        q_pl = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+        for i in range(first, last):
+            blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+            tail = tl.load(tob_ptr + blk)
+            if tail >= 0:
+                tb = ((layer * T1 + tail) * Hkv + h).to(tl.int64) * (BS * D)
+                kt = tl.load(tk_ptr + tb + (t * D)[None, :] + d[:, None])  # [D, BS] transposed
+                s = tl.dot(q_pl, kt.to(DT)).to(tl.float32) * scale
+                s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
+                p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+                acc = acc * alpha[:, None]
+                vt = tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :])  # [BS, D]
+                acc_tail = acc_tail * alpha[:, None] + tl.dot(p.to(DT), vt.to(DT))
     dst = (sp * B + b) * Hq + h * G + rows
-    inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok) * inv_sqrt
-    for n0 in tl.static_range(0, D, RC):  # out = acc @ Rᵀ, by column chunks (no [D, D] operand)
-        e = n0 + tl.arange(0, RC)
-        o = _rot_dot(acc, tl.load(rot_ptr + e[None, :] * D + d[:, None]), DOT_F32) * inv_l[:, None]
-        tl.store(o_ptr + (dst * D)[:, None] + e[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
+    _store_rotated_back(acc, acc_tail, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D, RC, DOT_F32)
 
 
 @triton.jit
 def _int4_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr,
     o_ptr, lse_ptr, layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
-    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, DT: tl.constexpr,
-    DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, PER: tl.constexpr,
+    DT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
@@ -197,7 +210,6 @@ def _int4_kernel(
     q_row = ((b * Hq + h * G + rows) * D)[:, None]
     q_lo = tl.load(q_ptr + q_row + kch[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)  # [GP, D/2]
     q_hi = tl.load(q_ptr + q_row + kch[None, :] + 4, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    qb_lo, qb_hi = q_lo.to(DT), q_hi.to(DT)  # for the tails' plain keys
     k_off = ((x // 4) * (4 * BS) + x % 4)[:, None] + (t * 4)[None, :]  # [D/2, BS] key bytes
     v_off = ((t // 4) * (2 * D) + t % 4)[:, None] + (x * 4)[None, :]  # [BS, D/2] value bytes
     gi = tl.arange(0, 16)  # value groups, padded to a dot's minimum K
@@ -209,8 +221,6 @@ def _int4_kernel(
     l_i = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, D // 2], tl.float32)  # Σ p · (v @ R) at channels vch
     acc_hi = tl.zeros([GP, D // 2], tl.float32)  # ... at channels vch + 16
-    acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
-    d = tl.arange(0, D)
     first = sp * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
     for i in range(first, last):
@@ -224,50 +234,58 @@ def _int4_kernel(
         vb = tl.load(v_ptr + hb * (BS * D // 2) + v_off)  # [BS, D/2] uint8
         vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)  # [BS, 16]
         vzr = tl.load(vz_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)
-        tail = tl.load(tob_ptr + blk)
-        tb = ((layer * T1 + tl.maximum(tail, 0)) * Hkv + h).to(tl.int64) * (BS * D)
+        tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the loop below
         qz = tl.sum(q_lo * z_lo[None, :], 1) + tl.sum(q_hi * z_hi[None, :], 1)  # [GP] q · zero
         s = tl.dot((q_lo * sc_lo[None, :]).to(DT), (kb & 15).to(DT))
         s = (s + tl.dot((q_hi * sc_hi[None, :]).to(DT), (kb >> 4).to(DT)) + qz[:, None]) * scale
-        if tail >= 0:  # plain bf16 keys
-            tk_off = tb + (t * D)[None, :] + kch[:, None]  # [D/2, BS]: the low-nibble channels
-            s = tl.dot(qb_lo, tl.load(tk_ptr + tk_off).to(DT))
-            s = (s + tl.dot(qb_hi, tl.load(tk_ptr + tk_off + 4).to(DT))) * scale
-        s = tl.where((i * BS + t)[None, :] < n, s.to(tl.float32), float("-inf"))
+        s = tl.where(((i * BS + t)[None, :] < n) & (tail < 0), s.to(tl.float32), float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         pd = p.to(DT)
         vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32: each byte column's group scale
         vz_x = tl.dot(vzr, onehot)
-        v_lo = ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT)
-        v_hi = ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT)
-        acc_lo = acc_lo * alpha[:, None]
-        acc_hi = acc_hi * alpha[:, None]
-        acc_tail = acc_tail * alpha[:, None]
-        if tail >= 0:
-            acc_tail += tl.dot(pd, tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :]).to(DT))
-        else:
-            acc_lo += tl.dot(pd, v_lo)
-            acc_hi += tl.dot(pd, v_hi)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT))
+    d = tl.arange(0, D)
+    acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
+    if _has_tail(bt_ptr + b * MB, tob_ptr, first, last, PER):
+        qb_lo, qb_hi = q_lo.to(DT), q_hi.to(DT)
+        for i in range(first, last):
+            blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+            tail = tl.load(tob_ptr + blk)
+            if tail >= 0:
+                tb = ((layer * T1 + tail) * Hkv + h).to(tl.int64) * (BS * D)
+                tk_off = tb + (t * D)[None, :] + kch[:, None]  # [D/2, BS]: the low-nibble channels
+                s = tl.dot(qb_lo, tl.load(tk_ptr + tk_off).to(DT))
+                s = (s + tl.dot(qb_hi, tl.load(tk_ptr + tk_off + 4).to(DT))) * scale
+                s = tl.where((i * BS + t)[None, :] < n, s.to(tl.float32), float("-inf"))
+                p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+                acc_lo = acc_lo * alpha[:, None]
+                acc_hi = acc_hi * alpha[:, None]
+                vt = tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :])  # [BS, D]
+                acc_tail = acc_tail * alpha[:, None] + tl.dot(p.to(DT), vt.to(DT))
     dst = (sp * B + b) * Hq + h * G + rows
     inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], (acc_tail * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     for n0 in tl.static_range(0, D, RC):  # out = acc @ Rᵀ by column chunks, acc's rows by halves
         e = n0 + tl.arange(0, RC)
         o = _rot_dot(acc_lo, tl.load(rot_ptr + e[None, :] * D + vch[:, None]), DOT_F32)
         o += _rot_dot(acc_hi, tl.load(rot_ptr + e[None, :] * D + vch[:, None] + 16), DOT_F32)
-        o = o * inv_sqrt + _rot_dot(acc_tail, (d[:, None] == e[None, :]).to(tl.int8), DOT_F32)
-        o = o * inv_l[:, None]
-        tl.store(o_ptr + (dst * D)[:, None] + e[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        ptr = o_ptr + (dst * D)[:, None] + e[None, :]
+        o = o * (inv_sqrt * inv_l)[:, None] + tl.load(ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        tl.store(ptr, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @functools.cache
 def rotation_matrix(D: int, device: torch.device) -> torch.Tensor:
-    """[R·√P, Rᵀ·√P] [2, D, D] int8 on `device` (±1 on the Hadamard blocks, 0 off them; `rotation.py`'s
-    R = [0] / √P). Made once per (D, device); not inside a CUDA graph capture."""
+    """R·√P [D, D] int8 on `device` (±1 on the Hadamard blocks, 0 off them; `rotation.py`'s R =
+    this / √P). Made once per (D, device); not inside a CUDA graph capture."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"the quantized attention's rotation for head dim {D} is not on {device} yet: call "
                            "gpu_ops.attention_quant.prepare(pool) (or run one eager step) before capturing")
     r = torch.round(rotation.rotate(torch.eye(D)) * math.sqrt(rotation.block(D)))
-    return torch.stack([r, r.T]).to(torch.int8).contiguous().to(device)
+    return r.to(torch.int8).to(device)
 
 
 def prepare(pool: GpuKVPool) -> None:
@@ -299,7 +317,7 @@ def paged_decode_quant(
     lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
     rot = rotation_matrix(D, q.device)
     common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, RC=min(32, D),
-                  DT=tl.float32 if dot_f32 else tl.bfloat16,
+                  PER=triton.next_power_of_2(per), DT=tl.float32 if dot_f32 else tl.bfloat16,
                   DOT_F32=dot_f32, PDL=pdl.enabled(q.device), num_warps=4, num_stages=2, **pdl.launch(q.device))
     # tail_of_block is per block, layer independent; the tails are [L, T + 1, Hkv, BS, D]
     tails = (pool.tail_k, pool.tail_v, pool.tail_of_block, rot, block_tables.contiguous(),
