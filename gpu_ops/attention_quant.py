@@ -12,14 +12,16 @@ as a 2-D tile whose offsets follow the VNNI order, so no tile needs a permute in
     int4 keys    [D/2, BS]  byte row x = (r, j) = (x//4, x%4): low nibble channel 8r + j, high 8r + 4 + j
     int4 values  [BS, D/2]  byte c of a packed row: low nibble channel 32(c//16) + c%16, high +16
 int4 splits channels into the low and high nibbles' sets: q is loaded in the two orders, and
-values accumulate in two halves (acc_lo, acc_hi), each in its own channel order.
+values accumulate in two halves (acc_lo, acc_hi), each in its own channel order, until the
+epilogue's product with Rᵀ (rows taken in the same orders) puts them back.
 
 Scales go where they cost least: int8 keys' per-token scale multiplies the score, int8 values'
-multiplies the softmax weight; int4 keys use q·(code·s + z) = (q∘s)·code + q·z per block (the
-offset stays in float32: a key's large channel mean is not rounded to bf16), int4 values are
-dequantized in registers, their per-(token, group) scale and zero expanded to the tile's
-columns by a product with a one-hot [16, D/2] matrix (exact: one nonzero term) instead of a
-gather load per element.
+multiplies the softmax weight. int4 keys are dequantized in registers (code·s + z per element,
+to bf16, as a bf16 pool's keys): (q∘s)·code + q·z per block was tried and took 206 registers
+against 127 (D 128, BS 16, sm_90: the [GP, D/2] float32 products and the q·z reductions).
+int4 values are dequantized in registers, their per-(token, group) scale and zero expanded to
+the tile's columns by a product with a one-hot [16, D/2] matrix (exact: one nonzero term)
+instead of a gather load per element.
 
 Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores
 use q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
@@ -208,8 +210,9 @@ def _int4_kernel(
     kch = (x // 4) * 8 + x % 4  # a key byte's low-nibble channel; + 4: its high one
     vch = (x // 16) * 32 + x % 16  # a value byte's low-nibble channel; + 16: its high one
     q_row = ((b * Hq + h * G + rows) * D)[:, None]
-    q_lo = tl.load(q_ptr + q_row + kch[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)  # [GP, D/2]
-    q_hi = tl.load(q_ptr + q_row + kch[None, :] + 4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    # q at the key bytes' low- and high-nibble channels: [GP, D/2] dot operands each
+    qb_lo = tl.load(q_ptr + q_row + kch[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(DT)
+    qb_hi = tl.load(q_ptr + q_row + kch[None, :] + 4, mask=row_ok[:, None], other=0.0).to(tl.float32).to(DT)
     k_off = ((x // 4) * (4 * BS) + x % 4)[:, None] + (t * 4)[None, :]  # [D/2, BS] key bytes
     v_off = ((t // 4) * (2 * D) + t % 4)[:, None] + (x * 4)[None, :]  # [BS, D/2] value bytes
     gi = tl.arange(0, 16)  # value groups, padded to a dot's minimum K
@@ -235,9 +238,8 @@ def _int4_kernel(
         vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)  # [BS, 16]
         vzr = tl.load(vz_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)
         tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the loop below
-        qz = tl.sum(q_lo * z_lo[None, :], 1) + tl.sum(q_hi * z_hi[None, :], 1)  # [GP] q · zero
-        s = tl.dot((q_lo * sc_lo[None, :]).to(DT), (kb & 15).to(DT))
-        s = (s + tl.dot((q_hi * sc_hi[None, :]).to(DT), (kb >> 4).to(DT)) + qz[:, None]) * scale
+        s = tl.dot(qb_lo, ((kb & 15).to(tl.float32) * sc_lo[:, None] + z_lo[:, None]).to(DT))
+        s = (s + tl.dot(qb_hi, ((kb >> 4).to(tl.float32) * sc_hi[:, None] + z_hi[:, None]).to(DT))) * scale
         s = tl.where(((i * BS + t)[None, :] < n) & (tail < 0), s.to(tl.float32), float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         pd = p.to(DT)
@@ -248,7 +250,6 @@ def _int4_kernel(
     d = tl.arange(0, D)
     acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
     if _has_tail(bt_ptr + b * MB, tob_ptr, first, last, PER):
-        qb_lo, qb_hi = q_lo.to(DT), q_hi.to(DT)
         for i in range(first, last):
             blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
             tail = tl.load(tob_ptr + blk)
