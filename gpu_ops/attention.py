@@ -7,16 +7,17 @@ position p seeing the tier's tokens at positions ≤ p; a query that sees none g
 lse -inf, so `cpu_attention.merge.merge_attention` with the CPU's share leaves that share as is.
 
 Decode has two kernels: plain torch (gather the blocks, float32 softmax; the fallback, and the
-CPU path) and Triton (`gpu_ops.attention_triton`: reads each K/V byte once, no gather copy).
+CPU path) and Triton (`gpu_ops.attention_triton`: reads each K/V byte once, no gather copy;
+`gpu_ops.attention_quant` for int8 / int4 pools, dequantizing in registers).
 Prefill is torch only: it is compute-bound in the projections, not here.
 """
 from __future__ import annotations
 
 import enum
-import importlib.util
 
 import torch
 
+from cpu_attention.layout import KVDtype
 from cpu_attention.merge import merge_attention
 from gpu_ops.kv_pool import GpuKVPool
 
@@ -57,9 +58,18 @@ def decode_attention(
 
 def triton_ok(pool: GpuKVPool, q: torch.Tensor) -> bool:
     D, BS = pool.head_dim, pool.block_size
-    if pool.quantized and importlib.util.find_spec("gpu_ops.attention_quant") is None:
-        return False
+    if pool.quantized:
+        return q.is_cuda and quant_shapes_ok(pool.kv_dtype, D, BS)
     return q.is_cuda and BS >= 16 and D >= 16 and D & (D - 1) == 0 and BS & (BS - 1) == 0
+
+
+def quant_shapes_ok(kv_dtype: KVDtype, head_dim: int, block_size: int) -> bool:
+    """Shapes `gpu_ops.attention_quant` runs: powers of two, every dot ≥ 16 a side (int4 splits D
+    in halves; a [D, D] rotation tile above 128 would not fit shared memory), BS 16 to 64."""
+    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
+    lo = 32 if kv_dtype is KVDtype.INT4 else 16
+    return (kv_dtype in (KVDtype.INT8, KVDtype.INT4) and pow2(head_dim) and lo <= head_dim <= 128
+            and pow2(block_size) and 16 <= block_size <= 64)
 
 
 def decode_attention_torch(pool, layer, q, block_tables, seq_lens, scale):

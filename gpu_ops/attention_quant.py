@@ -1,0 +1,339 @@
+"""Triton paged decode attention over int8 and int4 KV blocks (`GpuKVPool.kv_dtype` INT8 / INT4).
+
+Why: the KV read is the whole cost of decode attention, and a quantized block is ~1/1.9 (int8)
+or ~1/3.6 (int4) of a bf16 block's bytes. Each code byte is read once from HBM and dequantized
+in registers; nothing is gathered or converted in memory first (`decode_attention_torch` is
+the torch twin: gather, dequantize to float32, softmax).
+
+Layouts are `cpu_attention.layout`'s (module doc) and `cpu_attention.int4`'s. Each is loaded
+as a 2-D tile whose offsets follow the VNNI order, so no tile needs a permute in registers:
+    int8 keys    [D, BS]    channel d of token t at (d//4)·4BS + 4t + d%4   (4 bytes contiguous)
+    int8 values  [BS, D]    token t of channel d at (t//4)·4D + 4d + t%4
+    int4 keys    [D/2, BS]  byte row x = (r, j) = (x//4, x%4): low nibble channel 8r + j, high 8r + 4 + j
+    int4 values  [BS, D/2]  byte c of a packed row: low nibble channel 32(c//16) + c%16, high +16
+int4 splits channels into the low and high nibbles' sets: q is loaded in the two orders, and
+values accumulate in two halves (acc_lo, acc_hi), each in its own channel order, until the
+epilogue's product with Rᵀ (rows taken in the same orders) puts them back.
+
+Scales go where they cost least: int8 keys' per-token scale multiplies the score, int8 values'
+multiplies the softmax weight. int4 keys are dequantized in registers (code·s + z per element,
+to bf16, as a bf16 pool's keys): (q∘s)·code + q·z per block was tried and took 206 registers
+against 127 (D 128, BS 16, sm_90: the [GP, D/2] float32 products and the q·z reductions).
+int4 values are dequantized in registers, their per-(token, group) scale and zero expanded to
+the tile's columns by a product with a one-hot [16, D/2] matrix (exact: one nonzero term)
+instead of a gather load per element.
+
+Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores
+use q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
+accumulator is rotated and each split's output is turned back, out = acc_rot @ Rᵀ, before
+the merge (linear, so merging rotated-back partials is exact). R enters as R·√P (±1 and 0,
+int8, exact in bf16) and a float32 1/√P; a float32 operand times it is split into two bf16
+halves (`_rot_dot`) so the rotation keeps ~16 bits, not bf16's 8. Every product with R goes in
+chunks of RC = 32 rows or columns read from memory (L2): a [D, D] operand in registers took
+all 255 and spilled (`ptxas -v` for sm_90).
+
+Blocks being filled (`tail_of_block` ≥ 0: bf16 tail, keys and values plain) are not branched
+on in the main loop, which attends the codes only (a tail block's scores masked to -inf; its
+stale codes are read and weighted 0: pool memory is zeroed at allocation and only ever holds
+finite quantizer output). A second loop, run only by a split holding a tail (`_has_tail`: one
+vector load of its block ids' entries), attends them with plain q into a plain accumulator,
+acc_tail, which the epilogue stores first and adds to acc @ Rᵀ chunk by chunk. A branch in the
+main loop kept its temporaries live there: 227-255 registers against 128-140 now (int8).
+
+The dense R·√P is made on the device once per (D, device) (`rotation_matrix`): by the
+first eager call, or by `prepare(pool)` before a CUDA graph is captured without an eager call
+first; a capture that finds it missing raises (no host copy may happen inside a capture).
+
+Split-K as `attention_triton`: one program per (sequence, kv head, split), splits' partial
+(out, lse) merged by its merge kernel. Shapes are static, no host sync: capturable.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from cpu_attention import rotation
+from cpu_attention.layout import KVDtype
+from gpu_ops import pdl
+from gpu_ops.attention_triton import _merge_splits_kernel, _sms
+from gpu_ops.kv_pool import GpuKVPool
+
+
+@triton.jit
+def _rot_dot(x, r, DOT_F32: tl.constexpr):
+    """x [M, K] float32 @ r [K, N] (R·√P entries, any dtype) in float32: x as two bf16 halves
+    (hi + lo), so the tensor cores keep ~16 mantissa bits of x; r's ±1 are exact in bf16."""
+    if DOT_F32:
+        return tl.dot(x, r.to(tl.float32), input_precision="ieee")
+    rb = r.to(tl.bfloat16)
+    hi = x.to(tl.bfloat16)
+    lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.dot(hi, rb) + tl.dot(lo, rb)
+
+
+@triton.jit
+def _rotate_rows(src_ptr, row_off, row_ok, rot_ptr, cols, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                 RC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Rows x of a float tile in memory (row r at src_ptr + row_off[r], D contiguous values) → x @ R·√P
+    at channels cols: [M, N] float32. K goes in chunks of RC rows of R, read from memory, so no
+    operand is larger than [RC, N] (a [D, D] operand in registers took all 255 and spilled)."""
+    acc = tl.zeros([M, N], tl.float32)
+    for k0 in tl.static_range(0, D, RC):
+        k = k0 + tl.arange(0, RC)
+        x = tl.load(src_ptr + row_off[:, None] + k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        acc += _rot_dot(x, tl.load(rot_ptr + k[:, None] * D + cols[None, :]), DOT_F32)
+    return acc
+
+
+@triton.jit
+def _has_tail(bt_row_ptr, tob_ptr, first, last, PER: tl.constexpr):
+    """Whether any of this split's blocks first .. last - 1 is in a tail: one vector load of the
+    split's block ids and their tail_of_block entries (PER ≥ last - first, a power of two)."""
+    j = first + tl.arange(0, PER)
+    ok = j < last
+    blk = tl.load(bt_row_ptr + j, mask=ok, other=0)
+    return tl.max(tl.load(tob_ptr + blk, mask=ok, other=-1), 0) >= 0
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One block's scores s [GP, BS] (masked: -inf) into the running max m_i and sum l_i [GP]:
+    → (p [GP, BS], alpha [GP] for the accumulator, new m_i, new l_i)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _lse(m_i, l_i, lse_ptr, dst, row_ok):
+    """Stores the split's lse (-inf where it saw no token) → 1 / l (1 there: its out stays 0)."""
+    empty = l_i == 0.0
+    tl.store(lse_ptr + dst, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))), mask=row_ok)
+    return 1.0 / tl.where(empty, 1.0, l_i)
+
+
+@triton.jit
+def _store_rotated_back(acc, acc_tail, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D: tl.constexpr,
+                        RC: tl.constexpr, DOT_F32: tl.constexpr):
+    """out = (acc @ Rᵀ·√P · inv_sqrt + acc_tail) · inv_l at rows dst: acc_tail stored first, then
+    acc's product by column chunks of RC (no [D, D] operand), each chunk added to what is there."""
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], (acc_tail * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+    for n0 in tl.static_range(0, D, RC):
+        e = n0 + tl.arange(0, RC)
+        o = _rot_dot(acc, tl.load(rot_ptr + e[None, :] * D + d[:, None]), DOT_F32)
+        ptr = o_ptr + (dst * D)[:, None] + e[None, :]
+        o = o * (inv_sqrt * inv_l)[:, None] + tl.load(ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        tl.store(ptr, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _int8_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, PER: tl.constexpr,
+    DT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+):
+    b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    d = tl.arange(0, D)
+    t = tl.arange(0, BS)
+    q_row = (b * Hq + h * G + rows) * D
+    q_rot = (_rotate_rows(q_ptr, q_row, row_ok, rot_ptr, d, GP, D, D, RC, DOT_F32) * inv_sqrt).to(DT)  # q @ R
+    k_off = ((d // 4) * (4 * BS) + d % 4)[:, None] + (t * 4)[None, :]  # [D, BS]: codes, transposed
+    v_off = ((t // 4) * (4 * D) + t % 4)[:, None] + (d * 4)[None, :]  # [BS, D]
+    n = tl.load(len_ptr + b)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)  # Σ p · (v @ R): rotated
+    first = sp * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
+    for i in range(first, last):
+        blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+        hb = (layer * NB1 + blk) * Hkv + h  # (layer, block, head): index of its codes, scales
+        kc = tl.load(k_ptr + hb * (BS * D) + k_off)  # see the module doc: loads at the top level
+        ksc = tl.load(ks_ptr + hb * BS + t)  # [BS] per-token key scale, on the score
+        vc = tl.load(v_ptr + hb * (BS * D) + v_off)
+        vsc = tl.load(vs_ptr + hb * BS + t)  # [BS] per-token value scale, on the weight
+        tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the loop below
+        s = tl.dot(q_rot, kc.to(DT)).to(tl.float32) * (ksc * scale)[None, :]
+        s = tl.where(((i * BS + t)[None, :] < n) & (tail < 0), s, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot((p * vsc[None, :]).to(DT), vc.to(DT))
+    acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
+    if _has_tail(bt_ptr + b * MB, tob_ptr, first, last, PER):
+        q_pl = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+        for i in range(first, last):
+            blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+            tail = tl.load(tob_ptr + blk)
+            if tail >= 0:
+                tb = ((layer * T1 + tail) * Hkv + h).to(tl.int64) * (BS * D)
+                kt = tl.load(tk_ptr + tb + (t * D)[None, :] + d[:, None])  # [D, BS] transposed
+                s = tl.dot(q_pl, kt.to(DT)).to(tl.float32) * scale
+                s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
+                p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+                acc = acc * alpha[:, None]
+                vt = tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :])  # [BS, D]
+                acc_tail = acc_tail * alpha[:, None] + tl.dot(p.to(DT), vt.to(DT))
+    dst = (sp * B + b) * Hq + h * G + rows
+    inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
+    _store_rotated_back(acc, acc_tail, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D, RC, DOT_F32)
+
+
+@triton.jit
+def _int4_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr,
+    o_ptr, lse_ptr, layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, PER: tl.constexpr,
+    DT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+):
+    b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    t = tl.arange(0, BS)
+    x = tl.arange(0, D // 2)  # key byte rows and value byte columns
+    kch = (x // 4) * 8 + x % 4  # a key byte's low-nibble channel; + 4: its high one
+    vch = (x // 16) * 32 + x % 16  # a value byte's low-nibble channel; + 16: its high one
+    q_row = ((b * Hq + h * G + rows) * D)[:, None]
+    # q at the key bytes' low- and high-nibble channels: [GP, D/2] dot operands each
+    qb_lo = tl.load(q_ptr + q_row + kch[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(DT)
+    qb_hi = tl.load(q_ptr + q_row + kch[None, :] + 4, mask=row_ok[:, None], other=0.0).to(tl.float32).to(DT)
+    k_off = ((x // 4) * (4 * BS) + x % 4)[:, None] + (t * 4)[None, :]  # [D/2, BS] key bytes
+    v_off = ((t // 4) * (2 * D) + t % 4)[:, None] + (x * 4)[None, :]  # [BS, D/2] value bytes
+    gi = tl.arange(0, 16)  # value groups, padded to a dot's minimum K
+    vs_off = (t * (D // 32))[:, None] + gi[None, :]  # [BS, 16]
+    g_ok = (gi < (D // 32))[None, :]
+    onehot = ((x // 16)[None, :] == gi[:, None]).to(DT)  # [16, D/2]: byte column → its group
+    n = tl.load(len_ptr + b)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc_lo = tl.zeros([GP, D // 2], tl.float32)  # Σ p · (v @ R) at channels vch
+    acc_hi = tl.zeros([GP, D // 2], tl.float32)  # ... at channels vch + 16
+    first = sp * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
+    for i in range(first, last):
+        blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+        hb = (layer * NB1 + blk) * Hkv + h
+        kb = tl.load(k_ptr + hb * (BS * D // 2) + k_off)  # [D/2, BS] uint8; loads at the top level
+        sc_lo = tl.load(ks_ptr + hb * D + kch).to(tl.float32)  # per block and channel
+        sc_hi = tl.load(ks_ptr + hb * D + kch + 4).to(tl.float32)
+        z_lo = tl.load(kz_ptr + hb * D + kch).to(tl.float32)
+        z_hi = tl.load(kz_ptr + hb * D + kch + 4).to(tl.float32)
+        vb = tl.load(v_ptr + hb * (BS * D // 2) + v_off)  # [BS, D/2] uint8
+        vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)  # [BS, 16]
+        vzr = tl.load(vz_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)
+        tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the loop below
+        s = tl.dot(qb_lo, ((kb & 15).to(tl.float32) * sc_lo[:, None] + z_lo[:, None]).to(DT))
+        s = (s + tl.dot(qb_hi, ((kb >> 4).to(tl.float32) * sc_hi[:, None] + z_hi[:, None]).to(DT))) * scale
+        s = tl.where(((i * BS + t)[None, :] < n) & (tail < 0), s.to(tl.float32), float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        pd = p.to(DT)
+        vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32: each byte column's group scale
+        vz_x = tl.dot(vzr, onehot)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT))
+    d = tl.arange(0, D)
+    acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
+    if _has_tail(bt_ptr + b * MB, tob_ptr, first, last, PER):
+        for i in range(first, last):
+            blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+            tail = tl.load(tob_ptr + blk)
+            if tail >= 0:
+                tb = ((layer * T1 + tail) * Hkv + h).to(tl.int64) * (BS * D)
+                tk_off = tb + (t * D)[None, :] + kch[:, None]  # [D/2, BS]: the low-nibble channels
+                s = tl.dot(qb_lo, tl.load(tk_ptr + tk_off).to(DT))
+                s = (s + tl.dot(qb_hi, tl.load(tk_ptr + tk_off + 4).to(DT))) * scale
+                s = tl.where((i * BS + t)[None, :] < n, s.to(tl.float32), float("-inf"))
+                p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+                acc_lo = acc_lo * alpha[:, None]
+                acc_hi = acc_hi * alpha[:, None]
+                vt = tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :])  # [BS, D]
+                acc_tail = acc_tail * alpha[:, None] + tl.dot(p.to(DT), vt.to(DT))
+    dst = (sp * B + b) * Hq + h * G + rows
+    inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], (acc_tail * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+    for n0 in tl.static_range(0, D, RC):  # out = acc @ Rᵀ by column chunks, acc's rows by halves
+        e = n0 + tl.arange(0, RC)
+        o = _rot_dot(acc_lo, tl.load(rot_ptr + e[None, :] * D + vch[:, None]), DOT_F32)
+        o += _rot_dot(acc_hi, tl.load(rot_ptr + e[None, :] * D + vch[:, None] + 16), DOT_F32)
+        ptr = o_ptr + (dst * D)[:, None] + e[None, :]
+        o = o * (inv_sqrt * inv_l)[:, None] + tl.load(ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        tl.store(ptr, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.cache
+def rotation_matrix(D: int, device: torch.device) -> torch.Tensor:
+    """R·√P [D, D] int8 on `device` (±1 on the Hadamard blocks, 0 off them; `rotation.py`'s R =
+    this / √P). Made once per (D, device); not inside a CUDA graph capture."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the quantized attention's rotation for head dim {D} is not on {device} yet: call "
+                           "gpu_ops.attention_quant.prepare(pool) (or run one eager step) before capturing")
+    r = torch.round(rotation.rotate(torch.eye(D)) * math.sqrt(rotation.block(D)))
+    return r.to(torch.int8).to(device)
+
+
+def prepare(pool: GpuKVPool) -> None:
+    """Make what `paged_decode_quant` caches for this pool now (a capture may not create it)."""
+    if pool.quantized:
+        rotation_matrix(pool.head_dim, pool.k.device)
+        _sms(pool.k.device)
+
+
+def paged_decode_quant(
+    pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, out_dtype: torch.dtype = torch.float32, dot_f32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq]
+    float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter)."""
+    from gpu_ops.attention import quant_shapes_ok
+
+    B, Hq, D = q.shape
+    Hkv, BS = pool.num_kv_heads, pool.block_size
+    if not quant_shapes_ok(pool.kv_dtype, D, BS):
+        raise ValueError(f"no Triton kernel for {pool.kv_dtype.value} KV with head dim {D}, block size {BS}: "
+                         "use kernel=AttnKernel.TORCH (or AUTO)")
+    G = Hq // Hkv
+    MB = block_tables.shape[1]
+    # splits as attention_triton's: ~8 programs an SM, ≥ 4 blocks a split from 32 blocks on
+    S = max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4 if MB >= 32 else MB))
+    per = -(-MB // S)
+    o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=q.device)
+    lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
+    rot = rotation_matrix(D, q.device)
+    common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, RC=min(32, D),
+                  PER=triton.next_power_of_2(per), DT=tl.float32 if dot_f32 else tl.bfloat16,
+                  DOT_F32=dot_f32, PDL=pdl.enabled(q.device), num_warps=4, num_stages=2, **pdl.launch(q.device))
+    # tail_of_block is per block, layer independent; the tails are [L, T + 1, Hkv, BS, D]
+    tails = (pool.tail_k, pool.tail_v, pool.tail_of_block, rot, block_tables.contiguous(),
+             seq_lens.to(torch.int32).contiguous(), o, lse)
+    sizes = (layer, pool.k.shape[1], pool.tail_k.shape[1], Hkv, MB, per, scale, 1.0 / math.sqrt(rotation.block(D)),
+             B, Hq)
+    if pool.kv_dtype is KVDtype.INT8:
+        _int8_kernel[(B, Hkv, S)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.v_scale, *tails, *sizes, **common)
+    else:
+        _int4_kernel[(B, Hkv, S)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero,
+                                  *tails, *sizes, **common)
+    if S == 1:
+        return o[0], lse[0]
+    out = torch.empty((B, Hq, D), dtype=out_dtype, device=q.device)
+    total = torch.empty((B, Hq), dtype=torch.float32, device=q.device)  # -inf where every split was empty
+    _merge_splits_kernel[(B * Hq,)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, CH=16,
+                                    PDL=pdl.enabled(q.device), num_warps=4, **pdl.launch(q.device))
+    return out, total
