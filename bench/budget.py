@@ -1,6 +1,8 @@
 """Decode at a GPU budget, as a user gets it: the planner's own choice, nothing forced.
 
-    python3 bench/budget.py --out DIR [--quick] [--only NAME,...] [--profile profile.json]
+    python3 -m bench.budget --out DIR [--quick] [--only NAME,...] [--profile profile.json]
+
+(as a module: run as a file, bench/cpu_attention.py would shadow the package)
 
 Llama-3-8B shape, random 4-bit weights built in memory. For each row: measure the machine once
 (or load a profile), plan for the row's context, batch and --gpu-mem with no other option set,
@@ -149,7 +151,7 @@ def main() -> None:
     prof_path.write_text(prof.to_json())
     rows = []
     for name in args.only.split(",") if args.only else [r[0] for r in ROWS]:
-        cmd = [sys.executable, __file__, "--one", name, "--profile", str(prof_path), "--out", str(args.out)]
+        cmd = [sys.executable, "-m", "bench.budget", "--one", name, "--profile", str(prof_path), "--out", str(args.out)]
         r = subprocess.run(cmd + (["--quick"] if args.quick else []), capture_output=True, text=True)
         (args.out / f"budget-{name.replace(' ', '_').replace('@', '')}.log").write_text(r.stdout + r.stderr)
         found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]

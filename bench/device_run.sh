@@ -96,10 +96,10 @@ for stage in $STAGES; do
           | grep -v "^20..-" | tail -18
       done ;;
     kvattn)
-      timeout ${KVATTN_TIMEOUT:-200} python3 bench/gpu_kv_attention.py --out "$OUT/gpu_kv_attention.json" 2>&1 \
+      timeout ${KVATTN_TIMEOUT:-200} python3 -m bench.gpu_kv_attention --out "$OUT/gpu_kv_attention.json" 2>&1 \
         | tee "$OUT/gpu_kv_attention.log" | tail -${KVATTN_TAIL:-16} ;;
     budget)
-      timeout ${BUDGET_TIMEOUT:-420} python3 bench/budget.py --out "$OUT" ${BUDGET_ARGS:-} 2>&1 \
+      timeout ${BUDGET_TIMEOUT:-420} python3 -m bench.budget --out "$OUT" ${BUDGET_ARGS:-} 2>&1 \
         | tee "$OUT/budget_stdout.log" | tail -${BUDGET_TAIL:-10} ;;
     offload)
       timeout ${OFFLOAD_TIMEOUT:-380} python3 bench/offload_decode.py --out "$OUT" ${ONLY:+--only "$ONLY"} ${BENCH_ARGS:-} 2>&1 \

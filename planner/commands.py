@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cpu_attention.layout import KVDtype
 from hetero.errors import UserError
 from planner.options import budget_from, overrides_from
 from planner.plan import Workload
@@ -148,7 +149,8 @@ def render_profile(hw: HardwareProfile, console: Console) -> None:
             ("PCIe device → host (pinned)", f"{hw.pcie_d2h_gbps:.1f} GB/s"),
             ("PCIe small-copy latency", f"{hw.pcie_latency_s * 1e6:.1f} µs"),
             ("HBM copy (read + write)", f"{hw.hbm_gbps:.0f} GB/s"),
-            ("GPU attention (bf16 KV)", f"{hw.gpu_attention_gbps:.0f} GB/s of KV"),
+            ("GPU attention (bf16 / int8 / int4 KV)", f"{hw.gpu_attention_gbps:.0f} / "
+             f"{hw.gpu_attention_rate(KVDtype.INT8):.0f} / {hw.gpu_attention_rate(KVDtype.INT4):.0f} GB/s of KV"),
             (f"GPU GEMV ({hw.gpu_gemv_dtype})", f"{hw.gpu_gemv_gbps:.0f} GB/s of weights at 1 row, "
                                                 f"{hw.gpu_linear_gbps(32):.0f} at 32"),
             ("GPU bf16 matmul", f"{hw.gpu_tflops:.0f} TFLOP/s"),

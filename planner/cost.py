@@ -148,8 +148,8 @@ def decode_step(
         if layer >= 0:
             T_cpu = T_c - T_s
             for b in sub:
-                g_att += attention_seconds(b, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_gbps or 1.0, BS)
-                g_att += attention_seconds(b, T_s, kv.host_dtype, cfg, hw.gpu_attention_gbps or 1.0, BS)  # as stored
+                g_att += attention_seconds(b, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_rate(kv.gpu_dtype) or 1.0, BS)
+                g_att += attention_seconds(b, T_s, kv.host_dtype, cfg, hw.gpu_attention_rate(kv.host_dtype) or 1.0, BS)
                 c_att += attention_seconds(b, T_cpu, kv.host_dtype, cfg, attn_rate, BS) + (hw.cpu_attention_call_s if T_cpu else 0.0)
                 if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
                     x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)

@@ -49,7 +49,7 @@ def gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, re
             if n and readback <= left - n * per_tok:
                 out.append((n, readback, "a smaller device tier, leaving room to stream more of the host tier"))
     if hw.gpu_attention_gbps and fit:
-        a_g = kv_bytes_per_token_layer(cfg, gpu_dt, block) / hw.gpu_attention_gbps
+        a_g = kv_bytes_per_token_layer(cfg, gpu_dt, block) / hw.gpu_attention_rate(gpu_dt)
         a_c = kv_bytes_per_token_layer(cfg, host_dt, block) / max(hw.cpu_attention_rate(host_dt, threads), 1e-9)
         balanced = int(wl.decode_context * a_c / (a_g + a_c)) // block * block
         if 0 < balanced < fit and balanced * per_tok + readback <= left:

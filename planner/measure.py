@@ -228,6 +228,7 @@ def _measure_gpu(notes: list[str], quick: bool) -> dict[str, Any]:
     t = _best(lambda: [F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for _ in range(loops)], 3, sync)
     out["gpu_attention_gbps"] = 2 * k.numel() * 2 * loops / t / 1e9
     del k, v
+    out.update(_measure_quant_attention(dev, notes, quick))
     out.update(_measure_gemv(dev, notes, quick))
     s = 2048 if quick else 8192
     a, b = torch.randn(s, s, device=dev, dtype=torch.bfloat16), torch.randn(s, s, device=dev, dtype=torch.bfloat16)
@@ -236,6 +237,36 @@ def _measure_gpu(notes: list[str], quick: bool) -> dict[str, Any]:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     out.update(gpu_total_bytes=total, gpu_free_bytes=free)
+    return out
+
+
+def _measure_quant_attention(dev: torch.device, notes: list[str], quick: bool) -> dict[str, Any]:
+    """The engine's paged decode attention over int8 and int4 device blocks (gpu_ops.attention_quant):
+    4 sequences × 8k tokens, 8 KV heads of 128, 32 q heads, two layers in turn (past the L2)."""
+    from cpu_attention.layout import KVDtype, token_bytes
+    from gpu_ops.attention import decode_attention
+    from gpu_ops.kv_pool import GpuKVPool
+
+    B, T, H, D, BS, loops = 4, 2048 if quick else 8192, 8, 128, 16, 10
+    nb = B * T // BS
+    tables = torch.arange(nb, dtype=torch.int32, device=dev).reshape(B, -1)
+    lens = torch.full((B,), T, dtype=torch.int32, device=dev)
+    q = torch.randn(B, 4 * H, D, device=dev, dtype=torch.bfloat16)
+    out: dict[str, Any] = {}
+    for dt in (KVDtype.INT8, KVDtype.INT4):
+        try:
+            pool = GpuKVPool(2, nb, H, BS, D, device=dev, kv_dtype=dt, max_tails=1)
+            for part in pool.parts().values():
+                if part.dtype in (torch.int8, torch.uint8):
+                    part.view(torch.uint8).random_(0, 256)
+                else:
+                    part.fill_(0.01)
+            t = _best(lambda: [decode_attention(pool, i % 2, q, tables, lens, D**-0.5) for i in range(loops)], 3,
+                      torch.cuda.synchronize)
+            out[f"gpu_attention_{dt.value}_gbps"] = B * T * token_bytes(dt, H, D, BS) * loops / t / 1e9
+            del pool
+        except (ImportError, RuntimeError) as e:  # no Triton, or no kernel for this GPU: the bf16 rate stands in
+            notes.append(f"{dt.value} GPU attention not measured ({e!r:.80})")
     return out
 
 

@@ -22,7 +22,7 @@ from hetero.paths import profile_path
 
 log = logging.getLogger(__name__)
 
-FORMAT = 7  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
+FORMAT = 8  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3
 
 # Stated constants (not measured; bench/offload_decode.py prints predictions beside measurements).
@@ -72,6 +72,8 @@ class HardwareProfile:
     pcie_latency_s: float = 0.0  # one small copy, launch to completion
     hbm_gbps: float = 0.0  # device copy, (read + write bytes) / s
     gpu_attention_gbps: float = 0.0  # decode attention over GPU-resident bf16 KV, KV bytes / s
+    gpu_attention_int8_gbps: float = 0.0  # the engine's paged kernel over int8 device blocks (0: not measured)
+    gpu_attention_int4_gbps: float = 0.0  # ... over int4 device blocks
     gpu_gemv_gbps: float = 0.0  # 4-bit (or bf16, see gpu_gemv_dtype) matrix-vector, weight bytes / s
     gpu_gemv_dtype: str = ""  # "nf4" when the engine's NF4 kernels measured it, else "bf16"
     gpu_gemm_gbps: float = 0.0  # the same weights times 32 rows (a decode batch), weight bytes / s; 0: as gemv
@@ -97,6 +99,11 @@ class HardwareProfile:
         r = below[-1]
         return min(r.gbps * threads / r.threads, max(r.gbps, self.dram_read_gbps)) if threads > r.threads \
             else r.gbps * threads / r.threads
+
+    def gpu_attention_rate(self, dtype: KVDtype) -> float:
+        """KV bytes / s the GPU's decode attention reads of `dtype` blocks (unmeasured: the bf16 rate)."""
+        rate = {KVDtype.INT8: self.gpu_attention_int8_gbps, KVDtype.INT4: self.gpu_attention_int4_gbps}.get(dtype, 0.0)
+        return rate or self.gpu_attention_gbps
 
     def gpu_linear_gbps(self, rows: int) -> float:
         """Weight bytes / s of a GPU linear over `rows` rows: the GEMV rate up to 2 rows (the engine's

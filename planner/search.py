@@ -350,7 +350,7 @@ def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype, batch: 
         rows = -(-batch // c.sub_batches)
         return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_linear_gbps(rows):.0f} GB/s" + share
     if key == "gpu attention":
-        return f"GPU attention: {gb(key)} of {c.kv.gpu_dtype.value} KV at {hw.gpu_attention_gbps:.0f} GB/s" + share
+        return f"GPU attention: {gb(key)} of {c.kv.gpu_dtype.value} KV at {hw.gpu_attention_rate(c.kv.gpu_dtype):.0f} GB/s" + share
     if key == "cpu attention":
         rate = hw.cpu_attention_rate(c.kv.host_dtype, threads)
         return f"CPU attention: {gb(key)} of {c.kv.host_dtype.value} KV at {rate:.0f} GB/s" + share
