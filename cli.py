@@ -105,6 +105,15 @@ def _register_planner() -> None:
 _register_planner()
 
 
+def _register_app() -> None:
+    from hetero.app.commands import serve_cmd
+
+    app.command("serve")(serve_cmd)
+
+
+_register_app()
+
+
 def main() -> None:
     app()
 
