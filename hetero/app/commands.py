@@ -76,3 +76,57 @@ def serve_cmd(
         serve(load, opts)
     except UserError as e:
         _fail(e)
+
+
+def bench_cmd(
+    model_arg: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF folder or .gguf (default: demo model)"),
+    model: Optional[str] = _opt(None, "-m", "--model", help="HF folder or .gguf"),
+    random: Optional[str] = _opt(None, "--random",
+                                 help="a random-weight model of a named shape, built in memory: llama3-8b, llama3-70b, "
+                                      "qwen3-8b, qwen3-30b-a3b, mixtral-8x7b, smollm2-135m"),
+    n_prompt: int = _opt(512, "-p", "--n-prompt", help="prompt tokens (pp test; 0: none)"),
+    n_gen: int = _opt(128, "-n", "--n-gen", help="generated tokens (tg test; 0: none)"),
+    depth: str = _opt("0", "-d", "--n-depth", help="context already there, comma-separated (e.g. 0,8192,32768)"),
+    reps: int = _opt(3, "-r", "--repetitions", help="repetitions of each test"),
+    parallel: str = _opt("1", "-b", "--parallel", help="sequences decoded together, comma-separated (e.g. 1,16)"),
+    kv_dtype: Optional[str] = _opt(None, "--kv-dtype", help="host KV precision(s), comma-separated: bf16,int8,int4"),
+    output: str = _opt("md", "-o", "--output", help="md|json|csv"),
+    threads: Optional[int] = _opt(None, "-t", "--threads", help="CPU threads for host attention"),
+    weights: str = _opt("auto", "--weights", help="weight precision: auto|4bit|int8|bf16|f32"),
+    device: str = _opt("auto", "--device", help="auto|cpu|cuda"),
+    gpu_mem: Optional[str] = _opt(None, "--gpu-mem", help="GPU budget, a hard limit (e.g. 8GiB)"),
+    cpu_mem: Optional[str] = _opt(None, "--cpu-mem", help="host budget (e.g. 48GiB)"),
+    gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="KV tokens per sequence kept on the GPU"),
+    weight_mode: str = _opt("auto", "--weight-mode", help="weights that do not fit the GPU: auto|stream|cpu"),
+    verbose: bool = _opt(False, "-v", "--verbose"),
+) -> None:
+    """Measure prompt and generation tokens/s (llama-bench style), one row per combination."""
+    import sys
+
+    import hetero
+    from hetero.app.bench import BenchSpec, parse_list, render, run_bench
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    try:
+        if output not in ("md", "json", "csv"):
+            raise UserError(f"-o {output!r} is not one of md, json, csv")
+        if random and (model or model_arg):
+            raise UserError("give a MODEL or --random SHAPE, not both")
+        spec = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depths=parse_list(depth, "-d"), reps=reps,
+                         batches=parse_list(parallel, "-b"),
+                         kv_dtypes=tuple(kv_dtype.split(",")) if kv_dtype else (None,))
+        source = model or model_arg
+        if random:
+            import torch
+
+            from hetero.random_weights import RandomCheckpoint, random_shape
+
+            on_gpu = device != "cpu" and torch.cuda.is_available()
+            source = RandomCheckpoint(random_shape(random), device="cuda" if on_gpu else "cpu")
+        load = functools.partial(hetero.load, source, device=device, weights=weights, threads=threads, gpu_mem=gpu_mem,
+                                 cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, weight_mode=weight_mode)
+        rows = run_bench(load, spec, on_row=lambda r: err.print(f"[dim]{r.test} batch {r.n_batch} {r.kv_dtype}: "
+                                                                f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f} t/s[/dim]"))
+        sys.stdout.write(render(rows, output) + "\n")
+    except UserError as e:
+        _fail(e)
