@@ -254,3 +254,34 @@ def test_metrics_parse_and_carry_the_names(server):
     assert m[("hetero:plan_kv_tokens_per_seq", (("tier", "cpu"),))] == CTX
     stats = httpx.get(url + "/stats", timeout=10).json()
     assert stats["totals"]["generation_tokens"] == m[("hetero:generation_tokens_total", ())]
+
+
+def _monitor(*args):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    r = CliRunner().invoke(app, ["monitor", *args])
+    return r.exit_code, r.output
+
+
+def test_monitor_once_prints_the_panels_with_the_generation_rate(server, client, model_id):
+    import re
+
+    url, _ = server
+    client.completions.create(model=model_id, prompt="Once upon a time", max_tokens=8, temperature=0,
+                              extra_body={"ignore_eos": True})
+    code, out = _monitor(url, "--once")
+    assert code == 0, out
+    for title in ("throughput", "latency", "requests", "KV cache", "memory", "devices", "plan", "TTFT", "ITL",
+                  "CPU attention", "GPU", "PCIe", "CPU tier"):
+        assert title in out, title
+    busy = re.search(r"generation\s+[\d.]+ t/s now\s+([\d.]+) t/s while busy", out)
+    assert busy and float(busy.group(1)) > 0, out
+    assert re.search(r"TTFT\s+p50 \d", out) and "KV per sequence: 0 GPU / 1.0k CPU" in out
+
+
+def test_monitor_once_against_a_dead_url_says_so_and_exits_2():
+    url = f"http://127.0.0.1:{free_port()}"
+    code, out = _monitor(url, "--once")
+    assert code == 2 and "cannot reach" in out and url in out and "Traceback" not in out

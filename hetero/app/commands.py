@@ -130,3 +130,23 @@ def bench_cmd(
         sys.stdout.write(render(rows, output) + "\n")
     except UserError as e:
         _fail(e)
+
+
+def monitor_cmd(
+    url: str = typer.Argument("http://127.0.0.1:8080", help="the hetero server to watch"),
+    once: bool = _opt(False, "--once", help="print one frame as plain text and exit"),
+) -> None:
+    """Watch a running `hetero serve`: throughput, latency, KV per tier, memory, busy devices (q quits, p pauses)."""
+    import sys
+
+    from hetero.app.monitor import render_once, run_monitor
+
+    try:
+        if once:
+            sys.stdout.write(render_once(url))
+            return
+        run_monitor(url)
+    except UserError as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        pass
