@@ -28,17 +28,19 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     """(base URL, the /health statuses seen while it started); the server stops after the module."""
     port = free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")  # a file: a full pipe would block the server
+    # one CPU-attention thread: steady on a busy 2-core CI machine
     proc = subprocess.Popen([sys.executable, "cli.py", "serve", "--port", str(port), "--device", "cpu",
-                             "--parallel", str(PARALLEL), "--queue", str(QUEUE), "-c", str(CTX)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--parallel", str(PARALLEL), "--queue", str(QUEUE), "-c", str(CTX), "-t", "1"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     url, seen = f"http://127.0.0.1:{port}", []
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, open(log.name).read()
             try:
                 seen.append(httpx.get(url + "/health", timeout=5).status_code)
                 if seen[-1] == 200:
@@ -54,6 +56,8 @@ def server():
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        print(open(log.name).read()[-5000:])  # shown by pytest when a test of the module failed
+        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +233,7 @@ def test_a_full_queue_answers_503_with_retry_after(server):
                 assert r.status_code == 200
             over = c.post(url + "/v1/completions", json={**body, "stream": False})
             assert over.status_code == 503 and "busy" in over.json()["error"]["message"]
+            assert f"--parallel {PARALLEL}, --queue {QUEUE}" in over.json()["error"]["message"]
             assert int(over.headers["retry-after"]) >= 1
         finally:
             for r in held:
@@ -239,7 +244,7 @@ def test_a_full_queue_answers_503_with_retry_after(server):
 
 def test_metrics_parse_and_carry_the_names(server):
     url, _ = server
-    httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=120)
+    assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=120).status_code == 200
     m = metrics(url)
     names = {name for name, _ in m}
     for n in ["hetero:num_requests_running", "hetero:num_requests_waiting", "hetero:prompt_tokens_total",

@@ -55,6 +55,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._memory_at = 0.0
         self._active_n = 0  # requests admitted to the scheduler (written under the lock)
+        self._admitted_waiting = 0  # of those, not yet prefilled (written under the lock)
 
     # ------------------------------------------------------------------ called from other threads
     def start(self) -> None:
@@ -72,14 +73,21 @@ class EngineLoop:
         with self._cond:
             free_slots = max(0, self.parallel - self._active_n)  # admitted at the loop's next turn
             if len(self._queue) >= self.max_waiting + free_slots:
-                raise QueueFull(f"{len(self._queue)} requests are already waiting (--queue {self.max_waiting})")
+                raise QueueFull(f"{self._active_n} requests run and {len(self._queue)} wait "
+                                f"(--parallel {self.parallel}, --queue {self.max_waiting})")
             self._queue.append(req)
+            self._count_waiting()
             self._cond.notify()
 
     def cancel(self, req: Request) -> None:
         with self._cond:
             self._cancels.append(req)
             self._cond.notify()
+
+    def _count_waiting(self) -> None:
+        """Under the lock: the live count of waiting requests changes as they are submitted and
+        admitted, not only after the step in progress (which may take seconds) ends."""
+        self.live.set_waiting(len(self._queue) + self._admitted_waiting)
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -101,6 +109,8 @@ class EngineLoop:
                     active[r.seq.id] = r
                     sched.add(r.seq)
                 self._active_n = len(active)
+                self._admitted_waiting = len(sched.waiting)
+                self._count_waiting()
             for r in cancels:
                 if active.pop(r.seq.id, None) is not None:
                     sched.cancel(r.seq)  # its KV, both tiers, is free before the next step
@@ -153,15 +163,15 @@ class EngineLoop:
     def _publish(self, sched: Scheduler, active: dict[int, Request]) -> None:
         cache = self.engine.cache
         gpu, host = cache.tier_tokens()
-        with self._cond:
-            self._active_n = len(active)
-            queued = len(self._queue)
         now = time.perf_counter()
         memory = None
         if now - self._memory_at >= MEMORY_EVERY_S:
             self._memory_at, memory = now, _memory(self.engine)
-        self.live.state(running=len(sched.running), waiting=queued + len(sched.waiting),
-                        kv={"gpu": gpu, "cpu": host},
+        with self._cond:
+            self._active_n = len(active)
+            self._admitted_waiting = len(sched.waiting)
+            self._count_waiting()
+        self.live.state(running=len(sched.running), kv={"gpu": gpu, "cpu": host},
                         kv_capacity={"gpu": cache.gpu_alloc.num_blocks * cache.block_size,
                                      "cpu": cache.host_alloc.num_blocks * cache.block_size},
                         memory=memory)

@@ -97,10 +97,14 @@ class LiveStats:
         with self._lock:
             self.totals.requests[reason] = self.totals.requests.get(reason, 0) + 1
 
-    def state(self, *, running: int, waiting: int, kv: dict[str, int], kv_capacity: dict[str, int],
+    def set_waiting(self, waiting: int) -> None:
+        with self._lock:
+            self.waiting = waiting
+
+    def state(self, *, running: int, kv: dict[str, int], kv_capacity: dict[str, int],
               memory: dict[str, dict[str, int | None]] | None) -> None:
         with self._lock:
-            self.running, self.waiting = running, waiting
+            self.running = running
             self.kv, self.kv_capacity = dict(kv), dict(kv_capacity)
             if memory is not None:
                 self.memory = memory

@@ -64,6 +64,10 @@ class ServerState:
         self.live.info = {**engine.info, "split": _split(engine), "parallel": self.opts.parallel}
         if engine.runner.cuda:  # GPU busy comes from CUDA events around the GPU segments
             engine.runner.spans.enabled = engine.runner.xfer.enabled = True
+        # one short generation before /health says ready: kernels compile (or load from their
+        # cache) and graphs capture now, not during the first client's request
+        for _ in engine.generate([[engine.cfg.bos_token_id or 1] * 4], max_new_tokens=2, temperature=0.0):
+            pass
         self.loop = EngineLoop(engine, self.live, self.opts.parallel, self.opts.queue)
         self.loop.start()
         self.engine = engine
