@@ -93,6 +93,7 @@ class EngineLoop:
     def _run(self) -> None:
         sched = Scheduler(self.engine)
         active: dict[int, Request] = {}
+        self._publish(sched, active)
         while True:
             with self._cond:
                 while not (self._stop or self._queue or self._cancels or not sched.idle):
