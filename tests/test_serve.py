@@ -186,6 +186,20 @@ def test_disconnect_mid_stream_frees_the_sequence_kv(server):
     assert 3 <= after[gen] - before[gen] < 900
 
 
+def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server):
+    url, _ = server
+    before = wait_idle(url)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes the connection
+        httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True},
+                   timeout=httpx.Timeout(60, read=3))
+    after = wait_idle(url)
+    aborted = ("hetero:request_success_total", (("finished_reason", "abort"),))
+    assert after.get(aborted, 0) == before.get(aborted, 0) + 1
+    assert after[("hetero:kv_cache_tokens", (("tier", "cpu"),))] == 0
+    gen = ("hetero:generation_tokens_total", ())
+    assert after[gen] - before[gen] < 900
+
+
 BAD = [  # (body or raw text, status, words the message must contain)
     ('{"messages": [', 400, "not valid JSON"),
     ({"messages": QUESTION, "max_tokens": "ten"}, 400, "max_tokens"),

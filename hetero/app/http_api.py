@@ -70,7 +70,8 @@ def build_app(state: ServerState) -> FastAPI:
             ids = await asyncio.to_thread(engine.tok.apply_chat_template, messages)
         except Exception as e:  # noqa: BLE001 - a template's own errors (e.g. roles out of order)
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
-        return await _generate(state, body, ids, chat=True, max_tokens=body.max_completion_tokens or body.max_tokens)
+        return await _generate(state, http, body, ids, chat=True,
+                               max_tokens=body.max_completion_tokens or body.max_tokens)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
@@ -90,7 +91,7 @@ def build_app(state: ServerState) -> FastAPI:
             if bad:
                 raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0–{engine.cfg.vocab_size - 1})",
                                param="prompt")
-        return await _generate(state, body, ids, chat=False, max_tokens=body.max_tokens)
+        return await _generate(state, http, body, ids, chat=False, max_tokens=body.max_tokens)
 
     return app
 
@@ -102,7 +103,8 @@ def _engine(state: ServerState):
     return state.engine
 
 
-async def _generate(state: ServerState, body: Sampling, ids: list[int], chat: bool, max_tokens: int | None) -> Response:
+async def _generate(state: ServerState, http: HttpRequest, body: Sampling, ids: list[int], chat: bool,
+                    max_tokens: int | None) -> Response:
     engine = state.engine
     if body.model is not None and body.model not in (state.model_name, engine.info.get("model")):
         raise ApiError(404, f"the model `{body.model}` does not exist here: this server serves `{state.model_name}` "
@@ -140,16 +142,38 @@ async def _generate(state: ServerState, body: Sampling, ids: list[int], chat: bo
     if body.stream:
         return StreamingResponse(_sse(state, req, pieces, rid, chat, body.include_usage, len(ids)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    collect = asyncio.ensure_future(_collect(pieces))
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():  # the client went away: stop its sequence (pieces' finally cancels it)
+            collect.cancel()
+    if collect.cancelled():
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    try:
+        text, finish, n = collect.result()
+    except StepFailed as e:
+        raise ApiError(500, str(e), type_="server_error") from e
+    reply = chat_reply if chat else completion_reply
+    return JSONResponse(reply(rid, state.model_name, text, finish, usage(len(ids), n)))
+
+
+async def _collect(pieces) -> tuple[str, str, int]:
     text, finish, n = [], "stop", 0
     try:
         async for piece, finish, n in pieces:
             text.append(piece)
-    except StepFailed as e:
-        raise ApiError(500, str(e), type_="server_error") from e
     finally:
         await pieces.aclose()
-    reply = chat_reply if chat else completion_reply
-    return JSONResponse(reply(rid, state.model_name, "".join(text), finish, usage(len(ids), n)))
+    return "".join(text), finish, n
+
+
+async def _disconnected(http: HttpRequest, every_s: float = 0.5) -> None:
+    """Returns once the client of a (non-streamed) request has closed its connection."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(every_s)
 
 
 async def _pieces(state: ServerState, req: Request, queue: asyncio.Queue,
