@@ -50,7 +50,8 @@ class EngineLoop:
         self.parallel, self.max_waiting = parallel, max_waiting
         self._cond = threading.Condition()
         self._queue: deque[Request] = deque()
-        self._cancels: list[Request] = []
+        self._cancels: list[tuple[Request, str]] = []
+        self._dead: BaseException | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
         self._memory_at = 0.0
@@ -71,6 +72,8 @@ class EngineLoop:
 
     def submit(self, req: Request) -> None:
         with self._cond:
+            if self._dead is not None:
+                raise StepFailed(f"the engine loop stopped after an error: {self._dead}; restart the server")
             free_slots = max(0, self.parallel - self._active_n)  # admitted at the loop's next turn
             if len(self._queue) >= self.max_waiting + free_slots:
                 raise QueueFull(f"{self._active_n} requests run and {len(self._queue)} wait "
@@ -79,9 +82,10 @@ class EngineLoop:
             self._count_waiting()
             self._cond.notify()
 
-    def cancel(self, req: Request) -> None:
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """reason: what the request counts as finished by ("stop" for a stop string that matched)."""
         with self._cond:
-            self._cancels.append(req)
+            self._cancels.append((req, reason))
             self._cond.notify()
 
     def _count_waiting(self) -> None:
@@ -93,6 +97,18 @@ class EngineLoop:
     def _run(self) -> None:
         sched = Scheduler(self.engine)
         active: dict[int, Request] = {}
+        try:
+            self._loop(sched, active)
+        except Exception as e:  # noqa: BLE001 - not a step's error: say so to every request, refuse new ones
+            log.exception("the engine loop stopped")
+            with self._cond:
+                self._dead = e
+                waiting = list(self._queue)
+                self._queue.clear()
+            for r in [*active.values(), *waiting]:
+                r.deliver(StepFailed(f"the engine loop stopped: {type(e).__name__}: {e}"))
+
+    def _loop(self, sched: Scheduler, active: dict[int, Request]) -> None:
         self._publish(sched, active)
         while True:
             with self._cond:
@@ -101,10 +117,10 @@ class EngineLoop:
                 if self._stop:
                     break
                 cancels, self._cancels = self._cancels, []
-                for r in cancels:
+                for r, reason in cancels:
                     if r in self._queue:
                         self._queue.remove(r)
-                        self.live.finished("cancelled")
+                        self.live.finished(reason)
                 while self._queue and len(active) < self.parallel:
                     r = self._queue.popleft()
                     active[r.seq.id] = r
@@ -112,10 +128,10 @@ class EngineLoop:
                 self._active_n = len(active)
                 self._admitted_waiting = len(sched.waiting)
                 self._count_waiting()
-            for r in cancels:
+            for r, reason in cancels:
                 if active.pop(r.seq.id, None) is not None:
                     sched.cancel(r.seq)  # its KV, both tiers, is free before the next step
-                    self.live.finished("cancelled")
+                    self.live.finished(reason)
             if not sched.idle:
                 self._step(sched, active)
             self._publish(sched, active)

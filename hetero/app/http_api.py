@@ -134,6 +134,8 @@ async def _generate(state: ServerState, http: HttpRequest, body: Sampling, ids: 
     req = Request(seq, deliver)
     try:
         state.loop.submit(req)
+    except StepFailed as e:
+        raise ApiError(500, str(e), type_="server_error") from e
     except QueueFull as e:
         raise ApiError(503, f"the server is busy: {e}; retry later", type_="service_unavailable",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from e
@@ -189,8 +191,10 @@ async def _pieces(state: ServerState, req: Request, queue: asyncio.Queue,
             n += 1
             text = stops.push(item.text)
             if stops.hit:
+                finished = True
+                state.loop.cancel(req, reason="stop")
                 yield text, "stop", n
-                return  # finally: the sequence is cancelled
+                return
             if item.finish_reason is not None:
                 finished = True
                 yield text + stops.flush(), item.finish_reason, n
