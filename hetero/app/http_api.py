@@ -150,8 +150,9 @@ async def _generate(state: ServerState, http: HttpRequest, body: Sampling, ids: 
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not collect.done():  # the client went away: stop its sequence (pieces' finally cancels it)
+        if not collect.done():  # the client went away (or the server stops): pieces' finally cancels the sequence
             collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)
     if collect.cancelled():
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
     try:
