@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
-
-openai = pytest.importorskip("openai")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
