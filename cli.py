@@ -105,6 +105,17 @@ def _register_planner() -> None:
 _register_planner()
 
 
+def _register_app() -> None:
+    from hetero.app.commands import bench_cmd, monitor_cmd, serve_cmd
+
+    app.command("serve")(serve_cmd)
+    app.command("monitor")(monitor_cmd)
+    app.command("bench")(bench_cmd)
+
+
+_register_app()
+
+
 def main() -> None:
     app()
 

@@ -6,7 +6,7 @@ Measures, in one run: HBM bandwidth (a large device copy, bytes read + written) 
 matmul rate; per linear shape and row count, each NF4 kernel's time beside its bound (bytes
 moved / HBM); then batch-1 decode at short context, batch 32 × 2k context, and a 512-token
 prefill, each in tokens/s beside its bound. Full log and JSON under DIR; a short table last.
-The model is built directly in GPU memory, layer by layer (no checkpoint).
+The model is built directly in GPU memory, tensor by tensor (hetero.random_weights; no checkpoint).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from gpu_ops.kv_pool import GpuKVPool  # noqa: E402
 from gpu_ops.nf4 import NF4Linear, Nf4Kernel, nf4_linear  # noqa: E402
 from gpu_ops.nf4_triton import nf4_gemv  # noqa: E402
 from hetero.config import LLAMA3_8B, ModelConfig  # noqa: E402
-from hetero.model import LayerWeights, Model  # noqa: E402
+from hetero.model import Model  # noqa: E402
 
 log = logging.getLogger("bench")
 DEV = torch.device("cuda")
@@ -83,20 +83,12 @@ def random_nf4(n: int, k: int) -> NF4Linear:
 
 
 def build_model(cfg: ModelConfig) -> Model:
-    H = cfg.hidden_size
-    layers = []
-    for _ in range(cfg.num_layers):
-        layers.append(LayerWeights(
-            attn_norm=torch.ones(H, device=DEV, dtype=torch.bfloat16),
-            qkv=random_nf4(cfg.q_size + 2 * cfg.kv_size, H),
-            o=random_nf4(H, cfg.q_size),
-            mlp_norm=torch.ones(H, device=DEV, dtype=torch.bfloat16),
-            gate_up=random_nf4(2 * cfg.intermediate_size, H),
-            down=random_nf4(H, cfg.intermediate_size),
-        ))
-    embed = torch.randn(cfg.vocab_size, H, device=DEV, dtype=torch.bfloat16)
-    return Model(cfg, embed, torch.ones(H, device=DEV, dtype=torch.bfloat16), random_nf4(cfg.vocab_size, H),
-                 layers, DEV, act_dtype=torch.bfloat16)
+    """Random NF4 weights of cfg's shapes, made on the GPU tensor by tensor (hetero.random_weights, read
+    by the engine's own loader)."""
+    from hetero.loader import WeightFormat, load_model
+    from hetero.random_weights import RandomCheckpoint
+
+    return load_model(RandomCheckpoint(cfg, DEV), WeightFormat.NF4, DEV)
 
 
 def linears(model: Model) -> list[NF4Linear]:

@@ -1,16 +1,14 @@
 """The Engine: sequences, a scheduler and the step loop over the model and the paged KV cache.
 
-One step is `schedule() → run(batch) → postprocess(outputs)`: a waiting sequence is
-prefilled (in chunks) and joins the running set; otherwise every running sequence decodes
-one token together. Finished sequences leave and free their KV blocks, so sequences join
-and leave between steps (continuous batching).
+One step is `schedule() → run(batch) → postprocess(outputs)` (hetero/scheduler.py): a waiting
+sequence is prefilled (in chunks) and joins the running set; otherwise every running sequence
+decodes one token together. Finished sequences leave and free their KV blocks, so sequences
+join and leave between steps (continuous batching).
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -18,39 +16,13 @@ import torch
 from hetero.errors import UserError
 from hetero.metrics import RequestStats
 from hetero.model import Model
-from hetero.sampling import Sampler, SamplingParams
+from hetero.sampling import SamplingParams
+from hetero.scheduler import Chunk, Scheduler, Sequence
 from hetero.tokenizer import StreamDecoder, Tokenizer
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Sequence:
-    id: int
-    tokens: list[int]  # prompt and generated tokens
-    params: SamplingParams
-    index: int = 0  # position in the caller's list of prompts
-    prompt_len: int = 0
-    sampler: Sampler | None = None
-    decoder: StreamDecoder | None = None
-    finish_reason: str | None = None
-    generated: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.prompt_len = len(self.tokens)
-        self.sampler = Sampler(self.params)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed token of one sequence."""
-
-    index: int  # which prompt it answers
-    token: int
-    text: str
-    finish_reason: str | None = None  # "stop" (EOS / stop token) or "length" on the last chunk
 
 
 class Engine:
@@ -104,6 +76,12 @@ class Engine:
             self._check_len(len(s.tokens) + 1)
         yield from self._run(seqs, cached={})
 
+    def sequence(self, prompt: str | list[int], ignore_eos: bool = False, **params) -> Sequence:
+        """A new sequence for a `Scheduler` (the server's engine loop): its prompt checked against the context."""
+        s = Sequence(next(self._ids), self._as_ids(prompt), self.defaults.update(**params), ignore_eos=ignore_eos)
+        self._check_len(len(s.tokens) + 1)
+        return s
+
     def chat(self, messages: list[dict], **params) -> Iterator[Chunk]:
         """Answer the conversation; the KV of the previous turn is reused (only new tokens prefill)."""
         if self.tok is None:
@@ -134,31 +112,13 @@ class Engine:
 
     # ------------------------------------------------------------------ the step loop
     def _run(self, seqs: list[Sequence], cached: dict[int, int], keep: bool = False) -> Iterator[Chunk]:
-        waiting, running = list(seqs), []
-        stats = self.last_stats = RequestStats()
+        sched = Scheduler(self, keep=keep)
+        stats = self.last_stats = sched.stats
+        for s in seqs:
+            sched.add(s, cached.get(s.id, 0))
         try:
-            while waiting or running:
-                if waiting:  # schedule: prefill first, so new sequences join the decode batch
-                    s = waiting.pop(0)
-                    t0 = time.perf_counter()
-                    start = cached.get(s.id, 0)
-                    logits = self._prefill(s.id, s.tokens, start)
-                    stats.add_prefill(len(s.tokens) - start, time.perf_counter() - t0)
-                    batch = [s]
-                else:
-                    t0 = time.perf_counter()
-                    batch, logits = list(running), self._decode(running)
-                    stats.add_decode(len(running), time.perf_counter() - t0)
-                logits = logits.cpu()  # sampling runs on the host (seeded generator, small vectors)
-                for s, row in zip(batch, logits):  # postprocess
-                    chunk = self._sample(s, row)
-                    if s.finish_reason is None and s not in running:
-                        running.append(s)
-                    elif s.finish_reason is not None:
-                        if s in running:
-                            running.remove(s)
-                        if not keep:
-                            self.cache.free(s.id)
+            while not sched.idle:
+                for _, chunk in sched.step():
                     yield chunk
         finally:
             for s in seqs:  # an abandoned generator (Ctrl+C) frees what it held
@@ -171,12 +131,12 @@ class Engine:
         s.tokens.append(tok)
         s.generated.append(tok)
         stop = self.tok.stop_ids if self.tok else frozenset(self.cfg.eos_token_ids)
-        if tok in stop:
+        if tok in stop and not s.ignore_eos:
             s.finish_reason = "stop"
         elif len(s.generated) >= s.params.max_new_tokens or len(s.tokens) >= self.ctx_size:
             s.finish_reason = "length"
         text = ""
-        if self.tok is not None and tok not in stop:
+        if self.tok is not None and (tok not in stop or s.ignore_eos):
             s.decoder = s.decoder or StreamDecoder(self.tok)
             text = s.decoder.push(tok)
         return Chunk(s.index, tok, text, s.finish_reason)

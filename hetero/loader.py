@@ -78,7 +78,7 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
     get = ck.get
     has = ck.tensors.__contains__
     nf4 = None
-    if fmt is WeightFormat.NF4:  # quantized once, then read back from the disk cache
+    if fmt is WeightFormat.NF4 and ck.format != "random":  # quantized once, then read back from the disk cache
         from gpu_ops.weight_cache import NF4Cache
 
         nf4 = NF4Cache(ck.path)

@@ -13,6 +13,7 @@ from hetero.demo import demo_model_path
 from hetero.engine import Engine
 from hetero.errors import UserError
 from hetero.loader import WeightFormat, load_model
+from hetero.random_weights import RandomCheckpoint
 from hetero.sampling import defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
 from offload.kv_cache import TieredKVCache
@@ -27,7 +28,7 @@ DEFAULT_CTX = 4096
 
 
 def load(
-    model: str | Path | None = None,
+    model: str | Path | RandomCheckpoint | None = None,
     *,
     device: str = "auto",
     weights: str = "auto",
@@ -47,7 +48,7 @@ def load(
     tokenizer: bool = True,
     **sampling,
 ) -> Engine:
-    """Load a HF folder or .gguf (default: the embedded demo model) into an Engine.
+    """Load a HF folder or .gguf (default: the embedded demo model), or a `RandomCheckpoint`, into an Engine.
 
     With CUDA (device auto or cuda) the planner places weights and KV from the measured machine
     and the budgets (gpu_mem / cpu_mem: bytes or "8GiB"), or `plan` (a Plan or its JSON file)
@@ -65,8 +66,12 @@ def load(
     max_new_tokens). With device cpu and a `plan`, the plan runs with the CPU standing in for the GPU
     (its device-tier KV and weights in host memory; slow for 4-bit weights, meant for tests).
     """
-    path = Path(model) if model else demo_model_path()
-    ck = open_checkpoint(path)
+    if isinstance(model, RandomCheckpoint):  # built in memory: no files, no tokenizer
+        ck, tokenizer = model, False
+        path = ck.path
+    else:
+        path = Path(model) if model else demo_model_path()
+        ck = open_checkpoint(path)
     cfg = ck.config
     dev = _device(device)
     kv_dtype, gpu_kv_dtype = (None if d == "auto" else d for d in (kv_dtype, gpu_kv_dtype))

@@ -1,0 +1,104 @@
+"""Continuous batching: which sequences run in the next step, and what their tokens are after it.
+
+`schedule() → run(batch) → postprocess(outputs)` as one `step()`: a waiting sequence is
+prefilled (in chunks, by the runner) and joins the running set; otherwise every running
+sequence decodes one token together. Finished sequences leave and free their KV blocks, and
+new ones may be added or running ones cancelled between steps, so sequences join and leave a
+batch that never stops (what `Engine.generate` and the server's engine loop both drive).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hetero.metrics import RequestStats
+from hetero.sampling import Sampler, SamplingParams
+from hetero.tokenizer import StreamDecoder
+
+if TYPE_CHECKING:
+    from hetero.engine import Engine
+
+
+@dataclass
+class Sequence:
+    id: int
+    tokens: list[int]  # prompt and generated tokens
+    params: SamplingParams
+    index: int = 0  # position in the caller's list of prompts
+    prompt_len: int = 0
+    sampler: Sampler | None = None
+    decoder: StreamDecoder | None = None
+    finish_reason: str | None = None
+    generated: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # generate to max_new_tokens through EOS (benchmarks, load tests)
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.tokens)
+        self.sampler = Sampler(self.params)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed token of one sequence."""
+
+    index: int  # which prompt it answers
+    token: int
+    text: str
+    finish_reason: str | None = None  # "stop" (EOS / stop token) or "length" on the last chunk
+
+
+class Scheduler:
+    """The waiting and running sequences of one engine; `keep`: finished sequences keep their KV (chat)."""
+
+    def __init__(self, engine: Engine, keep: bool = False):
+        self.engine, self.keep = engine, keep
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.cached: dict[int, int] = {}  # sequence id → prompt tokens whose KV is already there
+        self.stats = RequestStats()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running)
+
+    def add(self, seq: Sequence, cached: int = 0) -> None:
+        self.waiting.append(seq)
+        self.cached[seq.id] = cached
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is; its KV (both tiers) is freed now, between steps."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.cached.pop(seq.id, None)
+        self.engine.cache.free(seq.id)
+
+    def step(self) -> list[tuple[Sequence, Chunk]]:
+        """One prefill (a waiting sequence joins) or one decode of every running sequence."""
+        e, stats = self.engine, self.stats
+        t0 = time.perf_counter()
+        if self.waiting:  # prefill first, so new sequences join the decode batch
+            s = self.waiting.pop(0)
+            start = self.cached.pop(s.id, 0)
+            logits = e._prefill(s.id, s.tokens, start)
+            stats.add_prefill(len(s.tokens) - start, time.perf_counter() - t0)
+            batch = [s]
+        else:
+            batch, logits = list(self.running), e._decode(self.running)
+            stats.add_decode(len(batch), time.perf_counter() - t0)
+        logits = logits.cpu()  # sampling runs on the host (seeded generator, small vectors)
+        out = []
+        for s, row in zip(batch, logits):  # postprocess
+            chunk = e._sample(s, row)
+            if s.finish_reason is None:
+                if s not in self.running:
+                    self.running.append(s)
+            else:
+                if s in self.running:
+                    self.running.remove(s)
+                if not self.keep:
+                    e.cache.free(s.id)
+            out.append((s, chunk))
+        return out
