@@ -135,7 +135,8 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
-    ap.add_argument("--quick", action="store_true", help="fewer steps, a quick profile")
+    ap.add_argument("--quick", action="store_true", help="a quick profile (less exact rates)")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps a row")
     ap.add_argument("--only", default="", help="comma-separated row names")
     ap.add_argument("--profile", type=Path, help="a saved HardwareProfile JSON (default: measure now)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this row, print it
@@ -144,7 +145,7 @@ def main() -> None:
     if args.one:
         prof = HardwareProfile.from_json(args.profile.read_text())
         row = next(r for r in ROWS if r[0] == args.one)
-        print("ROW " + json.dumps(run_row(prof, *row, steps=12 if args.quick else 32)), flush=True)
+        print("ROW " + json.dumps(run_row(prof, *row, steps=args.steps)), flush=True)
         return
     prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
     prof_path = args.out / "profile.json"
@@ -152,10 +153,9 @@ def main() -> None:
     rows = []
     for name in args.only.split(",") if args.only else [r[0] for r in ROWS]:
         cmd = [sys.executable, "-m", "bench.budget", "--one", name, "--profile", str(prof_path), "--out", str(args.out)]
-        r = subprocess.run(cmd + (["--quick"] if args.quick else []), capture_output=True, text=True)
-        (args.out / f"budget-{name.replace(' ', '_').replace('@', '')}.log").write_text(r.stdout + r.stderr)
+        r = subprocess.run(cmd + ["--steps", str(args.steps)], capture_output=True, text=True)
         found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
-        row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-600:])
+        row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-3000:])
         rows.append(row)
         print(json.dumps(row), flush=True)
     (args.out / "budget.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
