@@ -4,10 +4,11 @@
 
 (as a module: run as a file, bench/cpu_attention.py would shadow the package)
 
-Llama-3-8B shape, random 4-bit weights built in memory. For each row: measure the machine once
-(or load a profile), plan for the row's context, batch and --gpu-mem with no other option set,
-fence GPU memory to the budget, build the runtime from the plan, fill the KV cache to the
-context (random codes: attention's speed does not depend on the values), time decode steps.
+Llama-3-8B shape, random weights built in memory (`hetero.random_weights`). For each row: measure
+the machine once (or load a profile; it becomes the cached profile `hetero.load` plans with), then
+`hetero.load(model, device="cuda", gpu_mem=B, ctx_size=C, parallel=N)` and nothing else (the
+planner's own choice; the budget fenced), fill the KV cache to the context (random codes:
+attention's speed does not depend on the values), time decode steps.
 Prints per row the plan (dtype and tokens per tier, streamed tokens, sub-batches), tok/s, the
 planner's prediction, the bound (bytes a step must read over the measured bandwidths: weights
 and device-tier KV over HBM, host KV over DRAM or PCIe, whichever is larger) and the peak GPU
@@ -29,10 +30,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch  # noqa: E402
 
 from hetero.config import LLAMA3_8B  # noqa: E402
-from offload.build import fence_gpu_memory, runtime_from_plan  # noqa: E402
-from planner.plan import Budget, Overrides, Workload  # noqa: E402
-from planner.profile import HardwareProfile, measure  # noqa: E402
-from planner.search import plan as make_plan  # noqa: E402
+from planner.profile import HardwareProfile, cache_path, measure  # noqa: E402
 from planner.tensors import Kind  # noqa: E402
 
 GiB = 2**30
@@ -85,19 +83,19 @@ def bound_s(prof: HardwareProfile, weight_bytes: float, gpu_kv: float, cpu_kv: f
 
 
 def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int) -> dict:
-    budget = Budget(gpu_bytes=gpu_gib * GiB, host_bytes=int(prof.host_available_bytes * 0.8))
-    wl = Workload(ctx_size=ctx + steps + 16, batch=batch, prompt_tokens=ctx, gen_tokens=steps + 16)
-    plan = make_plan(LLAMA3_8B, prof, budget, wl, Overrides())
-    model = _bench_module("gpu_decode").build_model(LLAMA3_8B)
-    model.embed_w = model.embed_w.to(model.device if plan.placement(-1, Kind.EMBED).on_gpu else "cpu")
-    torch.cuda.empty_cache()
+    """One row through `hetero.load`, as a user gets it: only the model, --gpu-mem, -c and --parallel."""
+    import hetero
+    from hetero.random_weights import RandomCheckpoint
+    from planner.cost import decode_step
+
     torch.cuda.reset_peak_memory_stats()
-    fence_gpu_memory(budget.gpu_bytes, model.device)
-    runner = runtime_from_plan(model, plan)
-    cache = runner.cache
+    engine = hetero.load(RandomCheckpoint(LLAMA3_8B, "cuda"), device="cuda", gpu_mem=gpu_gib * GiB,
+                         ctx_size=ctx, parallel=batch)
+    runner, cache, plan = engine.runner, engine.cache, engine.plan
     seqs = list(range(batch))
-    fill(cache, seqs, ctx)
-    toks, pos = [1] * batch, [ctx] * batch
+    n0 = ctx - steps - 8  # the steps end at the context's last token
+    fill(cache, seqs, n0)
+    toks, pos = [1] * batch, [n0] * batch
     for _ in range(3):  # warm-up: JIT, graph capture, Triton compiles
         runner.decode(seqs, toks, pos)
         pos = [p + 1 for p in pos]
@@ -113,20 +111,22 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
     streamed = len(runner.streamer.blocks) * cache.block_size if runner.streamer is not None else 0
     gpu_kv = g_tok * cache.gpu.block_nbytes / cache.block_size if cache.gpu is not None else 0.0
     host_tok_bytes = cache.host.bytes_per_token
-    weights = _bench_module("offload_decode").model_bytes(model)
+    weights = _bench_module("offload_decode").model_bytes(runner.model)
     b = bound_s(prof, weights, gpu_kv, (h_tok - streamed) * host_tok_bytes, streamed * host_tok_bytes)
-    peak = torch.cuda.max_memory_allocated(model.device)
+    peak = torch.cuda.max_memory_allocated()
     kv = plan.kv
+    # the plan's cost at the measured context (the plan itself was sized for the whole -c)
+    pred = decode_step(LLAMA3_8B, prof, plan.placements, kv, batch, n0 + steps // 2, plan.threads, plan.sub_batches)
     out = dict(
         name=name, ctx=ctx, batch=batch, gpu_mem_gib=gpu_gib, target=target,
         plan=f"GPU {kv.gpu_tokens} {kv.gpu_dtype.value} / host {kv.host_tokens} {kv.host_dtype.value}, "
-             f"streamed {kv.stream_tokens}, sub-batches {plan.sub_batches}, embed "
+             f"streamed {kv.stream_tokens}, sub-batches {plan.sub_batches}, block {kv.block_size}, embed "
              f"{'GPU' if plan.placement(-1, Kind.EMBED).on_gpu else 'CPU'}",
         choices=[f"{c.setting}={c.value}: {c.reason}" for c in plan.choices],
-        tok_s=batch / step, predicted_tok_s=plan.prediction.decode_tok_s, bound_tok_s=batch / b,
+        tok_s=batch / step, predicted_tok_s=batch / pred.seconds, bound_tok_s=batch / b,
         bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, peak_gpu_gib=peak / GiB,
-        within_budget=peak <= budget.gpu_bytes, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
-        graph=runner._graph_decoder is not None,
+        within_budget=peak <= gpu_gib * GiB, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
+        graph=runner._graph_decoder is not None, terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()},
     )
     runner.close()
     return out
@@ -150,6 +150,8 @@ def main() -> None:
     prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
     prof_path = args.out / "profile.json"
     prof_path.write_text(prof.to_json())
+    cache_path().parent.mkdir(parents=True, exist_ok=True)
+    cache_path().write_text(prof.to_json())  # what hetero.load plans with in each row's process
     rows = []
     for name in args.only.split(",") if args.only else [r[0] for r in ROWS]:
         cmd = [sys.executable, "-m", "bench.budget", "--one", name, "--profile", str(prof_path), "--out", str(args.out)]

@@ -38,16 +38,19 @@ def _on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return NF4_CODE.to(device), _MIDS.to(device)
 
 
-def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] (any float dtype, any device) → (packed uint8 [ceil(N*K/2)], absmax float32 [ceil(N*K/64)])."""
+def quantize_nf4(w: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (any float dtype, any device) → (packed uint8 [ceil(N*K/2)], absmax float32 [ceil(N*K/64)]) on
+    `device` (default: w's). A piece of _CHUNK values at a time goes there and is quantized, so a
+    matrix on the host never needs its whole float copy on the device (a 1 GB lm_head under --gpu-mem)."""
+    device = w.device if device is None else torch.device(device)
     flat = w.reshape(-1)
     n = flat.numel()
     nblocks = math.ceil(n / BLOCK)
-    packed = torch.empty((nblocks * BLOCK) // 2, dtype=torch.uint8, device=w.device)
-    absmax = torch.empty(nblocks, dtype=torch.float32, device=w.device)
-    mids = _on(w.device)[1]
+    packed = torch.empty((nblocks * BLOCK) // 2, dtype=torch.uint8, device=device)
+    absmax = torch.empty(nblocks, dtype=torch.float32, device=device)
+    mids = _on(device)[1]
     for s in range(0, nblocks * BLOCK, _CHUNK):
-        x = flat[s: s + _CHUNK].float()
+        x = flat[s: s + _CHUNK].to(device).float()
         if x.numel() % BLOCK:  # the last block is partial: pad with zeros (they do not move absmax)
             x = F.pad(x, (0, BLOCK - x.numel() % BLOCK))
         x = x.view(-1, BLOCK)
@@ -188,6 +191,6 @@ _KERNELS = {Nf4Kernel.TORCH: _torch_linear, Nf4Kernel.BNB: _bnb_linear, Nf4Kerne
 def nf4_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device,
                kernel: Nf4Kernel = Nf4Kernel.AUTO) -> NF4Linear:
     """Quantize w [N, K] (on `device`, so a GPU does the work) into an NF4Linear living there."""
-    packed, absmax = quantize_nf4(w.to(device))
+    packed, absmax = quantize_nf4(w, device)
     bias = None if b is None else b.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     return NF4Linear(packed, absmax, tuple(w.shape), bias, kernel)

@@ -51,6 +51,9 @@ def random_shape(name: str) -> ModelConfig:
         raise UserError(f"--random {name!r} is not a known shape; known: {', '.join(SHAPES)}") from None
 
 
+HOST_DRAWN_BYTES = 256 * 2**20  # larger tensors are drawn in host memory
+
+
 class RandomCheckpoint:
     """The tensors of `cfg`'s model as random bf16 numbers (norm weights 1), drawn on `device`."""
 
@@ -65,8 +68,11 @@ class RandomCheckpoint:
         shape = self.tensors[name].shape
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.bfloat16, device=self.device)
-        gen = torch.Generator(self.device).manual_seed(self.seed + zlib.crc32(name.encode()))
-        w = torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=self.device)
+        # the embedding and lm_head (1 GB each at Llama-3's vocabulary) are drawn on the host, as a
+        # file's tensors are read there: the loader moves them in pieces, within a --gpu-mem budget
+        dev = self.device if _numel(shape) * 2 <= HOST_DRAWN_BYTES else torch.device("cpu")
+        gen = torch.Generator(dev).manual_seed(self.seed + zlib.crc32(name.encode()))
+        w = torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=dev)
         return w.mul_(0.02)
 
 
