@@ -88,7 +88,7 @@ class NF4Cache:
         else:
             w = weight()
             shape = tuple(w.shape)
-            packed, absmax = quantize_nf4(w.to(device))
+            packed, absmax = quantize_nf4(w, device)
             self._new[f"{name}.packed"] = packed.cpu()
             self._new[f"{name}.absmax"] = absmax.cpu()
             self._new[f"{name}.shape"] = torch.tensor(shape, dtype=torch.int64)
