@@ -5,29 +5,31 @@ or ~1/3.6 (int4) of a bf16 block's bytes. Each code byte is read once from HBM a
 in registers; nothing is gathered or converted in memory first (`decode_attention_torch` is
 the torch twin: gather, dequantize to float32, softmax).
 
-Layouts are `cpu_attention.layout`'s (module doc) and `cpu_attention.int4`'s. Each is loaded
-as a 2-D tile whose offsets follow the VNNI order, so no tile needs a permute in registers:
-    int8 keys    [D, BS]    channel d of token t at (d//4)·4BS + 4t + d%4   (4 bytes contiguous)
-    int8 values  [BS, D]    token t of channel d at (t//4)·4D + 4d + t%4
-    int4 keys    [D/2, BS]  byte row x = (r, j) = (x//4, x%4): low nibble channel 8r + j, high 8r + 4 + j
-    int4 values  [BS, D/2]  byte c of a packed row: low nibble channel 32(c//16) + c%16, high +16
-int4 splits channels into the low and high nibbles' sets: q is loaded in the two orders, and
-values accumulate in two halves (acc_lo, acc_hi), each in its own channel order, until the
-epilogue's product with Rᵀ (rows taken in the same orders) puts them back.
+Layouts are `cpu_attention.layout`'s (module doc) and `cpu_attention.int4`'s. A block's codes for
+one kv head are BS·D (int8) or BS·D/2 (int4) contiguous bytes; each is loaded as ONE tile in
+memory order (16-byte vector loads, `tl.multiple_of` on the block base: the byte-granular
+offsets that followed the VNNI order directly made ~16× the load instructions) and rearranged in
+registers by reshape / permute / join (`_int8_keys` .. `_int4_values`) into the dots' tiles:
+    int8 keys    [D/4, BS, 4] (c, t, j) → [D, BS], row 4c + j
+    int8 values  [BS/4, D, 4] (u, d, j) → [BS, D], row 4u + j
+    int4 keys    [D/8, BS, 4] (r, o, j), nibble h → [D, BS], row 8r + 4h + j
+    int4 values  [BS/4, D/2, 4] (u, c, j) → [BS, D/2] bytes, c = 16g + i, nibble h
+                 → [BS, D], column 32g + 16h + i
+so int4 needs one dot a block for the scores and one accumulator [GP, D], as int8.
 
 Scales go where they cost least: int8 keys' per-token scale multiplies the score, int8 values'
 multiplies the softmax weight. int4 keys are dequantized in registers (code·s + z per element,
-to bf16, as a bf16 pool's keys): (q∘s)·code + q·z per block was tried and took 206 registers
-against 127 (D 128, BS 16, sm_90: the [GP, D/2] float32 products and the q·z reductions).
-int4 values are dequantized in registers, their per-(token, group) scale and zero expanded to
-the tile's columns by a product with a one-hot [16, D/2] matrix (exact: one nonzero term)
-instead of a gather load per element.
+per-channel s, z [D] loaded contiguously, to bf16, as a bf16 pool's keys), then one dot with
+plain q (int4 keys are not rotated): (q∘s)·code + q·z per block was tried and took 206 registers
+against 127 (D 128, BS 16, sm_90: the [GP, D/2] float32 products and the q·z reductions). int4
+values are dequantized in registers, their per-(token, group) scale and zero [BS, D/32]
+broadcast over the group's [16, 2] nibbles before the final reshape.
 
 Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores
 use q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
-accumulator is rotated and each split's output is turned back, out = acc_rot @ Rᵀ, before
-the merge (linear, so merging rotated-back partials is exact). R enters as R·√P (±1 and 0,
-int8, exact in bf16) and a float32 1/√P; a float32 operand times it is split into two bf16
+accumulator is rotated and each split's output is turned back, out = acc_rot @ Rᵀ
+(`_store_rotated_back`), before the merge (linear, so merging rotated-back partials is exact).
+R enters as R·√P (±1 and 0, int8, exact in bf16) and a float32 1/√P; a float32 operand times it is split into two bf16
 halves (`_rot_dot`) so the rotation keeps ~16 bits, not bf16's 8. Every product with R goes in
 chunks of RC = 32 rows or columns read from memory (L2): a [D, D] operand in registers took
 all 255 and spilled (`ptxas -v` for sm_90).
@@ -199,7 +201,7 @@ def _int8_kernel(
         blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
         hb = (layer * NB1 + blk) * Hkv + h  # (layer, block, head): index of its codes, scales
         base = tl.multiple_of(hb * (BS * D), 16)
-        kc = _int8_keys(tl.load(k_ptr + base + e), D, BS)  # see the module doc: loads at the top level
+        kc = _int8_keys(tl.load(k_ptr + base + e), D, BS)  # loads at the top level (see the module doc on tails)
         ksc = tl.load(ks_ptr + hb * BS + t)  # [BS] per-token key scale, on the score
         vc = _int8_values(tl.load(v_ptr + base + e), D, BS)
         vsc = tl.load(vs_ptr + hb * BS + t)  # [BS] per-token value scale, on the weight
@@ -257,7 +259,7 @@ def _int4_kernel(
         blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
         hb = (layer * NB1 + blk) * Hkv + h
         base = tl.multiple_of(hb * (BS * D // 2), 16)
-        kb = tl.load(k_ptr + base + e)  # loads at the top level
+        kb = tl.load(k_ptr + base + e)  # loads at the top level (see the module doc on tails)
         sc = tl.load(ks_ptr + hb * D + d).to(tl.float32)  # per block and channel
         z = tl.load(kz_ptr + hb * D + d).to(tl.float32)
         vb = tl.load(v_ptr + base + e)
@@ -287,6 +289,9 @@ def _int4_kernel(
     _store_rotated_back(acc, acc_tail, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D, RC, DOT_F32)
 
 
+NUM_WARPS, NUM_STAGES = 4, 2  # the kernels' launch defaults
+
+
 @functools.cache
 def rotation_matrix(D: int, device: torch.device) -> torch.Tensor:
     """R·√P [D, D] int8 on `device` (±1 on the Hadamard blocks, 0 off them; `rotation.py`'s R =
@@ -307,10 +312,12 @@ def prepare(pool: GpuKVPool) -> None:
 
 def paged_decode_quant(
     pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, out_dtype: torch.dtype = torch.float32, dot_f32: bool = False,
+    scale: float, out_dtype: torch.dtype = torch.float32, dot_f32: bool = False, num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq]
-    float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter)."""
+    float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter).
+    num_warps, num_stages: the launch's (`bench/gpu_kv_attention.py --sweep` times them)."""
     from gpu_ops.attention import quant_shapes_ok
 
     B, Hq, D = q.shape
@@ -328,7 +335,8 @@ def paged_decode_quant(
     rot = rotation_matrix(D, q.device)
     common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, RC=min(32, D),
                   PER=triton.next_power_of_2(per), DT=tl.float32 if dot_f32 else tl.bfloat16,
-                  DOT_F32=dot_f32, PDL=pdl.enabled(q.device), num_warps=4, num_stages=2, **pdl.launch(q.device))
+                  DOT_F32=dot_f32, PDL=pdl.enabled(q.device), num_warps=num_warps, num_stages=num_stages,
+                  **pdl.launch(q.device))
     # tail_of_block is per block, layer independent; the tails are [L, T + 1, Hkv, BS, D]
     tails = (pool.tail_k, pool.tail_v, pool.tail_of_block, rot, block_tables.contiguous(),
              seq_lens.to(torch.int32).contiguous(), o, lse)
