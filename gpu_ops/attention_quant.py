@@ -25,14 +25,14 @@ against 127 (D 128, BS 16, sm_90: the [GP, D/2] float32 products and the q·z re
 values are dequantized in registers, their per-(token, group) scale and zero [BS, D/32]
 broadcast over the group's [16, 2] nibbles before the final reshape.
 
-Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores
-use q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
+Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores use
+q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
 accumulator is rotated and each split's output is turned back, out = acc_rot @ Rᵀ
-(`_store_rotated_back`), before the merge (linear, so merging rotated-back partials is exact).
-R enters as R·√P (±1 and 0, int8, exact in bf16) and a float32 1/√P; a float32 operand times it is split into two bf16
-halves (`_rot_dot`) so the rotation keeps ~16 bits, not bf16's 8. Every product with R goes in
-chunks of RC = 32 rows or columns read from memory (L2): a [D, D] operand in registers took
-all 255 and spilled (`ptxas -v` for sm_90).
+(`_store_rotated_back`), before the merge (linear, so merging rotated-back partials is exact). R
+enters as R·√P (±1 and 0, int8, exact in bf16) and a float32 1/√P; a float32 operand times it is
+split into two bf16 halves (`_rot_dot`) so the rotation keeps ~16 bits, not bf16's 8. Every
+product with R goes in chunks of RC = 32 rows or columns read from memory (L2): a [D, D] operand
+in registers took all 255 and spilled (`ptxas -v` for sm_90).
 
 Blocks being filled (`tail_of_block` ≥ 0: bf16 tail, keys and values plain) are not branched
 on in the main loop, which attends the codes only (a tail block's scores masked to -inf; its
