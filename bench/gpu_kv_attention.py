@@ -1,7 +1,7 @@
 """Paged decode attention on the GPU tier: bf16 (gpu_ops.attention_triton) against int8 and int4
 (gpu_ops.attention_quant), Llama-3-8B's head shape (32 q heads, 8 kv heads, D 128, BS 16).
 
-    python3 -m bench.gpu_kv_attention [--out results.json] [--cases 1x8k,1x32k,1x64k,16x8k,32x2k] [--sweep]
+    python3 -m bench.gpu_kv_attention [--out results.json] [--cases 1x8k,1x32k,1x64k,16x8k,32x2k]
 
 (as a module from the repository root: run as a file, bench/ would come first on sys.path and
 its cpu_attention.py would shadow the package)
@@ -96,26 +96,24 @@ def make_pool(kv: KVDtype, batch: int, ctx: int, dev: torch.device):
     return pool, tables, lens, q
 
 
-def attend(pool: GpuKVPool, layer: int, q, tables, lens, **cfg):
-    """One call; cfg: the quantized kernels' num_warps, num_stages (none for bf16)."""
-    if pool.kv_dtype is KVDtype.BF16:
-        return paged_decode(pool, layer, q, tables, lens, D**-0.5, out_dtype=torch.bfloat16)
-    return paged_decode_quant(pool, layer, q, tables, lens, D**-0.5, out_dtype=torch.bfloat16, **cfg)
+def attend(pool: GpuKVPool, layer: int, q, tables, lens):
+    fn = paged_decode if pool.kv_dtype is KVDtype.BF16 else paged_decode_quant
+    return fn(pool, layer, q, tables, lens, D**-0.5, out_dtype=torch.bfloat16)
 
 
-def time_call(pool: GpuKVPool, q, tables, lens, replays: int = 20, **cfg) -> float:
+def time_call(pool: GpuKVPool, q, tables, lens, replays: int = 20) -> float:
     """µs a call: a graph of calls over the layers in turn, median over replays."""
     calls = max(16, pool.num_layers)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(pool.num_layers):  # compile, caches, allocator warm
-            attend(pool, i, q, tables, lens, **cfg)
+            attend(pool, i, q, tables, lens)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
-            attend(pool, i % pool.num_layers, q, tables, lens, **cfg)
+            attend(pool, i % pool.num_layers, q, tables, lens)
     graph.replay()
     times = []
     for _ in range(replays):
@@ -128,28 +126,6 @@ def time_call(pool: GpuKVPool, q, tables, lens, replays: int = 20, **cfg) -> flo
     return statistics.median(times)
 
 
-SWEEP = [(4, 1), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 2)]  # (num_warps, num_stages)
-
-
-def sweep(pool: GpuKVPool, q, tables, lens, nbytes: int, name: str) -> None:
-    """Times each config of SWEEP (checked against the default's output first), prints them and the best."""
-    want, _ = attend(pool, 0, q, tables, lens)
-    res = []
-    for w, st in SWEEP:
-        try:
-            out, _ = attend(pool, 0, q, tables, lens, num_warps=w, num_stages=st)
-            assert torch.allclose(out.float(), want.float(), rtol=1e-2, atol=1e-2), "differs from the default's"
-            res.append((time_call(pool, q, tables, lens, num_warps=w, num_stages=st), w, st))
-        except Exception as e:  # noqa: BLE001 (a config that fails to compile or launch: reported, skipped)
-            print(f"sweep {name} warps {w} stages {st}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-            continue
-        print(f"sweep {name} warps {w} stages {st}: {res[-1][0]:.1f} µs {nbytes / res[-1][0] / 1e3:.0f} GB/s",
-              flush=True)
-    if res:
-        us, w, st = min(res)
-        print(f"sweep {name} BEST warps {w} stages {st}: {us:.1f} µs {nbytes / us / 1e3:.0f} GB/s", flush=True)
-
-
 def parse_case(s: str) -> tuple[int, int]:
     b, c = s.lower().split("x")
     return int(b), int(c[:-1]) * 1024 if c.endswith("k") else int(c)
@@ -159,8 +135,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON to this file")
     ap.add_argument("--cases", default="1x8k,1x32k,1x64k,16x8k,32x2k", help="batch x context, comma-separated")
-    ap.add_argument("--sweep", action="store_true", help="also time the int8 and int4 kernels at each (num_warps, "
-                    "num_stages) of SWEEP and print the best per case")
     a = ap.parse_args()
     dev = torch.device("cuda")
     bound = copy_bandwidth(dev)
@@ -175,8 +149,6 @@ def main() -> None:
             ref, _ = decode_attention_torch(pool, 0, q, tables, lens, D**-0.5)
             err = float((out.float() - ref).norm() / ref.norm())
             us = time_call(pool, q, tables, lens)
-            if a.sweep and pool.quantized:
-                sweep(pool, q, tables, lens, call_bytes(kv, batch, ctx), f"{case} {kv.value}")
             nbytes = call_bytes(kv, batch, ctx)
             rows.append(dict(case=case, batch=batch, ctx=ctx, kv=kv.value, us=us, kv_bytes=nbytes,
                              gbps=nbytes / us / 1e3, of_bound=nbytes / (us * 1e-6) / bound, rel_err=err,

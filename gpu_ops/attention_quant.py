@@ -5,34 +5,32 @@ or ~1/3.6 (int4) of a bf16 block's bytes. Each code byte is read once from HBM a
 in registers; nothing is gathered or converted in memory first (`decode_attention_torch` is
 the torch twin: gather, dequantize to float32, softmax).
 
-Layouts are `cpu_attention.layout`'s (module doc) and `cpu_attention.int4`'s. A block's codes for
-one kv head are BS·D (int8) or BS·D/2 (int4) contiguous bytes; each is loaded as ONE tile in
-memory order (16-byte vector loads, `tl.multiple_of` on the block base: the byte-granular
-offsets that followed the VNNI order directly made ~16× the load instructions) and rearranged in
-registers by reshape / permute / join (`_int8_keys` .. `_int4_values`) into the dots' tiles:
-    int8 keys    [D/4, BS, 4] (c, t, j) → [D, BS], row 4c + j
-    int8 values  [BS/4, D, 4] (u, d, j) → [BS, D], row 4u + j
-    int4 keys    [D/8, BS, 4] (r, o, j), nibble h → [D, BS], row 8r + 4h + j
-    int4 values  [BS/4, D/2, 4] (u, c, j) → [BS, D/2] bytes, c = 16g + i, nibble h
-                 → [BS, D], column 32g + 16h + i
-so int4 needs one dot a block for the scores and one accumulator [GP, D], as int8.
+Layouts are `cpu_attention.layout`'s (module doc) and `cpu_attention.int4`'s. Each is loaded
+as a 2-D tile whose offsets follow the VNNI order, so no tile needs a permute in registers:
+    int8 keys    [D, BS]    channel d of token t at (d//4)·4BS + 4t + d%4   (4 bytes contiguous)
+    int8 values  [BS, D]    token t of channel d at (t//4)·4D + 4d + t%4
+    int4 keys    [D/2, BS]  byte row x = (r, j) = (x//4, x%4): low nibble channel 8r + j, high 8r + 4 + j
+    int4 values  [BS, D/2]  byte c of a packed row: low nibble channel 32(c//16) + c%16, high +16
+int4 splits channels into the low and high nibbles' sets: q is loaded in the two orders, and
+values accumulate in two halves (acc_lo, acc_hi), each in its own channel order, until the
+epilogue's product with Rᵀ (rows taken in the same orders) puts them back.
 
 Scales go where they cost least: int8 keys' per-token scale multiplies the score, int8 values'
 multiplies the softmax weight. int4 keys are dequantized in registers (code·s + z per element,
-per-channel s, z [D] loaded contiguously, to bf16, as a bf16 pool's keys), then one dot with
-plain q (int4 keys are not rotated): (q∘s)·code + q·z per block was tried and took 206 registers
-against 127 (D 128, BS 16, sm_90: the [GP, D/2] float32 products and the q·z reductions). int4
-values are dequantized in registers, their per-(token, group) scale and zero [BS, D/32]
-broadcast over the group's [16, 2] nibbles before the final reshape.
+to bf16, as a bf16 pool's keys): (q∘s)·code + q·z per block was tried and took 206 registers
+against 127 (D 128, BS 16, sm_90: the [GP, D/2] float32 products and the q·z reductions).
+int4 values are dequantized in registers, their per-(token, group) scale and zero expanded to
+the tile's columns by a product with a one-hot [16, D/2] matrix (exact: one nonzero term)
+instead of a gather load per element.
 
-Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores use
-q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
-accumulator is rotated and each split's output is turned back, out = acc_rot @ Rᵀ
-(`_store_rotated_back`), before the merge (linear, so merging rotated-back partials is exact). R
-enters as R·√P (±1 and 0, int8, exact in bf16) and a float32 1/√P; a float32 operand times it is
-split into two bf16 halves (`_rot_dot`) so the rotation keeps ~16 bits, not bf16's 8. Every
-product with R goes in chunks of RC = 32 rows or columns read from memory (L2): a [D, D] operand
-in registers took all 255 and spilled (`ptxas -v` for sm_90).
+Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores
+use q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
+accumulator is rotated and each split's output is turned back, out = acc_rot @ Rᵀ, before
+the merge (linear, so merging rotated-back partials is exact). R enters as R·√P (±1 and 0,
+int8, exact in bf16) and a float32 1/√P; a float32 operand times it is split into two bf16
+halves (`_rot_dot`) so the rotation keeps ~16 bits, not bf16's 8. Every product with R goes in
+chunks of RC = 32 rows or columns read from memory (L2): a [D, D] operand in registers took
+all 255 and spilled (`ptxas -v` for sm_90).
 
 Blocks being filled (`tail_of_block` ≥ 0: bf16 tail, keys and values plain) are not branched
 on in the main loop, which attends the codes only (a tail block's scores masked to -inf; its
@@ -138,42 +136,6 @@ def _store_rotated_back(acc, acc_tail, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, 
 
 
 @triton.jit
-def _int8_keys(x, D: tl.constexpr, BS: tl.constexpr):
-    """A block's key codes as loaded, [D/4, BS, 4] in memory order (c, t, j) → [D, BS], row 4c + j."""
-    return tl.reshape(tl.permute(tl.reshape(x, [D // 4, BS, 4]), (0, 2, 1)), [D, BS])
-
-
-@triton.jit
-def _int8_values(x, D: tl.constexpr, BS: tl.constexpr):
-    """A block's value codes as loaded, [BS/4, D, 4] in memory order (u, d, j) → [BS, D], row 4u + j."""
-    return tl.reshape(tl.permute(tl.reshape(x, [BS // 4, D, 4]), (0, 2, 1)), [BS, D])
-
-
-@triton.jit
-def _int4_keys(x, sc, z, D: tl.constexpr, BS: tl.constexpr, DT: tl.constexpr):
-    """A block's key bytes as loaded, [D/8, BS, 4] (r, o, j), and its per-channel scale, zero [D]
-    → keys [D, BS] DT: channel 8r + 4h + j from byte (r, o, j)'s low (h 0) or high (h 1) nibble."""
-    x = tl.reshape(x, [D // 8, BS, 4])
-    c = tl.permute(tl.join(x & 15, x >> 4), (0, 3, 2, 1))  # [D/8, 2, 4, BS]: (r, h, j, o)
-    c = tl.reshape(c, [D, BS]).to(tl.float32)
-    return (c * sc[:, None] + z[:, None]).to(DT)
-
-
-@triton.jit
-def _int4_values(x, sc, z, D: tl.constexpr, BS: tl.constexpr, DT: tl.constexpr):
-    """A block's value bytes as loaded, [BS/4, D/2, 4] (u, c, j), and its scale, zero [BS, D/32]
-    → values [BS, D] DT: token 4u + j; byte c = 16g + i holds channel 32g + i (low nibble) and
-    32g + 16 + i (high)."""
-    x = tl.reshape(tl.permute(tl.reshape(x, [BS // 4, D // 2, 4]), (0, 2, 1)), [BS, D // 32, 16])
-    sc = sc[:, :, None]
-    z = z[:, :, None]
-    lo = (x & 15).to(tl.float32) * sc + z
-    hi = (x >> 4).to(tl.float32) * sc + z
-    y = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [BS, D/32, 2, 16]: (o, g, h, i)
-    return tl.reshape(y, [BS, D]).to(DT)
-
-
-@triton.jit
 def _int8_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
     layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
@@ -190,7 +152,8 @@ def _int8_kernel(
     t = tl.arange(0, BS)
     q_row = (b * Hq + h * G + rows) * D
     q_rot = (_rotate_rows(q_ptr, q_row, row_ok, rot_ptr, d, GP, D, D, RC, DOT_F32) * inv_sqrt).to(DT)  # q @ R
-    e = tl.arange(0, BS * D)  # a block's codes in memory order: one contiguous run
+    k_off = ((d // 4) * (4 * BS) + d % 4)[:, None] + (t * 4)[None, :]  # [D, BS]: codes, transposed
+    v_off = ((t // 4) * (4 * D) + t % 4)[:, None] + (d * 4)[None, :]  # [BS, D]
     n = tl.load(len_ptr + b)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -200,10 +163,9 @@ def _int8_kernel(
     for i in range(first, last):
         blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
         hb = (layer * NB1 + blk) * Hkv + h  # (layer, block, head): index of its codes, scales
-        base = tl.multiple_of(hb * (BS * D), 16)
-        kc = _int8_keys(tl.load(k_ptr + base + e), D, BS)  # loads at the top level (see the module doc on tails)
+        kc = tl.load(k_ptr + hb * (BS * D) + k_off)  # see the module doc: loads at the top level
         ksc = tl.load(ks_ptr + hb * BS + t)  # [BS] per-token key scale, on the score
-        vc = _int8_values(tl.load(v_ptr + base + e), D, BS)
+        vc = tl.load(v_ptr + hb * (BS * D) + v_off)
         vsc = tl.load(vs_ptr + hb * BS + t)  # [BS] per-token value scale, on the weight
         tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the loop below
         s = tl.dot(q_rot, kc.to(DT)).to(tl.float32) * (ksc * scale)[None, :]
@@ -243,33 +205,49 @@ def _int4_kernel(
         gdc_launch_dependents()
     rows = tl.arange(0, GP)
     row_ok = rows < G
-    d = tl.arange(0, D)
     t = tl.arange(0, BS)
-    q_row = (b * Hq + h * G + rows) * D
-    q_pl = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(DT)
-    e = tl.arange(0, BS * D // 2)  # a block's code bytes in memory order: one contiguous run
-    vg = (t * (D // 32))[:, None] + tl.arange(0, D // 32)[None, :]  # [BS, D/32] value scales, zeros
+    x = tl.arange(0, D // 2)  # key byte rows and value byte columns
+    kch = (x // 4) * 8 + x % 4  # a key byte's low-nibble channel; + 4: its high one
+    vch = (x // 16) * 32 + x % 16  # a value byte's low-nibble channel; + 16: its high one
+    q_row = ((b * Hq + h * G + rows) * D)[:, None]
+    # q at the key bytes' low- and high-nibble channels: [GP, D/2] dot operands each
+    qb_lo = tl.load(q_ptr + q_row + kch[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(DT)
+    qb_hi = tl.load(q_ptr + q_row + kch[None, :] + 4, mask=row_ok[:, None], other=0.0).to(tl.float32).to(DT)
+    k_off = ((x // 4) * (4 * BS) + x % 4)[:, None] + (t * 4)[None, :]  # [D/2, BS] key bytes
+    v_off = ((t // 4) * (2 * D) + t % 4)[:, None] + (x * 4)[None, :]  # [BS, D/2] value bytes
+    gi = tl.arange(0, 16)  # value groups, padded to a dot's minimum K
+    vs_off = (t * (D // 32))[:, None] + gi[None, :]  # [BS, 16]
+    g_ok = (gi < (D // 32))[None, :]
+    onehot = ((x // 16)[None, :] == gi[:, None]).to(DT)  # [16, D/2]: byte column → its group
     n = tl.load(len_ptr + b)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)  # Σ p · (v @ R): rotated
+    acc_lo = tl.zeros([GP, D // 2], tl.float32)  # Σ p · (v @ R) at channels vch
+    acc_hi = tl.zeros([GP, D // 2], tl.float32)  # ... at channels vch + 16
     first = sp * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
     for i in range(first, last):
         blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
         hb = (layer * NB1 + blk) * Hkv + h
-        base = tl.multiple_of(hb * (BS * D // 2), 16)
-        kb = tl.load(k_ptr + base + e)  # loads at the top level (see the module doc on tails)
-        sc = tl.load(ks_ptr + hb * D + d).to(tl.float32)  # per block and channel
-        z = tl.load(kz_ptr + hb * D + d).to(tl.float32)
-        vb = tl.load(v_ptr + base + e)
-        vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vg).to(tl.float32)  # per token and group
-        vz = tl.load(vz_ptr + hb * (BS * (D // 32)) + vg).to(tl.float32)
+        kb = tl.load(k_ptr + hb * (BS * D // 2) + k_off)  # [D/2, BS] uint8; loads at the top level
+        sc_lo = tl.load(ks_ptr + hb * D + kch).to(tl.float32)  # per block and channel
+        sc_hi = tl.load(ks_ptr + hb * D + kch + 4).to(tl.float32)
+        z_lo = tl.load(kz_ptr + hb * D + kch).to(tl.float32)
+        z_hi = tl.load(kz_ptr + hb * D + kch + 4).to(tl.float32)
+        vb = tl.load(v_ptr + hb * (BS * D // 2) + v_off)  # [BS, D/2] uint8
+        vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)  # [BS, 16]
+        vzr = tl.load(vz_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)
         tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the loop below
-        s = tl.dot(q_pl, _int4_keys(kb, sc, z, D, BS, DT)).to(tl.float32) * scale
-        s = tl.where(((i * BS + t)[None, :] < n) & (tail < 0), s, float("-inf"))
+        s = tl.dot(qb_lo, ((kb & 15).to(tl.float32) * sc_lo[:, None] + z_lo[:, None]).to(DT))
+        s = (s + tl.dot(qb_hi, ((kb >> 4).to(tl.float32) * sc_hi[:, None] + z_hi[:, None]).to(DT))) * scale
+        s = tl.where(((i * BS + t)[None, :] < n) & (tail < 0), s.to(tl.float32), float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DT), _int4_values(vb, vsc, vz, D, BS, DT))
+        pd = p.to(DT)
+        vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32: each byte column's group scale
+        vz_x = tl.dot(vzr, onehot)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT))
+    d = tl.arange(0, D)
     acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
     if _has_tail(bt_ptr + b * MB, tob_ptr, first, last, PER):
         for i in range(first, last):
@@ -277,19 +255,27 @@ def _int4_kernel(
             tail = tl.load(tob_ptr + blk)
             if tail >= 0:
                 tb = ((layer * T1 + tail) * Hkv + h).to(tl.int64) * (BS * D)
-                kt = tl.load(tk_ptr + tb + (t * D)[None, :] + d[:, None])  # [D, BS] transposed
-                s = tl.dot(q_pl, kt.to(DT)).to(tl.float32) * scale
-                s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
+                tk_off = tb + (t * D)[None, :] + kch[:, None]  # [D/2, BS]: the low-nibble channels
+                s = tl.dot(qb_lo, tl.load(tk_ptr + tk_off).to(DT))
+                s = (s + tl.dot(qb_hi, tl.load(tk_ptr + tk_off + 4).to(DT))) * scale
+                s = tl.where((i * BS + t)[None, :] < n, s.to(tl.float32), float("-inf"))
                 p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-                acc = acc * alpha[:, None]
+                acc_lo = acc_lo * alpha[:, None]
+                acc_hi = acc_hi * alpha[:, None]
                 vt = tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :])  # [BS, D]
                 acc_tail = acc_tail * alpha[:, None] + tl.dot(p.to(DT), vt.to(DT))
     dst = (sp * B + b) * Hq + h * G + rows
     inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
-    _store_rotated_back(acc, acc_tail, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D, RC, DOT_F32)
-
-
-NUM_WARPS, NUM_STAGES = 4, 2  # the kernels' launch defaults
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], (acc_tail * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+    for n0 in tl.static_range(0, D, RC):  # out = acc @ Rᵀ by column chunks, acc's rows by halves
+        e = n0 + tl.arange(0, RC)
+        o = _rot_dot(acc_lo, tl.load(rot_ptr + e[None, :] * D + vch[:, None]), DOT_F32)
+        o += _rot_dot(acc_hi, tl.load(rot_ptr + e[None, :] * D + vch[:, None] + 16), DOT_F32)
+        ptr = o_ptr + (dst * D)[:, None] + e[None, :]
+        o = o * (inv_sqrt * inv_l)[:, None] + tl.load(ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        tl.store(ptr, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @functools.cache
@@ -312,12 +298,10 @@ def prepare(pool: GpuKVPool) -> None:
 
 def paged_decode_quant(
     pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, out_dtype: torch.dtype = torch.float32, dot_f32: bool = False, num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    scale: float, out_dtype: torch.dtype = torch.float32, dot_f32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq]
-    float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter).
-    num_warps, num_stages: the launch's (`bench/gpu_kv_attention.py --sweep` times them)."""
+    float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter)."""
     from gpu_ops.attention import quant_shapes_ok
 
     B, Hq, D = q.shape
@@ -335,8 +319,7 @@ def paged_decode_quant(
     rot = rotation_matrix(D, q.device)
     common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, RC=min(32, D),
                   PER=triton.next_power_of_2(per), DT=tl.float32 if dot_f32 else tl.bfloat16,
-                  DOT_F32=dot_f32, PDL=pdl.enabled(q.device), num_warps=num_warps, num_stages=num_stages,
-                  **pdl.launch(q.device))
+                  DOT_F32=dot_f32, PDL=pdl.enabled(q.device), num_warps=4, num_stages=2, **pdl.launch(q.device))
     # tail_of_block is per block, layer independent; the tails are [L, T + 1, Hkv, BS, D]
     tails = (pool.tail_k, pool.tail_v, pool.tail_of_block, rot, block_tables.contiguous(),
              seq_lens.to(torch.int32).contiguous(), o, lse)

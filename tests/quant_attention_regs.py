@@ -1,7 +1,6 @@
 """Compile gpu_ops.attention_quant's kernels for sm_90 without a GPU and print ptxas's registers,
-spills, shared memory and global load widths (b8 .. v4.b32; cp.async: bytes) per shape: a compile
-check, and the number that decides how many programs an SM holds (65536 registers / (128 threads ×
-registers); the bf16 kernel takes 72-80).
+spills and shared memory per shape: a compile check, and the number that decides how many
+programs an SM holds (65536 registers / (128 threads × registers); the bf16 kernel takes 72-80).
 
     pip install --target /tmp/tritonlib triton
     PYTHONPATH=/tmp/tritonlib:. python3 tests/quant_attention_regs.py
@@ -10,10 +9,8 @@ Uses the ptxas Triton ships (its newest, the one Triton itself runs). Not collec
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import os
-import re
 import subprocess
 import tempfile
 
@@ -33,9 +30,7 @@ def ptxas_report(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 2) 
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("scale", "inv_sqrt") else "i32")
            for n in names}
-    # pointers 16-byte aligned, as a launch with torch's allocations specializes them: the loads' widths
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     with tempfile.TemporaryDirectory() as tmp:
@@ -44,11 +39,7 @@ def ptxas_report(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 2) 
             f.write(cc.asm["ptx"])
         r = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", path, "-o", path + ".o"], capture_output=True, text=True)
     info = [ln.split("info    :")[-1].strip() for ln in (r.stderr + r.stdout).splitlines() if "Used" in ln or "spill" in ln]
-    loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*?\.(v[24]\.b32|b\d+)\b", cc.asm["ptx"]))
-    cp = r"cp\.async\.c[ag]\.shared\.global[^\[]*\[[^\]]*\], \[[^\]]*\], (0x\w+|\d+)"  # its size in bytes
-    loads.update("cp.async " + w for w in re.findall(cp, cc.asm["ptx"]))
-    widths = " ".join(f"{k}:{v}" for k, v in sorted(loads.items()))
-    return f"smem {cc.metadata.shared} B; " + "; ".join(info) + f"; global loads (PTX, by width) {widths}"
+    return f"smem {cc.metadata.shared} B; " + "; ".join(info)
 
 
 def main() -> None:
