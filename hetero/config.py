@@ -14,6 +14,9 @@ from typing import Any
 from hetero.errors import UserError
 
 
+DEFAULT_CTX = 4096  # `-c 0`: the model's context, capped (a 128k default would size a needlessly large KV cache)
+
+
 class Arch(str, enum.Enum):
     LLAMA = "llama"
     MISTRAL = "mistral"
@@ -96,6 +99,15 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context the model supports (its sliding window, where it has one)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+    def context(self, asked: int = 0) -> int:
+        """The context to run: `asked`, or for 0 the model's capped at DEFAULT_CTX (every command alike)."""
+        return min(self.context_limit, DEFAULT_CTX) if asked == 0 else asked
 
     def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> float:
         """K and V of one token over all layers."""

@@ -9,6 +9,7 @@ import torch
 
 from cpu_attention import INT4_GROUP, KVDtype
 from hetero.checkpoint import open_checkpoint
+from hetero.context import Overflow
 from hetero.demo import demo_model_path
 from hetero.engine import Engine
 from hetero.errors import UserError
@@ -22,8 +23,6 @@ if TYPE_CHECKING:
     from planner.plan import Plan
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CTX = 4096
 
 
 def load(
@@ -44,6 +43,7 @@ def load(
     cpu_mem: str | int | None = None,
     plan: "str | Path | Plan | None" = None,
     tokenizer: bool = True,
+    context_overflow: str = "drop-turns",
     **sampling,
 ) -> Engine:
     """Load a HF folder or .gguf (default: the embedded demo model) into an Engine.
@@ -59,10 +59,12 @@ def load(
     tokens the device attends over after copying them up each step (None: the planner's choice;
     with device cpu, the stand-in device); sub_batches: 1 or 2 (None: automatic); weight_mode:
     stream|cpu, how weights that do not fit the GPU budget run (None/"auto": the planner's choice);
-    sampling: default sampling parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed,
+    context_overflow: drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows
+    the context (`hetero.context`); sampling: default sampling parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed,
     max_new_tokens). With device cpu and a `plan`, the plan runs with the CPU standing in for the GPU
     (its device-tier KV and weights in host memory; slow for 4-bit weights, meant for tests).
     """
+    overflow = Overflow.parse(context_overflow)
     path = Path(model) if model else demo_model_path()
     ck = open_checkpoint(path)
     cfg = ck.config
@@ -76,10 +78,8 @@ def load(
                         f"{cfg.head_dim}): use --kv-dtype int8")
     if weight_mode not in (None, "auto", "stream", "cpu"):
         raise UserError(f"--weight-mode {weight_mode!r} is not one of auto, stream, cpu")
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)
-    ctx = min(limit, DEFAULT_CTX) if ctx_size == 0 else ctx_size
+    limit = cfg.context_limit
+    ctx = cfg.context(ctx_size)
     if ctx > limit:
         raise UserError(f"--ctx-size {ctx} exceeds what {path.name} supports ({limit} tokens)")
     tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
@@ -106,7 +106,9 @@ def load(
         info = {"model": str(path), "device": str(dev), "weights": fmt.value, "ctx_size": ctx,
                 "plan": summary_line(p), "predicted": f"{p.prediction.decode_tok_s:.1f} tok/s decode "
                 f"({p.prediction.bottleneck})"}
-        return Engine(runner.model, tok, runner, ctx, defaults, info=info, plan=p)
+        engine = Engine(runner.model, tok, runner, ctx, defaults, info=info, plan=p)
+        engine.overflow = overflow
+        return engine
     fmt = WeightFormat.parse(weights, dev)
     log.info("loading %s: %s weights on %s, %s KV, context %d", path, fmt.value, dev, kv.value, ctx)
     m = load_model(ck, fmt, dev)
@@ -118,7 +120,9 @@ def load(
                     stream_tokens=stream_tokens or 0)
     info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx,
             "kv_tiers": f"{gpu_kv} tokens/seq on {dev.type} (bf16), the rest on the host ({kv.value})"}
-    return Engine(m, tok, runner, ctx, defaults, info=info)
+    engine = Engine(m, tok, runner, ctx, defaults, info=info)
+    engine.overflow = overflow
+    return engine
 
 
 def _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, **options):
