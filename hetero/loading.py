@@ -10,12 +10,13 @@ import torch
 from cpu_attention import INT4_GROUP, KVDtype
 from hetero.checkpoint import open_checkpoint
 from hetero.context import Overflow
-from hetero.demo import demo_model_path
+from hetero.demo import DEMO_SAMPLING, demo_model_path
 from hetero.engine import Engine
 from hetero.errors import UserError
 from hetero.loader import WeightFormat, load_model
 from hetero.sampling import defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
+from hetero.validate import check_vocab
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
 
@@ -83,7 +84,10 @@ def load(
     if ctx > limit:
         raise UserError(f"--ctx-size {ctx} exceeds what {path.name} supports ({limit} tokens)")
     tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
-    defaults = defaults_from_generation_config(path if path.is_dir() else None).update(**sampling)
+    if tok is not None:
+        check_vocab(cfg, len(tok.hf), path)
+    defaults = defaults_from_generation_config(path if path.is_dir() else None)
+    defaults = defaults.update(**(DEMO_SAMPLING if model is None else {})).update(**sampling)
     if dev.type == "cuda" or plan is not None:
         # the planner imports hetero.config: imported here, not at module level, to keep the cycle open
         from offload.build import check_plan_supported, fence_gpu_memory, load_from_plan, runtime_from_plan

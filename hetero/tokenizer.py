@@ -17,6 +17,9 @@ from hetero.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
+# Files one of which a folder's tokenizer is built from (fast, SentencePiece, BPE, tiktoken)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
+
 # End-of-turn markers of common chat templates; one is a stop token when the template uses it.
 _TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
@@ -25,6 +28,9 @@ class Tokenizer:
     def __init__(self, path: Path, is_gguf: bool, eos_ids: tuple[int, ...]):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        if not is_gguf and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise UserError(f"{path} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}): copy them from "
+                            f"the model's repository into the folder")
         from transformers import AutoTokenizer
 
         try:

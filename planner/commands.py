@@ -18,7 +18,7 @@ from hetero.errors import UserError
 from planner import flags
 from planner.options import budget_from, overrides_from
 from planner.plan import Workload
-from planner.profile import HardwareProfile, cache_path, load_or_measure
+from planner.profile import HardwareProfile, cache_path, implausible, load_or_measure
 from planner.report import render, to_json
 from planner.search import plan
 from planner.tensors import total_params
@@ -71,7 +71,11 @@ def plan_cmd(
         p = plan(cfg, hw, budget, wl, ov)
     except UserError as e:
         _fail(e)
+    notes += [f"the hardware profile looks implausible: {n}; its predictions may be off — run `hetero profile "
+              f"--refresh` when the machine is idle" for n in implausible(hw)]
     if json_:
+        for n in notes:
+            Console(stderr=True).print(f"[yellow]note:[/yellow] {n}", highlight=False)
         sys.stdout.write(to_json(p, checkpoint) + "\n")
         return
     console = Console()
