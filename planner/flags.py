@@ -40,6 +40,36 @@ def size(text: str | int) -> int:
     return n
 
 
+def whole(lo: int) -> Callable[[str], int]:
+    """A whole number ≥ lo (the message names the bad value and the range)."""
+    def parse(text: str | int) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise typer.BadParameter(f"{text!r} is not a whole number; use one ≥ {lo}") from None
+        if n < lo:
+            raise typer.BadParameter(f"{n} is out of range; use a whole number ≥ {lo}")
+        return n
+
+    return parse
+
+
+def number(lo: float, hi: float | None = None, hi_open: bool = False) -> Callable[[str], float]:
+    """A number in [lo, hi] (or [lo, hi) with hi_open)."""
+    span = f"≥ {lo}" if hi is None else f"in [{lo}, {hi}{')' if hi_open else ']'}"
+
+    def parse(text: str | float) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise typer.BadParameter(f"{text!r} is not a number; use one {span}") from None
+        if x < lo or hi is not None and (x > hi or hi_open and x == hi):
+            raise typer.BadParameter(f"{x:g} is out of range; use a number {span}")
+        return x
+
+    return parse
+
+
 def one_of(*values: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in values:
@@ -60,6 +90,10 @@ def fraction(text: str | float) -> float:
     return x
 
 
+def whole_opt(default: int | None, *names: str, lo: int, help: str) -> Any:
+    return _opt(default, *names, parser=whole(lo), metavar="N", help=help)
+
+
 def choice_opt(default: str, *names: str, values: tuple[str, ...], help: str) -> Any:
     return _opt(default, *names, parser=one_of(*values), metavar="|".join(values), help=help)
 
@@ -75,15 +109,15 @@ def model() -> Any:
 
 # ----------------------------------------------------------------------------- workload
 def ctx_size() -> Any:
-    return _opt(0, "-c", "--ctx-size", min=0, help="context length per sequence; 0 = the model's, capped at 4096")
+    return _opt(0, "-c", "--ctx-size", parser=whole(0), metavar="N", help="context length per sequence; 0 = the model's, capped at 4096")
 
 
 def max_new_tokens() -> Any:
-    return _opt(DEFAULT_MAX_NEW_TOKENS, "-n", "--max-new-tokens", min=1, help="tokens to generate per answer")
+    return _opt(DEFAULT_MAX_NEW_TOKENS, "-n", "--max-new-tokens", parser=whole(1), metavar="N", help="tokens to generate per answer")
 
 
 def threads() -> Any:
-    return _opt(None, "-t", "--threads", min=1, help="CPU threads for host attention (default: physical cores)")
+    return _opt(None, "-t", "--threads", parser=whole(1), metavar="N", help="CPU threads for host attention (default: physical cores)")
 
 
 def context_overflow() -> Any:
@@ -124,23 +158,23 @@ def weight_mode() -> Any:
 
 
 def gpu_kv_tokens() -> Any:
-    return _opt(None, "--gpu-kv-tokens", min=0, help="KV tokens per sequence kept on the GPU (default: planner)")
+    return _opt(None, "--gpu-kv-tokens", parser=whole(0), metavar="N", help="KV tokens per sequence kept on the GPU (default: planner)")
 
 
 def stream_tokens() -> Any:
-    return _opt(None, "--kv-stream-tokens", min=0,
+    return _opt(None, "--kv-stream-tokens", parser=whole(0), metavar="N",
                 help="host KV tokens the GPU attends over after copying them up each step (batch 1) "
                      "(default: planner)")
 
 
 # ----------------------------------------------------------------------------- sampling
 def temperature() -> Any:
-    return _opt(None, "--temp", "--temperature", min=0.0,
+    return _opt(None, "--temp", "--temperature", parser=number(0.0), metavar="FLOAT",
                 help="sampling temperature, 0 = greedy (default: the model's; demo model 0.2)")
 
 
 def top_k() -> Any:
-    return _opt(None, "--top-k", min=0, help="keep the k likeliest tokens, 0 = off (default: the model's, else 40)")
+    return _opt(None, "--top-k", parser=whole(0), metavar="N", help="keep the k likeliest tokens, 0 = off (default: the model's, else 40)")
 
 
 def top_p() -> Any:
@@ -150,15 +184,15 @@ def top_p() -> Any:
 
 
 def min_p() -> Any:
-    return _opt(None, "--min-p", min=0.0, max=0.999999,
+    return _opt(None, "--min-p", parser=number(0.0, 1.0, hi_open=True), metavar="FLOAT",
                 help="drop tokens less likely than this fraction of the likeliest, in [0, 1) "
                      "(default: the model's, else 0.05)")
 
 
 def repeat_penalty() -> Any:
-    return _opt(None, "--repeat-penalty", min=0.01, help="divide repeated tokens' logits by this, 1 = off "
+    return _opt(None, "--repeat-penalty", parser=number(0.01), metavar="FLOAT", help="divide repeated tokens' logits by this, 1 = off "
                                                          "(default: the model's, else 1)")
 
 
 def seed() -> Any:
-    return _opt(None, "--seed", min=0, help="sampling seed (default: random)")
+    return _opt(None, "--seed", parser=whole(0), metavar="N", help="sampling seed (default: random)")
