@@ -19,6 +19,7 @@ import torch
 
 from hetero.config import Arch, ModelConfig, RopeScaling, SUPPORTED, load_hf_config
 from hetero.errors import UserError
+from hetero.gguf_file import GGUFFile
 from hetero.validate import check_bytes, check_config, check_tensors
 
 _ST_DTYPES = {
@@ -162,11 +163,9 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _open_gguf_reader(path: Path):
-    import gguf
-
+def _open_gguf_reader(path: Path) -> GGUFFile:
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = GGUFFile(path)
     except (ValueError, OSError, IndexError, KeyError, struct.error) as e:
         raise UserError(f"{path} is not a readable GGUF file (corrupt or truncated: {e})") from e
     size = path.stat().st_size
