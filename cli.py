@@ -86,7 +86,7 @@ def chat(
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                              ctx_size=ctx_size, threads=threads, gpu_mem=gpu_mem, cpu_mem=cpu_mem,
                              gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, weight_mode=weight_mode,
-                             plan=plan, context_overflow=context_overflow)
+                             plan=plan, context_overflow=context_overflow, parallel=1)  # one conversation
         if interactive:
             err.print(f"[dim]{' · '.join(f'{k} {v}' for k, v in engine.info.items())}[/dim]")
         session = ChatSession(engine, sys.stdout, err, system=system,
