@@ -66,6 +66,11 @@ def load(
     (its device-tier KV and weights in host memory; slow for 4-bit weights, meant for tests).
     """
     overflow = Overflow.parse(context_overflow)
+    for name, value, lo in (("ctx_size", ctx_size, 0), ("parallel", parallel, 1), ("threads", threads, 1),
+                            ("block_size", block_size, 1), ("gpu_kv_tokens", gpu_kv_tokens, 0),
+                            ("stream_tokens", stream_tokens, 0)):
+        if value is not None and (not isinstance(value, int) or value < lo):
+            raise UserError(f"{name} {value!r} is out of range: use a whole number ≥ {lo}")
     path = Path(model) if model else demo_model_path()
     ck = open_checkpoint(path)
     cfg = ck.config
