@@ -62,7 +62,7 @@ def main() -> None:
     phases["load: other"] = total - sum(v for k, v in phases.items() if not k.startswith("import"))
     prompt = time.perf_counter() - T0
     t = time.perf_counter()
-    next(iter(engine.chat([{"role": "user", "content": "Hi"}], max_new_tokens=1)))
+    next(iter(engine.chat([{"role": "user", "content": "Hi"}], max_new_tokens=1, temperature=0)))
     first = time.perf_counter() - t
     for k, v in phases.items():
         print(f"{k:24} {v:7.2f} s")
