@@ -57,7 +57,7 @@ def main() -> None:
     except ImportError:
         pass
     t = time.perf_counter()
-    engine = hetero.load(a.model, device=a.device, weights=a.weights)
+    engine = hetero.load(a.model, device=a.device, weights=a.weights, parallel=1)  # as `hetero chat`
     total = time.perf_counter() - t
     phases["load: other"] = total - sum(v for k, v in phases.items() if not k.startswith("import"))
     prompt = time.perf_counter() - T0
