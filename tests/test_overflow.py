@@ -1,5 +1,5 @@
 """A conversation that outgrows the context goes on: the oldest turns go (or the context shifts),
-what remains reuses its KV, and a dim line says so; piped sessions run to their last line and
+what remains reuses its KV, and a dim line says so; piped chats run to their last line and
 honour slash commands."""
 import pytest
 from typer.testing import CliRunner
@@ -16,7 +16,7 @@ def chat(*args, input):
     return r
 
 
-def test_piped_session_outlives_the_context():
+def test_piped_chat_outlives_the_context():
     r = chat("-c", "512", "-n", "8", "--temp", "0", input="".join(q + "\n" for q in QUESTIONS[:40]))
     assert r.exit_code == 0, r.output
     assert len(r.stdout.splitlines()) >= 40  # each answer ends its own line: all 40 were answered
