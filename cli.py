@@ -19,46 +19,57 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from hetero.errors import UserError  # noqa: E402
+from planner import flags  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="Run LLMs with the KV cache in host memory.")
 err = Console(stderr=True, soft_wrap=True)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"hetero {version('hetero')}")
+        except PackageNotFoundError:
+            typer.echo("hetero (not installed: run from a source tree)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
+) -> None:
     """hetero: 4-bit weights on the GPU, the KV cache in host memory attended by the CPU."""
-
-
-def _opt(default, *names: str, help: str = ""):
-    env = "HETERO_" + names[-1].lstrip("-").replace("-", "_").upper()
-    return typer.Option(default, *names, envvar=env, help=help, show_default=True)
 
 
 @app.command()
 def chat(
-    model_arg: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF folder or .gguf (default: demo model)"),
-    model: Optional[str] = _opt(None, "-m", "--model", help="HF folder or .gguf"),
-    ctx_size: int = _opt(0, "-c", "--ctx-size", help="context length; 0 = the model's (capped at 4096)"),
-    max_new_tokens: int = _opt(512, "-n", "--max-new-tokens", help="tokens to generate per answer"),
-    threads: Optional[int] = _opt(None, "-t", "--threads", help="CPU threads for host attention"),
-    kv_dtype: Optional[str] = _opt(None, "--kv-dtype", help="host KV precision: bf16|int8|int4|f32 (default: planner; bf16 on the CPU)"),
-    weights: str = _opt("auto", "--weights", help="weight precision: auto|4bit|int8|bf16|f32"),
-    device: str = _opt("auto", "--device", help="auto|cpu|cuda"),
-    gpu_mem: Optional[str] = _opt(None, "--gpu-mem", help="GPU budget, a hard limit (e.g. 6GiB; default: free minus a margin)"),
-    cpu_mem: Optional[str] = _opt(None, "--cpu-mem", help="host budget (e.g. 48GiB)"),
-    gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="KV tokens per sequence kept on the GPU"),
-    stream_tokens: Optional[int] = _opt(None, "--kv-stream-tokens",
-                                        help="host KV tokens the GPU attends over after copying them up each step (batch 1; default: planner)"),
-    weight_mode: str = _opt("auto", "--weight-mode", help="weights that do not fit the GPU: auto|stream|cpu"),
-    plan: Optional[str] = _opt(None, "--plan", help="run exactly this saved plan (hetero plan --json > plan.json)"),
-    system: Optional[str] = _opt(None, "-s", "--system", help="system message"),
-    temperature: Optional[float] = _opt(None, "--temp", "--temperature"),
-    top_k: Optional[int] = _opt(None, "--top-k"),
-    top_p: Optional[float] = _opt(None, "--top-p"),
-    min_p: Optional[float] = _opt(None, "--min-p"),
-    repeat_penalty: Optional[float] = _opt(None, "--repeat-penalty"),
-    seed: Optional[int] = _opt(None, "--seed"),
-    verbose: bool = _opt(False, "-v", "--verbose"),
+    model_arg: Optional[str] = flags.model_arg(),
+    model: Optional[str] = flags.model(),
+    ctx_size: int = flags.ctx_size(),
+    max_new_tokens: int = flags.max_new_tokens(),
+    context_overflow: str = flags.context_overflow(),
+    threads: Optional[int] = flags.threads(),
+    kv_dtype: str = flags.kv_dtype(),
+    weights: str = flags.weights(),
+    device: str = flags.device(),
+    gpu_mem: Optional[int] = flags.gpu_mem(),
+    cpu_mem: Optional[int] = flags.cpu_mem(),
+    gpu_kv_tokens: Optional[int] = flags.gpu_kv_tokens(),
+    stream_tokens: Optional[int] = flags.stream_tokens(),
+    weight_mode: str = flags.weight_mode(),
+    plan: Optional[str] = typer.Option(None, "--plan", envvar="HETERO_PLAN", metavar="FILE",
+                                       help="run exactly this saved plan (hetero plan --json > plan.json)"),
+    system: Optional[str] = typer.Option(None, "-s", "--system", envvar="HETERO_SYSTEM",
+                                         help="system message (default: the template's)"),
+    temperature: Optional[float] = flags.temperature(),
+    top_k: Optional[int] = flags.top_k(),
+    top_p: Optional[float] = flags.top_p(),
+    min_p: Optional[float] = flags.min_p(),
+    repeat_penalty: Optional[float] = flags.repeat_penalty(),
+    seed: Optional[int] = flags.seed(),
+    verbose: bool = typer.Option(False, "-v", "--verbose", envvar="HETERO_VERBOSE", help="log what loading does"),
 ) -> None:
     """Chat with a model (Ollama-style); with stdin not a terminal, each line is one message."""
     import hetero
@@ -71,10 +82,11 @@ def chat(
     with _user_errors():
         if interactive:
             err.print("[dim]loading…[/dim]")
-        engine = hetero.load(model or model_arg, device=device, weights=weights, kv_dtype=kv_dtype,
+        engine = hetero.load(model or model_arg, device=device, weights=weights,
+                             kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                              ctx_size=ctx_size, threads=threads, gpu_mem=gpu_mem, cpu_mem=cpu_mem,
                              gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, weight_mode=weight_mode,
-                             plan=plan)
+                             plan=plan, context_overflow=context_overflow, parallel=1)  # one conversation
         if interactive:
             err.print(f"[dim]{' · '.join(f'{k} {v}' for k, v in engine.info.items())}[/dim]")
         session = ChatSession(engine, sys.stdout, err, system=system,

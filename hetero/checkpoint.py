@@ -19,6 +19,8 @@ import torch
 
 from hetero.config import Arch, ModelConfig, RopeScaling, SUPPORTED, load_hf_config
 from hetero.errors import UserError
+from hetero.gguf_file import GGUFFile
+from hetero.validate import check_bytes, check_config, check_tensors
 
 _ST_DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -110,6 +112,8 @@ class SafetensorsCheckpoint:
             for raw, meta in header.items():
                 name = _canonical_hf(raw)
                 a, b = meta["data_offsets"]
+                if meta["dtype"] in _ST_BYTES:
+                    check_bytes(f, raw, tuple(meta["shape"]), _ST_BYTES[meta["dtype"]], b - a)
                 self.tensors[name] = TensorInfo(tuple(meta["shape"]), meta["dtype"], b - a)
                 self._where[name] = (f, raw)
         self._handles: dict[Path, object] = {}
@@ -159,11 +163,9 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _open_gguf_reader(path: Path):
-    import gguf
-
+def _open_gguf_reader(path: Path) -> GGUFFile:
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = GGUFFile(path)
     except (ValueError, OSError, IndexError, KeyError, struct.error) as e:
         raise UserError(f"{path} is not a readable GGUF file (corrupt or truncated: {e})") from e
     size = path.stat().st_size
@@ -202,7 +204,7 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
         num_layers=int(_field(reader, f"{a}.block_count")),
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // heads)),
+        head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // heads if heads > 0 else 0)),
         rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -226,7 +228,10 @@ class GGUFCheckpoint:
     def __init__(self, path: Path):
         self.path = path
         self.reader = _open_gguf_reader(path)
-        self.config = gguf_config(self.reader, name=path.stem)
+        try:
+            self.config = gguf_config(self.reader, name=path.stem)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{path}: its metadata lacks or garbles a field the model math needs ({e})") from None
         self.tensors: dict[str, TensorInfo] = {}
         self._where: dict[str, tuple[object, int | None]] = {}
         for t in self.reader.tensors:
@@ -281,9 +286,15 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not p.exists():
         raise UserError(f"model path {p} does not exist: pass a Hugging Face model folder or a .gguf file")
     if p.is_dir():
-        return SafetensorsCheckpoint(p)
+        ck = SafetensorsCheckpoint(p)
+        check_config(ck.config, str(p / "config.json"))
+        check_tensors(ck.config, ck.tensors, p, floats_only=True)
+        return ck
     if _is_gguf(p):
-        return GGUFCheckpoint(p)
+        ck = GGUFCheckpoint(p)
+        check_config(ck.config, str(p))
+        check_tensors(ck.config, ck.tensors, p, floats_only=False)
+        return ck
     raise UserError(f"{p} is neither a model folder nor a GGUF file (it does not start with the GGUF magic)")
 
 

@@ -14,6 +14,9 @@ from typing import Any
 from hetero.errors import UserError
 
 
+DEFAULT_CTX = 4096  # `-c 0`: the model's context, capped (a 128k default would size a needlessly large KV cache)
+
+
 class Arch(str, enum.Enum):
     LLAMA = "llama"
     MISTRAL = "mistral"
@@ -74,7 +77,7 @@ class ModelConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
+        if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
             raise UserError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}"
@@ -96,6 +99,15 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context the model supports (its sliding window, where it has one)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+    def context(self, asked: int = 0) -> int:
+        """The context to run: `asked`, or for 0 the model's capped at DEFAULT_CTX (every command alike)."""
+        return min(self.context_limit, DEFAULT_CTX) if asked == 0 else asked
 
     def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> float:
         """K and V of one token over all layers."""
@@ -171,7 +183,7 @@ def config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
+        head_dim=int(hf.get("head_dim") or (hidden // heads if heads > 0 else 0)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -199,7 +211,12 @@ def load_hf_config(folder: Path) -> ModelConfig:
         hf = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {path}: {e}") from e
-    return config_from_hf(hf, name=folder.name)
+    try:
+        return config_from_hf(hf, name=folder.name)
+    except KeyError as e:
+        raise UserError(f"{path} lacks the field {e}, which the model math needs") from None
+    except (TypeError, ValueError, OverflowError) as e:
+        raise UserError(f"{path} has a field of the wrong type ({e}): sizes must be whole numbers") from None
 
 
 # Llama-3-8B, for benchmarks and planner tests (random weights of real shapes).

@@ -140,6 +140,17 @@ class Int8Linear:
         self._qn, self._sn = self.q.numpy(), self.scale.numpy()
         self._bn = _NO_BIAS if bias is None else self.bias.numpy()
 
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """A linear over weights already in this format (`hetero.int8_cache`)."""
+        self = cls.__new__(cls)
+        self.q, self.scale = q.contiguous(), scale.float().contiguous()
+        self.bias = None if bias is None else bias.float()
+        self.out_features, self.in_features = q.shape
+        self._qn, self._sn = self.q.numpy(), self.scale.numpy()
+        self._bn = _NO_BIAS if bias is None else self.bias.numpy()
+        return self
+
     @property
     def nbytes(self) -> int:
         return self.q.numel() + 4 * self.scale.numel()

@@ -6,6 +6,9 @@ from pathlib import Path
 
 from hetero.errors import UserError
 
+# Sampling its model card recommends (HuggingFaceTB/SmolLM2-135M-Instruct: temperature 0.2, top-p 0.9)
+DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
+
 
 def demo_model_path() -> Path:
     # find_spec locates the package without importing it (its __init__ needs the `llm` tool).

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 
+from hetero.context import ContextFull, Overflow, Window, fit
 from hetero.errors import UserError
 from hetero.metrics import RequestStats
 from hetero.model import Model
@@ -38,6 +40,8 @@ class Engine:
         self.last_stats = RequestStats()
         self._chat_seq: int | None = None  # the conversation whose KV stays between turns
         self._chat_tokens: list[int] = []
+        self._window = Window()  # what of the conversation the model sees
+        self.overflow = Overflow.DROP_TURNS
 
     # ------------------------------------------------------------------ model passes
     def _prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
@@ -82,18 +86,68 @@ class Engine:
         self._check_len(len(s.tokens) + 1)
         return s
 
-    def chat(self, messages: list[dict], **params) -> Iterator[Chunk]:
-        """Answer the conversation; the KV of the previous turn is reused (only new tokens prefill)."""
+    def chat(self, messages: list[dict], overflow: "str | Overflow | None" = None, **params) -> Iterator[Chunk]:
+        """Answer the conversation; the KV of the previous turn is reused (only new tokens prefill).
+
+        When the conversation outgrows the context, `overflow` (default: the engine's,
+        `--context-overflow`) says what goes: the oldest turns (drop-turns), the oldest tokens
+        (shift), or nothing (stop: `ContextFull` is raised). `last_stats.notes` says what went,
+        and that an answer was cut by the context limit.
+        """
         if self.tok is None:
             raise UserError("this engine has no tokenizer, so it cannot chat")
-        tokens = self.tok.apply_chat_template(messages)
-        self._check_len(len(tokens) + 1)
         p = self.defaults.update(**params)
+        mode = self.overflow if overflow is None else Overflow.parse(overflow)
+        stats = self.last_stats = RequestStats()
+        win = self._window.follow(messages)
+        answer: Sequence | None = None
+        while True:
+            done = [] if answer is None else answer.generated
+            room = max(1, min(p.max_new_tokens - len(done), self.ctx_size // 4))
+            try:
+                fitted = fit(self.tok, messages, win, self.ctx_size, room, mode, done)
+            except ContextFull:
+                if answer is None:
+                    raise
+                stats.notes.append(f"the answer was cut: the {self.ctx_size}-token context is full "
+                                   f"(raise -c/--ctx-size, or /clear)")
+                yield replace(last, finish_reason="length")
+                return
+            win = self._window = fitted.window
+            if fitted.note:
+                stats.notes.append(fitted.note)
+            seq = self._chat_sequence(fitted.tokens, p, answer)
+            last = None
+            try:
+                for chunk in self._run([seq], cached={seq.id: self._reuse(seq)}, keep=True, stats=stats):
+                    if last is not None:
+                        yield last
+                    last = chunk
+            finally:  # an abandoned answer (Ctrl+C) too: the next turn reuses what the cache holds
+                self._chat_tokens = seq.tokens[:self.cache.num_tokens(seq.id)]
+            cut = seq.ctx_full and seq.finish_reason == "length" and len(seq.generated) < p.max_new_tokens
+            if not cut or mode is Overflow.STOP:
+                if cut:
+                    stats.notes.append(f"the answer was cut: the {self.ctx_size}-token context is full "
+                                       f"(/clear, raise -c/--ctx-size, or use --context-overflow drop-turns)")
+                yield last
+                return
+            last = replace(last, finish_reason=None)  # the context moves on and the answer goes on
+            answer = seq
+
+    def _chat_sequence(self, tokens: list[int], p: SamplingParams, answer: "Sequence | None") -> Sequence:
+        """The conversation's sequence; an answer cut short by the context goes on in it."""
         seq = Sequence(next(self._ids), tokens, p)
+        if answer is not None:
+            seq.generated, seq.sampler, seq.decoder = answer.generated, answer.sampler, answer.decoder
+        return seq
+
+    def _reuse(self, seq: Sequence) -> int:
+        """Give `seq` the conversation's KV cache; → how many of its tokens are already there."""
         cached = 0
         if self._chat_seq is not None:
-            cached = _common_prefix(self._chat_tokens, tokens)
-            cached = min(cached, len(tokens) - 1)  # the last prompt token must run to give logits
+            cached = _common_prefix(self._chat_tokens, seq.tokens)
+            cached = min(cached, len(seq.tokens) - 1)  # the last prompt token must run to give logits
             self.cache.rename(self._chat_seq, seq.id)
             if cached < self.cache.num_tokens(seq.id) and not self.cache.seqs[seq.id].ordered:
                 log.info("the conversation changed inside swapped KV blocks: recomputing it")
@@ -102,17 +156,19 @@ class Engine:
             else:
                 self.cache.truncate(seq.id, cached)
         self._chat_seq = seq.id
-        yield from self._run([seq], cached={seq.id: cached}, keep=True)
-        self._chat_tokens = seq.tokens[:self.cache.num_tokens(seq.id)]
+        return cached
 
     def reset_chat(self) -> None:
         if self._chat_seq is not None:
             self.cache.free(self._chat_seq)
-        self._chat_seq, self._chat_tokens = None, []
+        self._chat_seq, self._chat_tokens, self._window = None, [], Window()
 
     # ------------------------------------------------------------------ the step loop
-    def _run(self, seqs: list[Sequence], cached: dict[int, int], keep: bool = False) -> Iterator[Chunk]:
+    def _run(self, seqs: list[Sequence], cached: dict[int, int], keep: bool = False,
+             stats: RequestStats | None = None) -> Iterator[Chunk]:
         sched = Scheduler(self, keep=keep)
+        if stats is not None:  # a chat answer that goes on after the context moved keeps counting in one
+            sched.stats = stats
         stats = self.last_stats = sched.stats
         for s in seqs:
             sched.add(s, cached.get(s.id, 0))
@@ -135,6 +191,7 @@ class Engine:
             s.finish_reason = "stop"
         elif len(s.generated) >= s.params.max_new_tokens or len(s.tokens) >= self.ctx_size:
             s.finish_reason = "length"
+            s.ctx_full = len(s.tokens) >= self.ctx_size
         text = ""
         if self.tok is not None and (tok not in stop or s.ignore_eos):
             s.decoder = s.decoder or StreamDecoder(self.tok)

@@ -84,12 +84,19 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
         nf4 = NF4Cache(ck.path)
         log.info("NF4 weights %s %s", "from the cache" if nf4.hit else "quantized now, cached in", nf4.path)
 
+    int8 = None
+    if fmt is WeightFormat.INT8 and homes is None and device.type == "cpu":  # converted once, then read back from the disk cache
+        from hetero.int8_cache import Int8Cache
+
+        int8 = Int8Cache(ck.path)
     home = homes or (lambda layer, kind: Home(fmt, device))
 
     def lin(where: Home, name: str, weight, b: torch.Tensor | None = None) -> Linear:
         """`weight()` reads (and fuses) the source tensor; a cache hit never calls it."""
         if where.fmt is WeightFormat.NF4 and nf4 is not None:
             made = nf4.linear(name, weight, b, device)
+        elif int8 is not None:
+            made = int8.linear(name, weight, b)
         else:
             made = make_linear(weight(), b, where.fmt, device if where.fmt is WeightFormat.NF4 else where.device)
         return move_linear(made, where.device)
@@ -131,6 +138,8 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
     lm_head = lin(home(-1, Kind.LM_HEAD), "lm_head", lambda: head_w)
     if nf4 is not None:
         nf4.save()
+    if int8 is not None:
+        int8.save()
     return Model(
         cfg,
         embed=embed.to(embed_device or device, keep),

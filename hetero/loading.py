@@ -9,13 +9,15 @@ import torch
 
 from cpu_attention import INT4_GROUP, KVDtype
 from hetero.checkpoint import open_checkpoint
-from hetero.demo import demo_model_path
+from hetero.context import Overflow
+from hetero.demo import DEMO_SAMPLING, demo_model_path
 from hetero.engine import Engine
 from hetero.errors import UserError
 from hetero.loader import WeightFormat, load_model
 from hetero.random_weights import RandomCheckpoint
 from hetero.sampling import defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
+from hetero.validate import check_vocab
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
 
@@ -23,8 +25,6 @@ if TYPE_CHECKING:
     from planner.plan import Plan
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CTX = 4096
 
 
 def load(
@@ -46,6 +46,7 @@ def load(
     cpu_mem: str | int | None = None,
     plan: "str | Path | Plan | None" = None,
     tokenizer: bool = True,
+    context_overflow: str = "drop-turns",
     **sampling,
 ) -> Engine:
     """Load a HF folder or .gguf (default: the embedded demo model), or a `RandomCheckpoint`, into an Engine.
@@ -62,10 +63,17 @@ def load(
     tokens the device attends over after copying them up each step (None: the planner's choice;
     with device cpu, the stand-in device); sub_batches: 1 or 2 (None: automatic); weight_mode:
     stream|cpu, how weights that do not fit the GPU budget run (None/"auto": the planner's choice);
-    sampling: default sampling parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed,
+    context_overflow: drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows
+    the context (`hetero.context`); sampling: default sampling parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed,
     max_new_tokens). With device cpu and a `plan`, the plan runs with the CPU standing in for the GPU
     (its device-tier KV and weights in host memory; slow for 4-bit weights, meant for tests).
     """
+    overflow = Overflow.parse(context_overflow)
+    for name, value, lo in (("ctx_size", ctx_size, 0), ("parallel", parallel, 1), ("threads", threads, 1),
+                            ("block_size", block_size, 1), ("gpu_kv_tokens", gpu_kv_tokens, 0),
+                            ("stream_tokens", stream_tokens, 0)):
+        if value is not None and (not isinstance(value, int) or value < lo):
+            raise UserError(f"{name} {value!r} is out of range: use a whole number ≥ {lo}")
     if isinstance(model, RandomCheckpoint):  # built in memory: no files, no tokenizer
         ck, tokenizer = model, False
         path = ck.path
@@ -79,14 +87,15 @@ def load(
     gpu_kv = _kv_dtype(gpu_kv_dtype, "--gpu-kv-dtype", cfg) if gpu_kv_dtype else None
     if weight_mode not in (None, "auto", "stream", "cpu"):
         raise UserError(f"--weight-mode {weight_mode!r} is not one of auto, stream, cpu")
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)
-    ctx = min(limit, DEFAULT_CTX) if ctx_size == 0 else ctx_size
+    limit = cfg.context_limit
+    ctx = cfg.context(ctx_size)
     if ctx > limit:
         raise UserError(f"--ctx-size {ctx} exceeds what {path.name} supports ({limit} tokens)")
     tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
-    defaults = defaults_from_generation_config(path if path.is_dir() else None).update(**sampling)
+    if tok is not None:
+        check_vocab(cfg, len(tok.hf), path)
+    defaults = defaults_from_generation_config(path if path.is_dir() else None)
+    defaults = defaults.update(**(DEMO_SAMPLING if model is None else {})).update(**sampling)
     if dev.type == "cuda" or plan is not None:
         # the planner imports hetero.config: imported here, not at module level, to keep the cycle open
         from offload.build import check_plan_supported, fence_gpu_memory, load_from_plan, runtime_from_plan
@@ -110,7 +119,9 @@ def load(
         info = {"model": str(path), "device": str(dev), "weights": fmt.value, "ctx_size": ctx,
                 "plan": summary_line(p), "predicted": f"{p.prediction.decode_tok_s:.1f} tok/s decode "
                 f"({p.prediction.bottleneck})"}
-        return Engine(runner.model, tok, runner, ctx, defaults, info=info, plan=p)
+        engine = Engine(runner.model, tok, runner, ctx, defaults, info=info, plan=p)
+        engine.overflow = overflow
+        return engine
     fmt = WeightFormat.parse(weights, dev)
     log.info("loading %s: %s weights on %s, %s KV, context %d", path, fmt.value, dev, kv.value, ctx)
     m = load_model(ck, fmt, dev)
@@ -123,7 +134,9 @@ def load(
     info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx,
             "kv_tiers": f"{gpu_tok} tokens/seq on {dev.type} ({cache.gpu.kv_dtype.value if cache.gpu else '-'}), "
                         f"the rest on the host ({kv.value})"}
-    return Engine(m, tok, runner, ctx, defaults, info=info)
+    engine = Engine(m, tok, runner, ctx, defaults, info=info)
+    engine.overflow = overflow
+    return engine
 
 
 def _kv_dtype(value: str, flag: str, cfg) -> KVDtype:

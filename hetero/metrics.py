@@ -1,7 +1,7 @@
 """Per-request counters the CLI prints after each answer (and the monitor will read)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -13,6 +13,7 @@ class RequestStats:
     kv_gpu_tokens: int = 0
     kv_host_tokens: int = 0
     decode_tokens: int = 0
+    notes: list[str] = field(default_factory=list)  # what the context overflow dropped or cut
 
     def add_prefill(self, tokens: int, seconds: float) -> None:
         self.prompt_tokens += tokens

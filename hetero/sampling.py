@@ -21,11 +21,10 @@ class SamplingParams:
     max_new_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.repeat_penalty <= 0:
-            raise UserError(
-                f"bad sampling parameters: temperature {self.temperature} (≥ 0), top_p {self.top_p} (0, 1], "
-                f"min_p {self.min_p} [0, 1), repeat_penalty {self.repeat_penalty} (> 0)"
-            )
+        for name, (kind, ok, allowed) in RANGES.items():
+            v = getattr(self, name)
+            if v is not None and not ok(v):
+                raise UserError(f"{name} {v} is out of range: use {allowed}")
 
     def update(self, **changes) -> "SamplingParams":
         known = {f.name for f in fields(self)}
@@ -33,6 +32,32 @@ class SamplingParams:
         if bad:
             raise UserError(f"unknown sampling parameter(s) {', '.join(sorted(bad))}; known: {', '.join(sorted(known))}")
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+# name → (type, check, the valid values in words), for messages and `/set parameter`
+RANGES = {
+    "temperature": (float, lambda v: v >= 0, "a number ≥ 0 (0 = greedy)"),
+    "top_k": (int, lambda v: v >= 0, "a whole number ≥ 0 (0 = off)"),
+    "top_p": (float, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+    "min_p": (float, lambda v: 0 <= v < 1, "a number in [0, 1) (0 = off)"),
+    "repeat_penalty": (float, lambda v: v > 0, "a number > 0 (1 = off)"),
+    "seed": (int, lambda v: v >= 0, "a whole number ≥ 0"),
+    "max_new_tokens": (int, lambda v: v >= 1, "a whole number ≥ 1"),
+}
+
+
+def parse_param(name: str, text: str) -> float | int:
+    """A sampling parameter typed as text (`/set parameter NAME VALUE`) → its value, checked."""
+    if name not in RANGES:
+        raise UserError(f"unknown parameter {name!r}; known: {', '.join(RANGES)}")
+    kind, ok, allowed = RANGES[name]
+    try:
+        v = kind(text)
+    except ValueError:
+        raise UserError(f"{name} {text!r} is not valid: use {allowed}") from None
+    if not ok(v):
+        raise UserError(f"{name} {text} is out of range: use {allowed}")
+    return v
 
 
 def defaults_from_generation_config(folder: Path | None) -> SamplingParams:

@@ -32,6 +32,7 @@ class Sequence:
     finish_reason: str | None = None
     generated: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # generate to max_new_tokens through EOS (benchmarks, load tests)
+    ctx_full: bool = False  # it stopped because the context was full
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)

@@ -12,10 +12,14 @@ import logging
 import os
 from pathlib import Path
 
+from hetero import fast_tokenizer
 from hetero.errors import UserError
 from hetero.paths import cache_dir
 
 log = logging.getLogger(__name__)
+
+# Files one of which a folder's tokenizer is built from (fast, SentencePiece, BPE, tiktoken)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
 
 # End-of-turn markers of common chat templates; one is a stop token when the template uses it.
 _TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
@@ -25,12 +29,15 @@ class Tokenizer:
     def __init__(self, path: Path, is_gguf: bool, eos_ids: tuple[int, ...]):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from transformers import AutoTokenizer
-
+        if not is_gguf and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise UserError(f"{path} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}): copy them from "
+                            f"the model's repository into the folder")
         try:
             if is_gguf:
                 self.hf = _gguf_tokenizer(path)
             else:
+                from transformers import AutoTokenizer
+
                 self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # transformers raises many types for a folder without tokenizer files
             raise UserError(f"cannot load a tokenizer from {path}: {e}") from e
@@ -72,17 +79,18 @@ class Tokenizer:
 
 
 def _gguf_tokenizer(path: Path):
-    """Converting a GGUF vocabulary takes seconds; keep the converted tokenizer in the cache folder."""
-    from transformers import AutoTokenizer
-
+    """Converting a GGUF vocabulary takes seconds; keep the converted tokenizer in the cache folder
+    and read it back with the `tokenizers` library alone (no transformers import at start-up)."""
     st = path.stat()
     key = f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
     cache = cache_dir() / "tokenizers" / key
-    if (cache / "tokenizer_config.json").is_file():
+    if fast_tokenizer.usable(cache):
         try:
-            return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
+            return fast_tokenizer.FastTokenizer(cache)
         except Exception as e:  # a damaged cache entry: convert again
             log.warning("ignoring the cached tokenizer in %s: %s", cache, e)
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     try:
         tok.save_pretrained(str(cache))

@@ -16,18 +16,14 @@ from rich.table import Table
 
 from cpu_attention.layout import KVDtype
 from hetero.errors import UserError
+from planner import flags
 from planner.options import budget_from, overrides_from
 from planner.plan import Workload
-from planner.profile import HardwareProfile, cache_path, load_or_measure
+from planner.profile import HardwareProfile, cache_path, implausible, load_or_measure
 from planner.report import render, to_json
 from planner.search import plan
 from planner.tensors import total_params
 from planner.units import format_size as fs
-
-
-def _opt(default, *names: str, help: str = ""):
-    env = "HETERO_" + names[-1].lstrip("-").replace("-", "_").upper()
-    return typer.Option(default, *names, envvar=env, help=help, show_default=True)
 
 
 def _fail(e: UserError) -> None:
@@ -36,35 +32,38 @@ def _fail(e: UserError) -> None:
 
 
 def plan_cmd(
-    model_arg: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF folder or .gguf (headers only are read)"),
-    model: Optional[str] = _opt(None, "-m", "--model", help="HF folder or .gguf"),
-    ctx_size: int = _opt(0, "-c", "--ctx-size", help="context length per sequence; 0 = the model's"),
-    parallel: int = _opt(1, "-np", "--parallel", help="sequences decoded together"),
-    prompt_tokens: int = _opt(0, "-p", "--prompt-tokens", help="prompt length; 0 = ctx-size minus max-new-tokens"),
-    max_new_tokens: int = _opt(256, "-n", "--max-new-tokens", help="tokens generated per answer"),
-    ubatch: int = _opt(2048, "-ub", "--ubatch-size", help="prefill chunk, tokens"),
-    threads: Optional[int] = _opt(None, "-t", "--threads", help="CPU threads for host attention (default: physical cores)"),
-    gpu_mem: Optional[str] = _opt(None, "--gpu-mem", help="GPU budget, e.g. 8GiB (default: free minus a margin)"),
-    cpu_mem: Optional[str] = _opt(None, "--cpu-mem", help="host budget, e.g. 48GiB (default: available minus a margin)"),
-    kv_dtype: Optional[str] = _opt(None, "--kv-dtype", help="host-tier KV: auto|bf16|int8|int4"),
-    gpu_kv_dtype: Optional[str] = _opt(None, "--gpu-kv-dtype", help="GPU-tier KV: auto|bf16|int8|int4"),
-    gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="GPU-tier KV tokens per sequence"),
-    stream_tokens: Optional[int] = _opt(None, "--kv-stream-tokens",
-                                        help="host-tier KV tokens the GPU attends over after copying them up each step (batch 1)"),
-    weights: str = _opt("auto", "--weights", help="auto|4bit|int8|bf16|f32 (int8: CPU only)"),
-    weight_mode: str = _opt("auto", "--weight-mode", help="weights that do not fit the GPU: auto|stream|cpu"),
-    device: str = _opt("auto", "--device", help="auto|cpu|cuda"),
-    sub_batches: Optional[int] = _opt(None, "--sub-batches", help="1 or 2 (default: the faster prediction)"),
-    profile: Optional[Path] = _opt(None, "--profile", help="hardware profile JSON to plan for (default: this machine's)"),
-    json_: bool = _opt(False, "--json", help="print the plan as one JSON document"),
+    model_arg: Optional[str] = flags.model_arg(),
+    model: Optional[str] = flags.model(),
+    ctx_size: int = flags.ctx_size(),
+    parallel: int = flags.whole_opt(1, "-np", "--parallel", lo=1, help="sequences decoded together"),
+    prompt_tokens: int = flags.whole_opt(0, "-p", "--prompt-tokens", lo=0,
+                                         help="prompt length; 0 = ctx-size minus max-new-tokens"),
+    max_new_tokens: int = flags.max_new_tokens(),
+    ubatch: int = flags.whole_opt(2048, "-ub", "--ubatch-size", lo=1, help="prefill chunk, tokens"),
+    threads: Optional[int] = flags.threads(),
+    gpu_mem: Optional[int] = flags.gpu_mem(),
+    cpu_mem: Optional[int] = flags.cpu_mem(),
+    kv_dtype: str = flags.kv_dtype(),
+    gpu_kv_dtype: str = flags.choice_opt("auto", "--gpu-kv-dtype", values=flags.KV_DTYPES,
+                                         help="GPU-tier KV precision (auto: the planner's choice)"),
+    gpu_kv_tokens: Optional[int] = flags.gpu_kv_tokens(),
+    stream_tokens: Optional[int] = flags.stream_tokens(),
+    weights: str = flags.weights(),
+    weight_mode: str = flags.weight_mode(),
+    device: str = flags.device(),
+    sub_batches: Optional[int] = typer.Option(None, "--sub-batches", parser=lambda t: int(flags.one_of("1", "2")(t)),
+                                              metavar="1|2", envvar="HETERO_SUB_BATCHES",
+                                              help="1 or 2 (default: the faster prediction)"),
+    profile: Optional[Path] = typer.Option(None, "--profile", envvar="HETERO_PROFILE",
+                                           help="hardware profile JSON to plan for (default: this machine's)"),
+    json_: bool = typer.Option(False, "--json", help="print the plan as one JSON document"),
 ) -> None:
     """Show where weights and KV would go and the predicted speed (reads only headers)."""
     try:
         cfg, checkpoint, notes = _model(model or model_arg)
         hw = _hardware(profile)
-        wl = Workload(ctx_size, parallel, prompt_tokens, max_new_tokens, ubatch)
-        if parallel < 1 or max_new_tokens < 1 or ubatch < 1 or ctx_size < 0:
-            raise UserError("--parallel, --max-new-tokens and --ubatch-size must be ≥ 1, --ctx-size ≥ 0")
+        wl = Workload(cfg.context(ctx_size), parallel, prompt_tokens,
+                      max_new_tokens, ubatch)
         budget = budget_from(hw, gpu_mem, cpu_mem)
         ov = overrides_from(device=device, weights=weights, kv_dtype=kv_dtype, gpu_kv_dtype=gpu_kv_dtype,
                             threads=threads, sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens,
@@ -72,7 +71,11 @@ def plan_cmd(
         p = plan(cfg, hw, budget, wl, ov)
     except UserError as e:
         _fail(e)
+    notes += [f"the hardware profile looks implausible: {n}; its predictions may be off — run `hetero profile "
+              f"--refresh` when the machine is idle" for n in implausible(hw)]
     if json_:
+        for n in notes:
+            Console(stderr=True).print(f"[yellow]note:[/yellow] {n}", highlight=False)
         sys.stdout.write(to_json(p, checkpoint) + "\n")
         return
     console = Console()
@@ -83,11 +86,10 @@ def plan_cmd(
 
 def _model(path: Optional[str]):
     """(config, checkpoint summary, notes) from headers only."""
-    from hetero.config import LLAMA3_8B
-
-    if path is None:
-        return LLAMA3_8B, None, ["no model given: planning for the Llama-3-8B shape"]
     from hetero.checkpoint import inspect
+    from hetero.demo import demo_model_path
+
+    path = path or demo_model_path()
 
     info = inspect(path)
     params = sum(math.prod(t.shape) for t in info.tensors.values())
@@ -113,8 +115,8 @@ def _hardware(path: Optional[Path]) -> HardwareProfile:
 
 
 def profile_cmd(
-    refresh: bool = _opt(False, "--refresh", help="measure again instead of using the cached profile"),
-    json_: bool = _opt(False, "--json", help="print the profile as JSON"),
+    refresh: bool = typer.Option(False, "--refresh", help="measure again instead of using the cached profile"),
+    json_: bool = typer.Option(False, "--json", help="print the profile as JSON"),
 ) -> None:
     """Measure this machine (bandwidths, attention and GEMV rates) and cache the result."""
     try:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from cpu_attention import warm
-from planner.profile import FORMAT, HOST_KV_DTYPES, POOL_BYTES, AttnRate, HardwareProfile, host_memory, physical_cores
+from planner.profile import FORMAT, HOST_KV_DTYPES, kernels_version, POOL_BYTES, AttnRate, HardwareProfile, host_memory, physical_cores
 
 
 def _best(fn: Callable[[], Any], reps: int = 3, sync: Callable[[], None] | None = None,
@@ -87,7 +87,8 @@ def measure(quick: bool = False) -> HardwareProfile:
 def _versions() -> dict[str, str]:
     from importlib import metadata
 
-    out = {"format": str(FORMAT), "python": platform.python_version(), "torch": torch.__version__,
+    out = {"format": str(FORMAT), "kernels": kernels_version(), "python": platform.python_version(),
+           "torch": torch.__version__,
            "cuda": str(torch.version.cuda), "cpu": platform.processor() or platform.machine()}
     for pkg in ("hetero", "numba", "bitsandbytes"):
         try:

@@ -148,7 +148,7 @@ class HardwareProfile:
         )
         gpu = gpu_gib is not None
         return cls(
-            created="synthetic", versions={"format": str(FORMAT)},
+            created="synthetic", versions={"format": str(FORMAT), "kernels": kernels_version()},
             host_total_bytes=int(host_gib * GIB), host_available_bytes=int(host_gib * 0.9 * GIB),
             physical_cores=cores, logical_cpus=2 * cores, dram_read_gbps=dram_gbps,
             cpu_gemv_gbps=0.5 * dram_gbps, cpu_gflops=50.0 * cores, cpu_attention=attn,
@@ -169,20 +169,59 @@ def cache_path() -> Path:
 
 
 def load_or_measure(refresh: bool = False, path: Path | None = None) -> HardwareProfile:
-    """The cached profile with current free memory, or a fresh measurement (then cached)."""
+    """The cached profile with current free memory, or a fresh measurement (then cached). A cached
+    profile of another format, or measured with other CPU kernels than the installed ones, is
+    measured again; a cache folder that cannot be written only costs the next run a measurement."""
     path = path or cache_path()
     if not refresh and path.is_file():
         try:
             prof = HardwareProfile.from_json(path.read_text())
-            if prof.versions.get("format") == str(FORMAT):
+            if prof.versions.get("format") != str(FORMAT):
+                log.info("profile %s is from an older format; measuring again", path)
+            elif prof.versions.get("kernels") != kernels_version():
+                log.warning("the hardware profile %s was measured with other CPU kernels than the installed "
+                            "ones; measuring again", path)
+            else:
                 return current_memory(prof)
-            log.info("profile %s is from an older format; measuring again", path)
         except (OSError, ValueError, TypeError, KeyError) as e:
             log.warning("cannot read the cached profile %s (%s); measuring again", path, e)
     prof = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.to_json())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(prof.to_json())
+    except OSError as e:
+        log.warning("note: cannot cache the hardware profile in %s (%s): it is measured again next time; "
+                    "set XDG_CACHE_HOME to a writable folder", path, e.strerror or e)
     return prof
+
+
+def kernels_version() -> str:
+    """A digest of the installed CPU kernels' sources: rates measured with other kernels are stale."""
+    import hashlib
+
+    import cpu_attention
+
+    h = hashlib.sha1()
+    for f in sorted(Path(cpu_attention.__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def implausible(prof: HardwareProfile) -> list[str]:
+    """Figures of a profile that disagree with the same profile's others (a busy machine while it
+    measured): a CPU attention rate far below the same dtype's at fewer threads or above DRAM's."""
+    out = []
+    for r in prof.cpu_attention:
+        fewer = [x for x in prof.cpu_attention if x.dtype == r.dtype and x.threads < r.threads]
+        best = max((x.gbps for x in fewer), default=0.0)
+        if best and r.gbps < 0.5 * best:
+            out.append(f"CPU attention {r.dtype} × {r.threads} threads read {r.gbps:.2f} GB/s, less than half "
+                       f"of {best:.2f} GB/s at fewer threads")
+        if prof.dram_read_gbps and r.gbps > 2 * prof.dram_read_gbps:
+            out.append(f"CPU attention {r.dtype} × {r.threads} threads read {r.gbps:.1f} GB/s, over twice "
+                       f"the DRAM read rate ({prof.dram_read_gbps:.1f} GB/s)")
+    out += [n for n in prof.notes if "busy" in n]
+    return out
 
 
 def current_memory(prof: HardwareProfile) -> HardwareProfile:

@@ -266,6 +266,14 @@ def _memory(hw, budget, pl, kv, workspace) -> Memory:
 def _check_host(mem: Memory, wl: Workload, host_dt: KVDtype, ov: Overrides) -> None:
     if mem.host_used <= mem.host_budget:
         return
+    if mem.host_weights > mem.host_budget:  # no context or KV setting can help
+        raise UserError(
+            f"the weights alone need {fs(mem.host_weights)} on the host, more than its budget "
+            f"{fs(mem.host_budget)} (short by {fs(mem.host_weights - mem.host_budget)}) before any KV cache: "
+            + ("raise --cpu-mem, " if mem.host_budget < mem.host_available else "")
+            + "use fewer bits per weight (--weights 4bit, int8), a GPU with more memory (--gpu-mem), "
+              "or a smaller model"
+        )
     knobs = [f"lower --ctx-size (now {wl.ctx_size})"]
     if wl.batch > 1:
         knobs.append(f"--parallel (now {wl.batch})")

@@ -99,3 +99,62 @@ def write_gguf(path, folder, arch: str, qtype_for=lambda name, shape: Q.F32, see
     w.write_tensors_to_file()
     w.close()
     return written
+
+
+def write_llama3_8b_q4km(path, layers: int = 32, seed: int = 0) -> None:
+    """A Llama-3-8B-shaped GGUF in llama.cpp's Q4_K_M mix (Q6_K for the output, for attn_v and
+    ffn_down of every other layer; Q4_K elsewhere; F32 norms), random blocks, and the demo
+    model's tokenizer (so its vocabulary, 49152, sizes the embedding). Streamed to disk one
+    tensor at a time: about 4.4 GB at 32 layers, little memory. `layers` < 32 for a quick check."""
+    from gguf import GGUFReader
+
+    from hetero.demo import demo_model_path
+
+    h, ff, heads, kv_heads, hd = 4096, 14336, 32, 8, 128
+    demo = GGUFReader(str(demo_model_path()))
+    vocab = len(demo.fields["tokenizer.ggml.tokens"].data)
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    w.add_key_length(hd)
+    w.add_vocab_size(vocab)
+    for name, f in demo.fields.items():
+        if name.startswith("tokenizer."):
+            sub = f.types[1] if len(f.types) > 1 else None
+            w.add_key_value(name, f.contents(), f.types[0], sub)
+    tensors = [("token_embd.weight", (vocab, h), Q.Q4_K), ("output_norm.weight", (h,), Q.F32),
+               ("output.weight", (vocab, h), Q.Q6_K)]
+    for i in range(layers):
+        strong = Q.Q6_K if i % 2 == 0 else Q.Q4_K  # Q4_K_M: more bits for half the value and down matrices
+        b = f"blk.{i}."
+        tensors += [(b + "attn_norm.weight", (h,), Q.F32), (b + "ffn_norm.weight", (h,), Q.F32),
+                    (b + "attn_q.weight", (heads * hd, h), Q.Q4_K), (b + "attn_k.weight", (kv_heads * hd, h), Q.Q4_K),
+                    (b + "attn_v.weight", (kv_heads * hd, h), strong), (b + "attn_output.weight", (h, heads * hd), Q.Q4_K),
+                    (b + "ffn_gate.weight", (ff, h), Q.Q4_K), (b + "ffn_up.weight", (ff, h), Q.Q4_K),
+                    (b + "ffn_down.weight", (h, ff), strong)]
+    rng = np.random.default_rng(seed)
+
+    def data(shape, qt):
+        if qt == Q.F32:
+            return np.ones(shape, np.float32)
+        return encode(np.empty((shape[0], shape[1]), np.float32), qt, rng)
+
+    for name, shape, qt in tensors:  # the header needs every tensor's size before any data
+        if qt == Q.F32:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            size = _KQ[qt][0]
+            byte_shape = (shape[0], shape[1] // 256 * size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, qt in tensors:
+        w.write_tensor_data(data(shape, qt))
+    w.close()

@@ -155,9 +155,13 @@ def test_streamed_host_kv_only_at_batch_one_and_within_the_budget():
 
 def test_no_fit_says_by_how_much_where_and_which_option():
     with pytest.raises(UserError) as e:
-        plan(LLAMA3_70B, HOSTS[None], Budget(0, 48 * GIB), WL)
+        plan(LLAMA3_8B, HOSTS[None], Budget(0, 12 * GIB), Workload(131072))  # the KV cache does not fit
     msg = str(e.value)
     assert "host" in msg and "short by" in msg and "--ctx-size" in msg and "--cpu-mem" in msg
+    with pytest.raises(UserError) as e:
+        plan(LLAMA3_70B, HOSTS[None], Budget(0, 48 * GIB), WL)  # the weights alone do not: no context helps
+    msg = str(e.value)
+    assert "weights alone" in msg and "short by" in msg and "--ctx-size" not in msg and "--cpu-mem" in msg
     with pytest.raises(UserError) as e:
         plan(LLAMA3_8B, HOSTS[8], Budget(200 * 2**20, 48 * GIB), WL)
     msg = str(e.value)
