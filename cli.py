@@ -52,6 +52,7 @@ def chat(
     context_overflow: str = flags.context_overflow(),
     threads: Optional[int] = flags.threads(),
     kv_dtype: str = flags.kv_dtype(),
+    gpu_kv_dtype: str = flags.gpu_kv_dtype(),
     weights: str = flags.weights(),
     device: str = flags.device(),
     gpu_mem: Optional[int] = flags.gpu_mem(),
@@ -84,7 +85,7 @@ def chat(
             err.print("[dim]loading…[/dim]")
         engine = hetero.load(model or model_arg, device=device, weights=weights,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype,
-                             ctx_size=ctx_size, threads=threads, gpu_mem=gpu_mem, cpu_mem=cpu_mem,
+                             gpu_kv_dtype=None if gpu_kv_dtype == "auto" else gpu_kv_dtype, ctx_size=ctx_size, threads=threads, gpu_mem=gpu_mem, cpu_mem=cpu_mem,
                              gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, weight_mode=weight_mode,
                              plan=plan, context_overflow=context_overflow, parallel=1)  # one conversation
         if interactive:

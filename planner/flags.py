@@ -142,6 +142,12 @@ def kv_dtype() -> Any:
                       help="host-tier KV precision (auto: the planner's choice; bf16 on the CPU)")
 
 
+def gpu_kv_dtype() -> Any:
+    return choice_opt("auto", "--gpu-kv-dtype", values=KV_DTYPES,
+                      help="GPU-tier KV precision (auto: bf16 when the whole KV fits the GPU, else the "
+                           "planner's fastest, int8 over int4 within 10%)")
+
+
 def weights() -> Any:
     return choice_opt("auto", "--weights", values=WEIGHTS,
                       help="weight precision (auto: 4bit with CUDA, int8 on the CPU; int8 runs on the CPU only)")

@@ -40,6 +40,7 @@ def serve_cmd(
                                          help="default max_tokens of a request (default: until the context ends)"),
     threads: Optional[int] = _opt(None, "-t", "--threads", help="CPU threads for host attention"),
     kv_dtype: Optional[str] = _opt(None, "--kv-dtype", help="host KV precision: bf16|int8|int4|f32"),
+    gpu_kv_dtype: Optional[str] = _opt(None, "--gpu-kv-dtype", help="GPU KV precision: bf16|int8|int4|f32"),
     weights: str = _opt("auto", "--weights", help="weight precision: auto|4bit|int8|bf16|f32"),
     device: str = _opt("auto", "--device", help="auto|cpu|cuda"),
     gpu_mem: Optional[str] = _opt(None, "--gpu-mem", help="GPU budget, a hard limit (e.g. 6GiB)"),
@@ -67,7 +68,7 @@ def serve_cmd(
         opts = ServeOptions(host=host, port=port, parallel=parallel, queue=queue, max_new_tokens=max_new_tokens,
                             model_name=alias, log_level="info" if verbose else "warning")
         load = functools.partial(hetero.load, model or model_arg, device=device, weights=weights, kv_dtype=kv_dtype,
-                                 ctx_size=ctx_size, parallel=parallel, threads=threads, gpu_mem=gpu_mem,
+                                 gpu_kv_dtype=gpu_kv_dtype, ctx_size=ctx_size, parallel=parallel, threads=threads, gpu_mem=gpu_mem,
                                  cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens,
                                  weight_mode=weight_mode, plan=plan,
                                  **{k: v for k, v in sampling.items() if v is not None})
