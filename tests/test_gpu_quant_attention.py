@@ -197,10 +197,10 @@ def test_int4_tails_read_like_host_tails():
 
 
 def test_quant_shapes_ok_is_exact():
-    """What the Triton kernel accepts: powers of two, D 16-128 (int4 from 32), BS 16-64."""
+    """What the Triton kernel accepts: powers of two, D 16-128 (int4 from 64), BS 16-64."""
     ok = [(kv, D, BS) for kv in QUANT for D in (16, 32, 48, 64, 96, 128, 256) for BS in (8, 12, 16, 32, 64, 128)
           if quant_shapes_ok(kv, D, BS)]
-    want = {KVDtype.INT8: (16, 32, 64, 128), KVDtype.INT4: (32, 64, 128)}
+    want = {KVDtype.INT8: (16, 32, 64, 128), KVDtype.INT4: (64, 128)}
     for kv in QUANT:
         assert {(D, BS) for k, D, BS in ok if k is kv} == {(D, BS) for D in want[kv] for BS in (16, 32, 64)}
     assert not quant_shapes_ok(KVDtype.BF16, 128, 16)

@@ -150,8 +150,9 @@ def test_planned_kv_formats_are_built_within_the_budget(tiny, gpu_kv, host_kv):
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])
 def test_cuda_quantized_device_tier_matches_the_stand_in(tiny, kv):
-    """Decode through the whole-step graph over an int8 / int4 device tier (Triton, tails written
-    in the graph, blocks sealed between steps): the CPU stand-in's logits over 60 positions, both
+    """Decode through the whole-step graph over an int8 / int4 device tier (tails written in the
+    graph, blocks sealed between steps; int8 attended by the Triton kernel, int4 at this head dim
+    32 by the torch twin, `quant_shapes_ok`): the CPU stand-in's logits over 60 positions, both
     reading the same bytes."""
     from hetero.evaluate import teacher_forced_logits
 
