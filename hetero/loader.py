@@ -85,7 +85,8 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
         log.info("NF4 weights %s %s", "from the cache" if nf4.hit else "quantized now, cached in", nf4.path)
 
     int8 = None
-    if fmt is WeightFormat.INT8 and homes is None and device.type == "cpu":  # converted once, then read back from the disk cache
+    if fmt is WeightFormat.INT8 and homes is None and device.type == "cpu" and ck.format != "random":
+        # converted once, then read back from the disk cache (a random model has no file to key it on)
         from hetero.int8_cache import Int8Cache
 
         int8 = Int8Cache(ck.path)
