@@ -60,7 +60,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from cpu_attention import rotation
 from cpu_attention.layout import KVDtype
 from gpu_ops import pdl
-from gpu_ops.attention_triton import _merge_splits_kernel, _sms
+from gpu_ops.attention_triton import _merge_splits_kernel, _sms, split_outputs
 from gpu_ops.kv_pool import GpuKVPool
 
 
@@ -311,11 +311,7 @@ def paged_decode_quant(
                          "use kernel=AttnKernel.TORCH (or AUTO)")
     G = Hq // Hkv
     MB = block_tables.shape[1]
-    # splits as attention_triton's: ~8 programs an SM, ≥ 4 blocks a split from 32 blocks on
-    S = max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4 if MB >= 32 else MB))
-    per = -(-MB // S)
-    o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=q.device)
-    lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
+    S, per, o, lse = split_outputs(B, Hq, Hkv, D, MB, q.device, out_dtype)  # splits as attention_triton's
     rot = rotation_matrix(D, q.device)
     common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, RC=min(32, D),
                   PER=triton.next_power_of_2(per), DT=tl.float32 if dot_f32 else tl.bfloat16,

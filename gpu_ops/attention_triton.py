@@ -99,6 +99,17 @@ def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, S, BH, SP: tl.con
     tl.store(out_lse_ptr + r, big)
 
 
+def split_outputs(B: int, Hq: int, Hkv: int, D: int, MB: int, device: torch.device, out_dtype: torch.dtype):
+    """Splits of a sequence's MB blocks and their partial outputs → (S, blocks a split, o [S, B, Hq, D],
+    lse [S, B, Hq]). About 8 programs an SM (enough loads in flight to keep HBM busy), ≥ 4 blocks a
+    split from 32 blocks on; below that a block a split (short contexts at batch 1: 8 programs walking
+    5 blocks in turn took 8.5 µs, the latency of a chain of dependent dots)."""
+    S = max(1, min(-(-8 * _sms(device) // (B * Hkv)), MB // 4 if MB >= 32 else MB))
+    o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=device)
+    lse = torch.empty((S, B, Hq), dtype=torch.float32, device=device)
+    return S, -(-MB // S), o, lse
+
+
 @functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -113,13 +124,7 @@ def paged_decode(
     Hkv, BS = pool.num_kv_heads, pool.block_size
     G = Hq // Hkv
     MB = block_tables.shape[1]
-    # splits: about 8 programs an SM (enough loads in flight to keep HBM busy), ≥ 4 blocks a split
-    # from 32 blocks on; below that a block a split (short contexts at batch 1: 8 programs walking
-    # 5 blocks in turn took 8.5 µs, the latency of a chain of dependent dots)
-    S = max(1, min(-(-8 * _sms(q.device) // (B * Hkv)), MB // 4 if MB >= 32 else MB))
-    per = -(-MB // S)
-    o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=q.device)
-    lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
+    S, per, o, lse = split_outputs(B, Hq, Hkv, D, MB, q.device, out_dtype)
     k = pool.k
     _decode_kernel[(B, Hkv, S)](
         q.to(k.dtype).contiguous(), k, pool.v, block_tables.contiguous(), seq_lens.to(torch.int32).contiguous(), o, lse,

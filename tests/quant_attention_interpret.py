@@ -27,7 +27,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from cpu_attention.layout import KVDtype  # noqa: E402
-from gpu_ops.attention import decode_attention_torch  # noqa: E402
+from gpu_ops.attention import decode_attention_torch, quant_shapes_ok  # noqa: E402
 from gpu_ops.attention_quant import paged_decode_quant  # noqa: E402
 # tests/ is sys.path[0] when this file runs as a script
 from test_gpu_quant_attention import TRITON_TOL, check_against_references, make_case, rel  # noqa: E402
@@ -72,7 +72,7 @@ def run(quick: bool, bf16: bool) -> tuple[int, int]:
     shapes = [(32, 16), (64, 16), (64, 32), (16, 16), (128, 16)]
     groups = [1, 3, 8]
     for kv, (D, BS), G in itertools.product([KVDtype.INT8, KVDtype.INT4], shapes, groups):
-        if kv is KVDtype.INT4 and D < 32 or quick and (G == 3 or D == 128):
+        if not quant_shapes_ok(kv, D, BS) or quick and (G == 3 or D == 128):
             continue
         # odd lengths, an empty sequence, tails (partly filled, and one complete but unsealed); the
         # 33-block sequence makes splits of several blocks (MB ≥ 32), the rest one-block splits
