@@ -60,7 +60,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from cpu_attention import rotation
 from cpu_attention.layout import KVDtype
 from gpu_ops import pdl
-from gpu_ops.attention_triton import _merge_splits_kernel, _sms, split_outputs
+from gpu_ops.attention_triton import _sms, merge_splits, split_outputs
 from gpu_ops.kv_pool import GpuKVPool
 
 
@@ -326,10 +326,4 @@ def paged_decode_quant(
     else:
         _int4_kernel[(B, Hkv, S)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero,
                                   *tails, *sizes, **common)
-    if S == 1:
-        return o[0], lse[0]
-    out = torch.empty((B, Hq, D), dtype=out_dtype, device=q.device)
-    total = torch.empty((B, Hq), dtype=torch.float32, device=q.device)  # -inf where every split was empty
-    _merge_splits_kernel[(B * Hq,)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, CH=16,
-                                    PDL=pdl.enabled(q.device), num_warps=4, **pdl.launch(q.device))
-    return out, total
+    return merge_splits(o, lse, out_dtype)

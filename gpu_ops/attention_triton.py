@@ -110,6 +110,19 @@ def split_outputs(B: int, Hq: int, Hkv: int, D: int, MB: int, device: torch.devi
     return S, -(-MB // S), o, lse
 
 
+def merge_splits(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' partials o [S, B, Hq, D], lse [S, B, Hq] → (out [B, Hq, D] out_dtype, lse [B, Hq]);
+    one split is already the answer."""
+    S, B, Hq, D = o.shape
+    if S == 1:
+        return o[0], lse[0]
+    out = torch.empty((B, Hq, D), dtype=out_dtype, device=o.device)
+    total = torch.empty((B, Hq), dtype=torch.float32, device=o.device)  # -inf where every split was empty
+    _merge_splits_kernel[(B * Hq,)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, CH=16,
+                                    PDL=pdl.enabled(o.device), num_warps=4, **pdl.launch(o.device))
+    return out, total
+
+
 @functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -132,10 +145,4 @@ def paged_decode(
         G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, PDL=pdl.enabled(q.device),
         num_warps=4, num_stages=2, **pdl.launch(q.device),
     )
-    if S == 1:
-        return o[0], lse[0]
-    out = torch.empty((B, Hq, D), dtype=out_dtype, device=q.device)
-    total = torch.empty((B, Hq), dtype=torch.float32, device=q.device)  # -inf where every split was empty
-    _merge_splits_kernel[(B * Hq,)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, CH=16,
-                                    PDL=pdl.enabled(q.device), num_warps=4, **pdl.launch(q.device))
-    return out, total
+    return merge_splits(o, lse, out_dtype)
