@@ -120,3 +120,11 @@ def forced_plan(folder, force=None, weights=None, host_dtype=None, sub_batches=1
             dt = host_dtype if mode is Mode.CPU and host_dtype else x.dtype
             out.append(Placement(x.layer, x.kind, Device.CPU, dt, mode, x.nbytes))
     return dataclasses.replace(p, placements=tuple(out))
+
+
+def greedy_batch(engine, prompts, n: int = 16) -> list[list[int]]:
+    """Each prompt's greedy tokens, the prompts generated together (continuous batching)."""
+    out = [[] for _ in prompts]
+    for c in engine.generate(prompts, max_new_tokens=n, temperature=0.0):
+        out[c.index].append(c.token)
+    return out

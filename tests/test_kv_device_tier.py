@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hetero
-from conftest import rel_err
+from conftest import greedy_batch, rel_err
 from cpu_attention import HostKVPool, KVDtype
 from gpu_ops.kv_pool import GpuKVPool
 from hetero.config import LLAMA3_8B
@@ -22,11 +22,7 @@ def _engine(folder, **kw):
     return hetero.load(folder, device="cpu", weights="f32", tokenizer=False, block_size=4, **kw)
 
 
-def _greedy(engine, prompts, n=16):
-    out = [[] for _ in prompts]
-    for c in engine.generate(prompts, max_new_tokens=n, temperature=0.0):
-        out[c.index].append(c.token)
-    return out
+_greedy = greedy_batch
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hetero
-from conftest import forced_plan, rel_err
+from conftest import forced_plan, greedy_batch, rel_err
 from cpu_attention.layout import KVDtype
 from planner.plan import Mode
 from planner.tensors import Kind, WDtype
@@ -16,11 +16,7 @@ HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 8, 64, 33, 2, 11, 90, 91, 92, 93, 94, 95, 1, 2]
 
 
-def _greedy(e, prompts, n=16):
-    out = [[] for _ in prompts]
-    for c in e.generate(prompts, max_new_tokens=n, temperature=0.0):
-        out[c.index].append(c.token)
-    return out
+_greedy = greedy_batch
 
 
 @pytest.fixture(scope="module")
