@@ -74,7 +74,7 @@ def chat(
 ) -> None:
     """Chat with a model (Ollama-style); with stdin not a terminal, each line is one message."""
     import hetero
-    from hetero.repl import ChatSession, is_tty, run_chat
+    from hetero.app.repl import ChatSession, is_tty, run_chat
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     interactive = is_tty(sys.stdin)

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import cpu_attention  # noqa: E402
 from cpu_attention._numba import dram_read_gbps  # noqa: E402
 import hetero  # noqa: E402
-from hetero.engine import Engine, Sequence  # noqa: E402
+from hetero.app.engine import Engine, Sequence  # noqa: E402
 
 LOG: list[str] = []
 

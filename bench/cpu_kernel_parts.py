@@ -30,7 +30,8 @@ from cpu_attention import decode_int4 as d4  # noqa: E402
 from cpu_attention._numba import JIT  # noqa: E402
 from cpu_attention import decode_int8 as d8  # noqa: E402
 from cpu_attention._simd import IVEC, VEC  # noqa: E402
-from cpu_attention.decode_tiles import NEG_INF, _keep_partial, _softmax_tile, _tile_len, rest_heads  # noqa: E402
+from cpu_attention.decode_items import NEG_INF, _keep_partial  # noqa: E402
+from cpu_attention.decode_tiles import _softmax_tile, _tile_len, rest_heads  # noqa: E402
 from cpu_attention.layout import INT4_GROUP  # noqa: E402
 
 INT8_VARIANTS = {"full": (1, 1, 1), "no value sums": (1, 1, 0), "no scores": (0, 1, 1),

@@ -29,6 +29,7 @@ from gpu_ops.nf4 import NF4Linear, Nf4Kernel, nf4_linear  # noqa: E402
 from gpu_ops.nf4_triton import nf4_gemv  # noqa: E402
 from hetero.config import LLAMA3_8B, ModelConfig  # noqa: E402
 from hetero.model import Model  # noqa: E402
+from offload.loader import kernels_for  # noqa: E402
 
 log = logging.getLogger("bench")
 DEV = torch.device("cuda")
@@ -85,7 +86,7 @@ def random_nf4(n: int, k: int) -> NF4Linear:
 def build_model(cfg: ModelConfig) -> Model:
     """Random NF4 weights of cfg's shapes, made on the GPU tensor by tensor (hetero.random_weights, read
     by the engine's own loader)."""
-    from hetero.loader import WeightFormat, load_model
+    from offload.loader import WeightFormat, load_model
     from hetero.random_weights import RandomCheckpoint
 
     return load_model(RandomCheckpoint(cfg, DEV), WeightFormat.NF4, DEV)
@@ -152,7 +153,7 @@ def decode_case(model: Model, batch: int, ctx: int, block_size: int, attn: AttnK
                 graphs: bool = True, compile: bool = False, steps: int = 30, fused: bool = True,
                 kernels: bool = False) -> dict:
     cfg = model.cfg
-    model.gpu_fusion = fused
+    model.use_kernels(*(kernels_for(model.device) if fused else (None, None)))
     mb = ctx // block_size + 1
     pool = GpuKVPool(cfg.num_layers, batch * mb, cfg.num_kv_heads, block_size, cfg.head_dim)
     for t in (pool.k, pool.v):  # random KV, filled layer by layer to bound the temporary

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import hetero  # noqa: E402
-from hetero.evaluate import perplexity, teacher_forced_logits  # noqa: E402
+from hetero.app.evaluate import perplexity, teacher_forced_logits  # noqa: E402
 from kv_text import TEXT  # noqa: E402
 
 

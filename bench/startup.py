@@ -43,7 +43,7 @@ def main() -> None:
     t = time.perf_counter()
     import cli  # noqa: F401  (what `hetero` imports before it parses the command line)
     import hetero
-    from hetero import loading
+    from hetero.app import build as loading
 
     phases["import hetero, cli"] = time.perf_counter() - t
     for name in ("open_checkpoint", "Tokenizer", "load_model", "TieredKVCache", "Runner"):

@@ -12,7 +12,7 @@ import importlib
 
 _WHERE = {
     "physical_cores": "_numba", "DecodeWork": "decode", "decode_attention": "decode", "INT4_GROUP": "layout",
-    "HostKVPool": "layout", "KVDtype": "layout", "dequantize": "layout", "quantize": "layout",
+    "HostKVPool": "pool", "KVDtype": "layout", "dequantize": "layout", "quantize": "layout",
     "merge_attention": "merge", "prefill_attention": "prefill", "decode_attention_ref": "reference",
     "prefill_attention_ref": "reference",
 }

@@ -11,8 +11,7 @@ multiplies have 16 levels, and the weights' error adds 3e-4–1e-3 to the output
 kernel against its float64 twin over the same codes, the tests' random data; 4e-3–9e-3 where a
 few tokens carry a tile, as in tests/test_offload.py's case) where int4 itself is 1e-2–4e-2 from
 unquantized attention, and SmolLM2's argmax agreement with bf16 KV stayed 0.97–0.98; the value
-sums take 11 instructions a token and kv head with one byte, 19 with two (bench/RESULTS.md,
-tenth session).
+sums take 11 instructions a token and kv head with one byte, 19 with two.
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ values) and clip search, without fastmath so every operation rounds as torch's d
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numba
 import numpy as np
 import torch
@@ -16,7 +18,10 @@ import torch
 from cpu_attention import int4, rotation
 from cpu_attention._hadamard import hadamard_rotate
 from cpu_attention._numba import bf16_to_f32, f32_to_bf16
-from cpu_attention.layout import HostKVPool, KVDtype
+from cpu_attention.layout import KVDtype
+
+if TYPE_CHECKING:
+    from cpu_attention.pool import HostKVPool
 
 WJIT = dict(nogil=True, cache=True)
 _INT4_CLIPS = np.array(int4.CLIPS, np.float32)

@@ -13,7 +13,7 @@ scratch once, then claims the next unclaimed item (`_numba.claim`, one atomic ad
 is left, so a thread that runs slow (a busy neighbour, a core that clocks lower, an item whose
 blocks come late from DRAM) takes fewer items instead of holding up the call. Against the static
 split of the same items (which also allocated each item's scratch), on the GPU host: bf16
-1.2–1.3×, int8 1.0–1.2×, int4 1.05–1.2× (bench/RESULTS.md, twelfth session). The `decode_*_any`
+1.2–1.3×, int8 1.0–1.2×, int4 1.05–1.2×. The `decode_*_any`
 fallbacks (head dims that are not a multiple of the vector width) keep Numba's static split.
 
 The kernels, one module a KV dtype, walk an item a tile of whole blocks at a time with the
@@ -24,7 +24,7 @@ q is rotated once a pair as the threads start and the output back as its pair is
 caller has it and do q × scale, the rotations and the merge on their own threads, in one parallel
 region (before: Python's q × scale, a serial or parallel rotation of all of q, the kernel, a second
 parallel region for the merge, the output's rotation): against that, on the GPU host, bf16 / int8
-/ int4 read 1.04 / 1.07 / 1.07 × as fast at 1 × 32k (bench/RESULTS.md, fourteenth session).
+/ int4 read 1.04 / 1.07 / 1.07 × as fast at 1 × 32k.
 Head dims that are not a multiple of the vector width go to the bf16 and int8 modules'
 `decode_*_any`, which leave those steps to `DecodeWork.run`.
 """
@@ -44,7 +44,8 @@ from cpu_attention.decode_bf16 import decode_float, decode_float_any
 from cpu_attention.decode_int4 import decode_int4
 from cpu_attention import decode_int8 as int8_mod  # its tile and prefetch settings are read per call
 from cpu_attention.decode_tiles import rest_heads
-from cpu_attention.layout import HostKVPool, KVDtype
+from cpu_attention.pool import HostKVPool
+from cpu_attention.layout import KVDtype
 from cpu_attention.reference import decode_attention_ref
 
 # equal-sized items per thread: the queue's last items end close together (8 against 4, GPU host: bf16

@@ -13,9 +13,11 @@ from numba import prange
 
 from cpu_attention._numba import JIT
 from cpu_attention._simd import DOT_TOKENS, from_pair_layout, to_pair_layout
+from cpu_attention.decode_items import (
+    NEG_INF, _claim_item, _empty_pairs, _finish_item, _keep_partial, _work_queue, merge_items,
+)
 from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _accumulate, _claim_item, _empty_pairs, _finish_item, _keep_partial, merge_items, _next_tile,
-    _scores, _softmax_tile, _tile_accumulate, _tile_len, _tile_scores, _work_queue,
+    TILE, _accumulate, _next_tile, _scores, _softmax_tile, _tile_accumulate, _tile_len, _tile_scores,
 )
 
 

@@ -20,9 +20,8 @@ from cpu_attention._simd import IVEC, VEC
 from cpu_attention._simd_int4 import SUM_TOKENS, VALUE_PIECES, make_accumulate_int4, make_scores_int4, pair_order
 from cpu_attention._simd_int4_factors import Q16, TINY, make_block_query, make_block_scales
 from cpu_attention._simd_int4_weights import make_scales_copy, make_value_factors
-from cpu_attention.decode_tiles import (
-    _claim_item, _empty_pairs, _finish_item, _keep_partial, _softmax_tile, _tile_len, _work_queue,
-)
+from cpu_attention.decode_items import _claim_item, _empty_pairs, _finish_item, _keep_partial, _work_queue
+from cpu_attention.decode_tiles import _softmax_tile, _tile_len
 from cpu_attention.layout import INT4_GROUP
 
 # int4 micro-kernels: integer dot products over the 4-bit codes (`_simd_int4`) and their integer
@@ -131,7 +130,7 @@ def _prefetch_first(k, vflat, ks2, kz2, vs2, vz2, bt, b, h, t0, t1, Hkv, BS, kre
 def _tail_scores(qn, x, n, s, c):
     """s[:, c + j] = qn · x[j] for j < n, x [n, D] a tail's rows (uint16 bf16 bits). Plain loops, not
     the float micro-kernels: a tail is at most one block of a sequence, and those kernels' G
-    variants would add ~9 s to this kernel's compile (bench/RESULTS.md, sixth session)."""
+    variants would add ~9 s to this kernel's compile."""
     for j in range(n):
         xr = x[j]
         for g in range(qn.shape[0]):

@@ -21,10 +21,10 @@ from cpu_attention._numba import (
 )
 from cpu_attention._hadamard import hadamard_rows
 from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
-from cpu_attention.decode_tiles import (
-    NEG_INF, TILE, _claim_item, _empty_pairs, _finish_item, _keep_partial, _next_tile, _raise_max, _softmax_tile,
-    _work_queue, merge_items,
+from cpu_attention.decode_items import (
+    NEG_INF, _claim_item, _empty_pairs, _finish_item, _keep_partial, _work_queue, merge_items,
 )
+from cpu_attention.decode_tiles import TILE, _next_tile, _raise_max, _softmax_tile
 
 _SC1, _SC2, _SC3, _SC4 = (make_scores(ng) for ng in (1, 2, 3, 4))
 _VA1, _VA2, _VA3, _VA4 = (make_values(ng) for ng in (1, 2, 3, 4))

@@ -6,36 +6,39 @@ points anywhere), and an int4 block and kv head is six short runs in six arrays 
 `int4.py`): six 4 KiB pages for 2.75 KiB read, against bf16's two pages for 8 KiB. In 4 KiB
 pages most of those are TLB misses, each a page walk. Measured on the GPU host (16 threads,
 `bench/ab_inproc.py`, the same kernels over a pool in 2 MiB pages against torch's 4 KiB ones):
-int4 1.09× at 1 × 32k, 1.13× at 16 × 4k, 1.07× in cache; int8 1.00 / 1.05 / 1.05
-(bench/RESULTS.md, thirteenth session).
+int4 1.09× at 1 × 32k, 1.13× at 16 × 4k, 1.07× in cache; int8 1.00 / 1.05 / 1.05.
 
 How: Linux's transparent huge pages are often madvise-only (the GPU host's are), and torch's
 allocator does not advise them, so the pool maps its own memory: a private anonymous mmap,
 advised MADV_HUGEPAGE before anything touches it, the tensor starting at its first 2 MiB
-boundary (`torch.frombuffer` keeps the mapping alive as long as the tensor). A pinned pool
-(the GPU copies from it) registers that mapping with CUDA (cudaHostRegister; unregistered when
-the mapping goes). Where any of that is missing (another OS, no CUDA for a pinned pool, a
-registration that fails, or a tensor under 2 MiB) it is torch.zeros as before. Like
-torch.zeros, it touches every page up front (a memset; registering does the same), so that no
-decode step later pays a page fault or the kernel's compaction for a fresh 2 MiB page.
+boundary (`torch.frombuffer` keeps the mapping alive as long as the tensor). A pool the GPU
+copies from has its mapping page-locked by the caller's `lock` (`offload.pinned`: this package
+knows nothing of CUDA). Where any of that is missing (another OS, a tensor under 2 MiB) it is
+torch.zeros as before. Like torch.zeros, it touches every page up front (a memset; locking does
+the same), so that no decode step later pays a page fault or the kernel's compaction for a
+fresh 2 MiB page.
 """
 from __future__ import annotations
 
 import math
 import mmap
-import weakref
+from typing import Callable
 
 import torch
 
 HUGE_PAGE = 2 << 20  # bytes
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype, pin_memory=pin), in 2 MiB pages where the OS gives them
-    (module doc)."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype,
+          lock: Callable[[mmap.mmap, int, int], bool] | None = None) -> torch.Tensor | None:
+    """torch.zeros(shape, dtype=dtype), in 2 MiB pages where the OS gives them (module doc).
+
+    lock(mapping, ptr, nbytes) page-locks the memory for a device's copies and says whether it
+    could; with a lock, None where the memory could not be mapped or locked (the caller then
+    allocates pinned memory its own way)."""
     n = math.prod(shape) * dtype.itemsize
     if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        return torch.zeros(shape, dtype=dtype) if lock is None else None
     m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
@@ -44,19 +47,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> torc
     whole = torch.frombuffer(m, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     t = whole[skip:skip + n]
-    if pin and not _register(m, t.data_ptr(), n):
-        return torch.zeros(shape, dtype=dtype, pin_memory=True)
-    if not pin:
-        t.zero_()  # fault every page in now (module doc; registering did that for a pinned one)
+    if lock is not None:
+        if not lock(m, t.data_ptr(), n):
+            return None
+    else:
+        t.zero_()  # fault every page in now (module doc; locking did that)
     return t.view(dtype).reshape(shape)
-
-
-def _register(m: mmap.mmap, ptr: int, n: int) -> bool:
-    """Page-lock [ptr, ptr + n) for the GPU's copies (cudaHostRegister), undone when m is freed."""
-    if not torch.cuda.is_available():
-        return False
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(ptr, n, 0)) != 0:
-        return False
-    weakref.finalize(m, cudart.cudaHostUnregister, ptr)
-    return True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cpu_attention.layout import HostKVPool
+from cpu_attention.pool import HostKVPool
 from cpu_attention.merge import merge_attention
 
 CHUNK = 2048  # KV tokens dequantized and scored at a time

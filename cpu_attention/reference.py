@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from cpu_attention.layout import HostKVPool
+from cpu_attention.pool import HostKVPool
 
 
 def decode_attention_ref(

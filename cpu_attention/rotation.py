@@ -75,7 +75,7 @@ def unrotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] → x @ R.T in float32, the inverse of `rotate`: one matrix product on the CPU; on
     a GPU the butterfly (a product there is a cuBLAS call, and each stream a CUDA graph is
     captured on gets its own cuBLAS workspace: the streamer's 32 layer captures took ~0.8 GiB
-    more and broke a 6 GiB budget, bench/RESULTS.md fifth session)."""
+    more and broke a 6 GiB budget)."""
     D = x.shape[-1]
     if x.device.type == "cpu":
         return x.float() @ inverse(D)

@@ -29,7 +29,8 @@ def compile_decode(dtype: str) -> None:
     import torch
 
     from cpu_attention.decode import decode_attention
-    from cpu_attention.layout import HostKVPool, KVDtype
+    from cpu_attention.pool import HostKVPool
+    from cpu_attention.layout import KVDtype
 
     BS, D = 16, 128
     pool = HostKVPool(1, 2, 2, BS, D, dtype=KVDtype(dtype))

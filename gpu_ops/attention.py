@@ -17,9 +17,8 @@ import enum
 
 import torch
 
-from cpu_attention.layout import KVDtype
 from cpu_attention.merge import merge_attention
-from gpu_ops.kv_pool import GpuKVPool
+from gpu_ops.kv_pool import GpuKVPool, quant_shapes_ok
 
 PREFILL_KV_CHUNK = 4096  # tier tokens per score matrix in prefill, to bound its memory
 
@@ -61,17 +60,6 @@ def triton_ok(pool: GpuKVPool, q: torch.Tensor) -> bool:
     if pool.quantized:
         return q.is_cuda and quant_shapes_ok(pool.kv_dtype, D, BS)
     return q.is_cuda and BS >= 16 and D >= 16 and D & (D - 1) == 0 and BS & (BS - 1) == 0
-
-
-def quant_shapes_ok(kv_dtype: KVDtype, head_dim: int, block_size: int) -> bool:
-    """Shapes `gpu_ops.attention_quant` runs: powers of two, every dot ≥ 16 a side (int4 splits D
-    in halves; a [D, D] rotation tile above 128 would not fit shared memory), BS 16 to 64. int4 from
-    head dim 64: at 32 a decode run through the kernel on the GPU host strayed from the torch twin
-    by more than 1e-2 in the logits (the kernel's own tests cover 64 and 128), so the twin runs there."""
-    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
-    lo = 64 if kv_dtype is KVDtype.INT4 else 16
-    return (kv_dtype in (KVDtype.INT8, KVDtype.INT4) and pow2(head_dim) and lo <= head_dim <= 128
-            and pow2(block_size) and 16 <= block_size <= 64)
 
 
 def decode_attention_torch(pool, layer, q, block_tables, seq_lens, scale):

@@ -61,7 +61,7 @@ from cpu_attention import rotation
 from cpu_attention.layout import KVDtype
 from gpu_ops import pdl
 from gpu_ops.attention_triton import _sms, merge_splits, split_outputs
-from gpu_ops.kv_pool import GpuKVPool
+from gpu_ops.kv_pool import GpuKVPool, quant_shapes_ok
 
 
 @triton.jit
@@ -302,8 +302,6 @@ def paged_decode_quant(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq]
     float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter)."""
-    from gpu_ops.attention import quant_shapes_ok
-
     B, Hq, D = q.shape
     Hkv, BS = pool.num_kv_heads, pool.block_size
     if not quant_shapes_ok(pool.kv_dtype, D, BS):

@@ -30,14 +30,26 @@ from gpu_ops.nf4 import NF4Linear, Nf4Kernel
 from gpu_ops.nf4_gemv import nf4_gemv
 
 
+def fits(lw) -> bool:
+    """Whether layer weights `lw` can take the fused path: NF4 without biases, bf16 norms, no q/k
+    norm, a dense MLP computed here."""
+    if lw.q_norm is not None or lw.router is not None or getattr(lw, "ffn", None) is not None:
+        return False  # ffn: an MLP computed elsewhere (offload.host_compute)
+    lins = (lw.qkv, lw.o, lw.gate_up, lw.down)
+    return all(isinstance(w, NF4Linear) and w.bias is None for w in lins) \
+        and lw.attn_norm.dtype == torch.bfloat16 and lw.mlp_norm.dtype == torch.bfloat16
+
+
+def takes(lw, x: torch.Tensor) -> bool:
+    """Whether a step of weights that `fit` over activations x [N, H] does: CUDA bf16, rows that
+    `NF4Linear.pick` sends to our GEMV (not while torch.compile traces: inductor fuses itself)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+            and all(w.pick(x.shape[0]) is Nf4Kernel.GEMV for w in (lw.qkv, lw.o, lw.gate_up, lw.down)))
+
+
 def applies(lw, x: torch.Tensor) -> bool:
     """Whether layer weights `lw` at activations x [N, H] take the fused path."""
-    if (x.device.type != "cuda" or x.dtype != torch.bfloat16 or lw.q_norm is not None or lw.router is not None
-            or getattr(lw, "ffn", None) is not None):  # ffn: an MLP computed elsewhere (offload.host_compute)
-        return False
-    lins = (lw.qkv, lw.o, lw.gate_up, lw.down)
-    return all(isinstance(w, NF4Linear) and w.bias is None and w.pick(x.shape[0]) is Nf4Kernel.GEMV for w in lins) \
-        and lw.attn_norm.dtype == torch.bfloat16 and lw.mlp_norm.dtype == torch.bfloat16
+    return fits(lw) and takes(lw, x)
 
 
 def pre_attention(cfg, lw, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

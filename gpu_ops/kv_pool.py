@@ -213,3 +213,14 @@ def _has_triton() -> bool:
 @kv_write.register_fake
 def _(k_pool, v_pool, layer, slots, k, v, block_size) -> None:
     return None
+
+
+def quant_shapes_ok(kv_dtype: KVDtype, head_dim: int, block_size: int) -> bool:
+    """Shapes `gpu_ops.attention_quant` runs: powers of two, every dot ≥ 16 a side (int4 splits D
+    in halves; a [D, D] rotation tile above 128 would not fit shared memory), BS 16 to 64. int4 from
+    head dim 64: at 32 a decode run through the kernel on the GPU host strayed from the torch twin
+    by more than 1e-2 in the logits (the kernel's own tests cover 64 and 128), so the twin runs there."""
+    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
+    lo = 64 if kv_dtype is KVDtype.INT4 else 16
+    return (kv_dtype in (KVDtype.INT8, KVDtype.INT4) and pow2(head_dim) and lo <= head_dim <= 128
+            and pow2(block_size) and 16 <= block_size <= 64)

@@ -30,7 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_ops import pdl
 
-from gpu_ops.nf4 import NF4_CODE
+from gpu_ops.nf4_code import NF4_CODE
 from gpu_ops.nf4_ptx import prmt_asm, prmt_tables
 
 MAX_ROWS = 8

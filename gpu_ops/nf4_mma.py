@@ -53,7 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_ops import pdl
-from gpu_ops.nf4 import BLOCK
+from gpu_ops.nf4_code import BLOCK
 from gpu_ops.nf4_gemv import Decode, _book, _decode_gather, _load_f32, _sms
 from gpu_ops.nf4_ptx import prmt_bf16_asm
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_ops.nf4 import NF4_CODE
+from gpu_ops.nf4_code import NF4_CODE
 
 
 def bf16_bits() -> list[int]:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_ops.nf4 import BLOCK, NF4_CODE
+from gpu_ops.nf4_code import BLOCK, NF4_CODE
 
 
 @functools.cache

@@ -15,7 +15,7 @@ def __getattr__(name: str):
     # Imported on first use: the runtime packages (offload, planner) import hetero's modules,
     # and an eager import here would make every such import a cycle.
     if name == "load":
-        from hetero.loading import load
+        from hetero.app.build import load
 
         return load
     if name in ("Engine", "Chunk"):

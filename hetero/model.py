@@ -8,7 +8,6 @@ same math runs over dense, int8 or 4-bit weights on either device.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -16,9 +15,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from hetero import cpu_linear
 from hetero.config import ModelConfig
-from hetero.cpu_linear import Int8Linear
 
 
 class Linear(Protocol):
@@ -57,6 +54,36 @@ class LayerWeights:
     # The whole feed-forward, h [N, H] → [N, H], when it is computed elsewhere (offload.host_compute:
     # by the CPU, from host copies of the weights above); None: this module's math over the fields above.
     ffn: Linear | None = None
+
+
+class FusedLayer(Protocol):
+    """A layer's step in a few fused kernels, for weights of one format on one device (the CPU's
+    int8 kernels in cpu_attention.linear, the GPU's NF4 ones in gpu_ops.fused). The loader picks
+    one for the model (`Model.use_kernels`); which layers it fits is settled then, once."""
+
+    def fits(self, lw: "LayerWeights") -> bool:
+        """Whether these weights take the fused kernels at all."""
+
+    def takes(self, lw: "LayerWeights", x: torch.Tensor) -> bool:
+        """Whether a step over activations x [N, H] does (few rows, the kernels' dtype)."""
+
+    def pre_attention(self, cfg: ModelConfig, lw: "LayerWeights", x: torch.Tensor, pos: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, kv_out: tuple | None): ...
+
+    def post_attention(self, cfg: ModelConfig, lw: "LayerWeights", x: torch.Tensor,
+                       attn: torch.Tensor) -> torch.Tensor | None:
+        """The layer's output, or None where this layer's rest is not fused (the torch math runs)."""
+
+
+class ElementwiseOps(Protocol):
+    """One-kernel RMSNorm, in-place RoPE and SiLU·up (gpu_ops.fused) for CUDA bf16 activations."""
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def rope_(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+              D: int) -> None: ...
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor: ...
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,7 +169,13 @@ class Model:
         self.device, self.act_dtype = device, act_dtype
         self.rope = Rope(cfg, device, rope_freqs)
         self.scale = cfg.head_dim ** -0.5
-        self.gpu_fusion = True  # few-row CUDA layers through gpu_ops.fused where it applies (bench A/B: False)
+        self.use_kernels(None, None)
+
+    def use_kernels(self, fused: FusedLayer | None, ops: ElementwiseOps | None) -> None:
+        """Take these kernels (None: the torch math) for the layers they fit; called by the loader,
+        and again whenever a layer's weights are rebound (offload.placement)."""
+        self.fused, self.ops = fused, ops
+        self._fused_layers = [fused is not None and fused.fits(lw) for lw in self.layers]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_w[ids.to(self.embed_w.device)].to(self.device, self.act_dtype)  # [N, H]
@@ -154,14 +187,9 @@ class Model:
         should go to; where the fused kernels can store them there themselves, they do and k, v
         come back None (the caller writes them otherwise)."""
         c, lw = self.cfg, self.layers[i]
-        fused = self._gpu_fused(lw, x)
-        if fused is not None:  # 3 kernels: norm, projection, RoPE (+ the KV write)
+        if self._fused_layers[i] and self.fused.takes(lw, x):  # a few kernels: norm, projection, RoPE
             cos, sin = self.rope.tables(pos)
-            return fused.pre_attention(c, lw, x, pos, cos, sin, kv_out)
-        if self._fused_decode(lw, x):  # one Numba call: norm, projection, RoPE
-            cos, sin = self.rope.tables(pos)
-            return cpu_linear.attn_in(x, pos, lw.attn_norm, c.rms_norm_eps, lw.qkv, cos, sin, c.num_heads,
-                                      c.num_kv_heads)
+            return self.fused.pre_attention(c, lw, x, pos, cos, sin, kv_out)
         ops = self._gpu_ops(x, lw.attn_norm)
         qkv = lw.qkv((ops or _TorchOps).rms_norm(x, lw.attn_norm, c.rms_norm_eps)).to(self.act_dtype)
         if ops is not None and lw.q_norm is None and qkv.is_contiguous() and c.head_dim & (c.head_dim - 1) == 0:
@@ -183,12 +211,10 @@ class Model:
     def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [N, H] residual stream, attn [N, Hq, D] → the layer's output [N, H]."""
         c, lw = self.cfg, self.layers[i]
-        fused = self._gpu_fused(lw, x)
-        if fused is not None:  # 4 kernels: O + residual, norm, gate_up + SiLU·up, down + residual
-            return fused.post_attention(c, lw, x, attn)
-        if self._fused_decode(lw, x) and lw.router is None:  # one Numba call for the rest of the layer
-            return cpu_linear.mlp_block(x, attn, lw.o, lw.mlp_norm,
-                                        c.rms_norm_eps, lw.gate_up, lw.down)
+        if self._fused_layers[i] and self.fused.takes(lw, x):  # O, norm, MLP and residuals in a few kernels
+            out = self.fused.post_attention(c, lw, x, attn)
+            if out is not None:
+                return out
         x = x + lw.o(attn.reshape(attn.shape[0], -1)).to(self.act_dtype)
         ops = self._gpu_ops(x, lw.mlp_norm)
         h = (ops or _TorchOps).rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
@@ -196,27 +222,13 @@ class Model:
             return x + lw.ffn(h).to(h.dtype)
         return x + feed_forward(c, lw, h, silu_mul=ops.silu_mul if ops is not None else None)
 
-    def _fused_decode(self, lw: LayerWeights, x: torch.Tensor) -> bool:
-        """Whether this layer's decode step runs in the fused int8 kernels (CPU, few rows, no q/k norm)."""
-        return (x.shape[0] <= cpu_linear.GEMV_MAX_ROWS and x.dtype == torch.float32 and lw.q_norm is None
-                and isinstance(lw.qkv, Int8Linear) and isinstance(lw.o, Int8Linear) and lw.o.bias is None
-                and lw.ffn is None
-                and (lw.router is not None or isinstance(lw.gate_up, Int8Linear) and isinstance(lw.down, Int8Linear)))
-
-    def _gpu_ops(self, x: torch.Tensor, w: torch.Tensor):
-        """gpu_ops.fused for its elementwise kernels (norm, RoPE, SiLU·up: one kernel each instead
-        of ~7) on CUDA bf16 activations at any row count (prefill, large batches), else None."""
-        if not (self.gpu_fusion and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-                and x.is_contiguous()) or torch.compiler.is_compiling():  # inductor fuses these itself (and
-            return None  # mis-tracks the in-place RoPE kernel: compiled tokens differed from eager)
-        return _gpu_fused_module()
-
-    def _gpu_fused(self, lw: LayerWeights, x: torch.Tensor):
-        """gpu_ops.fused if this layer's step takes its kernels (CUDA, few rows, NF4), else None."""
-        if not (self.gpu_fusion and x.is_cuda) or torch.compiler.is_compiling():
-            return None
-        fused = _gpu_fused_module()
-        return fused if fused is not None and fused.applies(lw, x) else None
+    def _gpu_ops(self, x: torch.Tensor, w: torch.Tensor) -> ElementwiseOps | None:
+        """The elementwise kernels (norm, RoPE, SiLU·up: one kernel each instead of ~7) on CUDA bf16
+        activations at any row count (prefill, large batches), else None."""
+        if self.ops is None or not (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+                                    and x.is_contiguous()) or torch.compiler.is_compiling():  # inductor fuses
+            return None  # these itself (and mis-tracks the in-place RoPE kernel: compiled tokens differed)
+        return self.ops
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] → float32 logits [N, V]."""
@@ -225,15 +237,6 @@ class Model:
 
 class _TorchOps:  # the ops gpu_ops.fused replaces, where it does not
     rms_norm = staticmethod(rms_norm)
-
-
-@functools.cache
-def _gpu_fused_module():
-    try:
-        from gpu_ops import fused
-    except ImportError:  # no Triton: the torch path
-        return None
-    return fused
 
 
 def feed_forward(c: ModelConfig, lw: LayerWeights, h: torch.Tensor, silu_mul=None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from hetero.checkpoint import Checkpoint
-from hetero.loader import load_model
+from offload.loader import load_model
 from hetero.model import Model
 from offload.kv_cache import TieredKVCache
 from offload.placement import FORMATS, PlacedWeights, check_plan_supported, place_weights, weight_homes

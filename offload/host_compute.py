@@ -2,7 +2,7 @@
 result comes up.
 
 A matrix of such a group is stored on the host in the CPU's format (int8 with a scale a row,
-`hetero.cpu_linear`'s Numba GEMV, when the GPU format is 4-bit; else bf16 or f32, torch). Per call:
+`cpu_attention.linear`'s Numba GEMV, when the GPU format is 4-bit; else bf16 or f32, torch). Per call:
 
     compute stream:  x → pinned `down` buffer (async copy), event
     host:            wait for the event → y = W·x on the CPU → y into the pinned `up` buffer

@@ -4,7 +4,7 @@ At batch 1 each layer is a chain: the device's pre segment (projections, RoPE, q
 the CPU's attention over the host tier → the device's post segment (merge, O projection, MLP).
 Nothing overlaps the CPU's share but the device's own attention share and the streamed copies,
 so every microsecond of Python between the segments lengthens the step. Measured on the GPU
-host (bench/step_trace.py, fourth session): of ~560 µs a layer at 8k tokens, ~270 µs were the
+host: of ~560 µs a layer at 8k tokens, ~270 µs were the
 main thread's Python around the kernel and the graph launches. This loop makes, per layer:
 
     launch pre(i)                                   (a graph: q, k, v into pinned `down`)
@@ -20,7 +20,7 @@ torch; both write the same buffers, so their tokens are the same.
 
 That Python alone was not what held the step: with it gone, an 8k step took as long until the
 post segment stopped waiting for the copy engine (gpu_ops/host_read.py); with both, a layer of
-8k int8 takes ~425 µs (bench/step_timeline.py, fifth session).
+8k int8 takes ~425 µs.
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from cpu_attention.layout import quantize_blocks
 from gpu_ops.kv_pool import GpuKVPool
 from hetero.config import ModelConfig
 from hetero.errors import UserError
+from offload import pinned
 from offload.blocks import BlockAllocator, OutOfBlocks, TierTable
 from offload.stream import runs
 
@@ -87,7 +88,7 @@ class TieredKVCache:
         self.cfg, self.block_size, self.device = cfg, block_size, device
         nb = lambda n: -(-n // block_size)  # noqa: E731
         self.host = HostKVPool(cfg.num_layers, nb(host_tokens), cfg.num_kv_heads, block_size, cfg.head_dim,
-                               host_dtype, pin=pin)
+                               host_dtype, allocate=pinned.zeros if pin else None)
         self.host_alloc = BlockAllocator(self.host.num_blocks)
         self.gpu: GpuKVPool | None = None
         self.gpu_alloc = BlockAllocator(0)

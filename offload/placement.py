@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero.errors import UserError
-from hetero.loader import Home, Homes, WeightFormat
+from offload.loader import Home, Homes, WeightFormat
 from hetero.model import LayerWeights, Linear, Model
 from offload.host_compute import HostCompute, HostFFN, HostLinear
 from offload.weights import TensorRef, WeightStreamer
@@ -91,6 +91,7 @@ def place_weights(model: Model, plan: Plan) -> PlacedWeights:
             _compute_on_host(model, p.layer, p.kind, compute)
             host_groups += 1
     streamer = WeightStreamer(streamed, model.device) if streamed else None
+    model.use_kernels(model.fused, model.ops)  # the layers whose weights moved to the CPU no longer fit them
     return PlacedWeights(streamer, compute if host_groups else None, host_groups)
 
 

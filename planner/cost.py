@@ -13,7 +13,7 @@ from typing import Sequence
 from cpu_attention.layout import KVDtype
 from hetero.config import ModelConfig
 from planner.plan import KVPlan, Mode, Placement
-from planner.profile import HardwareProfile
+from planner.hardware import HardwareProfile
 from planner.tensors import Group, Kind, WDtype, experts_touched, kv_bytes_per_token_layer, weight_groups
 
 GB = 1e9

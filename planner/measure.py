@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from cpu_attention import warm
-from planner.profile import FORMAT, HOST_KV_DTYPES, kernels_version, POOL_BYTES, AttnRate, HardwareProfile, host_memory, physical_cores
+from planner.hardware import FORMAT, HOST_KV_DTYPES, kernels_version, POOL_BYTES, AttnRate, HardwareProfile, host_memory, physical_cores
 
 
 def _best(fn: Callable[[], Any], reps: int = 3, sync: Callable[[], None] | None = None,
@@ -118,7 +118,7 @@ def _cpu_gemv_kernel() -> Callable | None:
     """hetero's int8 CPU GEMV (w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32),
     compiled or loaded by a small call; None if it is missing."""
     try:
-        from hetero.cpu_linear import _gemv_int8
+        from cpu_attention.linear import _gemv_int8
     except ImportError:
         return None
     _gemv_int8(np.ones((8, 64), np.int8), np.ones(8, np.float32), np.ones((1, 64), np.float32),
@@ -154,16 +154,16 @@ def _set_threads(n: int) -> None:
 def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     """Time `cpu_attention.decode_attention` on a pool larger than the caches (layers are
     cycled so each call reads cold memory): one sequence of T tokens × 8 KV heads × D 128 (the
-    batch-1 decode the host tier mostly serves; int8 read 53 GB/s there and 30 as 16 × 4k, bench
-    RESULTS fifth session), with as many layers as make POOL_BYTES of each dtype.
+    batch-1 decode the host tier mostly serves; int8 read 53 GB/s there and 30 as 16 × 4k), with as many layers as make POOL_BYTES of each dtype.
 
     Each (dtype, thread count) is warmed up on its own, one pass over every layer: the first call
     of a dtype JIT-compiles or loads its kernels, the first at a thread count starts Numba's
     threads, the first touch of a layer faults its pages in. With a single warm-up per dtype the
     second thread count's timings caught that start-up and read bf16 at 3.7 GB/s where the
-    engine's steps then ran it at 48–81 (bench/RESULTS.md, fourth session)."""
+    engine's steps then ran it at 48–81."""
     import cpu_attention
-    from cpu_attention.layout import HostKVPool, token_bytes
+    from cpu_attention.pool import HostKVPool
+    from cpu_attention.layout import token_bytes
 
     B, T, H, D, BS = (1, 1024, 8, 128, 16) if quick else (1, 16384, 8, 128, 16)
     pool_bytes = (8 if quick else POOL_BYTES // 2**20) * 2**20

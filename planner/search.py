@@ -18,7 +18,7 @@ from planner.cost import StepCost, decode_step, prefill_seconds
 from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
-from planner.profile import HardwareProfile
+from planner.hardware import HardwareProfile
 from planner.tensors import Group, Kind, WDtype, kv_bytes_per_token_layer, weight_groups
 from planner.units import format_size as fs
 

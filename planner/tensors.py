@@ -27,7 +27,7 @@ class Kind(str, enum.Enum):
 
 class WDtype(str, enum.Enum):
     NF4 = "nf4"  # bitsandbytes, GPU
-    INT8 = "int8"  # per-row scale, the CPU kernel (hetero.cpu_linear)
+    INT8 = "int8"  # per-row scale, the CPU kernel (cpu_attention.linear)
     BF16 = "bf16"
     F32 = "f32"
 

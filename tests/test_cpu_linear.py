@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetero import cpu_linear as cl
+from cpu_attention import linear as cl
 from hetero.config import Arch, ModelConfig
 from hetero.model import LayerWeights, Model, rms_norm
 
@@ -93,11 +93,12 @@ def test_fused_decode_matches_unfused_model_math():
                       o=cl.Int8Linear(torch.randn(24, 32)), mlp_norm=torch.rand(24) + 0.5,
                       gate_up=cl.Int8Linear(torch.randn(2 * 40, 24)), down=cl.Int8Linear(torch.randn(24, 40)))
     m = Model(cfg, torch.randn(50, 24), torch.ones(24), cl.Int8Linear(torch.randn(50, 24)), [lw], torch.device("cpu"))
+    m.use_kernels(cl.Int8Layers, None)
     x, pos = torch.randn(3, 24), torch.tensor([0, 5, 300])
     q, k, v = m.pre_attention(0, x, pos)
     attn = torch.randn(3, 4, 8)
     y = m.post_attention(0, x, attn)
-    m._fused_decode = lambda lw, x: False  # the torch path, same weights
+    m.use_kernels(None, None)  # the torch path, same weights
     q2, k2, v2 = m.pre_attention(0, x, pos)
     for a, b in ((q, q2), (k, k2), (v, v2), (y, m.post_attention(0, x, attn))):
         _close(a, b, 1e-5)

@@ -13,7 +13,8 @@ import torch
 
 import hetero
 from conftest import COMMON, rel_err
-from cpu_attention.layout import HostKVPool, KVDtype
+from cpu_attention.pool import HostKVPool
+from cpu_attention.layout import KVDtype
 from cpu_attention.merge import merge_attention
 from cpu_attention.reference import decode_attention_ref, prefill_attention_ref
 from gpu_ops.attention import AttnKernel, decode_attention, prefill_attention
@@ -21,7 +22,7 @@ from gpu_ops.decode_step import GpuDecoder, prefill
 from gpu_ops.kv_pool import GpuKVPool
 from gpu_ops.nf4 import NF4_CODE, NF4Linear, Nf4Kernel, dequantize_nf4, quantize_nf4
 from hetero.checkpoint import open_checkpoint
-from hetero.loader import WeightFormat, load_model
+from offload.loader import WeightFormat, load_model
 from hetero.model import Dense
 
 CUDA = torch.cuda.is_available()
@@ -566,7 +567,7 @@ def test_gpu_nf4_gemv_swiglu_epilogue_is_silu_mul(rows, config):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_gpu_fused_nf4_layers_give_the_torch_paths_tokens(tmp_path, batch):
     """NF4 weights, 1-2 rows: the fused kernels (gpu_ops.fused) take the layer; the same model
-    with them off (Model.gpu_fusion) takes the torch ops. Same greedy tokens, graphs and eager."""
+    with them off (`Model.use_kernels(None, None)`) takes the torch ops. Same greedy tokens, graphs and eager."""
     from gpu_ops import fused
 
     folder = _tiny_separated(tmp_path, intermediate_size=128)  # every K a multiple of 64: our GEMV
@@ -575,7 +576,7 @@ def test_gpu_fused_nf4_layers_give_the_torch_paths_tokens(tmp_path, batch):
     assert all(fused.applies(lw, x) for lw in model.layers)
     on = _greedy(model, 32, graphs=True, batch=batch)
     assert _greedy(model, 32, graphs=False, batch=batch) == on
-    model.gpu_fusion = False
+    model.use_kernels(None, None)
     assert _greedy(model, 32, graphs=True, batch=batch) == on
 
 

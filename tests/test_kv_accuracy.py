@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hetero
-from hetero.evaluate import perplexity, teacher_forced_logits
+from hetero.app.evaluate import perplexity, teacher_forced_logits
 from kv_text import TEXT
 
 

@@ -150,7 +150,7 @@ def test_cuda_quantized_device_tier_matches_the_stand_in(tiny, kv):
     graph, blocks sealed between steps; int8 attended by the Triton kernel, int4 at this head dim
     32 by the torch twin, `quant_shapes_ok`): the CPU stand-in's logits over 60 positions, both
     reading the same bytes."""
-    from hetero.evaluate import teacher_forced_logits
+    from hetero.app.evaluate import teacher_forced_logits
 
     folder = tiny("llama_hd32")[0]
     kw = dict(weights="f32", kv_dtype=kv, gpu_kv_dtype=kv, tokenizer=False, block_size=16, gpu_kv_tokens=256,

@@ -185,7 +185,7 @@ def test_host_kv_dtype_falls_back_to_what_fits():
 def test_kv_bytes_match_the_host_pool_layout():
     """The planner's bytes are the pool's real ones, at every block size: int4's per-block key
     scales and tail-slot table spread over the block, and the tail a sequence being filled holds."""
-    from cpu_attention.layout import HostKVPool
+    from cpu_attention.pool import HostKVPool
 
     cfg = dataclasses.replace(LLAMA3_8B, num_layers=2)
     for dt in KVDtype:

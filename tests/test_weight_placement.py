@@ -97,7 +97,7 @@ def test_bf16_groups_off_the_device_give_resident_tokens(folder):
 
 @pytest.mark.parametrize("kind", [Kind.MLP, Kind.ATTN])
 def test_int8_cpu_groups_within_tolerance(folder, resident, kind):
-    """A 4-bit plan keeps CPU-computed groups in int8 (the Numba GEMV of hetero.cpu_linear): logits
+    """A 4-bit plan keeps CPU-computed groups in int8 (the Numba GEMV of cpu_attention.linear): logits
     within int8's error of the float32 run, and decode runs through the same groups."""
     p = forced_plan(folder, {(i, kind): Mode.CPU for i in range(4)}, host_dtype=WDtype.INT8)
     e, toks, logits = _run(folder, p, n=4)

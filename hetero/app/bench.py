@@ -21,9 +21,9 @@ from typing import Callable
 
 import torch
 
-from hetero.engine import Engine
+from hetero.app.engine import Engine
 from hetero.errors import UserError
-from hetero.scheduler import Scheduler
+from hetero.app.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hetero.app.live import LiveStats
-from hetero.engine import Engine
-from hetero.scheduler import Chunk, Scheduler, Sequence
+from hetero.app.engine import Engine
+from hetero.app.scheduler import Chunk, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Callable
 from hetero.app.engine_loop import EngineLoop
 from hetero.app.http_api import build_app
 from hetero.app.live import LiveStats
-from hetero.engine import Engine
+from hetero.app.engine import Engine
 from hetero.errors import UserError
 
 log = logging.getLogger(__name__)

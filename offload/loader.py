@@ -15,9 +15,9 @@ import torch
 
 from hetero.checkpoint import Checkpoint
 from hetero.config import ModelConfig
-from hetero.cpu_linear import Int8Linear
+from cpu_attention.linear import Int8Layers, Int8Linear
 from hetero.errors import UserError
-from hetero.model import Dense, LayerWeights, Linear, Model
+from hetero.model import Dense, ElementwiseOps, FusedLayer, LayerWeights, Linear, Model
 from planner.tensors import Kind
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
     int8 = None
     if fmt is WeightFormat.INT8 and homes is None and device.type == "cpu" and ck.format != "random":
         # converted once, then read back from the disk cache (a random model has no file to key it on)
-        from hetero.int8_cache import Int8Cache
+        from offload.int8_cache import Int8Cache
 
         int8 = Int8Cache(ck.path)
     home = homes or (lambda layer, kind: Home(fmt, device))
@@ -141,7 +141,7 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
         nf4.save()
     if int8 is not None:
         int8.save()
-    return Model(
+    model = Model(
         cfg,
         embed=embed.to(embed_device or device, keep),
         norm=vec(home(-1, Kind.FINAL_NORM), "model.norm.weight"),
@@ -151,6 +151,21 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
         act_dtype=act,
         rope_freqs=rope_freqs,
     )
+    model.use_kernels(*kernels_for(device))
+    return model
+
+
+def kernels_for(device: torch.device) -> tuple[FusedLayer | None, ElementwiseOps | None]:
+    """The fused kernels a model on `device` takes where its layers' weights fit them: on CUDA
+    gpu_ops.fused (NF4 decode layers, and the elementwise ops at any row count; none without
+    Triton), on the CPU the int8 decode kernels."""
+    if device.type == "cuda":
+        try:
+            from gpu_ops import fused
+        except ImportError:  # no Triton: the torch math
+            return None, None
+        return fused, fused
+    return Int8Layers, None
 
 
 def move_linear(lin: Linear, device: torch.device) -> Linear:

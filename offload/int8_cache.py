@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from hetero.cpu_linear import Int8Linear
+from cpu_attention.linear import Int8Linear
 
 log = logging.getLogger(__name__)
 

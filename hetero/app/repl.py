@@ -13,7 +13,7 @@ from typing import Callable, TextIO
 from rich.console import Console
 
 from hetero.context import ContextFull, Overflow
-from hetero.engine import Engine
+from hetero.app.engine import Engine
 from hetero.errors import UserError
 from hetero.paths import cache_dir
 from hetero.sampling import RANGES, parse_param

@@ -11,9 +11,9 @@ from cpu_attention import INT4_GROUP, KVDtype
 from hetero.checkpoint import open_checkpoint
 from hetero.context import Overflow
 from hetero.demo import DEMO_SAMPLING, demo_model_path
-from hetero.engine import Engine
+from hetero.app.engine import Engine
 from hetero.errors import UserError
-from hetero.loader import WeightFormat, load_model
+from offload.loader import WeightFormat, load_model
 from hetero.random_weights import RandomCheckpoint
 from hetero.sampling import defaults_from_generation_config
 from hetero.tokenizer import Tokenizer

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from hetero.engine import Engine
+from hetero.app.engine import Engine
 
 
 @torch.inference_mode()

@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hetero.metrics import RequestStats
+from hetero.app.metrics import RequestStats
 from hetero.sampling import Sampler, SamplingParams
 from hetero.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
-    from hetero.engine import Engine
+    from hetero.app.engine import Engine
 
 
 @dataclass

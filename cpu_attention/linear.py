@@ -142,7 +142,7 @@ class Int8Linear:
 
     @classmethod
     def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
-        """A linear over weights already in this format (`hetero.int8_cache`)."""
+        """A linear over weights already in this format (`offload.int8_cache`)."""
         self = cls.__new__(cls)
         self.q, self.scale = q.contiguous(), scale.float().contiguous()
         self.bias = None if bias is None else bias.float()
@@ -220,3 +220,28 @@ def mlp_block_ref(x: torch.Tensor, attn: torch.Tensor, o: Int8Linear, norm_w: to
     y = x + int8_linear_ref(attn, o.q, o.scale, None)
     g, u = int8_linear_ref(_rms_norm_ref(y, norm_w, eps), gate_up.q, gate_up.scale, None).chunk(2, dim=-1)
     return y + int8_linear_ref(F.silu(g) * u, down.q, down.scale, None)
+
+
+class Int8Layers:
+    """The model's decode step over int8 weights on the CPU in two fused kernels a layer
+    (`attn_in`, `mlp_block`): `hetero.model.FusedLayer` for `Model.use_kernels`."""
+
+    @staticmethod
+    def fits(lw) -> bool:
+        lins = (lw.qkv, lw.o) + ((lw.gate_up, lw.down) if lw.router is None else ())
+        return (lw.q_norm is None and lw.ffn is None and all(isinstance(w, Int8Linear) for w in lins)
+                and lw.o.bias is None)
+
+    @staticmethod
+    def takes(lw, x: torch.Tensor) -> bool:
+        return x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32
+
+    @staticmethod
+    def pre_attention(cfg, lw, x, pos, cos, sin, kv_out=None):
+        return attn_in(x, pos, lw.attn_norm, cfg.rms_norm_eps, lw.qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads)
+
+    @staticmethod
+    def post_attention(cfg, lw, x, attn):
+        if lw.router is not None:  # routed experts: the model's torch math over Int8Linear experts
+            return None
+        return mlp_block(x, attn, lw.o, lw.mlp_norm, cfg.rms_norm_eps, lw.gate_up, lw.down)

@@ -1,6 +1,6 @@
 """The Engine: sequences, a scheduler and the step loop over the model and the paged KV cache.
 
-One step is `schedule() → run(batch) → postprocess(outputs)` (hetero/scheduler.py): a waiting
+One step is `schedule() → run(batch) → postprocess(outputs)` (hetero/app/scheduler.py): a waiting
 sequence is prefilled (in chunks) and joins the running set; otherwise every running sequence
 decodes one token together. Finished sequences leave and free their KV blocks, so sequences
 join and leave between steps (continuous batching).
@@ -16,10 +16,10 @@ import torch
 
 from hetero.context import ContextFull, Overflow, Window, fit
 from hetero.errors import UserError
-from hetero.metrics import RequestStats
+from hetero.app.metrics import RequestStats
 from hetero.model import Model
 from hetero.sampling import SamplingParams
-from hetero.scheduler import Chunk, Scheduler, Sequence
+from hetero.app.scheduler import Chunk, Scheduler, Sequence
 from hetero.tokenizer import StreamDecoder, Tokenizer
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner

@@ -1,0 +1,209 @@
+"""The hardware profile's contents: what this machine can do (`HardwareProfile`), the stated
+constants the cost model uses beside the measured rates, and the host facts read each time
+(memory, cores). Measuring is `planner.measure`'s; caching is `planner.profile`'s."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from cpu_attention import warm
+from cpu_attention.layout import KVDtype
+
+log = logging.getLogger(__name__)
+
+FORMAT = 8  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
+GIB = 1024**3
+
+# Stated constants (not measured; bench/offload_decode.py prints predictions beside measurements).
+# Per layer of a step the runtime runs in its lean loop (offload/inline.py: one sub-batch, driver
+# calls), what a step costs beyond the GEMVs and the attention bytes: the GPU's small kernels
+# (norms, RoPE, merge, the q/k/v and (o, lse) hops), the host's launch of the post segment after
+# the CPU's kernel (~45 µs to its start on the device), the event wait. Fitted on the H100 host,
+# 2026-11-23 (bench/offload_decode.py runs of 07:00–07:15 UTC, plans held fixed: 100 µs fits the
+# bf16 rows, int8's CPU calls cost more than `CPU_ATTENTION_CALL_S` says). The general loop's is
+# `planner.cost.GENERAL_LOOP_OVERHEAD_S`.
+LAYER_OVERHEAD_S = 150e-6
+POOL_BYTES = 512 * 2**20  # per KV dtype in the CPU attention timing: past the host's last-level cache (300 MiB on the H100 host)
+# Per CPU attention call (one layer, one sub-batch), whatever its size: the append, the Python
+# around the kernel, waking the Numba threads.
+CPU_ATTENTION_CALL_S = 100e-6
+HOST_KV_DTYPES = tuple(KVDtype(n) for n in warm.HOST_DTYPES)  # the host tier's, each measured
+GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy rate, if unmeasured
+
+
+@dataclass(frozen=True)
+class AttnRate:
+    """CPU decode attention: KV bytes read per second for one KV dtype at a thread count."""
+
+    dtype: str
+    threads: int
+    gbps: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    created: str  # ISO date-time of the measurement
+    versions: dict[str, str]
+    host_total_bytes: int
+    host_available_bytes: int
+    physical_cores: int
+    logical_cpus: int
+    dram_read_gbps: float  # torch.sum over a large array, all physical cores
+    cpu_gemv_gbps: float  # matrix-vector on the CPU (dtype: cpu_gemv_dtype), weight bytes / s
+    cpu_gflops: float  # dense fp32 matmul on the CPU
+    cpu_attention: tuple[AttnRate, ...] = ()
+    cpu_gemv_dtype: str = "int8"  # cpu_attention.linear's kernel; "bf16" when torch.mv measured it
+    gpu_name: str | None = None
+    gpu_total_bytes: int = 0
+    gpu_free_bytes: int = 0
+    pcie_h2d_gbps: float = 0.0  # pinned host → device
+    pcie_d2h_gbps: float = 0.0  # device → pinned host
+    pcie_latency_s: float = 0.0  # one small copy, launch to completion
+    hbm_gbps: float = 0.0  # device copy, (read + write bytes) / s
+    gpu_attention_gbps: float = 0.0  # decode attention over GPU-resident bf16 KV, KV bytes / s
+    gpu_attention_int8_gbps: float = 0.0  # the engine's paged kernel over int8 device blocks (0: not measured)
+    gpu_attention_int4_gbps: float = 0.0  # ... over int4 device blocks
+    gpu_gemv_gbps: float = 0.0  # 4-bit (or bf16, see gpu_gemv_dtype) matrix-vector, weight bytes / s
+    gpu_gemv_dtype: str = ""  # "nf4" when the engine's NF4 kernels measured it, else "bf16"
+    gpu_gemm_gbps: float = 0.0  # the same weights times 32 rows (a decode batch), weight bytes / s; 0: as gemv
+    gpu_tflops: float = 0.0  # dense bf16 matmul
+    layer_overhead_s: float = LAYER_OVERHEAD_S
+    cpu_attention_call_s: float = CPU_ATTENTION_CALL_S
+    notes: tuple[str, ...] = ()
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu_name is not None
+
+    def cpu_attention_rate(self, dtype: KVDtype, threads: int) -> float:
+        """GB/s of `dtype` KV the CPU reads with `threads` threads.
+
+        Between measured thread counts the rate scales linearly from the nearest one below,
+        capped by the DRAM read rate; an unmeasured dtype falls back to half the DRAM rate.
+        """
+        rates = sorted((r for r in self.cpu_attention if r.dtype == dtype.value), key=lambda r: r.threads)
+        if not rates:
+            return 0.5 * self.dram_read_gbps * min(1.0, threads / max(1, self.physical_cores))
+        below = [r for r in rates if r.threads <= threads] or rates[:1]
+        r = below[-1]
+        return min(r.gbps * threads / r.threads, max(r.gbps, self.dram_read_gbps)) if threads > r.threads \
+            else r.gbps * threads / r.threads
+
+    def gpu_attention_rate(self, dtype: KVDtype) -> float:
+        """KV bytes / s the GPU's decode attention reads of `dtype` blocks (unmeasured: the bf16 rate)."""
+        rate = {KVDtype.INT8: self.gpu_attention_int8_gbps, KVDtype.INT4: self.gpu_attention_int4_gbps}.get(dtype, 0.0)
+        return rate or self.gpu_attention_gbps
+
+    def gpu_linear_gbps(self, rows: int) -> float:
+        """Weight bytes / s of a GPU linear over `rows` rows: the GEMV rate up to 2 rows (the engine's
+        matrix-vector kernel), the 32-row rate above (another kernel: bitsandbytes' dequantize + GEMM)."""
+        return self.gpu_gemm_gbps if rows > 2 and self.gpu_gemm_gbps > 0 else self.gpu_gemv_gbps
+
+    def best_threads(self) -> int:
+        return self.physical_cores
+
+    # JSON --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cpu_attention"] = [asdict(r) for r in self.cpu_attention]
+        d["notes"] = list(self.notes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HardwareProfile":
+        d = dict(d)
+        d["cpu_attention"] = tuple(AttnRate(**r) for r in d.get("cpu_attention", ()))
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def synthetic(
+        cls, gpu_gib: float | None, pcie_gbps: float = 25.0, dram_gbps: float = 60.0,
+        host_gib: float = 64.0, cores: int = 8, hbm_gbps: float = 900.0, gpu_tflops: float = 80.0,
+    ) -> "HardwareProfile":
+        """A made-up machine for tests and what-if plans: the CPU attends at 80% of DRAM
+        (bf16), 70% (int8), 50% (int4, unpacking costs); 4-bit GEMV at 70% of HBM."""
+        attn = tuple(
+            AttnRate(dt.value, t, dram_gbps * share * t / cores)
+            for dt, share in ((KVDtype.BF16, 0.8), (KVDtype.INT8, 0.7), (KVDtype.INT4, 0.5))
+            for t in (cores // 2, cores)
+        )
+        gpu = gpu_gib is not None
+        return cls(
+            created="synthetic", versions={"format": str(FORMAT), "kernels": kernels_version()},
+            host_total_bytes=int(host_gib * GIB), host_available_bytes=int(host_gib * 0.9 * GIB),
+            physical_cores=cores, logical_cpus=2 * cores, dram_read_gbps=dram_gbps,
+            cpu_gemv_gbps=0.5 * dram_gbps, cpu_gflops=50.0 * cores, cpu_attention=attn,
+            gpu_name=f"synthetic {gpu_gib:g} GiB GPU" if gpu else None,
+            gpu_total_bytes=int(gpu_gib * GIB) if gpu else 0,
+            gpu_free_bytes=int((gpu_gib - 0.4) * GIB) if gpu else 0,
+            pcie_h2d_gbps=pcie_gbps if gpu else 0.0, pcie_d2h_gbps=pcie_gbps if gpu else 0.0,
+            pcie_latency_s=10e-6 if gpu else 0.0, hbm_gbps=hbm_gbps if gpu else 0.0,
+            gpu_attention_gbps=GPU_ATTN_OF_HBM * hbm_gbps if gpu else 0.0,
+            gpu_gemv_gbps=0.7 * hbm_gbps if gpu else 0.0, gpu_gemv_dtype="nf4" if gpu else "",
+            gpu_tflops=gpu_tflops if gpu else 0.0,
+        )
+
+
+def kernels_version() -> str:
+    """A digest of the installed CPU kernels' sources: rates measured with other kernels are stale."""
+    import hashlib
+
+    import cpu_attention
+
+    h = hashlib.sha1()
+    for f in sorted(Path(cpu_attention.__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def implausible(prof: HardwareProfile) -> list[str]:
+    """Figures of a profile that disagree with the same profile's others (a busy machine while it
+    measured): a CPU attention rate far below the same dtype's at fewer threads or above DRAM's."""
+    out = []
+    for r in prof.cpu_attention:
+        fewer = [x for x in prof.cpu_attention if x.dtype == r.dtype and x.threads < r.threads]
+        best = max((x.gbps for x in fewer), default=0.0)
+        if best and r.gbps < 0.5 * best:
+            out.append(f"CPU attention {r.dtype} × {r.threads} threads read {r.gbps:.2f} GB/s, less than half "
+                       f"of {best:.2f} GB/s at fewer threads")
+        if prof.dram_read_gbps and r.gbps > 2 * prof.dram_read_gbps:
+            out.append(f"CPU attention {r.dtype} × {r.threads} threads read {r.gbps:.1f} GB/s, over twice "
+                       f"the DRAM read rate ({prof.dram_read_gbps:.1f} GB/s)")
+    out += [n for n in prof.notes if "busy" in n]
+    return out
+
+
+def current_memory(prof: HardwareProfile) -> HardwareProfile:
+    """The same profile with free GPU and available host memory read now."""
+    total, avail = host_memory()
+    gpu_free = prof.gpu_free_bytes
+    if prof.has_gpu and torch.cuda.is_available():
+        gpu_free = torch.cuda.mem_get_info()[0]
+    return replace(prof, host_total_bytes=total, host_available_bytes=avail, gpu_free_bytes=gpu_free)
+
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory."""
+    vm = psutil.virtual_memory()
+    return vm.total, vm.available
+
+
+def physical_cores() -> tuple[int, int]:
+    """(physical cores, logical CPUs) this process may run on."""
+    logical = len(psutil.Process().cpu_affinity() or []) or psutil.cpu_count() or 1
+    return max(1, min(psutil.cpu_count(logical=False) or logical, logical)), logical
