@@ -18,7 +18,7 @@ from hetero.model import Model
 from offload.kv_cache import TieredKVCache
 from offload.placement import FORMATS, PlacedWeights, check_plan_supported, place_weights, weight_homes
 from offload.runner import Runner
-from planner.plan import Plan
+from planner.plan import Device, Plan
 from planner.tensors import Kind
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 
 def load_from_plan(ck: Checkpoint, plan: Plan, device: torch.device) -> tuple[Model, PlacedWeights]:
     """The checkpoint's model with every weight group where `plan` puts it (see offload/placement.py)."""
-    check_plan_supported(plan)
+    check_plan_supported(plan, device)
+    if plan.device is Device.CPU:  # every group in the plan's format on the CPU: the loader's own default
+        model = load_model(ck, FORMATS[plan.weights], device)
+        return model, place_weights(model, plan)
     embed_dev = device if plan.placement(-1, Kind.EMBED).on_gpu else torch.device("cpu")
     model = load_model(ck, FORMATS[plan.weights], device, embed_device=embed_dev, homes=weight_homes(plan, device))
     return model, place_weights(model, plan)

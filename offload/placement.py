@@ -43,11 +43,18 @@ class PlacedWeights:
         return self.streamer is None and self.host is None
 
 
-def check_plan_supported(plan: Plan) -> None:
-    """Refuse, with what to change, placements this runtime cannot carry out."""
-    if plan.device is not Device.CUDA:
-        raise UserError("this plan is for a host without a GPU (--device cpu): run it with --device cpu and "
-                        "without --plan, or make a plan for the GPU with `hetero plan --device cuda`")
+def check_plan_supported(plan: Plan, device: torch.device | None = None) -> None:
+    """Refuse, with what to change, placements this runtime cannot carry out (on `device`: a GPU
+    plan may run with the CPU standing in for the GPU, a CPU plan only on the CPU)."""
+    if plan.device is Device.CPU:
+        if device is not None and device.type != "cpu":
+            raise UserError("this plan is for a host without a GPU: run it with --device cpu, or make a plan for "
+                            "the GPU with `hetero plan --device cuda`")
+        for p in plan.placements:
+            if p.on_gpu or p.mode is not Mode.CPU:
+                raise UserError(f"plan: the plan is for the CPU (--device cpu) but {p.name} is {p.mode.value} on "
+                                f"{p.device.value}: fix the plan or make it again")
+        return
     for p in plan.placements:
         if p.kind is Kind.EMBED:
             continue  # a row lookup: wherever the table is stored
@@ -77,6 +84,8 @@ def weight_homes(plan: Plan, device: torch.device) -> Homes:
 def place_weights(model: Model, plan: Plan) -> PlacedWeights:
     """Rebind streamed groups to the device staging and wrap CPU-computed ones (the model was
     loaded with `weight_homes(plan, model.device)`)."""
+    if plan.device is Device.CPU:  # every group is computed where it is stored, by the CPU
+        return PlacedWeights(None, None)
     L = model.cfg.num_layers
     streamed: dict[int, list[TensorRef]] = {}
     compute = HostCompute(model.device)

@@ -1,6 +1,6 @@
 """The heterogeneous step: the model on its device, the KV split over a device tier and a host tier.
 
-Decode, per layer and sub-batch (DESIGN.md "one decode step"):
+Decode, per layer and sub-batch (docs/design.md, "one decode step"):
   start:  pre_attention (device) → new k/v into their tiers → q (and host-tier k/v) down on the
           copy stream → the device attends over its own blocks (queued) → the CPU attends over
           the host blocks (Numba, off the GIL) meanwhile

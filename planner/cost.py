@@ -14,7 +14,7 @@ from cpu_attention.layout import KVDtype
 from hetero.config import ModelConfig
 from planner.plan import KVPlan, Mode, Placement
 from planner.hardware import HardwareProfile
-from planner.tensors import Group, Kind, WDtype, experts_touched, kv_bytes_per_token_layer, weight_groups
+from planner.tensors import Group, Kind, WDtype, cpu_dtype, experts_touched, kv_bytes_per_token_layer, weight_groups
 
 GB = 1e9
 # Share of the measured PCIe rate streamed host KV gets inside a decode step. Measured about half
@@ -224,3 +224,30 @@ def prefill_seconds(
             total += max(gpu, h2d, d2h) + cpu + L * hw.layer_overhead_s
         s += u
     return total
+
+
+def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan, sub_batches: int, threads: int,
+               gpu_dtype: WDtype, batch: int = 1) -> str:
+    """The step's largest term, in words: what it moves, how much, at what rate."""
+    t, b = cost.terms, cost.nbytes
+    key = max(t, key=t.get)
+    share = f" ({100 * t[key] / cost.seconds:.0f}% of the step)"
+    gb = lambda k: f"{b[k] / 1e9:.2f} GB"  # noqa: E731
+    if key == "gpu weights":
+        rows = -(-batch // sub_batches)
+        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_linear_gbps(rows):.0f} GB/s" + share
+    if key == "gpu attention":
+        return f"GPU attention: {gb(key)} of {kv.gpu_dtype.value} KV at {hw.gpu_attention_rate(kv.gpu_dtype):.0f} GB/s" + share
+    if key == "cpu attention":
+        rate = hw.cpu_attention_rate(kv.host_dtype, threads)
+        return f"CPU attention: {gb(key)} of {kv.host_dtype.value} KV at {rate:.0f} GB/s" + share
+    if key == "cpu weights":
+        dt = cpu_dtype(gpu_dtype).value
+        return f"CPU weights: {gb(key)} of {dt} at {hw.cpu_gemv_gbps:.0f} GB/s" + share
+    if key == "pcie weights":
+        return f"PCIe weight streaming: {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
+    if key == "pcie kv":
+        return f"PCIe KV streaming: {gb(key)} of host {kv.host_dtype.value} KV at {hw.pcie_h2d_gbps:.0f} GB/s" + share
+    if key == "transfers":
+        return f"PCIe round trips: {cfg.num_layers * sub_batches} layers' q/o copies at {hw.pcie_latency_s * 1e6:.0f} µs each" + share
+    return f"per-layer overhead: {cfg.num_layers} × {t[key] / cfg.num_layers * 1e6:.0f} µs" + share

@@ -17,8 +17,9 @@ from cpu_attention.layout import KVDtype
 
 log = logging.getLogger(__name__)
 
-FORMAT = 8  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
+FORMAT = 9  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3
+KV_BLOCK = 32  # tokens a KV block: the engine's default, and what the attention rates are measured at
 
 # Stated constants (not measured; bench/offload_decode.py prints predictions beside measurements).
 # Per layer of a step the runtime runs in its lean loop (offload/inline.py: one sub-batch, driver
@@ -207,3 +208,15 @@ def physical_cores() -> tuple[int, int]:
     """(physical cores, logical CPUs) this process may run on."""
     logical = len(psutil.Process().cpu_affinity() or []) or psutil.cpu_count() or 1
     return max(1, min(psutil.cpu_count(logical=False) or logical, logical)), logical
+
+
+def estimate() -> HardwareProfile:
+    """This host's memory and cores with stated rates in place of measured ones (no GPU): enough to
+    place a model on the CPU, whose choices do not depend on the rates; its predictions are rough
+    (`hetero profile` measures)."""
+    total, avail = host_memory()
+    cores, logical = physical_cores()
+    prof = HardwareProfile.synthetic(None, host_gib=total / GIB, cores=cores)
+    return replace(prof, created="estimated", host_available_bytes=avail, logical_cpus=logical,
+                   notes=("estimated, not measured: `hetero profile` measures this machine",))
+

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from cpu_attention import warm
-from planner.hardware import FORMAT, HOST_KV_DTYPES, kernels_version, POOL_BYTES, AttnRate, HardwareProfile, host_memory, physical_cores
+from planner.hardware import FORMAT, HOST_KV_DTYPES, KV_BLOCK, kernels_version, POOL_BYTES, AttnRate, HardwareProfile, host_memory, physical_cores
 
 
 def _best(fn: Callable[[], Any], reps: int = 3, sync: Callable[[], None] | None = None,
@@ -165,7 +165,7 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     from cpu_attention.pool import HostKVPool
     from cpu_attention.layout import token_bytes
 
-    B, T, H, D, BS = (1, 1024, 8, 128, 16) if quick else (1, 16384, 8, 128, 16)
+    B, T, H, D, BS = (1, 1024, 8, 128, KV_BLOCK) if quick else (1, 16384, 8, 128, KV_BLOCK)
     pool_bytes = (8 if quick else POOL_BYTES // 2**20) * 2**20
     nb = B * T // BS
     q = torch.randn(B, 4 * H, D)
@@ -248,7 +248,7 @@ def _measure_quant_attention(dev: torch.device, notes: list[str], quick: bool) -
     from gpu_ops.attention import decode_attention
     from gpu_ops.kv_pool import GpuKVPool
 
-    B, T, H, D, BS, loops = 4, 2048 if quick else 8192, 8, 128, 16, 10
+    B, T, H, D, BS, loops = 4, 2048 if quick else 8192, 8, 128, KV_BLOCK, 10
     nb = B * T // BS
     tables = torch.arange(nb, dtype=torch.int32, device=dev).reshape(B, -1)
     lens = torch.full((B,), T, dtype=torch.int32, device=dev)

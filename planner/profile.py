@@ -13,8 +13,8 @@ from pathlib import Path
 
 from hetero.paths import profile_path
 from planner.hardware import (  # noqa: F401  (the profile's names, for the planner's users)
-    FORMAT, HOST_KV_DTYPES, AttnRate, HardwareProfile, current_memory, host_memory, implausible, kernels_version,
-    physical_cores,
+    FORMAT, HOST_KV_DTYPES, AttnRate, HardwareProfile, current_memory, estimate, host_memory, implausible,
+    kernels_version, physical_cores,
 )
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,19 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------- caching
 def cache_path() -> Path:
     return profile_path()
+
+
+def load_or_estimate(path: Path | None = None) -> HardwareProfile:
+    """The cached profile when it is current, else `hardware.estimate()`: never measures (the CPU
+    path's start-up; a CPU plan's choices do not depend on the rates)."""
+    path = path or cache_path()
+    try:
+        prof = HardwareProfile.from_json(path.read_text())
+        if prof.versions.get("format") == str(FORMAT) and prof.versions.get("kernels") == kernels_version():
+            return current_memory(prof)
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    return estimate()
 
 
 def load_or_measure(refresh: bool = False, path: Path | None = None) -> HardwareProfile:

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from planner.plan import Mode, Placement, Plan
+from planner.plan import Device, Mode, Placement, Plan
 from planner.tensors import Kind
 from planner.units import format_size as fs
 from planner.units import format_tokens
@@ -21,6 +21,9 @@ def summary_line(p: Plan) -> str:
     step reads)."""
     kv, m = p.kv, p.memory
     total = m.gpu_weights + m.host_weights
+    if p.device is Device.CPU:
+        return (f"on the CPU: {p.weights.value} weights {fs(total)} · KV {format_tokens(kv.host_tokens)} "
+                f"{kv.host_dtype.value} a sequence · {p.threads} threads")
     return (f"offloaded {p.gpu_layers}/{p.num_layers} layers' weights to GPU "
             f"({fs(m.gpu_weights)} of {fs(total)}) · "
             f"KV {format_tokens(kv.gpu_tokens)} GPU / {format_tokens(kv.host_tokens)} CPU · "

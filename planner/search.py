@@ -14,16 +14,16 @@ from dataclasses import dataclass, replace
 from cpu_attention.layout import KVDtype
 from hetero.config import ModelConfig
 from hetero.errors import UserError
-from planner.cost import StepCost, decode_step, prefill_seconds
+from planner.cost import StepCost, bottleneck, decode_step, prefill_seconds
 from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
-from planner.hardware import HardwareProfile
-from planner.tensors import Group, Kind, WDtype, kv_bytes_per_token_layer, weight_groups
+from planner.hardware import KV_BLOCK, HardwareProfile
+from planner.tensors import Group, Kind, WDtype, cpu_dtype, kv_bytes_per_token_layer, weight_groups
 from planner.units import format_size as fs
 
 GIB = 1024**3
-BLOCK_SIZE = 16
+BLOCK_SIZE = KV_BLOCK
 _PRIORITY = {Kind.NORMS: 0, Kind.FINAL_NORM: 0, Kind.LM_HEAD: 1, Kind.MLP: 2, Kind.EXPERTS: 2, Kind.ATTN: 3, Kind.EMBED: 4}
 _ATTN_FIRST = {**_PRIORITY, Kind.ATTN: 2, Kind.MLP: 3, Kind.EXPERTS: 3}
 
@@ -86,7 +86,8 @@ def plan(
             "the CPU's int8 kernel reads a quarter of f32's bytes"
         choices.append(Choice("--weights", "4bit" if weights is WDtype.NF4 else weights.value, why))
     if device is Device.CPU and weights is WDtype.NF4:
-        raise UserError("4-bit weights need the GPU (bitsandbytes): with --device cpu use --weights int8 or bf16")
+        choices.append(Choice("--weights", "4bit", "on the CPU, 4-bit weights are dequantized by torch at every use "
+                              "(slow: a stand-in for the GPU; --weights int8 is the CPU's fast format)"))
     if device is Device.CUDA and weights is WDtype.INT8:
         raise UserError("--weights int8 runs on the CPU only; use --weights 4bit or bf16 with --device cuda")
     threads = ov.threads or hw.best_threads()
@@ -96,7 +97,12 @@ def plan(
     groups = weight_groups(cfg)
     every = [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4]
     host_dtypes = [ov.kv_dtype] if ov.kv_dtype else every
-    gpu_dtypes = [ov.gpu_kv_dtype] if ov.gpu_kv_dtype else (every if device is Device.CUDA else [KVDtype.BF16])
+    if device is Device.CPU and ov.kv_dtype is None:  # the CPU reads its KV where it lies: bf16 unless asked
+        host_dtypes = [next(d for d in every if _fits_host(cfg, hw, budget, wl, block, d))]
+        choices.append(Choice("--kv-dtype", host_dtypes[0].value, "the most exact format that fits host memory "
+                              "(int8 and int4 read fewer bytes a step: --kv-dtype)"))
+    stand_in = KVDtype.F32 if ov.kv_dtype is KVDtype.F32 else KVDtype.BF16  # a CPU's device tier: tests only
+    gpu_dtypes = [ov.gpu_kv_dtype] if ov.gpu_kv_dtype else (every if device is Device.CUDA else [stand_in])
 
     def run(ov_: Overrides, host_dtype: KVDtype, gpu_dtype: KVDtype) -> _Candidate:
         return _search(cfg, hw, budget, wl, ov_, device, weights, threads, block, groups, gpu_dtype, host_dtype)
@@ -112,7 +118,7 @@ def plan(
         raise errors[-1]  # the last pair tried needs the least memory: its shortfall is the one to fix
     best, why = choose_kv_dtypes(scored, wl.batch)
     for flag, tier, user in (("--gpu-kv-dtype", "gpu", ov.gpu_kv_dtype), ("--kv-dtype", "host", ov.kv_dtype)):
-        if user is None and getattr(best.kv, f"{tier}_tokens"):
+        if user is None and getattr(best.kv, f"{tier}_tokens") and device is Device.CUDA:
             choices.append(Choice(flag, getattr(best.kv, f"{tier}_dtype").value, why))
     choices += _explain(cfg, best, ov, wl, run)
     return _finish(cfg, hw, best, wl, budget, device, weights, threads, choices)
@@ -150,14 +156,16 @@ def choose_kv_dtypes(scored: dict[tuple[KVDtype, KVDtype], _Candidate], batch: i
 
 def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gpu_kv_dtype, host_dtype) -> _Candidate:
     """The best candidate for one (device tier, host tier) KV dtype pair, or UserError if none fits."""
-    if device is Device.CPU:
+    if device is Device.CPU:  # everything in host memory; a device tier only as a stand-in, when asked
         pl = tuple(Placement(g.layer, g.kind, Device.CPU, g.dtype_for(weights), Mode.CPU, g.nbytes(g.dtype_for(weights)))
                    for g in groups)
-        kv = kv_plan(cfg, wl, block, 0, gpu_kv_dtype, host_dtype)
+        kv = kv_plan(cfg, wl, block, min(ov.gpu_kv_tokens or 0, wl.ctx_size), gpu_kv_dtype, host_dtype)
+        kv = replace(kv, stream_tokens=ov.stream_tokens or 0)
         mem = _memory(hw, budget, pl, kv, 0)
         _check_host(mem, wl, host_dtype, ov)
-        cost = decode_step(cfg, hw, pl, kv, wl.batch, wl.decode_context, threads, 1)
-        return _Candidate(pl, kv, 1, mem, cost, "cpu")
+        subs = ov.sub_batches or 1
+        cost = decode_step(cfg, hw, pl, kv, wl.batch, wl.decode_context, threads, subs)
+        return _Candidate(pl, kv, subs, mem, cost, "cpu")
     # (mode for experts, mode for everything else) of the weights that miss the GPU; for MoE also
     # the llama.cpp habit: experts on the CPU (only routed ones are read), the rest streamed
     modes = [(ov.weight_mode, ov.weight_mode)] if ov.weight_mode else \
@@ -206,9 +214,12 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     return best
 
 
-def cpu_dtype(weights: WDtype) -> WDtype:
-    """What a host-computed matrix is stored as: the CPU has no 4-bit kernel, int8 instead."""
-    return WDtype.INT8 if weights is WDtype.NF4 else weights
+def _fits_host(cfg, hw, budget, wl, block, dtype: KVDtype) -> bool:
+    """Whether the whole batch's KV in `dtype` fits the host budget beside the weights (int4 fits or
+    nothing does: then the plan's own check says by how much)."""
+    weights = sum(g.nbytes(g.dtype_for(WDtype.INT8)) for g in weight_groups(cfg))
+    kv = kv_plan(cfg, wl, block, 0, dtype, dtype).host_bytes
+    return dtype is KVDtype.INT4 or weights + kv <= min(budget.host_bytes, hw.host_available_bytes)
 
 
 def _fill(
@@ -349,31 +360,6 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
     return out
 
 
-def _bottleneck(cfg, hw, c: _Candidate, threads: int, gpu_dtype: WDtype, batch: int = 1) -> str:
-    t, b = c.cost.terms, c.cost.nbytes
-    key = max(t, key=t.get)
-    share = f" ({100 * t[key] / c.cost.seconds:.0f}% of the step)"
-    gb = lambda k: f"{b[k] / 1e9:.2f} GB"  # noqa: E731
-    if key == "gpu weights":
-        rows = -(-batch // c.sub_batches)
-        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_linear_gbps(rows):.0f} GB/s" + share
-    if key == "gpu attention":
-        return f"GPU attention: {gb(key)} of {c.kv.gpu_dtype.value} KV at {hw.gpu_attention_rate(c.kv.gpu_dtype):.0f} GB/s" + share
-    if key == "cpu attention":
-        rate = hw.cpu_attention_rate(c.kv.host_dtype, threads)
-        return f"CPU attention: {gb(key)} of {c.kv.host_dtype.value} KV at {rate:.0f} GB/s" + share
-    if key == "cpu weights":
-        dt = cpu_dtype(gpu_dtype).value
-        return f"CPU weights: {gb(key)} of {dt} at {hw.cpu_gemv_gbps:.0f} GB/s" + share
-    if key == "pcie weights":
-        return f"PCIe weight streaming: {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
-    if key == "pcie kv":
-        return f"PCIe KV streaming: {gb(key)} of host {c.kv.host_dtype.value} KV at {hw.pcie_h2d_gbps:.0f} GB/s" + share
-    if key == "transfers":
-        return f"PCIe round trips: {cfg.num_layers * c.sub_batches} layers' q/o copies at {hw.pcie_latency_s * 1e6:.0f} µs each" + share
-    return f"per-layer overhead: {cfg.num_layers} × {t[key] / cfg.num_layers * 1e6:.0f} µs" + share
-
-
 def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choices) -> Plan:
     b = c.cost.nbytes
     cpu_b = b["cpu attention"] + b["cpu weights"]
@@ -383,7 +369,7 @@ def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choice
         prefill_tok_s=wl.prompt_tokens / prefill if prefill else 0.0,
         decode_tok_s=wl.batch / c.cost.seconds,
         decode_step_ms=1e3 * c.cost.seconds,
-        bottleneck=_bottleneck(cfg, hw, c, threads, weights, wl.batch),
+        bottleneck=bottleneck(cfg, hw, c.cost, c.kv, c.sub_batches, threads, weights, wl.batch),
         step_terms_ms={k: 1e3 * v for k, v in c.cost.terms.items()},
         cpu_share=cpu_b / max(cpu_b + gpu_b, 1.0),
         gpu_share=gpu_b / max(cpu_b + gpu_b, 1.0),

@@ -110,3 +110,8 @@ def kv_bytes_per_seq_layer(cfg: ModelConfig, dtype: KVDtype, block_size: int) ->
     """Host bytes a sequence adds per layer besides its tokens: int4's bf16 tail of the block
     being filled (`cpu_attention.layout.tail_bytes`), 0 for the other dtypes."""
     return tail_bytes(dtype, cfg.num_kv_heads, cfg.head_dim, block_size)
+
+
+def cpu_dtype(weights: WDtype) -> WDtype:
+    """What a host-computed matrix is stored as: the CPU has no 4-bit kernel, int8 instead."""
+    return WDtype.INT8 if weights is WDtype.NF4 else weights

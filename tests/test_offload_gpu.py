@@ -237,7 +237,7 @@ def test_cuda_weights_off_the_gpu_match_cpu(folder4, reference4, kind, mode, sub
 def test_cuda_nf4_streamed_matches_resident_and_int8_cpu_is_close(folder4, reference4, kind, tmp_path, monkeypatch):
     """4-bit plans: streamed NF4 groups are the resident ones' bytes (same tokens, logits); CPU groups
     are int8 (cpu_linear's GEMV) and stay within int8's error of the float32 run more than NF4 does."""
-    from planner.search import cpu_dtype
+    from planner.tensors import cpu_dtype
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     resident = hetero.load(folder4, device="cuda", plan=forced_plan(folder4, weights=WDtype.NF4, kv="bf16"),

@@ -1,28 +1,29 @@
-"""`hetero.load`: from a path and options to a ready Engine."""
+"""`hetero.load` (a path and options → a plan) and `build` (a plan → a ready Engine), the only way
+an engine is assembled."""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from cpu_attention import INT4_GROUP, KVDtype
-from hetero.checkpoint import open_checkpoint
+from hetero.checkpoint import Checkpoint, open_checkpoint
 from hetero.context import Overflow
 from hetero.demo import DEMO_SAMPLING, demo_model_path
 from hetero.app.engine import Engine
 from hetero.errors import UserError
-from offload.loader import WeightFormat, load_model
 from hetero.random_weights import RandomCheckpoint
-from hetero.sampling import defaults_from_generation_config
+from hetero.sampling import SamplingParams, defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
 from hetero.validate import check_vocab
-from offload.kv_cache import TieredKVCache
-from offload.runner import Runner
-
-if TYPE_CHECKING:
-    from planner.plan import Plan
+from cpu_attention.layout import INT4_GROUP, KVDtype
+from offload.build import fence_gpu_memory, load_from_plan, runtime_from_plan
+from offload.placement import FORMATS, check_plan_supported
+from planner.options import WEIGHTS, budget_from, overrides_from
+from planner.plan import Device, Plan, Workload
+from planner.profile import load_or_estimate, load_or_measure
+from planner.report import summary_line
+from planner.search import plan as make_plan
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def load(
     ctx_size: int = 0,
     parallel: int = 4,
     threads: int | None = None,
-    block_size: int = 32,
+    block_size: int | None = None,
     gpu_kv_tokens: int | None = None,
     stream_tokens: int | None = None,
     sub_batches: int | None = None,
@@ -49,24 +50,24 @@ def load(
     context_overflow: str = "drop-turns",
     **sampling,
 ) -> Engine:
-    """Load a HF folder or .gguf (default: the embedded demo model), or a `RandomCheckpoint`, into an Engine.
+    """Load a HF folder or .gguf (default: the embedded demo model), or a `RandomCheckpoint`, into an
+    Engine: make the plan (or read `plan`, a Plan or its JSON file), then `build` it.
 
-    With CUDA (device auto or cuda) the planner places weights and KV from the measured machine
-    and the budgets (gpu_mem / cpu_mem: bytes or "8GiB"), or `plan` (a Plan or its JSON file)
-    is carried out exactly; every option left None is the planner's choice.
-    device: auto|cpu|cuda; weights: auto|4bit|int8|bf16|f32; kv_dtype: bf16|int8|int4|f32 (the host
-    tier's); gpu_kv_dtype: bf16|int8|int4|f32 (the device tier's; with device cpu, the stand-in's);
-    ctx_size: tokens per sequence (0: the model's, capped at 4096 unless asked);
-    parallel: sequences the KV cache holds at full context; gpu_kv_tokens: each sequence's
-    first tokens kept on the device tier (the rest on the host tier; with device cpu the
+    The planner places weights and KV from this machine's profile and the budgets (gpu_mem /
+    cpu_mem: bytes or "8GiB"); every option left None is the planner's choice. Without CUDA (or
+    with device cpu) the plan is the CPU's, made from the cached profile or this host's memory and
+    cores (it never measures). device: auto|cpu|cuda; weights: auto|4bit|int8|bf16|f32; kv_dtype:
+    bf16|int8|int4|f32 (the host tier's); gpu_kv_dtype: bf16|int8|int4|f32 (the device tier's);
+    ctx_size: tokens per sequence (0: the model's, capped at 4096 unless asked); parallel: sequences
+    the KV cache holds at full context; block_size: tokens a KV block; gpu_kv_tokens: each
+    sequence's first tokens kept on the device tier (the rest on the host tier; with device cpu the
     device tier is a CPU stand-in); stream_tokens: at batch 1, how many of the host tier's first
-    tokens the device attends over after copying them up each step (None: the planner's choice;
-    with device cpu, the stand-in device); sub_batches: 1 or 2 (None: automatic); weight_mode:
-    stream|cpu, how weights that do not fit the GPU budget run (None/"auto": the planner's choice);
-    context_overflow: drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows
-    the context (`hetero.context`); sampling: default sampling parameters (temperature, top_k, top_p, min_p, repeat_penalty, seed,
-    max_new_tokens). With device cpu and a `plan`, the plan runs with the CPU standing in for the GPU
-    (its device-tier KV and weights in host memory; slow for 4-bit weights, meant for tests).
+    tokens the device attends over after copying them up each step; sub_batches: 1 or 2; weight_mode:
+    stream|cpu, how weights that do not fit the GPU budget run; context_overflow:
+    drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows the context
+    (`hetero.context`); sampling: default sampling parameters (temperature, top_k, top_p, min_p,
+    repeat_penalty, seed, max_new_tokens). With device cpu and a plan for the GPU, the plan runs
+    with the CPU standing in for the GPU (slow for 4-bit weights, meant for tests).
     """
     overflow = Overflow.parse(context_overflow)
     for name, value, lo in (("ctx_size", ctx_size, 0), ("parallel", parallel, 1), ("threads", threads, 1),
@@ -83,58 +84,56 @@ def load(
     cfg = ck.config
     dev = _device(device)
     kv_dtype, gpu_kv_dtype = (None if d == "auto" else d for d in (kv_dtype, gpu_kv_dtype))
-    kv = _kv_dtype(kv_dtype or "bf16", "--kv-dtype", cfg)
-    gpu_kv = _kv_dtype(gpu_kv_dtype, "--gpu-kv-dtype", cfg) if gpu_kv_dtype else None
+    for value, flag in ((kv_dtype, "--kv-dtype"), (gpu_kv_dtype, "--gpu-kv-dtype")):
+        if value is not None:
+            _kv_dtype(value, flag, cfg)
     if weight_mode not in (None, "auto", "stream", "cpu"):
         raise UserError(f"--weight-mode {weight_mode!r} is not one of auto, stream, cpu")
-    limit = cfg.context_limit
+    if weights != "auto" and weights not in WEIGHTS:
+        raise UserError(f"--weights {weights!r} is not one of auto, {', '.join(WEIGHTS)}")
     ctx = cfg.context(ctx_size)
-    if ctx > limit:
-        raise UserError(f"--ctx-size {ctx} exceeds what {path.name} supports ({limit} tokens)")
+    if ctx > cfg.context_limit:
+        raise UserError(f"--ctx-size {ctx} exceeds what {path.name} supports ({cfg.context_limit} tokens)")
     tok = Tokenizer(path, ck.format == "gguf", cfg.eos_token_ids) if tokenizer else None
     if tok is not None:
         check_vocab(cfg, len(tok.hf), path)
     defaults = defaults_from_generation_config(path if path.is_dir() else None)
     defaults = defaults.update(**(DEMO_SAMPLING if model is None else {})).update(**sampling)
-    if dev.type == "cuda" or plan is not None:
-        # the planner imports hetero.config: imported here, not at module level, to keep the cycle open
-        from offload.build import check_plan_supported, fence_gpu_memory, load_from_plan, runtime_from_plan
-        from offload.placement import FORMATS
-        from planner.report import summary_line
+    p = _plan(cfg, plan, dev, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype,
+              gpu_kv_dtype=gpu_kv_dtype, threads=threads, sub_batches=sub_batches, block_size=block_size,
+              weight_mode=weight_mode, gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx),
+              stream_tokens=stream_tokens)
+    if plan is not None and device == "auto" and p.device is Device.CPU:
+        dev = torch.device("cpu")  # a saved CPU plan runs on the CPU
+    return build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow)
 
-        p = _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype,
-                  gpu_kv_dtype=gpu_kv_dtype, threads=threads,
-                  sub_batches=sub_batches, block_size=block_size, weight_mode=weight_mode,
-                  gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx),
-                  stream_tokens=stream_tokens)
-        check_plan_supported(p)
-        if dev.type == "cuda":
-            fence_gpu_memory(p.budget.gpu_bytes, dev)
-        fmt = FORMATS[p.weights]
-        log.info("loading %s: %s weights on %s; %s", path, fmt.value, dev, summary_line(p))
-        m, placed = load_from_plan(ck, p, dev)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()  # quantization temporaries: give their blocks back before the KV pools
-        runner = runtime_from_plan(m, p, weights=placed)
-        info = {"model": str(path), "device": str(dev), "weights": fmt.value, "ctx_size": ctx,
-                "plan": summary_line(p), "predicted": f"{p.prediction.decode_tok_s:.1f} tok/s decode "
-                f"({p.prediction.bottleneck})"}
-        engine = Engine(runner.model, tok, runner, ctx, defaults, info=info, plan=p)
-        engine.overflow = overflow
-        return engine
-    fmt = WeightFormat.parse(weights, dev)
-    log.info("loading %s: %s weights on %s, %s KV, context %d", path, fmt.value, dev, kv.value, ctx)
-    m = load_model(ck, fmt, dev)
-    gpu_tok = min(gpu_kv_tokens or 0, ctx)
-    cache = TieredKVCache(cfg, host_tokens=(ctx - gpu_tok) * parallel + block_size * parallel,
-                          gpu_tokens=gpu_tok * parallel, host_dtype=kv, gpu_tokens_per_seq=gpu_tok, device=dev,
-                          block_size=block_size, pin=False, gpu_dtype=gpu_kv, max_seqs=parallel)
-    runner = Runner(m, cache, threads=threads, sub_batches=sub_batches, max_batch=parallel, max_context=ctx,
-                    stream_tokens=stream_tokens or 0)
-    info = {"model": str(path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.value, "ctx_size": ctx,
-            "kv_tiers": f"{gpu_tok} tokens/seq on {dev.type} ({cache.gpu.kv_dtype.value if cache.gpu else '-'}), "
-                        f"the rest on the host ({kv.value})"}
-    engine = Engine(m, tok, runner, ctx, defaults, info=info)
+
+def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = None,
+          tokenizer: Tokenizer | None = None, sampling: SamplingParams | None = None,
+          overflow: Overflow = Overflow.DROP_TURNS) -> Engine:
+    """The one way an engine is assembled: `plan` carried out exactly (weights where it puts them,
+    the KV tiers it sizes, its threads and sub-batches), or refused up front with what to change.
+    device: where the plan's GPU work runs (default: the plan's device; the CPU stands in for the
+    GPU when given a GPU plan, for tests)."""
+    dev = device or torch.device(plan.device.value)
+    check_plan_supported(plan, dev)
+    if dev.type == "cuda":
+        fence_gpu_memory(plan.budget.gpu_bytes, dev)
+    fmt = FORMATS[plan.weights]
+    log.info("loading %s: %s weights on %s; %s", checkpoint.path, fmt.value, dev, summary_line(plan))
+    model, placed = load_from_plan(checkpoint, plan, dev)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # quantization temporaries: give their blocks back before the KV pools
+    runner = runtime_from_plan(model, plan, weights=placed)
+    kv = plan.kv
+    info = {"model": str(checkpoint.path), "device": str(dev), "weights": fmt.value, "kv_dtype": kv.host_dtype.value,
+            "ctx_size": plan.workload.ctx_size,
+            "kv_tiers": f"{kv.gpu_tokens} tokens/seq on the device ({kv.gpu_dtype.value}), "
+                        f"{kv.host_tokens} on the host ({kv.host_dtype.value})",
+            "plan": summary_line(plan),
+            "predicted": f"{plan.prediction.decode_tok_s:.1f} tok/s decode ({plan.prediction.bottleneck})"}
+    engine = Engine(model, tokenizer, runner, plan.workload.ctx_size, sampling or SamplingParams(), info=info,
+                    plan=plan)
     engine.overflow = overflow
     return engine
 
@@ -150,13 +149,9 @@ def _kv_dtype(value: str, flag: str, cfg) -> KVDtype:
     return kv
 
 
-def _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, **options):
-    """The saved plan, exactly, or the planner's for this machine and these options."""
-    from planner.options import budget_from, overrides_from
-    from planner.plan import Plan, Workload
-    from planner.profile import load_or_measure
-    from planner.search import plan as make_plan
-
+def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_mem, **options) -> Plan:
+    """The saved plan, exactly, or the planner's for this machine and these options (on the CPU
+    from the cached profile or this host's facts: a CPU start never measures)."""
     if isinstance(plan, Plan):
         return plan
     if plan is not None:
@@ -164,9 +159,9 @@ def _plan(cfg, plan, ctx, parallel, gpu_mem, cpu_mem, **options):
             return Plan.from_json(Path(plan).read_text())
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"cannot read the plan {plan}: {e}") from e
-    hw = load_or_measure()
+    hw = load_or_measure() if dev.type == "cuda" else load_or_estimate()
     wl = Workload(ctx_size=ctx, batch=parallel, prompt_tokens=max(1, ctx // 2), gen_tokens=max(1, ctx // 4))
-    ov = overrides_from(device="cuda", **options)
+    ov = overrides_from(device=dev.type, **options)
     return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), wl, ov)
 
 

@@ -31,7 +31,7 @@ class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer | None, runner: Runner, ctx_size: int,
                  defaults: SamplingParams, info: dict | None = None, plan=None):
         self.model, self.tok, self.runner = model, tokenizer, runner
-        self.plan = plan  # the planner.Plan this engine carries out (None on the CPU-only path)
+        self.plan = plan  # the planner.Plan this engine carries out
         self.cache: TieredKVCache = runner.cache
         self.cfg = model.cfg
         self.ctx_size, self.defaults = ctx_size, defaults

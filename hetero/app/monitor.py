@@ -105,7 +105,7 @@ def frame(s: dict, url: str, status: str = "connected") -> RenderableType:
                 "engine", _bar(r["engine_busy"], 10))
     dev.add_row("PCIe", f"↑ {_size(r['h2d_bytes_s'])}/s host→device", "", f"↓ {_size(r['d2h_bytes_s'])}/s device→host")
     split = info.get("split", {})
-    plan = Text(f"{info.get('plan') or info.get('kv_tiers', '')}  ·  KV per sequence: {_num(split.get('gpu', 0))} GPU / "
+    plan = Text(f"{info.get('plan') or info.get('kv_tiers', '')}\nKV per sequence: {_num(split.get('gpu', 0))} GPU / "
                 f"{_num(split.get('cpu', 0))} CPU  ·  parallel {info.get('parallel', '?')}")
     return Group(head, Panel(tput, title="throughput (last minute)", title_align="left"),
                  Panel(lat, title="latency", title_align="left"), Panel(req, title="requests", title_align="left"),

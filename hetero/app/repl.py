@@ -114,12 +114,9 @@ class ChatSession:
                 for k, v in self.engine.info.items():
                     self.console.print(f"  {k:12} {v}")
             elif what == "plan":
-                if self.engine.plan is None:
-                    self.console.print("no plan: this engine runs on the CPU alone")
-                else:
-                    from planner.report import render
+                from planner.report import render
 
-                    render(self.engine.plan, self.console, None)
+                render(self.engine.plan, self.console, None)
             elif what == "template":
                 self.console.print(self.engine.tok.chat_template if self.engine.tok else "(none)", markup=False)
             elif what == "parameters":
