@@ -9,11 +9,34 @@ import logging
 import sys
 from typing import Optional
 
+import os
+from pathlib import Path
+
 from cpu_attention import warm  # light: the package's kernels load on first use
 
-# `hetero profile` on a fresh machine compiles the CPU kernels (10–25 s): start that in background
-# processes now, before this process spends ~4 s importing torch and the planner
-warm.start_for_cli(sys.argv[1:])
+
+def _start_compiles(args: list[str]) -> None:
+    """For a command that will measure the machine (`hetero profile --refresh`, or `hetero profile` /
+    `hetero plan` without a cached profile and, for plan, without `--profile FILE`), start the CPU
+    kernels' compiles (10–25 s on a fresh machine) in background processes before this process
+    spends ~4 s importing torch and the planner; the measurement takes them over."""
+    words = [a for a in args if not a.startswith("-")]
+    if words[:1] not in (["profile"], ["plan"]) or (words[0] == "plan" and _given(args, "--profile")):
+        return
+    from hetero.paths import profile_path
+
+    refresh = words[0] == "profile" and _given(args, "--refresh")
+    if refresh or not Path(profile_path()).is_file():
+        warm.start_early()
+
+
+def _given(args: list[str], flag: str) -> bool:
+    """flag on the command line (`--flag X` or `--flag=X`) or in its HETERO_ environment variable."""
+    env = os.environ.get("HETERO_" + flag.lstrip("-").replace("-", "_").upper(), "")
+    return any(a == flag or a.startswith(flag + "=") for a in args) or env.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+_start_compiles(sys.argv[1:])
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402

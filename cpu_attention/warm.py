@@ -9,11 +9,10 @@ serializes compiles within one process, so `start` compiles each in its own proc
 well under a second. `python -m cpu_attention.warm bf16 int8` does the same in the foreground.
 
 This module imports nothing heavy at the top (torch and the kernels load in `compile_decode`),
-so the CLI can start the compiles (`start_for_cli`) before it imports torch itself.
+so the CLI can start the compiles (`start_early`) before it imports torch itself.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -69,43 +68,20 @@ class Compiles:
         return failed
 
 
-_early: Compiles | None = None
+_started: dict[tuple[str, ...], Compiles] = {}
 
 
 def start(dtypes: tuple[str, ...] = HOST_DTYPES) -> Compiles:
-    """Each dtype's decode kernel compiling in its own process from now on (the ones
-    `start_for_cli` started, if it did); `.wait()` for them."""
-    global _early
-    if _early is not None and _early.dtypes == tuple(dtypes):
-        c, _early = _early, None
-        return c
-    return Compiles(tuple(dtypes))
+    """Each dtype's decode kernel compiling in its own process from now on; `.wait()` for them. A
+    second call for the same dtypes takes over the first call's processes (the CLI starts them
+    before it imports torch; the profile's measurement then waits for them)."""
+    dtypes = tuple(dtypes)
+    return _started.pop(dtypes, None) or Compiles(dtypes)
 
 
-def start_for_cli(args: list[str]) -> None:
-    """Called by the CLI first thing: for a command that will measure the machine (`hetero
-    profile --refresh`, or `hetero profile` / `hetero plan` without a cached profile and, for plan,
-    without `--profile FILE`), start the compiles before the CLI spends ~4 s importing torch and
-    the planner; `planner.profile.measure` then takes them over through `start`."""
-    global _early
-    words = [a for a in args if not a.startswith("-")]
-    if words[:1] not in (["profile"], ["plan"]) or (words[0] == "plan" and _given(args, "--profile")):
-        return
-    from hetero.paths import profile_path
-
-    refresh = words[0] == "profile" and ("--refresh" in args or _truthy(os.environ.get("HETERO_REFRESH", "")))
-    if refresh or not profile_path().is_file():
-        _early = Compiles(HOST_DTYPES)
-
-
-def _given(args: list[str], flag: str) -> bool:
-    """flag on the command line (`--flag X` or `--flag=X`) or in its HETERO_ environment variable."""
-    env = "HETERO_" + flag.lstrip("-").replace("-", "_").upper()
-    return any(a == flag or a.startswith(flag + "=") for a in args) or bool(os.environ.get(env))
-
-
-def _truthy(v: str) -> bool:
-    return v.strip().lower() in ("1", "true", "yes", "on", "y", "t")
+def start_early(dtypes: tuple[str, ...] = HOST_DTYPES) -> None:
+    """`start` now, for a later `start` of the same dtypes to take over."""
+    _started[tuple(dtypes)] = Compiles(tuple(dtypes))
 
 
 def main(args: list[str]) -> None:

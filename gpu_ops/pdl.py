@@ -8,7 +8,8 @@ writes become visible, and lets its own successor launch (`gdc_launch_dependents
 main work is issued. Every kernel launched this way must call `gdc_wait` before touching
 activations; kernels not launched this way are ordered as usual.
 
-HETERO_PDL=0 turns it off (A/B, or a driver that rejects the launch attribute).
+`use(False)` turns it off before the first launch (A/B, or a driver that rejects the launch
+attribute).
 """
 from __future__ import annotations
 
@@ -18,9 +19,23 @@ import os
 import torch
 
 
-@functools.cache
+_wanted = True
+
+
+def use(on: bool) -> None:
+    """Launch with PDL where the GPU has it (the default), or never."""
+    global _wanted
+    _wanted = on
+    _capable.cache_clear()
+
+
 def enabled(device: torch.device) -> bool:
-    if os.environ.get("HETERO_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    return _wanted and _capable(device)
+
+
+@functools.cache
+def _capable(device: torch.device) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's CPU interpreter has no launch attributes
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -485,8 +485,10 @@ def test_background_compile_fills_the_cache_a_new_process_loads(tmp_path, monkey
 
 
 def test_cli_starts_the_compiles_only_for_a_command_that_measures(tmp_path, monkeypatch):
-    """`warm.start_for_cli`: `hetero profile --refresh`, or profile / plan with no cached profile
-    (plan: and no --profile FILE), start the background compiles; `start` takes them over."""
+    """The CLI (`cli._start_compiles`): `hetero profile --refresh`, or profile / plan with no cached
+    profile (plan: and no --profile FILE), start the background compiles; `start` takes them over."""
+    import cli
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("HETERO_REFRESH", raising=False)
     monkeypatch.delenv("HETERO_PROFILE", raising=False)
@@ -498,11 +500,12 @@ def test_cli_starts_the_compiles_only_for_a_command_that_measures(tmp_path, monk
             started.append(self)
 
     monkeypatch.setattr(warm, "Compiles", Fake)
+    monkeypatch.setattr(warm, "_started", {})
 
     def starts(*args: str) -> bool:
-        monkeypatch.setattr(warm, "_early", None)
-        warm.start_for_cli(list(args))
-        return warm._early is not None
+        warm._started.clear()
+        cli._start_compiles(list(args))
+        return bool(warm._started)
 
     assert not starts("chat") and not starts() and not starts("--help")
     assert starts("profile") and starts("plan", "model") and not starts("plan", "model", "--profile", "p.json")
@@ -512,6 +515,6 @@ def test_cli_starts_the_compiles_only_for_a_command_that_measures(tmp_path, monk
     assert not starts("profile") and not starts("plan") and starts("profile", "--refresh")
     monkeypatch.setenv("HETERO_REFRESH", "1")
     assert starts("profile")
-    early = warm._early
-    assert warm.start() is early and warm._early is None  # measure() takes over the CLI's compiles
+    early = warm._started[warm.HOST_DTYPES]
+    assert warm.start() is early and not warm._started  # measure() takes over the CLI's compiles
     assert warm.start() is not early  # and starts its own next time
