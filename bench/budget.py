@@ -2,7 +2,8 @@
 
     python3 -m bench.budget --out DIR [--quick] [--only NAME,...] [--profile profile.json]
 
-(as a module: run as a file, bench/cpu_attention.py would shadow the package)
+(as a module from the repository root: run as a file, bench/cpu_attention.py would shadow the
+package)
 
 Llama-3-8B shape, random weights built in memory (`hetero.random_weights`). For each row: measure
 the machine once (or load a profile; it becomes the cached profile `hetero.load` plans with), then
@@ -17,7 +18,6 @@ memory against the budget. Each row runs in a fresh process.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -44,13 +44,6 @@ ROWS = [
     ("16x8k@8GiB", 8192, 16, 8, 500),
     ("32x2k@6GiB", 2048, 32, 6, 1000),
 ]
-
-
-def _bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def fill(cache, seqs: list[int], ctx: int) -> None:
@@ -85,6 +78,7 @@ def bound_s(prof: HardwareProfile, weight_bytes: float, gpu_kv: float, cpu_kv: f
 def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int) -> dict:
     """One row through `hetero.load`, as a user gets it: only the model, --gpu-mem, -c and --parallel."""
     import hetero
+    from bench.offload_decode import model_bytes
     from hetero.random_weights import RandomCheckpoint
     from planner.cost import decode_step
 
@@ -111,7 +105,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
     streamed = len(runner.streamer.blocks) * cache.block_size if runner.streamer is not None else 0
     gpu_kv = g_tok * cache.gpu.block_nbytes / cache.block_size if cache.gpu is not None else 0.0
     host_tok_bytes = cache.host.bytes_per_token
-    weights = _bench_module("offload_decode").model_bytes(runner.model)
+    weights = model_bytes(runner.model)
     b = bound_s(prof, weights, gpu_kv, (h_tok - streamed) * host_tok_bytes, streamed * host_tok_bytes)
     peak = torch.cuda.max_memory_allocated()
     kv = plan.kv

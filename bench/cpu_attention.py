@@ -1,10 +1,12 @@
 """Host decode attention: KV bytes read per second against the DRAM read bound.
 
-    PYTHONUNBUFFERED=1 python3 bench/cpu_attention.py --threads 16 --out DIR
+    PYTHONUNBUFFERED=1 python3 -m bench.cpu_attention --threads 16 --out DIR
+
+(as a module from the repository root: run as a file, this script would shadow the
+`cpu_attention` package)
 
 Measures in one run: the DRAM read bandwidth (Numba parallel sum over 2 GiB before and after the
-kernels, and torch.sum over the same size, the read issue 3 quotes; the bound is the largest of
-the three), then for the
+kernels, and torch.sum over the same size; the bound is the largest of the three), then for the
 Llama-3-8B shape (32 q heads, 8 kv heads, D 128, one layer; `--heads 9,3,64 --block-size 32`
 for SmolLM2-135M's) at batch 1 x 32k and 16 x 4k (`--shapes`), each KV dtype: the kernel's KV
 bytes read per second (data + scales + zeros; timed as the engine calls it, `DecodeWork.run`
@@ -16,9 +18,9 @@ and the per-call cost of HostKVPool.write for one decode token. Diagnostics that
 compute from memory: each kernel's ns per (token, kv head) on one thread with the KV in
 cache, its all-thread rate with the KV in cache, and a plain read of the same K/V bytes in
 the kernel's order (the access pattern's own bound); and each kernel's error against its
-float64 twin (this host's vector code may be one the tests never ran). `--sweep` also tries
-4, 8 and 16 work items a thread. Imports only torch, numpy, numba and cpu_attention.
-Reports; asserts nothing.
+float64 twin (this host's vector code may be one the tests never ran). `--int8-sweep` also
+times int8 at other tile and prefetch settings. Imports only torch, numpy, numba, cpu_attention
+and `bench.kv_pools`. Reports; asserts nothing.
 """
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 if "NUMBA_CACHE_DIR" not in os.environ:  # one cache for this run and its child processes
     os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="numba-cache-")
 
@@ -41,12 +42,11 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from cpu_attention import HostKVPool, KVDtype, decode_attention, decode_attention_ref, physical_cores  # noqa: E402
-from cpu_attention import decode as decode_mod  # noqa: E402
-from cpu_attention import decode_int8 as int8_mod  # noqa: E402
-from cpu_attention._numba import dram_read_gbps  # noqa: E402
-from cpu_attention.decode import DecodeWork  # noqa: E402
-from kv_pools import copies_past_l3, fill  # noqa: E402
+from bench.kv_pools import copies_past_l3, dram_read_gbps, fill  # noqa: E402
+from cpu_attention import (DecodeWork, HostKVPool, KVDtype, decode_attention, decode_attention_ref,  # noqa: E402
+                           physical_cores)
+from cpu_attention import decode_int8 as int8_mod  # noqa: E402  (its tile and prefetch settings, read per call)
+from cpu_attention.decode import chunk_tokens  # noqa: E402
 
 SHAPES = ["1x32768", "16x4096"]
 COPIES = 4  # disjoint block sets cycled through: at least this many, and past the L3 (`kv_pools`)
@@ -120,11 +120,11 @@ def pattern_read_gbps(pool: HostKVPool, bt: torch.Tensor, sl: torch.Tensor, thre
     k = pool.k[0].reshape(NB, H, -1).view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
     v = pool.v[0].reshape(NB, H, -1).view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
     sln = sl.numpy().astype(np.int64)
-    items, _ = decode_mod._plan(sln, H, decode_mod.chunk_tokens(sln, H, BS, threads))
+    items = DecodeWork(pool, bt, sl, threads).items  # the kernels' work items: (b, h, t0, t1)
     btn = bt.numpy()
     _pattern_read(k, v, btn, items, BS)
     t = float(np.median([_timed(lambda: _pattern_read(k, v, btn, items, BS)) for _ in range(reps)]))
-    chunk = decode_mod.chunk_tokens(sln, 1, BS, threads)
+    chunk = chunk_tokens(sln, 1, BS, threads)
     _pattern_read_all_heads(k, v, btn, sln, chunk, BS)
     t2 = float(np.median([_timed(lambda: _pattern_read_all_heads(k, v, btn, sln, chunk, BS)) for _ in range(reps)]))
     nbytes = 2 * int(sln.sum()) * H * k.shape[3] * 8
@@ -203,7 +203,7 @@ def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: 
         torch.set_num_threads(threads)
         t_ref = min(_timed(lambda: decode_attention_ref(pool, 0, q, perm[1], sl, scale)) for _ in range(2))
         res["torch_ref_GBps"] = bytes_read / t_ref / 1e9
-        # torch's own CPU attention over contiguous bf16 KV (the baseline the issue names)
+        # torch's own CPU attention over contiguous bf16 KV
         k = torch.randn(B, hs.kv, n, hs.d, generator=gen).to(torch.bfloat16)
         v = torch.randn(B, hs.kv, n, hs.d, generator=gen).to(torch.bfloat16)
         qb = q.to(torch.bfloat16)[:, :, None]
@@ -216,8 +216,7 @@ def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: 
 
 
 JIT_PROBE = """
-import time, sys, torch
-sys.path.insert(0, {root!r})
+import time, torch
 t0 = time.perf_counter()
 from cpu_attention import HostKVPool, KVDtype, decode_attention
 t_import = time.perf_counter() - t0
@@ -228,14 +227,13 @@ for dt in (KVDtype.BF16, KVDtype.INT8, KVDtype.INT4):
     decode_attention(pool, 0, torch.randn(1, 32, 128), torch.arange(8, dtype=torch.int32)[None], torch.tensor([100]), 0.1)
     out[dt.value + "_first_call_s"] = time.perf_counter() - t0
 print(repr(out))
-"""
+"""  # run from the repository root, where `cpu_attention` is the package
 
 
 def jit_times() -> tuple[dict, dict]:
-    code = JIT_PROBE.format(root=str(ROOT))
     runs = []
     for _ in range(2):  # first process compiles into the cache, the second should load it
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+        r = subprocess.run([sys.executable, "-c", JIT_PROBE], capture_output=True, text=True, env=os.environ, cwd=ROOT)
         if r.returncode:
             raise RuntimeError(r.stderr)
         runs.append(eval(r.stdout.strip().splitlines()[-1]))
@@ -260,7 +258,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: physical cores)")
     ap.add_argument("--out", type=Path, default=None, help="folder for cpu_attention.log and .json")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true", help="also try 4, 8 and 16 work items a thread")
     ap.add_argument("--no-jit", action="store_true", help="skip the fresh-process JIT timing")
     ap.add_argument("--heads", default="32,8,128", help="query heads, kv heads, head dim (SmolLM2-135M: 9,3,64)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -280,11 +277,10 @@ def main() -> None:
     first, second = jit_times() if not args.no_jit else ({}, {})
     log(f"JIT first process (cold cache): {first}")
     log(f"JIT second process (from cache): {second}")
-    numba.set_num_threads(threads)
-    dram = dram_read_gbps(2**31)
+    dram = dram_read_gbps(2**31, threads)
     log(f"DRAM read (numba parallel sum over 2 GiB, {threads} threads): {dram:.1f} GB/s")
     torch_read = torch_read_gbps(2**31, threads)
-    log(f"DRAM read with torch.sum over 2 GiB ({threads} threads; the read issue 3 quotes): {torch_read:.1f} GB/s")
+    log(f"DRAM read with torch.sum over 2 GiB ({threads} threads): {torch_read:.1f} GB/s")
     writes = {dt.value: write_cost(dt, hs) for dt in dtypes}
     log("HostKVPool.write per call, one token: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in writes.items()))
     diag = {}
@@ -298,17 +294,6 @@ def main() -> None:
             f"{gb:.1f} GB/s on {threads} threads in cache (1 x 8192); vs its float64 twin: "
             f"out rel. error {err:.1e} (tests: < {1e-4 if dt is KVDtype.BF16 else 3e-3:.0e}), lse {lse_err:.1e} "
             f"(< 1e-4, int8 3e-4)")
-    if args.sweep:
-        default = decode_mod.ITEMS_PER_THREAD
-        for dt in (KVDtype.BF16, KVDtype.INT8):
-            for ipt in (4, 8, 16):
-                decode_mod.ITEMS_PER_THREAD = ipt
-                decode_mod._work_items.cache_clear()  # the split is memoized per lengths
-                r = bench_kernel(dt, hs, 1, 32768, threads, 10, gen)
-                log(f"sweep {dt.value} 1x32768 items/thread {ipt}: {r['GBps']:.1f} GB/s "
-                    f"(best {r['bytes_per_call'] / r['ms_best'] / 1e6:.1f})")
-        decode_mod.ITEMS_PER_THREAD = default
-        decode_mod._work_items.cache_clear()
     rows = []
     for B, n in shapes:
         for dt in dtypes:
@@ -319,7 +304,7 @@ def main() -> None:
     # kernels (on the GPU host's VMs one measurement ranged 82-103 GB/s within minutes, and a
     # kernel once read faster than the first one; torch.sum once read 97.7 GB/s where Numba's sum
     # read 85.6 and 90.3), the ratios are against the largest
-    dram_start, dram_end = dram, dram_read_gbps(2**31)
+    dram_start, dram_end = dram, dram_read_gbps(2**31, threads)
     dram = max(dram_start, dram_end, torch_read)
     log(f"DRAM read again after the kernels: {dram_end:.1f} GB/s; the bound (the largest of the three reads): "
         f"{dram:.1f} GB/s")

@@ -1,6 +1,6 @@
 """CPU-only decode of the embedded demo model: tokens/s, weight and KV bytes read per second.
 
-    PYTHONUNBUFFERED=1 python3 bench/cpu_decode.py --threads 2 --out DIR
+    PYTHONUNBUFFERED=1 python3 -m bench.cpu_decode --threads 2 --out DIR
 
 Loads the demo model (SmolLM2-135M-Instruct, GGUF Q4_1) with the default options (int8
 weights, bf16 KV) and, for each context (empty, then 2048 tokens prefilled), times several
@@ -18,22 +18,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import numba
+import numpy as np
+import torch
 
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import cpu_attention  # noqa: E402
-from cpu_attention._numba import dram_read_gbps  # noqa: E402
-import hetero  # noqa: E402
-from hetero.app.engine import Engine, Sequence  # noqa: E402
+import cpu_attention
+import hetero
+from bench.kv_pools import dram_read_gbps
+from hetero.app.engine import Engine, Sequence
 
 LOG: list[str] = []
 
@@ -111,12 +107,11 @@ def main() -> None:
     a = ap.parse_args()
 
     threads = a.threads or len(os.sched_getaffinity(0))
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     torch.set_num_threads(threads)
     log(f"hetero CPU decode bench | {os.uname().machine}, {len(os.sched_getaffinity(0))} cpus, threads {threads}, "
         f"torch {torch.__version__}, numba {numba.__version__} ({numba.config.THREADING_LAYER} layer)")
     log(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    dram = dram_read_gbps(2**30)
+    dram = dram_read_gbps(2**30, threads)  # also sets Numba's threads
     log(f"DRAM read: {dram:.1f} GB/s (Numba parallel sum over 1 GiB)")
 
     t = time.perf_counter()

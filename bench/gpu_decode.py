@@ -1,6 +1,6 @@
 """All-GPU decode and prefill of a random-weight Llama-3-8B-shaped model with NF4 weights.
 
-    python bench/gpu_decode.py --out DIR [--quick]
+    python3 -m bench.gpu_decode --out DIR [--quick] [--no-compile] [--only b1]
 
 Measures, in one run: HBM bandwidth (a large device copy, bytes read + written) and the bf16
 matmul rate; per linear shape and row count, each NF4 kernel's time beside its bound (bytes
@@ -14,22 +14,19 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_ops.attention import AttnKernel  # noqa: E402
-from gpu_ops.decode_step import GpuDecoder, prefill  # noqa: E402
-from gpu_ops.kv_pool import GpuKVPool  # noqa: E402
-from gpu_ops.nf4 import NF4Linear, Nf4Kernel, nf4_linear  # noqa: E402
-from gpu_ops.nf4_triton import nf4_gemv  # noqa: E402
-from hetero.config import LLAMA3_8B, ModelConfig  # noqa: E402
-from hetero.model import Model  # noqa: E402
-from offload.loader import kernels_for  # noqa: E402
+from gpu_ops.attention import AttnKernel
+from gpu_ops.decode_step import GpuDecoder, prefill
+from gpu_ops.kv_pool import GpuKVPool
+from gpu_ops.nf4 import NF4Linear, Nf4Kernel, nf4_linear
+from gpu_ops.nf4_triton import nf4_gemv
+from hetero.config import LLAMA3_8B, ModelConfig
+from hetero.model import Model
+from offload.loader import kernels_for
 
 log = logging.getLogger("bench")
 DEV = torch.device("cuda")
@@ -144,7 +141,7 @@ def shape_table(cfg: ModelConfig, hbm: float, rows_list: list[int]) -> list[dict
                         row["triton_us"], row["triton_gbps"], row["triton_best"] = us, nbytes / us / 1e3, f"{bn}x{g}w{w}"
             rows_out.append(row)
             log.info("linear %s", json.dumps(row))
-        del copies
+        copies.clear()  # the weights go before the next shape's
     torch.cuda.empty_cache()
     return rows_out
 
@@ -174,7 +171,7 @@ def decode_case(model: Model, batch: int, ctx: int, block_size: int, attn: AttnK
     w_bytes = sum(lin.nbytes for lin in linears(model)) + batch * cfg.hidden_size * 2
     kv_bytes = batch * (ctx + 1) * cfg.kv_bytes_per_token(2.0)
     bound_ms = (w_bytes + kv_bytes) / hbm / 1e6
-    del dec, pool
+    dec = pool = None  # the closure above holds them: release both before empty_cache
     torch.cuda.empty_cache()
     return {"batch": batch, "ctx": ctx, "attn": attn.value, "graphs": graphs, "compile": compile, "fused": fused,
             "kernels": top, "first_call_s": first_s, "step_ms": ms,
@@ -216,7 +213,7 @@ def prefill_case(model: Model, T: int, hbm: float, tflops: float, block_size: in
     flops = 2 * params * T
     bytes_ = sum(lin.nbytes for lin in linears(model)) + T * cfg.kv_bytes_per_token(2.0)
     bound_ms = max(flops / tflops / 1e9, bytes_ / hbm / 1e6)
-    del pool
+    pool = None  # the closure above holds it
     torch.cuda.empty_cache()
     return {"tokens": T, "ms": ms, "tok_s": T / ms * 1e3, "graph_ms": graph, "graph_tok_s": T / graph * 1e3,
             "bound_tok_s": T / bound_ms * 1e3,

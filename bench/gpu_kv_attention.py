@@ -3,8 +3,8 @@
 
     python3 -m bench.gpu_kv_attention [--out results.json] [--cases 1x8k,1x32k,1x64k,16x8k,32x2k]
 
-(as a module from the repository root: run as a file, bench/ would come first on sys.path and
-its cpu_attention.py would shadow the package)
+(as a module from the repository root: run as a file, bench/cpu_attention.py would shadow the
+package)
 
 Per case (batch × context) and KV dtype: a pool of random codes (scales and zeros of a realistic
 size), each sequence's blocks scattered, its last block partly filled and in a bf16 tail as

@@ -1,21 +1,16 @@
 """Quantized host KV on the real SmolLM2: argmax agreement with bf16 KV and perplexity per dtype.
 
-    python3 bench/kv_accuracy.py [--dtypes bf16,int8,int4] [--tokens N]
+    python3 -m bench.kv_accuracy [--dtypes bf16,int8,int4] [--tokens N]
 
 Teacher-forced through the decode path over tests/kv_text.py's text (every step attends over
 the cache as stored), int8 weights. Reports; asserts nothing (tests/test_kv_accuracy.py does).
 """
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-import hetero  # noqa: E402
-from hetero.app.evaluate import perplexity, teacher_forced_logits  # noqa: E402
-from kv_text import TEXT  # noqa: E402
+import hetero
+from hetero.app.evaluate import perplexity, teacher_forced_logits
+from tests.kv_text import TEXT
 
 
 def main() -> None:

@@ -1,11 +1,11 @@
 """NF4 matrix-vector kernels at decode shapes: check against the dequantized reference, then time.
 
-    python bench/nf4_gemv.py --out DIR [--rows 1,2,4,8] [--sweep] [--step]
+    python3 -m bench.nf4_gemv --out DIR [--rows 1,2,4,8] [--sweep] [--step]
 
 First a correctness pass (odd shapes, 1/3/8 rows, split-K and not), then per Llama-3-8B linear
-shape and row count: bitsandbytes, the earlier Triton one-row kernel and `gpu_ops.nf4_gemv`
-(with --sweep several tile shapes at 1 row), µs a call inside a CUDA graph with copies rotated
-so that L2 does not serve them, and GB/s of NF4 bytes (+ x and y). --step adds the graphed
+shape and row count: bitsandbytes, the Triton one-row kernel (`gpu_ops.nf4_triton`) and
+`gpu_ops.nf4_gemv` (with --sweep several tile shapes at 1 row), µs a call inside a CUDA graph
+with copies rotated so that L2 does not serve them, and GB/s of NF4 bytes (+ x and y). --step adds the graphed
 batch-1 decode step of the whole model: bitsandbytes vs nf4_gemv with this run's best tiles.
 Full JSON and log under DIR; a short table last.
 """
@@ -15,20 +15,17 @@ import argparse
 import json
 import logging
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.gpu_decode import build_model, decode_case, graph_ms, hbm_gbps, linears, set_kernel  # noqa: E402
-from gpu_ops.attention import AttnKernel  # noqa: E402
-from gpu_ops.nf4 import Nf4Kernel, dequantize_nf4, nf4_linear  # noqa: E402
-from gpu_ops.nf4_gemv import Decode, gemv_config, nf4_gemv  # noqa: E402
-from gpu_ops.nf4_triton import nf4_gemv as old_gemv  # noqa: E402
-from hetero.config import LLAMA3_8B  # noqa: E402
+from bench.gpu_decode import build_model, decode_case, graph_ms, hbm_gbps, linears, set_kernel
+from gpu_ops.attention import AttnKernel
+from gpu_ops.nf4 import Nf4Kernel, dequantize_nf4, nf4_linear
+from gpu_ops.nf4_gemv import Decode, gemv_config, nf4_gemv
+from gpu_ops.nf4_triton import nf4_gemv as old_gemv
+from hetero.config import LLAMA3_8B
 
 log = logging.getLogger("bench")
 DEV = torch.device("cuda")

@@ -1,6 +1,6 @@
 """NF4 W4A16 tensor-core matmul (gpu_ops.nf4_mma) at decode-batch shapes: check, sweep, time.
 
-    python3 bench/nf4_mma.py --out DIR [--rows 4,8,16,32,64] [--budget-s 170] [--workers 12]
+    python3 -m bench.nf4_mma --out DIR [--rows 4,8,16,32,64] [--budget-s 170] [--workers 12]
 
 1. HBM read bandwidth (a streaming Triton read and torch's sum; the best is the bounds' divisor),
    and the copy rate the other benches report.
@@ -31,7 +31,6 @@ import logging
 import math
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -39,10 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_ops.nf4 import NF4Linear, Nf4Kernel, dequantize_nf4, quantize_nf4  # noqa: E402
-from gpu_ops.nf4_mma import MmaConfig, Scale, mma_config, nf4_mma, row_bucket  # noqa: E402
+from gpu_ops.nf4 import NF4Linear, Nf4Kernel, dequantize_nf4, quantize_nf4
+from gpu_ops.nf4_mma import MmaConfig, Scale, mma_config, nf4_mma, row_bucket
 
 log = logging.getLogger("bench")
 DEV = torch.device("cuda")
@@ -56,7 +53,7 @@ L2_ROTATION_BYTES = 256 << 20
 OK_ERR = 1e-2
 # the grid: tiles, warps, stages, scale placement and orientation (split is swept per shape); the
 # default of gpu_ops.nf4_mma.default_config (x·Wᵀ, 128 × 128, 8 warps, 3 stages) is in it.
-# bench/nf4_mma_sass.py: none of these spills (256 × 256 did; 64 × 256 × 4 warps took 255 registers);
+# compiled for sm_90, none of these spills (256 × 256 did; 64 × 256 × 4 warps took 255 registers);
 # x·Wᵀ's loops are the leanest (~5.3 SASS instructions a weight), W·xᵀ's with 4 warps serialize
 # their wgmmas (A from registers)
 KERNELS = [MmaConfig(128, 128, 8, 3), MmaConfig(128, 128, 8, 2), MmaConfig(128, 128, 8, 4), MmaConfig(128, 128, 4, 3),

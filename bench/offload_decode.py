@@ -1,9 +1,9 @@
 """Heterogeneous decode: 4-bit Llama-3-8B-shaped weights on the GPU, KV on the host (and split).
 
-    python bench/offload_decode.py --out DIR [--quick]
+    python3 -m bench.offload_decode --out DIR [--quick] [--only NAMES]
 
 One run measures the machine (planner.profile.measure: HBM, DRAM, PCIe, CPU attention), then
-for each workload of issue 5 builds the plan (planner) and the runtime from it (offload), fills
+for each workload (`WORKLOADS`; each in a fresh process) builds the plan (planner) and the runtime from it (offload), fills
 the KV cache to the context (constant values: attention's speed does not depend on them; the
 prefill path has its own benchmark), times decode steps, and prints tokens/s beside the bound
 max(weight bytes / HBM, host KV bytes / DRAM) per step, the engine's own timers (GPU segments,
@@ -25,8 +25,6 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from cpu_attention import KVDtype  # noqa: E402
 from hetero.config import LLAMA3_8B  # noqa: E402
 from offload.build import fence_gpu_memory, runtime_from_plan  # noqa: E402
@@ -36,16 +34,6 @@ from planner.search import plan as make_plan  # noqa: E402
 from planner.tensors import Kind  # noqa: E402
 
 GiB = 2**30
-
-
-def _gpu_decode_bench():
-    """bench/gpu_decode.py as a module (its random-model builder), without shadowing packages."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_decode", Path(__file__).with_name("gpu_decode.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 log = logging.getLogger("bench")
 
 # (name, context, batch, host KV dtype, --gpu-mem GiB, device-tier tokens per seq: 0 = all host, None = planner
@@ -157,7 +145,7 @@ def workload(name: str) -> tuple:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated workload names; a name + ' s<N>' (e.g. '8k bf16 s3072')"
@@ -169,9 +157,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         handlers=[logging.FileHandler(args.out / "offload_decode.log"), logging.StreamHandler()])
     if args.one:  # one workload in a fresh process: nothing left over from another's allocations
+        from bench.gpu_decode import build_model  # the random NF4 model, built on the GPU
+
         prof = HardwareProfile.from_json(args.profile.read_text())
         name, ctx, batch, kv, mem, gpu_tok, sb, stream, block = workload(args.one)
-        model = _gpu_decode_bench().build_model(LLAMA3_8B)
+        model = build_model(LLAMA3_8B)
         row = run_workload(model, prof, name, ctx, batch, kv, mem, gpu_tok, steps=8 if args.quick else 24,
                            sub_batches=sb, stream_tokens=stream, block_size=block)
         print("ROW " + json.dumps(row))
@@ -183,7 +173,8 @@ def main() -> None:
     log.info("profile: %s", json.dumps(prof.to_dict()))
     rows = []
     for name in args.only.split(",") if args.only else [w[0] for w in WORKLOADS]:
-        cmd = [sys.executable, __file__, "--one", name, "--profile", str(args.out / "profile.json"), "--out", str(args.out)]
+        cmd = [sys.executable, "-m", "bench.offload_decode", "--one", name, "--profile", str(args.out / "profile.json"),
+               "--out", str(args.out)]
         r = subprocess.run(cmd + (["--quick"] if args.quick else []), capture_output=True, text=True)
         found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
         row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-400:])

@@ -1,6 +1,6 @@
 """A bounded load run against `hetero serve` on this machine (127.0.0.1 only).
 
-    python bench/serve_load.py [--clients 32] [--seconds 60] [--parallel 16] [--url URL]
+    python3 -m bench.serve_load [--clients 32] [--seconds 60] [--parallel 16] [--url URL]
 
 Starts a CPU server with the demo model on a free local port (or uses --url), then runs
 `--clients` threads for `--seconds`, each sending requests back to back: chat and plain

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.util
 import io
 import json
+import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -79,3 +82,21 @@ def test_a_random_model_loads_through_hetero_load_and_generates(arch):
     assert e.tok is None and e.info["model"] == "random:tiny"
     out = list(e.generate([1, 2, 3], max_new_tokens=4, temperature=0.0))
     assert len(out) == 4 and all(0 <= c.token < 160 for c in out)
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_bench_run_names_each_benchmark_script_and_device_run_calls_only_those():
+    spec = importlib.util.spec_from_file_location("bench_run", BENCH / "run.py")
+    run_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_mod)  # the table alone: no benchmark is imported
+    listing = run_mod.listing()
+    assert {f.stem for f in BENCH.glob("*.py")} - {"run", "kv_pools"} == set(run_mod.BENCHMARKS)  # helpers aside
+    for name in run_mod.BENCHMARKS:
+        src = (BENCH / f"{name}.py").read_text()
+        assert "\ndef main(" in src and 'if __name__ == "__main__":' in src and name in listing
+        assert "sys.path" not in src
+    script = [ln for ln in (BENCH / "device_run.sh").read_text().splitlines() if not ln.lstrip().startswith("#")]
+    stages = set(re.findall(r"python3 -m bench\.(\w+)", "\n".join(script)))
+    assert stages and stages <= set(run_mod.BENCHMARKS)

@@ -1,0 +1,66 @@
+"""The benchmarks, by name: `python3 -m bench.run` lists them, `python3 -m bench.run NAME [ARGS...]`
+runs one with ARGS passed through (`python3 -m bench.run NAME --help` for its options).
+
+Run from the repository root. End-to-end figures of a model as a user runs it come from
+`hetero bench` (llama-bench-style rows through the engine); these scripts measure what the
+figures in bench/RESULTS.md need: each prints its figure beside the bound it is measured against.
+`bench/device_run.sh` runs several of them in one call on a GPU host.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name: (what it measures, where it runs); the module is bench.NAME
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "budget": ("decode of the Llama-3-8B shape at a GPU memory budget, the planner's own choice, against the "
+               "bytes-over-bandwidth bound", "GPU"),
+    "offload_decode": ("decode with the KV on the host (and split), the engine's timers per step, against the "
+                       "HBM / DRAM bound", "GPU"),
+    "gpu_decode": ("all-GPU decode and prefill with NF4 weights, and each NF4 kernel per linear shape, against "
+                   "HBM and matmul bounds", "GPU"),
+    "gpu_kv_attention": ("paged decode attention over bf16 / int8 / int4 device blocks, KV GB/s against the HBM "
+                         "copy rate", "GPU"),
+    "nf4_mma": ("the NF4 tensor-core matmul at 4-64 rows: checked, swept, timed against HBM and bitsandbytes", "GPU"),
+    "nf4_gemv": ("the NF4 matrix-vector kernels at 1-8 rows: checked, timed against HBM and bitsandbytes", "GPU"),
+    "cpu_attention": ("host decode attention (Numba) over bf16 / int8 / int4 blocks, KV GB/s against the DRAM "
+                      "read rate", "CPU"),
+    "cpu_decode": ("CPU-only decode of the demo model: tok/s, weight and KV GB/s against the DRAM read rate",
+                   "CPU"),
+    "kv_accuracy": ("quantized host KV on the demo model: argmax agreement with bf16 KV and perplexity", "CPU"),
+    "startup": ("where `hetero chat`'s start-up time goes: imports, tokenizer, plan, weights, KV cache, first "
+                "token", "CPU or GPU"),
+    "serve_load": ("a bounded load run against `hetero serve`: requests, errors, server memory", "CPU"),
+}
+
+
+def listing() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = ["usage: python3 -m bench.run NAME [ARGS...]   (NAME --help: its options)", "",
+             "End-to-end figures of a model: `hetero bench MODEL` (see `hetero bench --help`).", ""]
+    lines += [f"  {name:{width}}  {where:10}  {what}" for name, (what, where) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def run(name: str, args: list[str]) -> None:
+    """bench.NAME's main(), its command line ARGS (as `python3 -m bench.NAME ARGS...` would run it)."""
+    module = importlib.import_module(f"bench.{name}")
+    sys.argv = [f"python3 -m bench.{name}", *args]  # argparse's usage line names it so
+    module.main()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print(listing())
+        return 0
+    name, args = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"no benchmark named {name!r}\n\n{listing()}", file=sys.stderr)
+        return 2
+    run(name, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
