@@ -5,7 +5,7 @@ points anywhere), and an int4 block and kv head is six short runs in six arrays 
 1 KiB, value codes 1 KiB, key scales and zeros 256 B each, value scales and zeros 128 B each,
 `int4.py`): six 4 KiB pages for 2.75 KiB read, against bf16's two pages for 8 KiB. In 4 KiB
 pages most of those are TLB misses, each a page walk. Measured on the GPU host (16 threads,
-`bench/ab_inproc.py`, the same kernels over a pool in 2 MiB pages against torch's 4 KiB ones):
+the same kernels over a pool in 2 MiB pages against torch's 4 KiB ones):
 int4 1.09× at 1 × 32k, 1.13× at 16 × 4k, 1.07× in cache; int8 1.00 / 1.05 / 1.05.
 
 How: Linux's transparent huge pages are often madvise-only (the GPU host's are), and torch's

@@ -4,7 +4,7 @@ At batch 1 a layer is ~0.1 ms of GPU work and a CPU kernel in series, so every m
 main thread spends between them is on the step's critical path. Through torch, a graph replay,
 an event record or a stream wait costs that thread several microseconds of Python and C++ each
 (a replay also refills the default RNG's seed tensors for graphs that never draw a random
-number); the driver call underneath costs 1–2 µs (bench/host_overhead.py). Handles are plain
+number); the driver call underneath costs 1–2 µs. Handles are plain
 integers: a graph's `raw_cuda_graph_exec()`, a stream's `cuda_stream`, an event's `cuda_event`
 (see `event_handle`). Every call raises on a CUDA error.
 """

@@ -30,8 +30,8 @@ from gpu_ops.kv_pool import GpuKVPool
 from offload.driver import driver, event_handle
 
 # Copies go up in pieces of at most this. Small pieces cost the main thread ~20 µs of launch each
-# (2 MB pieces: 244 µs a layer at 8k, bench/step_trace.py), and a small upload waits ~40 µs behind
-# a 24 MB copy whole or in 12 pieces alike (bench/pcie_probe.py): so pieces are large.
+# (2 MB pieces: 244 µs a layer at 8k), and a small upload waits ~40 µs behind
+# a 24 MB copy whole or in 12 pieces alike: so pieces are large.
 PIECE_BYTES = 64 * 2**20
 
 
@@ -145,7 +145,7 @@ class KVStreamer:
 
     def _driver_copy(self, layer: int, slot: int) -> None:
         """`_copy` through the driver: pointer arithmetic and one cuMemcpyHtoDAsync a run and
-        piece (~4 µs of the main thread each, against ~25 for a torch copy_; bench/host_overhead.py),
+        piece (~4 µs of the main thread each, against ~25 for a torch copy_),
         on the streamer's stream, in the same pieces and order as `_copy`."""
         handle = self.stream.cuda_stream
         for name, src_base, layer_bytes, block in self._copy_plan:
