@@ -33,7 +33,8 @@ def _start_compiles(args: list[str]) -> None:
 def _given(args: list[str], flag: str) -> bool:
     """flag on the command line (`--flag X` or `--flag=X`) or in its HETERO_ environment variable."""
     env = os.environ.get("HETERO_" + flag.lstrip("-").replace("-", "_").upper(), "")
-    return any(a == flag or a.startswith(flag + "=") for a in args) or env.strip().lower() not in ("", "0", "false", "no", "off")
+    given = any(a == flag or a.startswith(flag + "=") for a in args)
+    return given or env.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 _start_compiles(sys.argv[1:])

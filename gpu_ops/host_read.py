@@ -3,9 +3,10 @@
 A split decode step's post segment starts by bringing the CPU's (o, lse), ~16 KB, up from pinned
 staging. As a copy (`Tensor.copy_`, a DMA on the copy engine) it queues behind whatever that
 engine is moving host→device already: at batch 1 with streamed KV that is a layer's blocks,
-~20 MB, and the post segment took 270–290 µs instead of 110 (measured on the GPU host). A kernel reading the same bytes over PCIe itself goes around that queue: pinned
-memory is mapped into the device's address space (unified addressing), so its host pointer is
-a device pointer too. The loads are `.cv` (fetch again, never a cached line): the host
+~20 MB, and the post segment took 270–290 µs instead of 110 (measured on the GPU host). A
+kernel reading the same bytes over PCIe itself goes around that queue: pinned memory is mapped
+into the device's address space (unified addressing), so its host pointer is a device pointer
+too. The loads are `.cv` (fetch again, never a cached line): the host
 rewrites these buffers between replays of the same graph.
 """
 from __future__ import annotations

@@ -4,7 +4,6 @@ constants the cost model uses beside the measured rates, and the host facts read
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,6 @@ import torch
 
 from cpu_attention import warm
 from cpu_attention.layout import KVDtype
-
-log = logging.getLogger(__name__)
 
 FORMAT = 9  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3

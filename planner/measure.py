@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from cpu_attention import warm
-from planner.hardware import FORMAT, HOST_KV_DTYPES, KV_BLOCK, kernels_version, POOL_BYTES, AttnRate, HardwareProfile, host_memory, physical_cores
+from planner.hardware import (
+    FORMAT, HOST_KV_DTYPES, KV_BLOCK, POOL_BYTES, AttnRate, HardwareProfile, host_memory, kernels_version, physical_cores,
+)
 
 
 def _best(fn: Callable[[], Any], reps: int = 3, sync: Callable[[], None] | None = None,
