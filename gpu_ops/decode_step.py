@@ -90,12 +90,10 @@ class GpuDecoder:
                 f"batch {B} × {W} blocks exceeds the decoder's {self.max_batch} × {self.max_blocks}: "
                 "build the GpuDecoder with a larger max_batch / max_blocks_per_seq"
             )
-        if not self.graphs:
-            dev = self.device
-            return self._fwd(token_ids.to(dev), positions.to(dev), slots.to(dev),
-                                 block_tables.to(dev, torch.int32), seq_lens.to(dev, torch.int32))
         nb = next(b for b in self.buckets if b >= B)
         self._load(B, nb, token_ids, positions, slots, block_tables, seq_lens)
+        if not self.graphs:  # the graph's own inputs, run eagerly (fresh tensors here gave wrong tokens on CUDA)
+            return self._fwd(self.ids[:nb], self.pos[:nb], self.slots[:nb], self.tables[:nb], self.lens[:nb])[:B]
         if nb not in self._graphs:
             self._graphs[nb] = self._capture(nb)
         graph, logits = self._graphs[nb]
