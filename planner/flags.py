@@ -90,6 +90,11 @@ def fraction(text: str | float) -> float:
     return x
 
 
+def option(default: Any, *names: str, help: str, **kw) -> Any:
+    """An option of one command only, with the shared conventions (HETERO_ variable, shown default)."""
+    return _opt(default, *names, help=help, **kw)
+
+
 def whole_opt(default: int | None, *names: str, lo: int, help: str) -> Any:
     return _opt(default, *names, parser=whole(lo), metavar="N", help=help)
 
@@ -107,7 +112,15 @@ def model() -> Any:
     return _opt(None, "-m", "--model", help="HF folder or .gguf (default: the demo model)")
 
 
+def plan_file() -> Any:
+    return _opt(None, "--plan", metavar="FILE", help="run exactly this saved plan (`hetero plan --json > plan.json`)")
+
+
 # ----------------------------------------------------------------------------- workload
+def parallel(default: int = 1) -> Any:
+    return whole_opt(default, "-np", "--parallel", lo=1, help="sequences decoded together (each gets a full context of KV)")
+
+
 def ctx_size() -> Any:
     return _opt(0, "-c", "--ctx-size", parser=whole(0), metavar="N", help="context length per sequence; 0 = the model's, capped at 4096")
 

@@ -191,3 +191,22 @@ def test_implausible_profile_is_flagged(folder, tmp_path):
 def test_weights_alone_too_big_do_not_suggest_a_smaller_context(folder, profile_json):
     code, out = run("plan", str(folder), "--profile", profile_json, "--device", "cpu", "--cpu-mem", "4KiB")
     assert code == 2 and "weights alone" in out and "--ctx-size" not in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (("serve", "--port", "0"), ["--port", "≥ 1"]),
+    (("serve", "--kv-dtype", "int3"), ["--kv-dtype", "int3", "bf16, int8, int4"]),
+    (("serve", "--gpu-mem", "banana"), ["--gpu-mem", "banana"]),
+    (("serve", "--top-p", "2"), ["--top-p", "(0, 1]"]),
+    (("serve", "-np", "0"), ["--parallel", "≥ 1"]),
+    (("bench", "-o", "xml"), ["--output", "md, json, csv"]),
+    (("bench", "-r", "0"), ["--repetitions", "≥ 1"]),
+    (("bench", "--kv-dtype", "bf16,int3"), ["--kv-dtype", "int3"]),
+    (("bench", "--weights", "2bit"), ["--weights", "2bit"]),
+])
+def test_serve_and_bench_take_the_shared_options(args, words):
+    """serve and bench read the options chat and plan read: the same checks, before any work."""
+    code, out = run(*args)
+    assert code == 2, out
+    for w in words:
+        assert w in out, (w, out)

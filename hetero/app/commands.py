@@ -13,13 +13,9 @@ import typer
 from rich.console import Console
 
 from hetero.errors import UserError
+from planner import flags
 
 err = Console(stderr=True, soft_wrap=True)
-
-
-def _opt(default, *names: str, help: str = ""):
-    env = "HETERO_" + names[-1].lstrip("-").replace("-", "_").upper()
-    return typer.Option(default, *names, envvar=env, help=help, show_default=True)
 
 
 def _fail(e: UserError) -> None:
@@ -28,34 +24,34 @@ def _fail(e: UserError) -> None:
 
 
 def serve_cmd(
-    model_arg: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF folder or .gguf (default: demo model)"),
-    model: Optional[str] = _opt(None, "-m", "--model", help="HF folder or .gguf"),
-    host: str = _opt("127.0.0.1", "--host", help="address to listen on"),
-    port: int = _opt(8080, "--port", help="TCP port"),
-    parallel: int = _opt(4, "-np", "--parallel", help="sequences decoded together (each gets a full context of KV)"),
-    queue: int = _opt(64, "--queue", help="requests that may wait beyond --parallel; more get 503 + Retry-After"),
-    alias: Optional[str] = _opt(None, "-a", "--alias", help="model id in /v1/models (default: the file or folder name)"),
-    ctx_size: int = _opt(0, "-c", "--ctx-size", help="context length per sequence; 0 = the model's (capped at 4096)"),
-    max_new_tokens: Optional[int] = _opt(None, "-n", "--max-new-tokens",
-                                         help="default max_tokens of a request (default: until the context ends)"),
-    threads: Optional[int] = _opt(None, "-t", "--threads", help="CPU threads for host attention"),
-    kv_dtype: Optional[str] = _opt(None, "--kv-dtype", help="host KV precision: bf16|int8|int4|f32"),
-    gpu_kv_dtype: Optional[str] = _opt(None, "--gpu-kv-dtype", help="GPU KV precision: bf16|int8|int4|f32"),
-    weights: str = _opt("auto", "--weights", help="weight precision: auto|4bit|int8|bf16|f32"),
-    device: str = _opt("auto", "--device", help="auto|cpu|cuda"),
-    gpu_mem: Optional[str] = _opt(None, "--gpu-mem", help="GPU budget, a hard limit (e.g. 6GiB)"),
-    cpu_mem: Optional[str] = _opt(None, "--cpu-mem", help="host budget (e.g. 48GiB)"),
-    gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="KV tokens per sequence kept on the GPU"),
-    stream_tokens: Optional[int] = _opt(None, "--kv-stream-tokens", help="host KV tokens the GPU attends over (batch 1)"),
-    weight_mode: str = _opt("auto", "--weight-mode", help="weights that do not fit the GPU: auto|stream|cpu"),
-    plan: Optional[str] = _opt(None, "--plan", help="run exactly this saved plan"),
-    temperature: Optional[float] = _opt(None, "--temp", "--temperature", help="default temperature"),
-    top_k: Optional[int] = _opt(None, "--top-k"),
-    top_p: Optional[float] = _opt(None, "--top-p"),
-    min_p: Optional[float] = _opt(None, "--min-p"),
-    repeat_penalty: Optional[float] = _opt(None, "--repeat-penalty"),
-    seed: Optional[int] = _opt(None, "--seed"),
-    verbose: bool = _opt(False, "-v", "--verbose"),
+    model_arg: Optional[str] = flags.model_arg(),
+    model: Optional[str] = flags.model(),
+    host: str = flags.option("127.0.0.1", "--host", help="address to listen on"),
+    port: int = flags.whole_opt(8080, "--port", lo=1, help="TCP port"),
+    parallel: int = flags.parallel(4),
+    queue: int = flags.whole_opt(64, "--queue", lo=0, help="requests that may wait beyond --parallel; more get 503 + Retry-After"),
+    alias: Optional[str] = flags.option(None, "-a", "--alias", help="model id in /v1/models (default: the file or folder name)"),
+    ctx_size: int = flags.ctx_size(),
+    max_new_tokens: Optional[int] = flags.whole_opt(None, "-n", "--max-new-tokens", lo=1,
+                                                    help="default max_tokens of a request (default: until the context ends)"),
+    threads: Optional[int] = flags.threads(),
+    kv_dtype: str = flags.kv_dtype(),
+    gpu_kv_dtype: str = flags.gpu_kv_dtype(),
+    weights: str = flags.weights(),
+    device: str = flags.device(),
+    gpu_mem: Optional[int] = flags.gpu_mem(),
+    cpu_mem: Optional[int] = flags.cpu_mem(),
+    gpu_kv_tokens: Optional[int] = flags.gpu_kv_tokens(),
+    stream_tokens: Optional[int] = flags.stream_tokens(),
+    weight_mode: str = flags.weight_mode(),
+    plan: Optional[str] = flags.plan_file(),
+    temperature: Optional[float] = flags.temperature(),
+    top_k: Optional[int] = flags.top_k(),
+    top_p: Optional[float] = flags.top_p(),
+    min_p: Optional[float] = flags.min_p(),
+    repeat_penalty: Optional[float] = flags.repeat_penalty(),
+    seed: Optional[int] = flags.seed(),
+    verbose: bool = flags.option(False, "-v", "--verbose", help="log the engine's steps"),
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health and /metrics."""
     import hetero
@@ -80,26 +76,27 @@ def serve_cmd(
 
 
 def bench_cmd(
-    model_arg: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF folder or .gguf (default: demo model)"),
-    model: Optional[str] = _opt(None, "-m", "--model", help="HF folder or .gguf"),
-    random: Optional[str] = _opt(None, "--random",
-                                 help="a random-weight model of a named shape, built in memory: llama3-8b, llama3-70b, "
-                                      "qwen3-8b, qwen3-30b-a3b, mixtral-8x7b, smollm2-135m"),
-    n_prompt: int = _opt(512, "-p", "--n-prompt", help="prompt tokens (pp test; 0: none)"),
-    n_gen: int = _opt(128, "-n", "--n-gen", help="generated tokens (tg test; 0: none)"),
-    depth: str = _opt("0", "-d", "--n-depth", help="context already there, comma-separated (e.g. 0,8192,32768)"),
-    reps: int = _opt(3, "-r", "--repetitions", help="repetitions of each test"),
-    parallel: str = _opt("1", "-b", "--parallel", help="sequences decoded together, comma-separated (e.g. 1,16)"),
-    kv_dtype: Optional[str] = _opt(None, "--kv-dtype", help="host KV precision(s), comma-separated: bf16,int8,int4"),
-    output: str = _opt("md", "-o", "--output", help="md|json|csv"),
-    threads: Optional[int] = _opt(None, "-t", "--threads", help="CPU threads for host attention"),
-    weights: str = _opt("auto", "--weights", help="weight precision: auto|4bit|int8|bf16|f32"),
-    device: str = _opt("auto", "--device", help="auto|cpu|cuda"),
-    gpu_mem: Optional[str] = _opt(None, "--gpu-mem", help="GPU budget, a hard limit (e.g. 8GiB)"),
-    cpu_mem: Optional[str] = _opt(None, "--cpu-mem", help="host budget (e.g. 48GiB)"),
-    gpu_kv_tokens: Optional[int] = _opt(None, "--gpu-kv-tokens", help="KV tokens per sequence kept on the GPU"),
-    weight_mode: str = _opt("auto", "--weight-mode", help="weights that do not fit the GPU: auto|stream|cpu"),
-    verbose: bool = _opt(False, "-v", "--verbose"),
+    model_arg: Optional[str] = flags.model_arg(),
+    model: Optional[str] = flags.model(),
+    random: Optional[str] = flags.option(None, "--random",
+                                         help="a random-weight model of a named shape, built in memory: llama3-8b, "
+                                              "llama3-70b, qwen3-8b, qwen3-30b-a3b, mixtral-8x7b, smollm2-135m"),
+    n_prompt: int = flags.whole_opt(512, "-p", "--n-prompt", lo=0, help="prompt tokens (pp test; 0: none)"),
+    n_gen: int = flags.whole_opt(128, "-n", "--n-gen", lo=0, help="generated tokens (tg test; 0: none)"),
+    depth: str = flags.option("0", "-d", "--n-depth", help="context already there, comma-separated (e.g. 0,8192,32768)"),
+    reps: int = flags.whole_opt(3, "-r", "--repetitions", lo=1, help="repetitions of each test"),
+    parallel: str = flags.option("1", "-b", "--parallel", help="sequences decoded together, comma-separated (e.g. 1,16)"),
+    kv_dtype: Optional[str] = flags.option(None, "--kv-dtype",
+                                           help="host KV precision(s), comma-separated: bf16,int8,int4 (default: the planner's)"),
+    output: str = flags.choice_opt("md", "-o", "--output", values=("md", "json", "csv"), help="table format"),
+    threads: Optional[int] = flags.threads(),
+    weights: str = flags.weights(),
+    device: str = flags.device(),
+    gpu_mem: Optional[int] = flags.gpu_mem(),
+    cpu_mem: Optional[int] = flags.cpu_mem(),
+    gpu_kv_tokens: Optional[int] = flags.gpu_kv_tokens(),
+    weight_mode: str = flags.weight_mode(),
+    verbose: bool = flags.option(False, "-v", "--verbose", help="log the engine's steps"),
 ) -> None:
     """Measure prompt and generation tokens/s (llama-bench style), one row per combination."""
     import sys
@@ -109,8 +106,9 @@ def bench_cmd(
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     try:
-        if output not in ("md", "json", "csv"):
-            raise UserError(f"-o {output!r} is not one of md, json, csv")
+        bad = [d for d in (kv_dtype or "").split(",") if kv_dtype and d not in flags.KV_DTYPES]
+        if bad:
+            raise UserError(f"--kv-dtype {bad[0]!r} is not one of {', '.join(flags.KV_DTYPES)}")
         if random and (model or model_arg):
             raise UserError("give a MODEL or --random SHAPE, not both")
         spec = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depths=parse_list(depth, "-d"), reps=reps,
@@ -135,7 +133,7 @@ def bench_cmd(
 
 def monitor_cmd(
     url: str = typer.Argument("http://127.0.0.1:8080", help="the hetero server to watch"),
-    once: bool = _opt(False, "--once", help="print one frame as plain text and exit"),
+    once: bool = flags.option(False, "--once", help="print one frame as plain text and exit"),
 ) -> None:
     """Watch a running `hetero serve`: throughput, latency, KV per tier, memory, busy devices (q quits, p pauses)."""
     import sys
