@@ -46,6 +46,7 @@ from bench.kv_pools import copies_past_l3, dram_read_gbps, fill  # noqa: E402
 from cpu_attention import (DecodeWork, HostKVPool, KVDtype, decode_attention, decode_attention_ref,  # noqa: E402
                            physical_cores)
 from cpu_attention import decode_int8 as int8_mod  # noqa: E402  (its tile and prefetch settings, read per call)
+from cpu_attention import configure  # noqa: E402
 from cpu_attention.decode import chunk_tokens  # noqa: E402
 
 SHAPES = ["1x32768", "16x4096"]
@@ -254,6 +255,7 @@ def write_cost(dtype: KVDtype, hs: Heads) -> float:
 
 
 def main() -> None:
+    configure()  # the engine's Numba settings, before the first compile
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: physical cores)")
     ap.add_argument("--out", type=Path, default=None, help="folder for cpu_attention.log and .json")

@@ -11,7 +11,7 @@ start its background compiles before the importing process has paid for them.
 import importlib
 
 _WHERE = {
-    "physical_cores": "_numba", "DecodeWork": "decode", "decode_attention": "decode", "INT4_GROUP": "layout",
+    "configure": "_numba", "physical_cores": "_numba", "DecodeWork": "decode", "decode_attention": "decode", "INT4_GROUP": "layout",
     "HostKVPool": "pool", "KVDtype": "layout", "dequantize": "layout", "quantize": "layout",
     "merge_attention": "merge", "prefill_attention": "prefill", "decode_attention_ref": "reference",
     "prefill_attention_ref": "reference",

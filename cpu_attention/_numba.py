@@ -24,8 +24,23 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic, overload
 
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+_configured = False
+
+
+def configure() -> None:
+    """Numba's settings for the host kernels, made before their first compile (the codegen reads
+    them once): OpenMP first as the threading layer, and on AVX-512 hosts 512-bit vectors
+    (`_prefer_512_bit_vectors`). Called explicitly where kernels are about to run: at engine start
+    (`hetero.app.build`), by the profile's measurement and by the background compiles, so cached
+    kernels share one cache key. Idempotent; a user's NUMBA_THREADING_LAYER / NUMBA_CPU_FEATURES win.
+    A kernel compiled before it is correct, with Numba's default vector width."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    _prefer_512_bit_vectors()
 
 
 def _prefer_512_bit_vectors() -> None:
@@ -35,8 +50,8 @@ def _prefer_512_bit_vectors() -> None:
     `prefer-256-bit`, so Numba's loops use 8-float ymm vectors although 16-float zmm ones
     exist; our attention kernels are compute-bound, so twice the lanes per FMA is what they
     need. The feature string is part of Numba's cache key, so cached kernels are never
-    mixed up. Must run before Numba's codegen is created (its first compile): every module
-    with Numba kernels imports this one first. A NUMBA_CPU_FEATURES set by the user wins.
+    mixed up. Must run before Numba's codegen is created (its first compile): `configure`. A
+    NUMBA_CPU_FEATURES set by the user wins.
 
     Where AVX-512 VNNI is there, also LLVM's `fast-dpwssd` tuning (LLVM 19+): without it LLVM's
     machine combiner splits vpdpwssd back into vpmaddwd + vpaddd wherever that shortens a
@@ -58,8 +73,6 @@ def _prefer_512_bit_vectors() -> None:
             features += ",+fast-dpwssd"
         numba.config.CPU_FEATURES = features
 
-
-_prefer_512_bit_vectors()
 
 # Flags for the hot kernels. fastmath lets LLVM reassociate the dot products into SIMD
 # lanes; the kernels never produce inf/nan except the -inf max they guard explicitly,

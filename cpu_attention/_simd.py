@@ -28,11 +28,9 @@ import numba
 from numba import types
 from numba.extending import intrinsic
 
-from cpu_attention import _numba  # noqa: F401  (sets Numba's CPU features first: they decide VEC)
-
-
 def _compile_features() -> frozenset[str]:
-    """The CPU features Numba compiles for (NUMBA_CPU_FEATURES, our 512-bit setting, or the host's)."""
+    """The CPU features Numba compiles for (NUMBA_CPU_FEATURES or the host's: `_numba.configure`
+    only tunes their vector preference, so the ISA, and VEC below, are the host's either way)."""
     from numba.core.codegen import get_host_cpu_features
 
     feats = numba.config.CPU_FEATURES or get_host_cpu_features()

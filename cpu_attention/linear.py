@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
-import cpu_attention._numba  # noqa: F401  (Numba codegen settings: before any kernel compiles)
 
 # Rows of x up to which the GEMV kernels beat dequantize + GEMM (measured on 2 cores).
 GEMV_MAX_ROWS = 8

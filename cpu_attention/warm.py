@@ -27,10 +27,12 @@ def compile_decode(dtype: str) -> None:
     argument type, G % 4 included, not per shape)."""
     import torch
 
+    from cpu_attention import _numba
     from cpu_attention.decode import decode_attention
     from cpu_attention.pool import HostKVPool
     from cpu_attention.layout import KVDtype
 
+    _numba.configure()  # the engine's settings: the cached kernel is the one it loads
     BS, D = 16, 128
     pool = HostKVPool(1, 2, 2, BS, D, dtype=KVDtype(dtype))
     tables = torch.arange(2, dtype=torch.int32).reshape(1, 2)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from cpu_attention import warm
+from cpu_attention import configure
 from planner.hardware import (
     FORMAT, HOST_KV_DTYPES, KV_BLOCK, POOL_BYTES, AttnRate, HardwareProfile, host_memory, kernels_version, physical_cores,
 )
@@ -45,6 +46,7 @@ def measure(quick: bool = False) -> HardwareProfile:
     in background processes while the GPU is measured; the host is measured after they finish,
     on a quiet CPU."""
     t0 = time.perf_counter()
+    configure()  # Numba's settings before this process compiles a kernel: the engine's
     compiles = warm.start(tuple(dt.value for dt in HOST_KV_DTYPES))  # or the ones the CLI started
     cores, logical = physical_cores()
     total, avail = host_memory()

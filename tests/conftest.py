@@ -74,6 +74,14 @@ def make_tiny(path, arch: str, seed: int = 0):
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _numba_settings():
+    """The engine's Numba settings (`_numba.configure`, what engine start does) for every test."""
+    from cpu_attention import configure
+
+    configure()
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """tiny(arch) → (folder, transformers model), built once per session."""

@@ -1,4 +1,5 @@
 """The packages import downward only, without cycles: the import-linter contracts in pyproject.toml."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,22 @@ def test_the_kernel_packages_know_nothing_of_cuda_memory_or_options():
         assert "torch.cuda" not in p.read_text(), p.name
     for p in [*(ROOT / "cpu_attention").glob("*.py"), *(ROOT / "gpu_ops").glob("*.py")]:
         assert "HETERO_" not in p.read_text(), p.name
+
+
+def test_importing_changes_no_settings_until_configure_is_called():
+    """Importing the packages leaves Numba's settings alone; `cpu_attention.configure()` (engine
+    start) makes them."""
+    code = (
+        "import os, numba\n"
+        "os.environ.pop('NUMBA_THREADING_LAYER', None)\n"
+        "before = (list(numba.config.THREADING_LAYER_PRIORITY), numba.config.CPU_FEATURES)\n"
+        "import cpu_attention.decode, cpu_attention.linear, cpu_attention.append, planner.search, offload.runner\n"
+        "import hetero.app.build, cli\n"
+        "assert (list(numba.config.THREADING_LAYER_PRIORITY), numba.config.CPU_FEATURES) == before\n"
+        "import cpu_attention\n"
+        "cpu_attention.configure()\n"
+        "assert numba.config.THREADING_LAYER_PRIORITY[0] == 'omp'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -16,6 +16,7 @@ from hetero.random_weights import RandomCheckpoint
 from hetero.sampling import SamplingParams, defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
 from hetero.validate import check_vocab
+from cpu_attention import configure as configure_numba
 from cpu_attention.layout import INT4_GROUP, KVDtype
 from offload.build import fence_gpu_memory, load_from_plan, runtime_from_plan
 from offload.placement import FORMATS, check_plan_supported
@@ -117,6 +118,7 @@ def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = N
     GPU when given a GPU plan, for tests)."""
     dev = device or torch.device(plan.device.value)
     check_plan_supported(plan, dev)
+    configure_numba()  # before any host kernel compiles
     if dev.type == "cuda":
         fence_gpu_memory(plan.budget.gpu_bytes, dev)
     fmt = FORMATS[plan.weights]
