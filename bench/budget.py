@@ -120,7 +120,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
         tok_s=batch / step, predicted_tok_s=batch / pred.seconds, bound_tok_s=batch / b,
         bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, peak_gpu_gib=peak / GiB,
         within_budget=peak <= gpu_gib * GiB, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
-        graph=runner._graph_decoder is not None, terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()},
+        graph=runner.graph_step is not None and runner.graph_step.decoder is not None, terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()},
     )
     runner.close()
     return out

@@ -15,7 +15,7 @@ main thread's Python around the kernel and the graph launches. This loop makes, 
     launch post(i)                                  (a graph: (o, lse) up, merge, the rest)
 
 through the CUDA driver (offload/driver.py) and Numba calls on numpy views made once: no torch
-call inside the loop. The general loop (`Runner._start`/`_finish`) does the same work through
+call inside the loop. The general loop (`Runner.start_layer` / `finish_layer`) does the same work through
 torch; both write the same buffers, so their tokens are the same.
 
 That Python alone was not what held the step: with it gone, an 8k step took as long until the

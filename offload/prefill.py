@@ -4,7 +4,7 @@ gathered to the device once, the new tokens attending to it and causally to them
 SDPA call, the new k/v written to their tiers.
 
 The methods use the runner's model, cache, device and its streamed-weight hooks (`_begin_pass`,
-`_ready`, `_release`).
+`ready_weights`, `release_weights`).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Prefill:
         x = m.embed(torch.tensor(tokens[start:]))
         self._begin_pass()
         for i in range(self.cfg.num_layers):
-            self._ready(i)
+            self.ready_weights(i)
             q, k, v = self._chunked(lambda a, b: m.pre_attention(i, x[a:b], pos[a:b]), T)
             kp, vp = self._prior_kv(i, gpu_blocks, prior_gpu, host_blocks, prior_host, q.dtype)
             c.write(i, slots, k, v)
@@ -53,10 +53,10 @@ class Prefill:
             o = torch.cat([_causal_tail_attention(q[a:b], keys[:, : keys.shape[1] - T + b], vals[:, : keys.shape[1] - T + b],
                                                   m.scale) for a, b in _blocks(T)])
             x = self._chunked(lambda a, b: m.post_attention(i, x[a:b], o[a:b]), T)
-            self._release(i)
-        self._ready(self.cfg.num_layers)
+            self.release_weights(i)
+        self.ready_weights(self.cfg.num_layers)
         logits = m.logits(x if all_logits else x[-1:])
-        self._release(self.cfg.num_layers)
+        self.release_weights(self.cfg.num_layers)
         return logits
 
     def _prior_kv(self, i, gpu_blocks, n_gpu, host_blocks, n_host, dtype):

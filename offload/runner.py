@@ -27,12 +27,12 @@ from cpu_attention.merge import merge_attention
 from gpu_ops import attention as gpu_attention
 from hetero.model import Model
 from offload.graphs import Captured, SegmentGraphs
-from offload.inline import InlineLayers
 from offload.kv_cache import Slots, TieredKVCache
 from offload.prefill import Prefill
+from offload.steps import GraphStep, LeanStep, PipelinedStep
 from offload.stream import KVStreamer
 from offload.timers import GpuSpans, Metrics, StepTimes, now
-from offload.worker import CpuWorker
+from offload.worker import CpuWorker, Job
 
 if TYPE_CHECKING:
     from offload.placement import PlacedWeights
@@ -53,13 +53,24 @@ class Part:
     host_tables: tuple[torch.Tensor, torch.Tensor] | None  # on the host
     buf: dict[str, torch.Tensor] | None = None  # pinned staging buffers (CUDA only)
     gpu_out: tuple[torch.Tensor, torch.Tensor] | None = None
-    job: object = None
+    job: Job | None = None  # the CPU's share of the current layer
     cap: Captured | None = None  # this sub-batch's captured layer segments (CUDA graphs)
     work: cpu_attention.DecodeWork | None = None  # the host tier's attention plan for this step
     inline: bool = False  # the CPU's share runs in the main thread (one sub-batch)
     streamed: bool = False  # the device attends over the host tier's first blocks (KVStreamer)
     stream_out: tuple[torch.Tensor, torch.Tensor] | None = None
     ready: torch.cuda.Event | None = None  # recorded when a layer's q (and k, v) are down; reused layer after layer
+
+
+@dataclass
+class Down:
+    """What the CPU's share of a layer reads, on the host once `ready` has fired (None: already)."""
+
+    ready: torch.cuda.Event | None
+    q: torch.Tensor  # [B, Hq, D]
+    k: torch.Tensor | None  # the new keys bound for the host tier (None: none)
+    v: torch.Tensor | None
+    rows: torch.Tensor | None = None  # k, v hold every row of the sub-batch: the host-bound ones are these
 
 
 class Runner(Prefill):
@@ -92,12 +103,7 @@ class Runner(Prefill):
         self.spans = GpuSpans(detailed_timing and self.cuda)
         self.xfer = GpuSpans(detailed_timing and self.cuda)
         self._bufs: dict[int, dict[str, torch.Tensor]] = {}
-        self.driver_loop = driver_loop
-        self._inline: dict[Captured, InlineLayers] = {}
-        # the all-GPU graph decoder (a table in host memory: its rows go up before the replay)
-        self.graphs = graphs and self.cuda and cache.gpu is not None and (weights is None or weights.device_only)
         self.max_batch = max_batch
-        self._graph_decoder = None
         self.segments = None  # per-layer CUDA graphs of the split step
         self.streamer = None
         if stream_tokens >= cache.block_size:
@@ -108,6 +114,12 @@ class Runner(Prefill):
         if graphs and SegmentGraphs.supported(model) and not host_compute:
             self.segments = SegmentGraphs(model, cache, max_context or model.cfg.max_position_embeddings,
                                           self.streamer)
+        # the strategies this plan can use (offload/steps.py): the whole-step graph where every weight
+        # is resident and there is a device tier; the lean loop where layer segments are captured
+        all_device = graphs and self.cuda and cache.gpu is not None and (weights is None or weights.device_only)
+        self.graph_step = GraphStep(self) if all_device else None
+        self.lean_step = LeanStep(self) if driver_loop and self.segments is not None else None
+        self.pipelined_step = PipelinedStep(self)
 
     # ================================================================== decode
     @torch.inference_mode()
@@ -122,8 +134,8 @@ class Runner(Prefill):
         if moved_in and self.cuda:
             st.h2d_bytes += moved_in * self.cache.gpu.nbytes // (self.cache.gpu.num_blocks + 1)
         slots = [self.cache.reserve(s, 1) for s in seqs]
-        if self.graphs and all(sl.gpu_rows and not self.cache.seqs[s].host.num_tokens for s, sl in zip(seqs, slots)):
-            logits = self._decode_on_gpu(seqs, tokens, positions, slots)  # everything on the GPU: one graph
+        if self.graph_step is not None and self.graph_step.takes(seqs, slots):
+            logits = self.graph_step.run(seqs, tokens, positions, slots)  # everything on the GPU: one graph
             st.wall = now() - t0
             self._record(st)
             return logits
@@ -137,22 +149,11 @@ class Runner(Prefill):
                 self._begin_stream(parts[0])
         L = self.cfg.num_layers
         self._begin_pass()
-        if self.driver_loop and InlineLayers.usable(self, parts):  # one captured sub-batch: the lean loop
-            self._inline_layers(parts[0].cap).run(self, parts[0], st)
-        else:
-            for i in range(L + 1):  # skewed: part p finishes layer i-1, then starts layer i
-                for k, p in enumerate(parts):
-                    if i > 0:
-                        self._finish(i - 1, p, st)
-                        if k == len(parts) - 1:
-                            self._release(i - 1)  # layer i-1's weights: last use queued
-                    if i < L:
-                        if k == 0:
-                            self._ready(i)  # layer i's weights: the device waits for them (streamed)
-                        self._start(i, p, st)
-        self._ready(L)
+        lean = self.lean_step is not None and self.lean_step.takes(parts)
+        (self.lean_step if lean else self.pipelined_step).run(parts, st)
+        self.ready_weights(L)
         logits = torch.cat([self.model.logits(p.x) for p in parts])  # a captured x is exactly [B, H]
-        self._release(L)
+        self.release_weights(L)
         if any(p.streamed for p in parts):
             st.h2d_bytes += self.streamer.bytes_up
         up, down = self._weight_bytes()
@@ -164,25 +165,6 @@ class Runner(Prefill):
         st.wall = now() - t0
         self._record(st)
         return logits
-
-    def _inline_layers(self, cap: Captured) -> InlineLayers:
-        if cap not in self._inline:
-            self._inline[cap] = InlineLayers(cap, torch.cuda.current_stream(self.dev))
-        return self._inline[cap]
-
-    def _decode_on_gpu(self, seqs, tokens, positions, slots) -> torch.Tensor:
-        from gpu_ops.decode_step import GpuDecoder
-
-        c = self.cache
-        bt, lens = c.tables(seqs, "gpu")
-        need_blocks = -(-c.gpu_tokens_per_seq // c.block_size)
-        d = self._graph_decoder
-        if d is None or d.max_batch < len(seqs) or d.max_blocks < max(bt.shape[1], need_blocks):
-            d = self._graph_decoder = GpuDecoder(self.model, c.gpu, max(self.max_batch, len(seqs)),
-                                                 max(need_blocks, bt.shape[1]))
-        dev = self.dev
-        return d.step(torch.tensor(tokens), torch.tensor(positions, device=dev),
-                      torch.tensor([sl.gpu_slots[0] for sl in slots], device=dev), bt.to(dev), lens.to(dev))
 
     def _split(self, seqs: list[int]) -> list[tuple[int, int]]:
         n = self.sub_batches
@@ -248,7 +230,9 @@ class Runner(Prefill):
         for layer in range(min(2, self.cfg.num_layers)):
             sv.prefetch(layer)
 
-    def _start(self, i: int, p: Part, st: StepTimes) -> None:
+    def start_layer(self, i: int, p: Part, st: StepTimes) -> None:
+        """Layer i's first half for sub-batch p: pre_attention, the new KV into its tiers, the
+        device's attention queued, the CPU's handed to the worker (or run inline at finish)."""
         span = self.spans.begin()
         if p.cap is not None:
             p.cap.pre[i].replay()
@@ -272,9 +256,10 @@ class Runner(Prefill):
             self.streamer.prefetch(i + 2)
         self.spans.end(span)
         if down is not None:
-            p.job = self.worker.submit(self._host_job, i, p, *down, inline=p.inline)
+            p.job = self.worker.submit(self._host_job, i, p, down, inline=p.inline)
 
-    def _finish(self, i: int, p: Part, st: StepTimes) -> None:
+    def finish_layer(self, i: int, p: Part, st: StepTimes) -> None:
+        """Layer i's second half: the CPU's (o, lse) up, merged with the device's, post_attention."""
         o = lse = None
         if p.job is not None:
             t = now()
@@ -299,14 +284,14 @@ class Runner(Prefill):
         p.x = self.model.post_attention(i, p.x, o.to(self.dev, p.x.dtype))
         self.spans.end(span)
 
-    def _send_down(self, p: Part, q, k, v, st: StepTimes):
-        """Queue q and the host-bound new k/v down on the copy stream → (ready event, q, k, v) on the host."""
+    def _send_down(self, p: Part, q, k, v, st: StepTimes) -> Down:
+        """Queue q and the host-bound new k/v down on the copy stream → what the CPU's share reads."""
         hr = p.host_rows
         if not self.cuda:  # on the host already; every row is host-bound on a CPU-only run
             every = hr is not None and hr.numel() == k.shape[0]
             kh = None if hr is None else (k if every else k[hr])
             vh = None if hr is None else (v if every else v[hr])
-            return None, q, kh, vh
+            return Down(None, q, kh, vh)
         B, n = q.shape[0], 0 if hr is None else hr.numel()
         buf = p.buf
         st.d2h_bytes += (q.numel() + 2 * n * k.shape[1] * k.shape[2]) * 4
@@ -316,10 +301,8 @@ class Runner(Prefill):
         if p.cap is not None:  # pre's graph copied q, k, v of every row down already
             ready.record(torch.cuda.current_stream(self.dev))
             if not n:
-                return ready, buf["q"], None, None
-            if n == B:
-                return ready, buf["q"], buf["k"], buf["v"]
-            return ready, buf["q"], (buf["k"], hr), (buf["v"], hr)
+                return Down(ready, buf["q"], None, None)
+            return Down(ready, buf["q"], buf["k"], buf["v"], rows=None if n == B else hr)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.dev))
         with torch.cuda.stream(self.copy_stream):
             xs = self.xfer.begin(self.copy_stream)
@@ -329,16 +312,17 @@ class Runner(Prefill):
                 buf["v"][:n].copy_(v[hr].float(), non_blocking=True)
             self.xfer.end(xs, self.copy_stream)
             ready.record(self.copy_stream)
-        return ready, buf["q"][:B], buf["k"][:n] if n else None, buf["v"][:n] if n else None
+        return Down(ready, buf["q"][:B], buf["k"][:n] if n else None, buf["v"][:n] if n else None)
 
     @torch.inference_mode()  # thread-local: the worker needs its own
-    def _host_job(self, i: int, p: Part, ready, q, kh, vh):
+    def _host_job(self, i: int, p: Part, down: Down):
         """Runs on the CPU worker (or inline): append the host-tier k/v, attend over the host blocks."""
-        if ready is not None:
-            ready.synchronize()
+        if down.ready is not None:
+            down.ready.synchronize()
         t = now()
-        if isinstance(kh, tuple):  # (all rows, the host-bound ones): picked now that the copy is done
-            kh, vh = kh[0][kh[1]], vh[0][vh[1]]
+        q, kh, vh = down.q, down.k, down.v
+        if down.rows is not None:  # every row came down: the host-bound ones, picked now the copy is done
+            kh, vh = kh[down.rows], vh[down.rows]
         if kh is not None:
             self.cache.host.write(i, p.host_slots, kh, vh)
         B = q.shape[0]
@@ -377,12 +361,12 @@ class Runner(Prefill):
         if self.weights is not None:
             self.weights.reset()  # a pass cut short by an error may have left a layer in use
 
-    def _ready(self, layer: int) -> None:
+    def ready_weights(self, layer: int) -> None:
         """Before layer's first use in a pass (layer L: the head); see offload/weights.py."""
         if self.weights is not None:
             self.weights.ready(layer)
 
-    def _release(self, layer: int) -> None:
+    def release_weights(self, layer: int) -> None:
         """After layer's last use in a pass is queued."""
         if self.weights is not None:
             self.weights.release(layer)

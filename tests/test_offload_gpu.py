@@ -62,9 +62,9 @@ def test_driver_loop_matches_the_torch_loop(tiny, kv, stream, gpu_tokens):
     kw = dict(device="cuda", weights="f32", kv_dtype=kv, tokenizer=False, block_size=4, gpu_kv_tokens=gpu_tokens,
               stream_tokens=stream, parallel=1)
     lean, general = hetero.load(folder, **kw), hetero.load(folder, **kw)
-    general.runner.driver_loop = False
+    general.runner.lean_step = None  # the general loop (offload/steps.py's PipelinedStep)
     assert _greedy(lean, [PROMPT]) == _greedy(general, [PROMPT])
-    assert lean.runner._inline and not general.runner._inline  # each took its own loop
+    assert lean.runner.lean_step.loops  # the lean loop ran
     a, b = lean.runner.metrics.total, general.runner.metrics.total
     assert (a.d2h_bytes, a.h2d_bytes) == (b.d2h_bytes, b.h2d_bytes) and a.d2h_bytes > 0
 
@@ -159,7 +159,7 @@ def test_cuda_quantized_device_tier_matches_the_stand_in(tiny, kv):
     want = teacher_forced_logits(hetero.load(folder, device="cpu", **kw), ids)
     e = hetero.load(folder, device="cuda", **kw)
     got = teacher_forced_logits(e, ids)
-    assert e.runner._graph_decoder is not None
+    assert e.runner.graph_step.decoder is not None
     assert rel_err(got.cpu(), want) < 1e-2
 
 

@@ -1,0 +1,91 @@
+"""The decode step's strategies, one loop each. Which of them a runner has is settled when it is
+built from the plan; a step takes the first that fits where the batch's KV lies now (a sequence's
+first tokens are all on the device tier, later ones reach the host tier).
+
+    GraphStep      every sequence's KV on the device tier, all weights resident: the whole step as
+                   one CUDA graph (gpu_ops.decode_step)
+    LeanStep       one captured sub-batch with a host tier: the layer loop of offload/inline.py,
+                   driver launches and Numba calls on numpy views, no torch call a layer
+    PipelinedStep  the general loop: sub-batches skewed so the device computes one while the CPU
+                   attends for the other (NEO / APEX), through torch; also the eager loop when
+                   weights are streamed or computed by the CPU
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from offload.inline import InlineLayers
+from offload.timers import StepTimes
+
+if TYPE_CHECKING:
+    from offload.graphs import Captured
+    from offload.kv_cache import Slots
+    from offload.runner import Part, Runner
+
+
+class GraphStep:
+    """The all-device step: one CUDA graph per batch bucket, the embedding rows copied up first
+    when the table stays on the host."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.decoder = None  # gpu_ops.decode_step.GpuDecoder, built at the first step it takes
+
+    def takes(self, seqs: list[int], slots: list[Slots]) -> bool:
+        c = self.runner.cache
+        return all(sl.gpu_rows and not c.seqs[s].host.num_tokens for s, sl in zip(seqs, slots))
+
+    def run(self, seqs: list[int], tokens: list[int], positions: list[int], slots: list[Slots]) -> torch.Tensor:
+        from gpu_ops.decode_step import GpuDecoder
+
+        r = self.runner
+        c, dev = r.cache, r.dev
+        bt, lens = c.tables(seqs, "gpu")
+        need_blocks = -(-c.gpu_tokens_per_seq // c.block_size)
+        d = self.decoder
+        if d is None or d.max_batch < len(seqs) or d.max_blocks < max(bt.shape[1], need_blocks):
+            d = self.decoder = GpuDecoder(r.model, c.gpu, max(r.max_batch, len(seqs)), max(need_blocks, bt.shape[1]))
+        return d.step(torch.tensor(tokens), torch.tensor(positions, device=dev),
+                      torch.tensor([sl.gpu_slots[0] for sl in slots], device=dev), bt.to(dev), lens.to(dev))
+
+
+class LeanStep:
+    """One captured sub-batch whose CPU share runs in the main thread: offload/inline.py's loop."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.loops: dict[Captured, InlineLayers] = {}  # a captured set's driver handles, made once
+
+    def takes(self, parts: list[Part]) -> bool:
+        return InlineLayers.usable(self.runner, parts)
+
+    def run(self, parts: list[Part], st: StepTimes) -> None:
+        cap = parts[0].cap
+        if cap not in self.loops:
+            self.loops[cap] = InlineLayers(cap, torch.cuda.current_stream(self.runner.dev))
+        self.loops[cap].run(self.runner, parts[0], st)
+
+
+class PipelinedStep:
+    """Layer by layer through torch: part p finishes layer i-1, then starts layer i, so with two
+    sub-batches the device works on one while the CPU attends for the other; streamed weights are
+    waited for before a layer's first use and released after its last."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    def run(self, parts: list[Part], st: StepTimes) -> None:
+        r = self.runner
+        L = r.cfg.num_layers
+        for i in range(L + 1):
+            for k, p in enumerate(parts):
+                if i > 0:
+                    r.finish_layer(i - 1, p, st)
+                    if k == len(parts) - 1:
+                        r.release_weights(i - 1)  # layer i-1's weights: last use queued
+                if i < L:
+                    if k == 0:
+                        r.ready_weights(i)  # layer i's weights: the device waits for them (streamed)
+                    r.start_layer(i, p, st)
