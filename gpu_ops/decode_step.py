@@ -10,7 +10,9 @@ model) it runs eagerly, with the same arithmetic.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import logging
 
 import torch
@@ -20,6 +22,19 @@ from gpu_ops.kv_pool import GpuKVPool
 from hetero.model import Model
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """No cyclic garbage collection inside: a finalizer it ran during a CUDA graph capture (an old
+    pool's cudaHostUnregister) would end the capture, and the process with it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def no_sync_view(model: Model, max_pos: int) -> Model:
@@ -132,7 +147,7 @@ class GpuDecoder:
             self._fwd(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        with torch.cuda.graph(graph, pool=self._mempool), collector_paused():
             logits = self._fwd(*args)
         return graph, logits
 

@@ -23,7 +23,7 @@ import torch
 
 from cpu_attention.merge import merge_attention
 from gpu_ops.attention import decode_attention
-from gpu_ops.decode_step import no_sync_view
+from gpu_ops.decode_step import collector_paused, no_sync_view
 from gpu_ops.host_read import read_pinned
 from gpu_ops.nf4 import MMA_AUTO_ROWS
 from hetero.model import Model
@@ -98,14 +98,14 @@ class Captured:
             self._post(i, self._attn(i, q))
         torch.cuda.current_stream().wait_stream(side)
         g_pre, g_attn, g_post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g_pre, pool=mempool):
+        with torch.cuda.graph(g_pre, pool=mempool), collector_paused():
             q, k, v = self._pre(i)
         parts = []
         if self.gpu is not None or self.streamer is not None:
-            with torch.cuda.graph(g_attn, pool=mempool):
+            with torch.cuda.graph(g_attn, pool=mempool), collector_paused():
                 parts = self._attn(i, q)
             self.attn.append(g_attn)
-        with torch.cuda.graph(g_post, pool=mempool):
+        with torch.cuda.graph(g_post, pool=mempool), collector_paused():
             self._post(i, parts)
         self.pre.append(g_pre)
         self.post.append(g_post)

@@ -117,9 +117,9 @@ class Runner(Prefill):
         # the strategies this plan can use (offload/steps.py): the whole-step graph where every weight
         # is resident and there is a device tier; the lean loop where layer segments are captured
         all_device = graphs and self.cuda and cache.gpu is not None and (weights is None or weights.device_only)
-        self.graph_step = GraphStep(self) if all_device else None
-        self.lean_step = LeanStep(self) if driver_loop and self.segments is not None else None
-        self.pipelined_step = PipelinedStep(self)
+        self.graph_step = GraphStep() if all_device else None
+        self.lean_step = LeanStep() if driver_loop and self.segments is not None else None
+        self.pipelined_step = PipelinedStep()
 
     # ================================================================== decode
     @torch.inference_mode()
@@ -134,8 +134,8 @@ class Runner(Prefill):
         if moved_in and self.cuda:
             st.h2d_bytes += moved_in * self.cache.gpu.nbytes // (self.cache.gpu.num_blocks + 1)
         slots = [self.cache.reserve(s, 1) for s in seqs]
-        if self.graph_step is not None and self.graph_step.takes(seqs, slots):
-            logits = self.graph_step.run(seqs, tokens, positions, slots)  # everything on the GPU: one graph
+        if self.graph_step is not None and self.graph_step.takes(self, seqs, slots):
+            logits = self.graph_step.run(self, seqs, tokens, positions, slots)  # everything on the GPU: one graph
             st.wall = now() - t0
             self._record(st)
             return logits
@@ -149,8 +149,8 @@ class Runner(Prefill):
                 self._begin_stream(parts[0])
         L = self.cfg.num_layers
         self._begin_pass()
-        lean = self.lean_step is not None and self.lean_step.takes(parts)
-        (self.lean_step if lean else self.pipelined_step).run(parts, st)
+        lean = self.lean_step is not None and self.lean_step.takes(self, parts)
+        (self.lean_step if lean else self.pipelined_step).run(self, parts, st)
         self.ready_weights(L)
         logits = torch.cat([self.model.logits(p.x) for p in parts])  # a captured x is exactly [B, H]
         self.release_weights(L)

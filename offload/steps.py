@@ -1,4 +1,6 @@
-"""The decode step's strategies, one loop each. Which of them a runner has is settled when it is
+"""The decode step's strategies, one loop each (the runner is an argument, not an attribute: a
+strategy held by its runner must not make a reference cycle, which only the cyclic collector
+frees, at any moment, CUDA graph captures included). Which of them a runner has is settled when it is
 built from the plan; a step takes the first that fits where the batch's KV lies now (a sequence's
 first tokens are all on the device tier, later ones reach the host tier).
 
@@ -29,18 +31,17 @@ class GraphStep:
     """The all-device step: one CUDA graph per batch bucket, the embedding rows copied up first
     when the table stays on the host."""
 
-    def __init__(self, runner: Runner):
-        self.runner = runner
+    def __init__(self):
         self.decoder = None  # gpu_ops.decode_step.GpuDecoder, built at the first step it takes
 
-    def takes(self, seqs: list[int], slots: list[Slots]) -> bool:
-        c = self.runner.cache
-        return all(sl.gpu_rows and not c.seqs[s].host.num_tokens for s, sl in zip(seqs, slots))
+    @staticmethod
+    def takes(r: Runner, seqs: list[int], slots: list[Slots]) -> bool:
+        return all(sl.gpu_rows and not r.cache.seqs[s].host.num_tokens for s, sl in zip(seqs, slots))
 
-    def run(self, seqs: list[int], tokens: list[int], positions: list[int], slots: list[Slots]) -> torch.Tensor:
+    def run(self, r: Runner, seqs: list[int], tokens: list[int], positions: list[int],
+            slots: list[Slots]) -> torch.Tensor:
         from gpu_ops.decode_step import GpuDecoder
 
-        r = self.runner
         c, dev = r.cache, r.dev
         bt, lens = c.tables(seqs, "gpu")
         need_blocks = -(-c.gpu_tokens_per_seq // c.block_size)
@@ -54,18 +55,18 @@ class GraphStep:
 class LeanStep:
     """One captured sub-batch whose CPU share runs in the main thread: offload/inline.py's loop."""
 
-    def __init__(self, runner: Runner):
-        self.runner = runner
+    def __init__(self):
         self.loops: dict[Captured, InlineLayers] = {}  # a captured set's driver handles, made once
 
-    def takes(self, parts: list[Part]) -> bool:
-        return InlineLayers.usable(self.runner, parts)
+    @staticmethod
+    def takes(r: Runner, parts: list[Part]) -> bool:
+        return InlineLayers.usable(r, parts)
 
-    def run(self, parts: list[Part], st: StepTimes) -> None:
+    def run(self, r: Runner, parts: list[Part], st: StepTimes) -> None:
         cap = parts[0].cap
         if cap not in self.loops:
-            self.loops[cap] = InlineLayers(cap, torch.cuda.current_stream(self.runner.dev))
-        self.loops[cap].run(self.runner, parts[0], st)
+            self.loops[cap] = InlineLayers(cap, torch.cuda.current_stream(r.dev))
+        self.loops[cap].run(r, parts[0], st)
 
 
 class PipelinedStep:
@@ -73,11 +74,8 @@ class PipelinedStep:
     sub-batches the device works on one while the CPU attends for the other; streamed weights are
     waited for before a layer's first use and released after its last."""
 
-    def __init__(self, runner: Runner):
-        self.runner = runner
-
-    def run(self, parts: list[Part], st: StepTimes) -> None:
-        r = self.runner
+    @staticmethod
+    def run(r: Runner, parts: list[Part], st: StepTimes) -> None:
         L = r.cfg.num_layers
         for i in range(L + 1):
             for k, p in enumerate(parts):
