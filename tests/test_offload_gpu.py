@@ -223,7 +223,7 @@ def test_cuda_weights_off_the_gpu_match_cpu(folder4, reference4, kind, mode, sub
         assert all(b.is_pinned() for b in r.weights.host.values())
         assert all(s.is_cuda for s in r.weights.slots)
         assert r.segments is not None and r.segments._sets  # the layer graphs ran over the slots
-        assert not r.graphs  # the whole-step graph cannot wait for copies inside itself
+        assert r.graph_step is None  # the whole-step graph cannot wait for copies inside itself
     else:
         assert r.host_compute.calls > 0 and r.host_compute.bytes_down > 0
         assert r.segments is None  # eager: the CPU's share is waited for mid-layer
