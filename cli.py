@@ -5,6 +5,7 @@ Errors a user can fix print one message and exit with code 2.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Optional
@@ -105,18 +106,33 @@ def chat(
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                     repeat_penalty=repeat_penalty, seed=seed, max_new_tokens=max_new_tokens)
     with _user_errors():
-        if interactive:
-            err.print("[dim]loading…[/dim]")
-        engine = hetero.load(model or model_arg, device=device, weights=weights,
-                             kv_dtype=None if kv_dtype == "auto" else kv_dtype,
-                             gpu_kv_dtype=None if gpu_kv_dtype == "auto" else gpu_kv_dtype, ctx_size=ctx_size, threads=threads, gpu_mem=gpu_mem, cpu_mem=cpu_mem,
-                             gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, weight_mode=weight_mode,
-                             plan=plan, context_overflow=context_overflow, parallel=1)  # one conversation
+        with _weights_bar(interactive) as progress:
+            engine = hetero.load(model or model_arg, device=device, weights=weights,
+                                 kv_dtype=kv_dtype, gpu_kv_dtype=gpu_kv_dtype, ctx_size=ctx_size, threads=threads,
+                                 gpu_mem=gpu_mem, cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens,
+                                 stream_tokens=stream_tokens, weight_mode=weight_mode, plan=plan,
+                                 context_overflow=context_overflow, parallel=1,  # one conversation
+                                 progress=progress)
         if interactive:
             err.print(f"[dim]{' · '.join(f'{k} {v}' for k, v in engine.info.items())}[/dim]")
         session = ChatSession(engine, sys.stdout, err, system=system,
                               **{k: v for k, v in sampling.items() if v is not None})
         run_chat(session, sys.stdin, interactive)
+
+
+@contextlib.contextmanager
+def _weights_bar(show: bool):
+    """A transient bar on stderr while the weights are read and converted (a terminal only): the
+    `progress` callback `hetero.load` takes, or None."""
+    if not show:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[dim]loading weights[/dim]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("weights", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 class _user_errors:

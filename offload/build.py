@@ -13,7 +13,7 @@ import logging
 import torch
 
 from hetero.checkpoint import Checkpoint
-from offload.loader import load_model
+from offload.loader import Progress, load_model
 from hetero.model import Model
 from offload.kv_cache import TieredKVCache
 from offload.placement import FORMATS, PlacedWeights, check_plan_supported, place_weights, weight_homes
@@ -24,14 +24,17 @@ from planner.tensors import Kind
 log = logging.getLogger(__name__)
 
 
-def load_from_plan(ck: Checkpoint, plan: Plan, device: torch.device) -> tuple[Model, PlacedWeights]:
-    """The checkpoint's model with every weight group where `plan` puts it (see offload/placement.py)."""
+def load_from_plan(ck: Checkpoint, plan: Plan, device: torch.device,
+                   progress: Progress | None = None) -> tuple[Model, PlacedWeights]:
+    """The checkpoint's model with every weight group where `plan` puts it (see offload/placement.py);
+    progress(done, total) as the layers' weights are converted."""
     check_plan_supported(plan, device)
     if plan.device is Device.CPU:  # every group in the plan's format on the CPU: the loader's own default
-        model = load_model(ck, FORMATS[plan.weights], device)
+        model = load_model(ck, FORMATS[plan.weights], device, progress=progress)
         return model, place_weights(model, plan)
     embed_dev = device if plan.placement(-1, Kind.EMBED).on_gpu else torch.device("cpu")
-    model = load_model(ck, FORMATS[plan.weights], device, embed_device=embed_dev, homes=weight_homes(plan, device))
+    model = load_model(ck, FORMATS[plan.weights], device, embed_device=embed_dev, homes=weight_homes(plan, device),
+                       progress=progress)
     return model, place_weights(model, plan)
 
 

@@ -49,6 +49,7 @@ class Home:
     device: torch.device
 
 
+Progress = Callable[[int, int], None]  # (done, total) as the weights are converted
 Homes = Callable[[int, Kind], Home]  # (layer, group kind) → its home; layer -1: embedding and head
 
 
@@ -67,11 +68,13 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, fmt: WeightFormat, devi
 
 
 def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
-               embed_device: torch.device | None = None, homes: Homes | None = None) -> Model:
+               embed_device: torch.device | None = None, homes: Homes | None = None,
+               progress: Progress | None = None) -> Model:
     """embed_device: where the embedding table lives (the CPU, when the plan keeps it off the GPU:
     a step reads one row per token). homes: each weight group's storage (device and format) when
     not every group is `fmt` on `device`; a group kept on the host in a device format (streamed
-    weights) is made on `device` first, so a GPU quantizes it, then moved there, one matrix at a time."""
+    weights) is made on `device` first, so a GPU quantizes it, then moved there, one matrix at a time.
+    progress(done, total): called as each layer's weights are ready (total: the layers and the head)."""
     cfg: ModelConfig = ck.config
     act = torch.float32 if fmt in (WeightFormat.F32, WeightFormat.INT8) or device.type == "cpu" else torch.bfloat16
     keep = torch.float32 if act == torch.float32 else torch.bfloat16
@@ -132,6 +135,8 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
             lw.gate_up = lin(mlp, m + "gate_up", lambda: torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
             lw.down = lin(mlp, m + "down", lambda: get(m + "down_proj.weight"))
         layers.append(lw)
+        if progress is not None:
+            progress(i + 1, cfg.num_layers + 1)
 
     embed = get("model.embed_tokens.weight")
     head_w = embed if cfg.tie_word_embeddings or not has("lm_head.weight") else get("lm_head.weight")
@@ -152,6 +157,8 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
         rope_freqs=rope_freqs,
     )
     model.use_kernels(*kernels_for(device))
+    if progress is not None:
+        progress(cfg.num_layers + 1, cfg.num_layers + 1)
     return model
 
 

@@ -210,3 +210,13 @@ def test_serve_and_bench_take_the_shared_options(args, words):
     assert code == 2, out
     for w in words:
         assert w in out, (w, out)
+
+
+def test_load_reports_progress_layer_by_layer(folder):
+    """`hetero.load(progress=)` hears of every layer's weights and then the head (the chat's bar)."""
+    import hetero
+
+    seen = []
+    hetero.load(folder, device="cpu", tokenizer=False, progress=lambda done, total: seen.append((done, total)))
+    L = 2  # conftest's tiny models
+    assert seen == [(i, L + 1) for i in range(1, L + 2)]

@@ -19,6 +19,7 @@ from hetero.validate import check_vocab
 from cpu_attention import configure as configure_numba
 from cpu_attention.layout import INT4_GROUP, KVDtype
 from offload.build import fence_gpu_memory, load_from_plan, runtime_from_plan
+from offload.loader import Progress
 from offload.placement import FORMATS, check_plan_supported
 from planner.options import WEIGHTS, budget_from, overrides_from
 from planner.plan import Device, Plan, Workload
@@ -49,6 +50,7 @@ def load(
     plan: "str | Path | Plan | None" = None,
     tokenizer: bool = True,
     context_overflow: str = "drop-turns",
+    progress: Progress | None = None,
     **sampling,
 ) -> Engine:
     """Load a HF folder or .gguf (default: the embedded demo model), or a `RandomCheckpoint`, into an
@@ -66,7 +68,8 @@ def load(
     tokens the device attends over after copying them up each step; sub_batches: 1 or 2; weight_mode:
     stream|cpu, how weights that do not fit the GPU budget run; context_overflow:
     drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows the context
-    (`hetero.context`); sampling: default sampling parameters (temperature, top_k, top_p, min_p,
+    (`hetero.context`); progress(done, total): called as the weights are converted, layer by layer
+    (the CLI draws a bar with it); sampling: default sampling parameters (temperature, top_k, top_p, min_p,
     repeat_penalty, seed, max_new_tokens). With device cpu and a plan for the GPU, the plan runs
     with the CPU standing in for the GPU (slow for 4-bit weights, meant for tests).
     """
@@ -106,12 +109,12 @@ def load(
               stream_tokens=stream_tokens)
     if plan is not None and device == "auto" and p.device is Device.CPU:
         dev = torch.device("cpu")  # a saved CPU plan runs on the CPU
-    return build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow)
+    return build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow, progress=progress)
 
 
 def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = None,
           tokenizer: Tokenizer | None = None, sampling: SamplingParams | None = None,
-          overflow: Overflow = Overflow.DROP_TURNS) -> Engine:
+          overflow: Overflow = Overflow.DROP_TURNS, progress: Progress | None = None) -> Engine:
     """The one way an engine is assembled: `plan` carried out exactly (weights where it puts them,
     the KV tiers it sizes, its threads and sub-batches), or refused up front with what to change.
     device: where the plan's GPU work runs (default: the plan's device; the CPU stands in for the
@@ -123,7 +126,7 @@ def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = N
         fence_gpu_memory(plan.budget.gpu_bytes, dev)
     fmt = FORMATS[plan.weights]
     log.info("loading %s: %s weights on %s; %s", checkpoint.path, fmt.value, dev, summary_line(plan))
-    model, placed = load_from_plan(checkpoint, plan, dev)
+    model, placed = load_from_plan(checkpoint, plan, dev, progress)
     if dev.type == "cuda":
         torch.cuda.empty_cache()  # quantization temporaries: give their blocks back before the KV pools
     runner = runtime_from_plan(model, plan, weights=placed)
