@@ -83,6 +83,7 @@ def chat(
     gpu_mem: Optional[int] = flags.gpu_mem(),
     cpu_mem: Optional[int] = flags.cpu_mem(),
     gpu_kv_tokens: Optional[int] = flags.gpu_kv_tokens(),
+    n_cpu_moe: int = flags.n_cpu_moe(),
     stream_tokens: Optional[int] = flags.stream_tokens(),
     weight_mode: str = flags.weight_mode(),
     plan: Optional[str] = typer.Option(None, "--plan", envvar="HETERO_PLAN", metavar="FILE",
@@ -109,7 +110,7 @@ def chat(
         with _weights_bar(interactive) as progress:
             engine = hetero.load(model or model_arg, device=device, weights=weights,
                                  kv_dtype=kv_dtype, gpu_kv_dtype=gpu_kv_dtype, ctx_size=ctx_size, threads=threads,
-                                 gpu_mem=gpu_mem, cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens,
+                                 gpu_mem=gpu_mem, cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, n_cpu_moe=n_cpu_moe,
                                  stream_tokens=stream_tokens, weight_mode=weight_mode, plan=plan,
                                  context_overflow=context_overflow, parallel=1,  # one conversation
                                  progress=progress)

@@ -46,6 +46,7 @@ def plan_cmd(
     kv_dtype: str = flags.kv_dtype(),
     gpu_kv_dtype: str = flags.gpu_kv_dtype(),
     gpu_kv_tokens: Optional[int] = flags.gpu_kv_tokens(),
+    n_cpu_moe: int = flags.n_cpu_moe(),
     stream_tokens: Optional[int] = flags.stream_tokens(),
     weights: str = flags.weights(),
     weight_mode: str = flags.weight_mode(),
@@ -66,7 +67,7 @@ def plan_cmd(
         budget = budget_from(hw, gpu_mem, cpu_mem)
         ov = overrides_from(device=device, weights=weights, kv_dtype=kv_dtype, gpu_kv_dtype=gpu_kv_dtype,
                             threads=threads, sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens,
-                            weight_mode=weight_mode, stream_tokens=stream_tokens)
+                            weight_mode=weight_mode, stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe)
         p = plan(cfg, hw, budget, wl, ov)
     except UserError as e:
         _fail(e)

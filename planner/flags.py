@@ -176,6 +176,12 @@ def weight_mode() -> Any:
                            "by the CPU (auto: the planner's prediction picks)")
 
 
+def n_cpu_moe() -> Any:
+    return _opt(0, "--n-cpu-moe", parser=whole(0), metavar="N",
+                help="mixture-of-experts models: the experts of the first N layers are computed by the CPU "
+                     "(llama.cpp's --n-cpu-moe; 0: the planner places them)")
+
+
 def gpu_kv_tokens() -> Any:
     return _opt(None, "--gpu-kv-tokens", parser=whole(0), metavar="N", help="KV tokens per sequence kept on the GPU (default: planner)")
 

@@ -41,7 +41,8 @@ def budget_from(hw: HardwareProfile, gpu_mem: str | int | None, cpu_mem: str | i
 def overrides_from(*, device: str | None = None, weights: str | None = None, kv_dtype: str | None = None,
                    gpu_kv_dtype: str | None = None, threads: int | None = None, sub_batches: int | None = None,
                    gpu_kv_tokens: int | None = None, weight_mode: str | None = None,
-                   block_size: int | None = None, stream_tokens: int | None = None) -> Overrides:
+                   block_size: int | None = None, stream_tokens: int | None = None, n_cpu_moe: int | None = None
+                   ) -> Overrides:
     if sub_batches not in (None, 1, 2):
         raise UserError(f"--sub-batches {sub_batches}: use 1 or 2")
     return Overrides(
@@ -51,5 +52,5 @@ def overrides_from(*, device: str | None = None, weights: str | None = None, kv_
         gpu_kv_dtype=choice(gpu_kv_dtype, "--gpu-kv-dtype", KV),
         threads=threads, sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens,
         weight_mode=choice(weight_mode, "--weight-mode", MODES),
-        block_size=block_size, stream_tokens=stream_tokens,
+        block_size=block_size, stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe or 0,
     )

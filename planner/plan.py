@@ -84,6 +84,7 @@ class Overrides:
     gpu_kv_tokens: int | None = None  # per sequence
     stream_tokens: int | None = None  # host-tier tokens the GPU attends over after streaming them (batch 1)
     block_size: int | None = None
+    n_cpu_moe: int = 0  # the experts of the first n MoE layers computed by the CPU (llama.cpp's --n-cpu-moe)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,11 @@ def plan(
                               "(slow: a stand-in for the GPU; --weights int8 is the CPU's fast format)"))
     if device is Device.CUDA and weights is WDtype.INT8:
         raise UserError("--weights int8 runs on the CPU only; use --weights 4bit or bf16 with --device cuda")
+    if ov.n_cpu_moe and not cfg.is_moe:
+        raise UserError(f"--n-cpu-moe applies to mixture-of-experts models; {cfg.name or 'this model'} has no experts")
+    if ov.n_cpu_moe:
+        n = min(ov.n_cpu_moe, cfg.num_layers)
+        choices.append(Choice("--n-cpu-moe", str(n), f"asked: the experts of layers 0–{n - 1} are computed by the CPU"))
     threads = ov.threads or hw.best_threads()
     if ov.threads is None:
         choices.append(Choice("--threads", str(threads), "physical cores (SMT siblings share the memory bus)"))
@@ -185,7 +190,8 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     user_kv = int(wl.batch * (ov.gpu_kv_tokens or 0) * gpu_tok)
     best, err = None, None
     for mode, (order_name, order), embed_gpu in itertools.product(modes, orders, (True, False)):
-        pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv, order, embed_gpu)
+        pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv, order, embed_gpu,
+                            ov.n_cpu_moe)
         left = budget.gpu_bytes - work - staging - sum(p.nbytes for p in pl if p.on_gpu)
         if left < 0:
             need = work + staging + sum(p.nbytes for p in pl if p.on_gpu)
@@ -224,23 +230,26 @@ def _fits_host(cfg, hw, budget, wl, block, dtype: KVDtype) -> bool:
 
 def _fill(
     groups: list[Group], weights: WDtype, modes: tuple[Mode, Mode], cap: int, order: dict, embed_gpu: bool,
+    n_cpu_moe: int = 0,
 ) -> tuple[tuple[Placement, ...], int]:
     """First fit in priority order; streamed weights need two GPU staging slots (double buffering,
     offload/weights.py) each as large as the largest layer's streamed groups together (the head —
-    final norm and lm_head — counting as one layer), so refill with that reserved until stable."""
+    final norm and lm_head — counting as one layer), so refill with that reserved until stable.
+    The experts of layers below n_cpu_moe are the CPU's whatever the room."""
+    cpu_experts = {i for i, g in enumerate(groups) if g.kind is Kind.EXPERTS and g.layer < n_cpu_moe}
     staging = 0
     for _ in range(4):
         room = cap - staging
         on: set[int] = set()
         for i in sorted(range(len(groups)), key=lambda i: (order[groups[i].kind], groups[i].layer)):
             n = groups[i].nbytes(groups[i].dtype_for(weights))
-            if n <= room and (embed_gpu or groups[i].kind is not Kind.EMBED):
+            if n <= room and (embed_gpu or groups[i].kind is not Kind.EMBED) and i not in cpu_experts:
                 on.add(i)
                 room -= n
         off = [groups[i] for i in range(len(groups)) if i not in on and groups[i].kind is not Kind.EMBED]
         per_layer: dict[int, int] = {}
         for g in off:
-            if _mode(g, modes) is Mode.STREAM:
+            if _mode(g, modes) is Mode.STREAM and not (g.kind is Kind.EXPERTS and g.layer < n_cpu_moe):
                 per_layer[g.layer] = per_layer.get(g.layer, 0) + g.nbytes(g.dtype_for(weights))
         need = 2 * max(per_layer.values(), default=0)
         if need <= staging:
@@ -251,7 +260,7 @@ def _fill(
         if i in on:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CUDA, dt, Mode.RESIDENT, g.nbytes(dt)))
-        elif g.kind is Kind.EMBED or _mode(g, modes) is Mode.CPU:  # a lookup needs no compute: it stays put
+        elif g.kind is Kind.EMBED or _mode(g, modes) is Mode.CPU or i in cpu_experts:  # a lookup stays put
             dt = g.dtype_for(cpu_dtype(weights))
             out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.CPU, g.nbytes(dt)))
         else:

@@ -188,3 +188,25 @@ def test_unsupported_plans_say_what_to_change(folder):
         check_plan_supported(dataclasses.replace(p, device=Device.CPU))
     with pytest.raises(UserError, match="--weight-mode"):
         hetero.load(folder, device="cpu", weight_mode="disk", tokenizer=False)
+
+
+def test_n_cpu_moe_puts_the_first_layers_experts_on_the_cpu(tiny):
+    """`--n-cpu-moe 1` (llama.cpp's knob): layer 0's experts computed by the CPU, everything else
+    where the planner put it (here: all on the GPU); the same tokens and logits as all on the GPU."""
+    folder = tiny("qwen3_moe")[0]
+    want_toks, want = _run(folder, forced_plan(folder))[1:]
+    p = forced_plan(folder, n_cpu_moe=1)
+    where = {(x.layer, x.kind): x.mode for x in p.placements}
+    assert where[0, Kind.EXPERTS] is Mode.CPU and where[1, Kind.EXPERTS] is Mode.RESIDENT
+    assert where[0, Kind.ATTN] is Mode.RESIDENT
+    assert any(c.setting == "--n-cpu-moe" for c in p.choices)
+    e, toks, logits = _run(folder, p)
+    assert toks == want_toks and rel_err(logits, want) <= 1e-6
+    assert e.runner.host_compute is not None and e.runner.host_compute.calls > 0
+
+
+def test_n_cpu_moe_needs_experts(folder):
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        forced_plan(folder, n_cpu_moe=1)
+    with pytest.raises(UserError, match="--plan"):
+        hetero.load(folder, device="cpu", plan=forced_plan(folder), n_cpu_moe=1, tokenizer=False)

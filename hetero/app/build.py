@@ -42,6 +42,7 @@ def load(
     threads: int | None = None,
     block_size: int | None = None,
     gpu_kv_tokens: int | None = None,
+    n_cpu_moe: int = 0,
     stream_tokens: int | None = None,
     sub_batches: int | None = None,
     weight_mode: str | None = None,
@@ -65,7 +66,8 @@ def load(
     the KV cache holds at full context; block_size: tokens a KV block; gpu_kv_tokens: each
     sequence's first tokens kept on the device tier (the rest on the host tier; with device cpu the
     device tier is a CPU stand-in); stream_tokens: at batch 1, how many of the host tier's first
-    tokens the device attends over after copying them up each step; sub_batches: 1 or 2; weight_mode:
+    tokens the device attends over after copying them up each step; n_cpu_moe: the experts of the
+    first n layers are computed by the CPU (MoE models); sub_batches: 1 or 2; weight_mode:
     stream|cpu, how weights that do not fit the GPU budget run; context_overflow:
     drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows the context
     (`hetero.context`); progress(done, total): called as the weights are converted, layer by layer
@@ -76,7 +78,7 @@ def load(
     overflow = Overflow.parse(context_overflow)
     for name, value, lo in (("ctx_size", ctx_size, 0), ("parallel", parallel, 1), ("threads", threads, 1),
                             ("block_size", block_size, 1), ("gpu_kv_tokens", gpu_kv_tokens, 0),
-                            ("stream_tokens", stream_tokens, 0)):
+                            ("stream_tokens", stream_tokens, 0), ("n_cpu_moe", n_cpu_moe, 0)):
         if value is not None and (not isinstance(value, int) or value < lo):
             raise UserError(f"{name} {value!r} is out of range: use a whole number ≥ {lo}")
     if isinstance(model, RandomCheckpoint):  # built in memory: no files, no tokenizer
@@ -106,7 +108,7 @@ def load(
     p = _plan(cfg, plan, dev, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype,
               gpu_kv_dtype=gpu_kv_dtype, threads=threads, sub_batches=sub_batches, block_size=block_size,
               weight_mode=weight_mode, gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx),
-              stream_tokens=stream_tokens)
+              stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe)
     if plan is not None and device == "auto" and p.device is Device.CPU:
         dev = torch.device("cpu")  # a saved CPU plan runs on the CPU
     return build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow, progress=progress)
@@ -157,6 +159,9 @@ def _kv_dtype(value: str, flag: str, cfg) -> KVDtype:
 def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_mem, **options) -> Plan:
     """The saved plan, exactly, or the planner's for this machine and these options (on the CPU
     from the cached profile or this host's facts: a CPU start never measures)."""
+    if plan is not None and options.get("n_cpu_moe"):
+        raise UserError("--n-cpu-moe with --plan: a saved plan places the experts itself; make it with "
+                        "`hetero plan --n-cpu-moe N --json`")
     if isinstance(plan, Plan):
         return plan
     if plan is not None:

@@ -42,6 +42,7 @@ def serve_cmd(
     gpu_mem: Optional[int] = flags.gpu_mem(),
     cpu_mem: Optional[int] = flags.cpu_mem(),
     gpu_kv_tokens: Optional[int] = flags.gpu_kv_tokens(),
+    n_cpu_moe: int = flags.n_cpu_moe(),
     stream_tokens: Optional[int] = flags.stream_tokens(),
     weight_mode: str = flags.weight_mode(),
     plan: Optional[str] = flags.plan_file(),
@@ -65,7 +66,7 @@ def serve_cmd(
                             model_name=alias, log_level="info" if verbose else "warning")
         load = functools.partial(hetero.load, model or model_arg, device=device, weights=weights, kv_dtype=kv_dtype,
                                  gpu_kv_dtype=gpu_kv_dtype, ctx_size=ctx_size, parallel=parallel, threads=threads, gpu_mem=gpu_mem,
-                                 cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens,
+                                 cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe,
                                  weight_mode=weight_mode, plan=plan,
                                  **{k: v for k, v in sampling.items() if v is not None})
         err.print(f"[dim]hetero serve: listening on http://{host}:{port} (loading the model; /health is 503 "
@@ -95,6 +96,7 @@ def bench_cmd(
     gpu_mem: Optional[int] = flags.gpu_mem(),
     cpu_mem: Optional[int] = flags.cpu_mem(),
     gpu_kv_tokens: Optional[int] = flags.gpu_kv_tokens(),
+    n_cpu_moe: int = flags.n_cpu_moe(),
     weight_mode: str = flags.weight_mode(),
     verbose: bool = flags.option(False, "-v", "--verbose", help="log the engine's steps"),
 ) -> None:
@@ -123,7 +125,8 @@ def bench_cmd(
             on_gpu = device != "cpu" and torch.cuda.is_available()
             source = RandomCheckpoint(random_shape(random), device="cuda" if on_gpu else "cpu")
         load = functools.partial(hetero.load, source, device=device, weights=weights, threads=threads, gpu_mem=gpu_mem,
-                                 cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, weight_mode=weight_mode)
+                                 cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, n_cpu_moe=n_cpu_moe,
+                                 weight_mode=weight_mode)
         rows = run_bench(load, spec, on_row=lambda r: err.print(f"[dim]{r.test} batch {r.n_batch} {r.kv_dtype}: "
                                                                 f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f} t/s[/dim]"))
         sys.stdout.write(render(rows, output) + "\n")
