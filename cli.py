@@ -6,6 +6,7 @@ Errors a user can fix print one message and exit with code 2.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import sys
 from typing import Optional
@@ -39,6 +40,13 @@ def _given(args: list[str], flag: str) -> bool:
 
 
 _start_compiles(sys.argv[1:])
+
+import torch  # noqa: E402,F401  (every command needs it: imported first, then frozen)
+
+# torch's import leaves about a million objects that live as long as the process; out of the
+# cyclic collector's sight (gc.freeze), the start-up's collections stop walking them: ~0.3 s
+# less to the chat prompt on the 2-core machine
+gc.freeze()
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
