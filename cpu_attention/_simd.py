@@ -24,16 +24,20 @@ has it and plain IR otherwise: the same code is correct on any CPU LLVM targets.
 """
 from __future__ import annotations
 
+import os
+
 import numba
 from numba import types
 from numba.extending import intrinsic
 
+
 def _compile_features() -> frozenset[str]:
-    """The CPU features Numba compiles for (NUMBA_CPU_FEATURES or the host's: `_numba.configure`
-    only tunes their vector preference, so the ISA, and VEC below, are the host's either way)."""
+    """The instruction sets Numba compiles for: the user's NUMBA_CPU_FEATURES, else the host's. A
+    property of the machine, not a setting: `_numba.configure` only tunes the vector preference
+    of the same features, so VEC below is the same whether it has run or not."""
     from numba.core.codegen import get_host_cpu_features
 
-    feats = numba.config.CPU_FEATURES or get_host_cpu_features()
+    feats = os.environ.get("NUMBA_CPU_FEATURES") or get_host_cpu_features()
     return frozenset(f[1:] for f in feats.split(",") if f.startswith("+"))
 
 
