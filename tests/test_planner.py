@@ -232,3 +232,17 @@ def test_staging_holds_a_whole_layer_of_streamed_groups():
     assert both  # some layers stream attention and MLP together
     assert staging == 2 * max(per_layer.values())
     assert sum(x.nbytes for x in pl if x.on_gpu) + staging <= 20 * GIB
+
+
+def test_cpu_plans_keep_bf16_kv_while_it_fits_and_say_why():
+    """On the CPU the host tier's KV is bf16 unless it does not fit the host budget: then int8, then int4."""
+    cfg = LLAMA3_8B
+    hw = HardwareProfile.synthetic(None, host_gib=256)
+    wl = Workload(32768, batch=1)
+    roomy = plan(cfg, hw, Budget(0, 200 * 2**30), wl, Overrides(device=Device.CPU))
+    assert roomy.kv.host_dtype is KVDtype.BF16 and roomy.kv.gpu_tokens == 0
+    assert any(c.setting == "--kv-dtype" and "fits host memory" in c.reason for c in roomy.choices)
+    weights = roomy.memory.host_weights
+    bf16_kv = roomy.memory.host_kv
+    tight = plan(cfg, hw, Budget(0, weights + bf16_kv * 3 // 4), wl, Overrides(device=Device.CPU))
+    assert tight.kv.host_dtype is KVDtype.INT8

@@ -210,3 +210,30 @@ def test_n_cpu_moe_needs_experts(folder):
         forced_plan(folder, n_cpu_moe=1)
     with pytest.raises(UserError, match="--plan"):
         hetero.load(folder, device="cpu", plan=forced_plan(folder), n_cpu_moe=1, tokenizer=False)
+
+
+def test_cpu_plans_are_checked_like_gpu_plans(folder):
+    """A CPU plan runs on the CPU only, and every group of it must be stored and computed there."""
+    from hetero.checkpoint import open_checkpoint
+    from planner import Budget, HardwareProfile, Overrides, Workload, plan
+
+    cfg = open_checkpoint(folder).config
+    p = plan(cfg, HardwareProfile.synthetic(None), Budget(0, 8 * 2**30), Workload(64), Overrides(device=Device.CPU))
+    check_plan_supported(p, torch.device("cpu"))
+    with pytest.raises(UserError, match="--device cpu"):
+        check_plan_supported(p, torch.device("cuda"))
+    moved = dataclasses.replace(p, placements=tuple(
+        dataclasses.replace(x, device=Device.CUDA, mode=Mode.RESIDENT) if (x.layer, x.kind) == (0, Kind.MLP) else x
+        for x in p.placements))
+    with pytest.raises(UserError, match="layers.0.mlp"):
+        check_plan_supported(moved, torch.device("cpu"))
+
+
+def test_a_cpu_start_never_measures_the_machine(folder, tmp_path, monkeypatch):
+    """Without a cached profile the CPU's plan comes from this host's memory and cores."""
+    from planner import profile as profile_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(profile_mod, "measure", lambda quick=False: pytest.fail("measured at a CPU start"))
+    e = hetero.load(folder, device="cpu", tokenizer=False, ctx_size=64)
+    assert e.plan.device is Device.CPU and e.plan.kv.gpu_tokens == 0
