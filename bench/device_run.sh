@@ -2,7 +2,7 @@
 # One device-tool call: the stages named in STAGES (default "tests offload"), logs under $OUT; each
 # benchmark runs as `python3 -m bench.NAME` from the repository root (see `python3 -m bench.run`).
 #   STAGES="tests attn offload" bash bench/device_run.sh [pytest-paths...]   (carry .whl: bitsandbytes)
-# tests:    the GPU tests (default: offload + gpu_ops)
+# tests:    the GPU tests (default: every test file with tests marked gpu)
 # cputests: the CPU kernel tests on this host's CPU (its vector width and VNNI; CPUTESTS_K: a pytest -k filter)
 # profile:  `hetero profile --refresh` with empty Numba, Triton and profile caches (a fresh machine's first
 #           run: the kernels compile), then again with them filled; wall times printed
@@ -27,8 +27,8 @@ lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|L3|Flags" | cut -c1-300
 for stage in $STAGES; do
   case $stage in
     tests)
-      [ $# -gt 0 ] || set -- tests/test_offload_gpu.py tests/test_gpu_ops.py
-      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      [ $# -gt 0 ] || set -- $(grep -l "mark.gpu" tests/test_*.py)  # every file with GPU tests (~6 min on an H100)
+      timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -q -m gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     profile)
       d=$(mktemp -d)
       for run in cold warm; do
