@@ -42,7 +42,8 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.kv_pools import copies_past_l3, dram_read_gbps, fill  # noqa: E402
+from bench.kv_pools import copies_past_l3, fill  # noqa: E402
+from cpu_attention import dram_read_gbps  # noqa: E402
 from cpu_attention import (DecodeWork, HostKVPool, KVDtype, decode_attention, decode_attention_ref,  # noqa: E402
                            physical_cores)
 from cpu_attention import decode_int8 as int8_mod  # noqa: E402  (its tile and prefetch settings, read per call)

@@ -28,7 +28,7 @@ import torch
 
 import cpu_attention
 import hetero
-from bench.kv_pools import dram_read_gbps
+from cpu_attention import dram_read_gbps
 from hetero.app.engine import Engine, Sequence
 
 LOG: list[str] = []

@@ -1,17 +1,11 @@
 """Helpers of the host benchmarks (`bench.cpu_attention`, `bench.cpu_decode`): host KV pools of
-random codes, how many disjoint copies keep each call's KV out of the last-level cache, and the
-DRAM read rate the host kernels are measured against."""
+random codes, and how many disjoint copies keep each call's KV out of the last-level cache. The
+DRAM read rate they are measured against is `cpu_attention.dram_read_gbps`."""
 from __future__ import annotations
 
-import time
-
-import numba
-import numpy as np
 import torch
 
-# physical_cores' module sets the Numba threading layer and CPU features the kernels use: imported
-# before this module's own parallel sum compiles, so the sum runs on the same thread pool
-from cpu_attention import HostKVPool, KVDtype, physical_cores
+from cpu_attention import HostKVPool, KVDtype
 
 PAST_L3 = 2**30  # bytes of reads between two reads of the same KV (the GPU host's L3 holds ~300 MiB)
 
@@ -45,25 +39,3 @@ def copies_past_l3(dtype: KVDtype, kv_heads: int, block: int, head_dim: int, tok
     more than PAST_L3 bytes of reads before (at least `least`)."""
     per_copy = tokens * HostKVPool(1, 1, kv_heads, block, head_dim, dtype).bytes_per_token
     return max(least, -(-PAST_L3 // int(per_copy)) + 1)
-
-
-@numba.njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def _sum(x):
-    acc = 0.0
-    for i in numba.prange(x.size):
-        acc += x[i]
-    return acc
-
-
-def dram_read_gbps(nbytes: int = 2**30, threads: int | None = None, reps: int = 5) -> float:
-    """Host DRAM read rate: a Numba parallel sum over `nbytes` of float32 on `threads` threads
-    (default: physical cores; left set afterwards), best of `reps` after one untimed call."""
-    numba.set_num_threads(min(threads or physical_cores(), numba.config.NUMBA_NUM_THREADS))
-    x = np.ones(nbytes // 4, np.float32)
-    _sum(x)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        _sum(x)
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9

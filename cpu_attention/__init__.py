@@ -12,12 +12,13 @@ can import `cpu_attention.warm` and start its background compiles before paying 
 
 __all__ = [
     "DecodeWork", "HostKVPool", "INT4_GROUP", "KVDtype", "configure", "decode_attention", "decode_attention_ref",
+    "dram_read_gbps",
     "dequantize", "merge_attention", "physical_cores", "prefill_attention", "prefill_attention_ref", "quantize",
 ]
 
 
 def __getattr__(name: str):
-    if name in ("configure", "physical_cores"):
+    if name in ("configure", "dram_read_gbps", "physical_cores"):
         from cpu_attention import _numba as module
     elif name in ("DecodeWork", "decode_attention"):
         from cpu_attention import decode as module

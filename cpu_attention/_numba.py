@@ -289,12 +289,14 @@ def _sum(x):
     return acc
 
 
-def dram_read_gbps(nbytes: int = 2**30, reps: int = 5) -> float:
-    """Host DRAM read bandwidth on Numba's current threads: a parallel sum over `nbytes`, best of reps.
+def dram_read_gbps(nbytes: int = 2**30, threads: int | None = None, reps: int = 5) -> float:
+    """Host DRAM read bandwidth: a parallel sum over `nbytes` of float32 on `threads` threads
+    (default: physical cores; left set for the calling thread), best of reps after one untimed call.
 
     The bound the decode kernels are measured against (benchmarks print it in the same run)."""
     import time
 
+    resolve_threads(threads)
     x = np.ones(nbytes // 4, np.float32)
     _sum(x)
     best = float("inf")
