@@ -25,17 +25,28 @@ def cache_path() -> Path:
     return profile_path()
 
 
+def cached(path: Path | None = None) -> tuple[HardwareProfile | None, str]:
+    """The cached profile with current free memory, or (None, why it cannot be used): missing,
+    unreadable, of an older format, or measured with other CPU kernels than the installed ones."""
+    path = path or cache_path()
+    if not path.is_file():
+        return None, "no cached profile"
+    try:
+        prof = HardwareProfile.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return None, f"cannot read the cached profile {path} ({e})"
+    if prof.versions.get("format") != str(FORMAT):
+        return None, f"profile {path} is from an older format"
+    if prof.versions.get("kernels") != kernels_version():
+        return None, f"the hardware profile {path} was measured with other CPU kernels than the installed ones"
+    return current_memory(prof), ""
+
+
 def load_or_estimate(path: Path | None = None) -> HardwareProfile:
     """The cached profile when it is current, else `hardware.estimate()`: never measures (the CPU
     path's start-up; a CPU plan's choices do not depend on the rates)."""
-    path = path or cache_path()
-    try:
-        prof = HardwareProfile.from_json(path.read_text())
-        if prof.versions.get("format") == str(FORMAT) and prof.versions.get("kernels") == kernels_version():
-            return current_memory(prof)
-    except (OSError, ValueError, TypeError, KeyError):
-        pass
-    return estimate()
+    prof, _ = cached(path)
+    return prof or estimate()
 
 
 def load_or_measure(refresh: bool = False, path: Path | None = None) -> HardwareProfile:
@@ -43,18 +54,12 @@ def load_or_measure(refresh: bool = False, path: Path | None = None) -> Hardware
     profile of another format, or measured with other CPU kernels than the installed ones, is
     measured again; a cache folder that cannot be written only costs the next run a measurement."""
     path = path or cache_path()
-    if not refresh and path.is_file():
-        try:
-            prof = HardwareProfile.from_json(path.read_text())
-            if prof.versions.get("format") != str(FORMAT):
-                log.info("profile %s is from an older format; measuring again", path)
-            elif prof.versions.get("kernels") != kernels_version():
-                log.warning("the hardware profile %s was measured with other CPU kernels than the installed "
-                            "ones; measuring again", path)
-            else:
-                return current_memory(prof)
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            log.warning("cannot read the cached profile %s (%s); measuring again", path, e)
+    if not refresh:
+        prof, why = cached(path)
+        if prof is not None:
+            return prof
+        if path.is_file():
+            log.warning("%s; measuring again", why)
     prof = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
