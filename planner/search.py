@@ -103,7 +103,8 @@ def plan(
     every = [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4]
     host_dtypes = [ov.kv_dtype] if ov.kv_dtype else every
     if device is Device.CPU and ov.kv_dtype is None:  # the CPU reads its KV where it lies: bf16 unless asked
-        host_dtypes = [next(d for d in every if _fits_host(cfg, hw, budget, wl, block, d))]
+        weight_bytes = sum(g.nbytes(g.dtype_for(weights)) for g in groups)
+        host_dtypes = [next(d for d in every if _fits_host(cfg, hw, budget, wl, block, d, weight_bytes))]
         choices.append(Choice("--kv-dtype", host_dtypes[0].value, "the most exact format that fits host memory "
                               "(int8 and int4 read fewer bytes a step: --kv-dtype)"))
     stand_in = KVDtype.F32 if ov.kv_dtype is KVDtype.F32 else KVDtype.BF16  # a CPU's device tier: tests only
@@ -220,12 +221,11 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     return best
 
 
-def _fits_host(cfg, hw, budget, wl, block, dtype: KVDtype) -> bool:
+def _fits_host(cfg, hw, budget, wl, block, dtype: KVDtype, weight_bytes: int) -> bool:
     """Whether the whole batch's KV in `dtype` fits the host budget beside the weights (int4 fits or
     nothing does: then the plan's own check says by how much)."""
-    weights = sum(g.nbytes(g.dtype_for(WDtype.INT8)) for g in weight_groups(cfg))
     kv = kv_plan(cfg, wl, block, 0, dtype, dtype).host_bytes
-    return dtype is KVDtype.INT4 or weights + kv <= min(budget.host_bytes, hw.host_available_bytes)
+    return dtype is KVDtype.INT4 or weight_bytes + kv <= min(budget.host_bytes, hw.host_available_bytes)
 
 
 def _fill(
