@@ -116,36 +116,30 @@ def _rewrite_header(src, dst, edit):
     dst.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
 
 
-def test_header_shape_disagrees_with_byte_count(folder, tmp_path):
+def _chat_with_header(folder, tmp_path, name: str, **change) -> tuple[int, str]:
+    """`hetero chat` over a copy of the tiny model whose safetensors header entry `name` is changed."""
     bad = tmp_path / "m"
     bad.mkdir()
     (bad / "config.json").write_text((folder / "config.json").read_text())
+    _rewrite_header(folder / "model.safetensors", bad / "model.safetensors", lambda h: h[name].update(**change))
+    return run("chat", str(bad))
+
+
+def test_header_shape_disagrees_with_byte_count(folder, tmp_path):
     name = "model.layers.0.self_attn.q_proj.weight"
-    _rewrite_header(folder / "model.safetensors", bad / "model.safetensors",
-                    lambda h: h[name].update(shape=[64, 65]))
-    code, out = run("chat", str(bad))
+    code, out = _chat_with_header(folder, tmp_path, name, shape=[64, 65])
     assert code == 2 and "corrupt" in out and name in out
 
 
 def test_shape_wrong_but_bytes_match(folder, tmp_path):
-    bad = tmp_path / "m"
-    bad.mkdir()
-    (bad / "config.json").write_text((folder / "config.json").read_text())
     name = "model.layers.1.mlp.down_proj.weight"  # [64, 96] stored as [96, 64]: same bytes, wrong math
-    _rewrite_header(folder / "model.safetensors", bad / "model.safetensors",
-                    lambda h: h[name].update(shape=list(reversed(h[name]["shape"]))))
-    code, out = run("chat", str(bad))
+    code, out = _chat_with_header(folder, tmp_path, name, shape=[96, 64])
     assert code == 2 and name in out and "[96, 64]" in out and "[64, 96]" in out
 
 
 def test_integer_weights_rejected(folder, tmp_path):
-    bad = tmp_path / "m"
-    bad.mkdir()
-    (bad / "config.json").write_text((folder / "config.json").read_text())
     name = "model.norm.weight"
-    _rewrite_header(folder / "model.safetensors", bad / "model.safetensors",
-                    lambda h: h[name].update(dtype="I32"))
-    code, out = run("chat", str(bad))
+    code, out = _chat_with_header(folder, tmp_path, name, dtype="I32")
     assert code == 2 and name in out and "I32" in out
 
 
