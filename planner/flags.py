@@ -22,7 +22,8 @@ OVERFLOWS = ("drop-turns", "shift", "stop")
 DEFAULT_MAX_NEW_TOKENS = 512
 
 
-def _opt(default: Any, *names: str, help: str, **kw) -> Any:
+def option(default: Any, *names: str, help: str, **kw) -> Any:
+    """An option with the shared conventions: its HETERO_ variable, its default shown."""
     env = "HETERO_" + names[-1].lstrip("-").replace("-", "_").upper()
     return typer.Option(default, *names, envvar=env, help=help, show_default=True, **kw)
 
@@ -90,17 +91,12 @@ def fraction(text: str | float) -> float:
     return x
 
 
-def option(default: Any, *names: str, help: str, **kw) -> Any:
-    """An option of one command only, with the shared conventions (HETERO_ variable, shown default)."""
-    return _opt(default, *names, help=help, **kw)
-
-
 def whole_opt(default: int | None, *names: str, lo: int, help: str) -> Any:
-    return _opt(default, *names, parser=whole(lo), metavar="N", help=help)
+    return option(default, *names, parser=whole(lo), metavar="N", help=help)
 
 
 def choice_opt(default: str, *names: str, values: tuple[str, ...], help: str) -> Any:
-    return _opt(default, *names, parser=one_of(*values), metavar="|".join(values), help=help)
+    return option(default, *names, parser=one_of(*values), metavar="|".join(values), help=help)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -109,11 +105,11 @@ def model_arg() -> Any:
 
 
 def model() -> Any:
-    return _opt(None, "-m", "--model", help="HF folder or .gguf (default: the demo model)")
+    return option(None, "-m", "--model", help="HF folder or .gguf (default: the demo model)")
 
 
 def plan_file() -> Any:
-    return _opt(None, "--plan", metavar="FILE", help="run exactly this saved plan (`hetero plan --json > plan.json`)")
+    return option(None, "--plan", metavar="FILE", help="run exactly this saved plan (`hetero plan --json > plan.json`)")
 
 
 # ----------------------------------------------------------------------------- workload
@@ -122,15 +118,15 @@ def parallel(default: int = 1) -> Any:
 
 
 def ctx_size() -> Any:
-    return _opt(0, "-c", "--ctx-size", parser=whole(0), metavar="N", help="context length per sequence; 0 = the model's, capped at 4096")
+    return option(0, "-c", "--ctx-size", parser=whole(0), metavar="N", help="context length per sequence; 0 = the model's, capped at 4096")
 
 
 def max_new_tokens() -> Any:
-    return _opt(DEFAULT_MAX_NEW_TOKENS, "-n", "--max-new-tokens", parser=whole(1), metavar="N", help="tokens to generate per answer")
+    return option(DEFAULT_MAX_NEW_TOKENS, "-n", "--max-new-tokens", parser=whole(1), metavar="N", help="tokens to generate per answer")
 
 
 def threads() -> Any:
-    return _opt(None, "-t", "--threads", parser=whole(1), metavar="N", help="CPU threads for host attention (default: physical cores)")
+    return option(None, "-t", "--threads", parser=whole(1), metavar="N", help="CPU threads for host attention (default: physical cores)")
 
 
 def context_overflow() -> Any:
@@ -141,12 +137,12 @@ def context_overflow() -> Any:
 
 # ----------------------------------------------------------------------------- placement
 def gpu_mem() -> Any:
-    return _opt(None, "--gpu-mem", parser=size, metavar="SIZE",
+    return option(None, "--gpu-mem", parser=size, metavar="SIZE",
                 help="GPU budget, a hard limit, e.g. 6GiB (default: free memory minus a margin)")
 
 
 def cpu_mem() -> Any:
-    return _opt(None, "--cpu-mem", parser=size, metavar="SIZE",
+    return option(None, "--cpu-mem", parser=size, metavar="SIZE",
                 help="host budget, e.g. 48GiB (default: available memory minus a margin)")
 
 
@@ -177,47 +173,47 @@ def weight_mode() -> Any:
 
 
 def n_cpu_moe() -> Any:
-    return _opt(0, "--n-cpu-moe", parser=whole(0), metavar="N",
+    return option(0, "--n-cpu-moe", parser=whole(0), metavar="N",
                 help="mixture-of-experts models: the experts of the first N layers are computed by the CPU "
                      "(llama.cpp's --n-cpu-moe; 0: the planner places them)")
 
 
 def gpu_kv_tokens() -> Any:
-    return _opt(None, "--gpu-kv-tokens", parser=whole(0), metavar="N", help="KV tokens per sequence kept on the GPU (default: planner)")
+    return option(None, "--gpu-kv-tokens", parser=whole(0), metavar="N", help="KV tokens per sequence kept on the GPU (default: planner)")
 
 
 def stream_tokens() -> Any:
-    return _opt(None, "--kv-stream-tokens", parser=whole(0), metavar="N",
+    return option(None, "--kv-stream-tokens", parser=whole(0), metavar="N",
                 help="host KV tokens the GPU attends over after copying them up each step (batch 1) "
                      "(default: planner)")
 
 
 # ----------------------------------------------------------------------------- sampling
 def temperature() -> Any:
-    return _opt(None, "--temp", "--temperature", parser=number(0.0), metavar="FLOAT",
+    return option(None, "--temp", "--temperature", parser=number(0.0), metavar="FLOAT",
                 help="sampling temperature, 0 = greedy (default: the model's; demo model 0.2)")
 
 
 def top_k() -> Any:
-    return _opt(None, "--top-k", parser=whole(0), metavar="N", help="keep the k likeliest tokens, 0 = off (default: the model's, else 40)")
+    return option(None, "--top-k", parser=whole(0), metavar="N", help="keep the k likeliest tokens, 0 = off (default: the model's, else 40)")
 
 
 def top_p() -> Any:
-    return _opt(None, "--top-p", parser=fraction, metavar="FLOAT",
+    return option(None, "--top-p", parser=fraction, metavar="FLOAT",
                 help="keep the likeliest tokens up to this probability mass, in (0, 1] "
                      "(default: the model's; demo model 0.9)")
 
 
 def min_p() -> Any:
-    return _opt(None, "--min-p", parser=number(0.0, 1.0, hi_open=True), metavar="FLOAT",
+    return option(None, "--min-p", parser=number(0.0, 1.0, hi_open=True), metavar="FLOAT",
                 help="drop tokens less likely than this fraction of the likeliest, in [0, 1) "
                      "(default: the model's, else 0.05)")
 
 
 def repeat_penalty() -> Any:
-    return _opt(None, "--repeat-penalty", parser=number(0.01), metavar="FLOAT", help="divide repeated tokens' logits by this, 1 = off "
+    return option(None, "--repeat-penalty", parser=number(0.01), metavar="FLOAT", help="divide repeated tokens' logits by this, 1 = off "
                                                          "(default: the model's, else 1)")
 
 
 def seed() -> Any:
-    return _opt(None, "--seed", parser=whole(0), metavar="N", help="sampling seed (default: random)")
+    return option(None, "--seed", parser=whole(0), metavar="N", help="sampling seed (default: random)")
