@@ -12,6 +12,8 @@
 # mma:      bench.nf4_mma (the W4A16 tensor-core kernel's sweep at 4-64 rows vs bitsandbytes; MMA_ARGS passed through)
 # kvattn:   bench.gpu_kv_attention (paged decode attention over bf16 / int8 / int4 device blocks, GB/s vs HBM)
 # offload:  bench.offload_decode (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
+# startup8b: bench.startup on a Llama-3-8B-shaped Q4_K_M GGUF it writes first (carry .dbg/tok.gguf from
+#           `python3 -m bench.startup --tokenizer-only .dbg/tok.gguf`), twice: cold caches, then warm
 # budget:   bench.budget (decode at each --gpu-mem budget, the planner's own choice; BUDGET_ARGS passed through)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -56,6 +58,11 @@ for stage in $STAGES; do
     kvattn)
       timeout ${KVATTN_TIMEOUT:-200} python3 -m bench.gpu_kv_attention --out "$OUT/gpu_kv_attention.json" 2>&1 \
         | tee "$OUT/gpu_kv_attention.log" | tail -${KVATTN_TAIL:-16} ;;
+    startup8b)
+      tok=.dbg/tok.gguf; [ -f "$tok" ] || tok=
+      timeout 300 python3 -m bench.startup --write-8b /tmp/l3.gguf ${tok:+--tokenizer-from $tok} --device cuda 2>&1 \
+        | tee "$OUT/startup8b_cold.log" | tail -14
+      timeout 200 python3 -m bench.startup /tmp/l3.gguf --device cuda 2>&1 | tee "$OUT/startup8b_warm.log" | tail -14 ;;
     budget)
       timeout ${BUDGET_TIMEOUT:-420} python3 -m bench.budget --out "$OUT" ${BUDGET_ARGS:-} 2>&1 \
         | tee "$OUT/budget_stdout.log" | tail -${BUDGET_TAIL:-10} ;;

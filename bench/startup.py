@@ -3,6 +3,8 @@
     python3 -m bench.startup                       # the demo model, as `hetero chat` loads it
     python3 -m bench.startup model.gguf --device cuda
     python3 -m bench.startup --write-8b /tmp/l3.gguf   # first write a Llama-3-8B-shaped Q4_K_M GGUF
+    python3 -m bench.startup --tokenizer-only tok.gguf  # the demo tokenizer alone (~2 MB), for a host
+                                                         # without the demo model: --write-8b ... --tokenizer-from tok.gguf
 
 Each phase is timed by wrapping the steps `hetero.app.build` calls (open the checkpoint, the
 tokenizer, read or measure the hardware profile, plan, load the weights, build the runtime and
@@ -25,12 +27,19 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--write-8b", metavar="PATH", help="write a Llama-3-8B-shaped Q4_K_M GGUF there and time it")
+    ap.add_argument("--tokenizer-from", metavar="GGUF", help="--write-8b: copy this GGUF's tokenizer (default: the demo model's)")
+    ap.add_argument("--tokenizer-only", metavar="PATH", help="write a GGUF holding only the demo model's tokenizer there, and exit")
     a = ap.parse_args()
+    if a.tokenizer_only:
+        from tests.gguf_util import write_tokenizer_only
+
+        write_tokenizer_only(Path(a.tokenizer_only))
+        return
     if a.write_8b:
         from tests.gguf_util import write_llama3_8b_q4km
 
         t = time.perf_counter()
-        write_llama3_8b_q4km(Path(a.write_8b))
+        write_llama3_8b_q4km(Path(a.write_8b), tokenizer_from=a.tokenizer_from)
         print(f"wrote {a.write_8b} in {time.perf_counter() - t:.1f} s")
         a.model = a.model or a.write_8b
 

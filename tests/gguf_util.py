@@ -101,17 +101,37 @@ def write_gguf(path, folder, arch: str, qtype_for=lambda name, shape: Q.F32, see
     return written
 
 
-def write_llama3_8b_q4km(path, layers: int = 32, seed: int = 0) -> None:
+def write_tokenizer_only(path, source=None) -> None:
+    """A GGUF with no tensors holding the tokenizer fields of `source` (default: the demo model):
+    a few MB, for `write_llama3_8b_q4km(tokenizer_from=...)` on a host without the demo model."""
+    from gguf import GGUFReader
+
+    from hetero.demo import demo_model_path
+
+    src = GGUFReader(str(source or demo_model_path()))
+    w = GGUFWriter(str(path), "llama")
+    for name, f in src.fields.items():
+        if name.startswith("tokenizer."):
+            sub = f.types[1] if len(f.types) > 1 else None
+            w.add_key_value(name, f.contents(), f.types[0], sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+
+
+def write_llama3_8b_q4km(path, layers: int = 32, seed: int = 0, tokenizer_from=None) -> None:
     """A Llama-3-8B-shaped GGUF in llama.cpp's Q4_K_M mix (Q6_K for the output, for attn_v and
     ffn_down of every other layer; Q4_K elsewhere; F32 norms), random blocks, and the demo
     model's tokenizer (so its vocabulary, 49152, sizes the embedding). Streamed to disk one
-    tensor at a time: about 4.4 GB at 32 layers, little memory. `layers` < 32 for a quick check."""
+    tensor at a time: about 4.4 GB at 32 layers, little memory. `layers` < 32 for a quick check;
+    `tokenizer_from`: another GGUF whose tokenizer fields to copy (default: the demo model's)."""
     from gguf import GGUFReader
 
     from hetero.demo import demo_model_path
 
     h, ff, heads, kv_heads, hd = 4096, 14336, 32, 8, 128
-    demo = GGUFReader(str(demo_model_path()))
+    demo = GGUFReader(str(tokenizer_from or demo_model_path()))
     vocab = len(demo.fields["tokenizer.ggml.tokens"].data)
     w = GGUFWriter(str(path), "llama")
     w.add_block_count(layers)
