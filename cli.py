@@ -83,6 +83,7 @@ def chat(
     ctx_size: int = flags.ctx_size(),
     max_new_tokens: int = flags.max_new_tokens(),
     context_overflow: str = flags.context_overflow(),
+    draft: str = flags.draft(),
     threads: Optional[int] = flags.threads(),
     kv_dtype: str = flags.kv_dtype(),
     gpu_kv_dtype: str = flags.gpu_kv_dtype(),
@@ -121,7 +122,7 @@ def chat(
                                  gpu_mem=gpu_mem, cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, n_cpu_moe=n_cpu_moe,
                                  stream_tokens=stream_tokens, weight_mode=weight_mode, plan=plan,
                                  context_overflow=context_overflow, parallel=1,  # one conversation
-                                 progress=progress)
+                                 draft=draft, progress=progress)
         if interactive:
             err.print(f"[dim]{' · '.join(f'{k} {v}' for k, v in engine.info.items())}[/dim]")
         session = ChatSession(engine, sys.stdout, err, system=system,

@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return load
     if name in ("Engine", "Chunk"):
-        from hetero import engine
+        from hetero.app import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'hetero' has no attribute {name!r}")

@@ -86,6 +86,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         """logits [V] float32 → the next token id."""
+        return self.draw(self.distribution(logits, history))
+
+    @property
+    def greedy(self) -> bool:
+        return self.p.temperature == 0
+
+    def distribution(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """logits [V] → the probabilities the next token is drawn from [V] float32 (after the
+        repetition penalty, temperature, top-k, min-p and top-p; one-hot at the argmax when greedy)."""
         p = self.p
         logits = logits.float().clone()
         if p.repeat_penalty != 1.0 and history:
@@ -93,7 +102,7 @@ class Sampler:
             v = logits[ids]
             logits[ids] = torch.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
         if p.temperature == 0:
-            return int(torch.argmax(logits))
+            return torch.nn.functional.one_hot(torch.argmax(logits), logits.numel()).float()
         logits = logits / p.temperature
         if p.top_k > 0:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
@@ -105,4 +114,14 @@ class Sampler:
             sp, si = torch.sort(probs, descending=True)
             drop = sp.cumsum(0) - sp > p.top_p  # keep the smallest prefix whose mass reaches top_p
             probs[si[drop]] = 0
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+        return probs / probs.sum()
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """A token from probabilities [V] (the argmax when greedy: no random number is used)."""
+        if self.greedy:
+            return int(torch.argmax(probs))
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def uniform(self) -> float:
+        """A number in [0, 1) from this sampler's generator (speculative acceptance)."""
+        return float(torch.rand(1, generator=self.gen))

@@ -39,6 +39,7 @@ class SeqKV:
     gpu_limit: int  # tokens this sequence may keep on the device tier
     ordered: bool = True  # device tier holds positions [0, g), host the rest: no swap happened
     swapped: int = 0  # of its host blocks, how many the device tier held before a swap out
+    recent: tuple[int, int] = (0, 0)  # (device, host) tokens of its latest reservation
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +58,10 @@ class Slots:
     # row0 .. row0 + BS - 1) rather than through their tails; their rows are not in gpu_rows
     whole_rows: list[int] = field(default_factory=list)
     whole_blocks: list[int] = field(default_factory=list)
+    # a row of a run of one sequence's rows (offload/rows.py): the run's tokens after it on each
+    # tier, hidden from its attention
+    later_gpu: int = 0
+    later_host: int = 0
 
     def extend(self, other: "Slots", offset: int) -> None:
         self.gpu_rows += [r + offset for r in other.gpu_rows]
@@ -158,6 +163,7 @@ class TieredKVCache:
             out.host_rows = list(range(to_gpu, n))
             out.host_slots = s.host.slots(s.host.num_tokens, rest)
             s.host.num_tokens += rest
+        s.recent = (to_gpu, rest)
         return out
 
     def _route_quantized(self, t: TierTable, n: int, out: Slots) -> None:
@@ -239,15 +245,17 @@ class TieredKVCache:
                             k[_index(slots.host_rows, k.device)].cpu(), v[_index(slots.host_rows, v.device)].cpu())
 
     # ------------------------------------------------------------------ attention inputs
-    def tables(self, seqs: list[int], tier: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables [B, max_blocks] int32 and token counts [B] int32 of one tier (host memory)."""
+    def tables(self, seqs: list[int], tier: str, slots: list[Slots] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables [B, max_blocks] int32 and token counts [B] int32 of one tier (host memory), a
+        row each; slots: the rows' reservations, whose tokens after a row in its run it does not see."""
         ts = [getattr(self.seqs[s], tier) for s in seqs]
         width = max(1, max(len(t.blocks) for t in ts))
         bt = torch.zeros(len(ts), width, dtype=torch.int32)
         for i, t in enumerate(ts):
             if t.blocks:
                 bt[i, : len(t.blocks)] = torch.tensor(t.blocks, dtype=torch.int32)
-        return bt, torch.tensor([t.num_tokens for t in ts], dtype=torch.int32)
+        hidden = [0] * len(ts) if slots is None else [getattr(sl, "later_" + tier) for sl in slots]
+        return bt, torch.tensor([t.num_tokens - h for t, h in zip(ts, hidden)], dtype=torch.int32)
 
     # ------------------------------------------------------------------ swapping
     def _make_gpu_room(self, blocks: int, keep: int) -> None:
@@ -321,10 +329,10 @@ class TieredKVCache:
             moved += self.swap_in(seq, min(room, self.seqs[seq].swapped))
         return moved
 
-    def gpu_blocks_needed(self, seqs: list[int], n: int) -> int:
-        """Device-tier blocks `reserve(seq, n)` will allocate for each of seqs (without swapping)."""
+    def gpu_blocks_needed(self, runs: list[tuple[int, int]]) -> int:
+        """Device-tier blocks `reserve(seq, n)` will allocate for each (seq, n) of runs (without swapping)."""
         need = 0
-        for q in seqs:
+        for q, n in runs:
             s = self.seqs.get(q)
             if s is not None:
                 need += s.gpu.blocks_needed(max(0, min(n, s.gpu_limit - s.gpu.num_tokens)))

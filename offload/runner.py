@@ -26,6 +26,7 @@ import cpu_attention
 from cpu_attention.merge import merge_attention
 from gpu_ops import attention as gpu_attention
 from hetero.model import Model
+from offload import rows
 from offload.graphs import Captured, SegmentGraphs
 from offload.kv_cache import Slots, TieredKVCache
 from offload.prefill import Prefill
@@ -124,16 +125,17 @@ class Runner(Prefill):
     # ================================================================== decode
     @torch.inference_mode()
     def decode(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One new token for each sequence (tokens at positions) → float32 logits [B, V]."""
+        """One new token a row (tokens at positions) → float32 logits [B, V]. A sequence has one row,
+        or a run of consecutive rows at consecutive positions (a speculative step: offload/rows.py)."""
         t0, st = now(), StepTimes(tokens=len(seqs))
         self.xfer.discard()  # copies a prefill queued are not this step's transfers
         self.cache.seal_complete()  # blocks the last step completed on a quantized device tier
         # between steps: blocks swapped out earlier come back where sequences have left room,
         # short of what this step's new tokens take on the device tier
-        moved_in = self.cache.swap_in_free_room(keep_free=self.cache.gpu_blocks_needed(seqs, 1))
+        moved_in = self.cache.swap_in_free_room(keep_free=self.cache.gpu_blocks_needed(rows.runs(seqs)))
         if moved_in and self.cuda:
             st.h2d_bytes += moved_in * self.cache.gpu.nbytes // (self.cache.gpu.num_blocks + 1)
-        slots = [self.cache.reserve(s, 1) for s in seqs]
+        slots = rows.reserve(self.cache, seqs)
         if self.graph_step is not None and self.graph_step.takes(self, seqs, slots):
             logits = self.graph_step.run(self, seqs, tokens, positions, slots)  # everything on the GPU: one graph
             st.wall = now() - t0
@@ -145,7 +147,7 @@ class Runner(Prefill):
         moved = self._weight_bytes()
         if self.streamer is not None:
             self.streamer.idle()
-            if len(seqs) == 1 and parts[0].host_tables is not None:
+            if len(seqs) == 1 and parts[0].host_tables is not None:  # one row: the streamer's tables are one
                 self._begin_stream(parts[0])
         L = self.cfg.num_layers
         self._begin_pass()
@@ -171,8 +173,10 @@ class Runner(Prefill):
         if n is None:
             n = 2 if self.cuda and len(seqs) >= 2 and any(self.cache.seqs[s].host.num_tokens for s in seqs) else 1
         n = max(1, min(n, len(seqs)))
-        cuts = [round(k * len(seqs) / n) for k in range(n + 1)]
-        return [(cuts[k], cuts[k + 1]) for k in range(n)]
+        # a run of one sequence's rows stays in one sub-batch: its rows read each other's new KV
+        cuts = sorted({next(j for j in range(round(k * len(seqs) / n), len(seqs) + 1)
+                            if j in (0, len(seqs)) or seqs[j] != seqs[j - 1]) for k in range(n + 1)})
+        return list(zip(cuts, cuts[1:]))
 
     def _part(self, seqs, tokens, positions, slots, a: int, b: int, k: int) -> Part:
         c, dev = self.cache, self.dev
@@ -183,17 +187,17 @@ class Runner(Prefill):
         ss = seqs[a:b]
         gpu_tables = host_tables = None
         if c.gpu is not None and any(c.seqs[s].gpu.num_tokens for s in ss):
-            bt, lens = c.tables(ss, "gpu")
+            bt, lens = c.tables(ss, "gpu", slots[a:b])
             gpu_tables = (bt.to(c.gpu.k.device), lens.to(c.gpu.k.device))
         work = None
         if any(c.seqs[s].host.num_tokens for s in ss):
-            host_tables = c.tables(ss, "host")
+            host_tables = c.tables(ss, "host", slots[a:b])
             work = cpu_attention.DecodeWork(c.host, *host_tables, self.threads)
         pdev = c.gpu.k.device if c.gpu is not None else dev
         if self.segments is not None and b - a <= SegmentGraphs.MAX_ROWS:
             cap = self.segments.get(k, b - a)
             cap.load(self.model.embed(ids), torch.tensor(positions[a:b]), sl.gpu_rows, sl.gpu_slots,
-                     *(c.tables(ss, "gpu") if c.gpu is not None else (None, None)))
+                     *(c.tables(ss, "gpu", slots[a:b]) if c.gpu is not None else (None, None)))
             # the graphs copy q, k, v down into cap.down and (o, lse) up from cap.up themselves
             return Part(seqs=ss, x=cap.x, pos=cap.pos, slots=sl, gpu_slots=None, gpu_rows=None,
                         host_rows=torch.tensor(sl.host_rows) if sl.host_rows else None,

@@ -43,7 +43,7 @@ class GraphStep:
         from gpu_ops.decode_step import GpuDecoder
 
         c, dev = r.cache, r.dev
-        bt, lens = c.tables(seqs, "gpu")
+        bt, lens = c.tables(seqs, "gpu", slots)
         need_blocks = -(-c.gpu_tokens_per_seq // c.block_size)
         d = self.decoder
         if d is None or d.max_batch < len(seqs) or d.max_blocks < max(bt.shape[1], need_blocks):

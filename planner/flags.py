@@ -135,6 +135,13 @@ def context_overflow() -> Any:
                            "prompt stays), shift out the oldest tokens, or stop")
 
 
+def draft() -> Any:
+    return choice_opt("off", "--draft", values=("off", "ngram"),
+                      help="speculative decoding: ngram drafts from the conversation's own tokens (prompt "
+                           "lookup), verified in one step; the output is the same, faster where answers "
+                           "repeat their context")
+
+
 # ----------------------------------------------------------------------------- placement
 def gpu_mem() -> Any:
     return option(None, "--gpu-mem", parser=size, metavar="SIZE",

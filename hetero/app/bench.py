@@ -7,6 +7,12 @@ first `depth` tokens prefilled untimed (the context already there), then the `n_
 prefilled (pp, timed) and `n_gen` tokens decoded by the whole batch together (tg, timed).
 One warm-up repetition runs first (kernels compile, CUDA graphs capture). Rows give t/s as
 mean ± sample standard deviation over the repetitions, and the plan each ran with.
+
+Speculative decoding (`--draft`, a column): "ngram" drafts by prompt lookup as `hetero chat
+--draft ngram` does (over random tokens it finds little: what drafting costs when nothing is
+kept); "A/K" feeds the acceptance in, for random weights: each step drafts K tokens of which the
+first A are the model's own greedy continuation, recorded by an untimed run without drafting of
+the same repetition (`hetero.speculative.ReplayDrafter`), and the verification keeps them.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import torch
 from hetero.app.engine import Engine
 from hetero.errors import UserError
 from hetero.app.scheduler import Scheduler
+from hetero.speculative import ReplayDrafter, make_drafter
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,8 @@ class BenchRow:
     samples_ts: list[float] = field(default_factory=list)
     plan: str = ""
     predicted_ts: float | None = None  # the planner's decode prediction (tg rows on CUDA)
+    draft: str = "off"  # speculative decoding: off, ngram, or a fed-in acceptance "A/K"
+    acceptance: float | None = None  # drafted tokens kept (tg rows with drafts)
 
 
 @dataclass(frozen=True)
@@ -55,8 +64,11 @@ class BenchSpec:
     reps: int = 3
     batches: tuple[int, ...] = (1,)
     kv_dtypes: tuple[str | None, ...] = (None,)  # None: the planner's choice (bf16 on the CPU)
+    drafts: tuple[str, ...] = ("off",)
 
     def __post_init__(self) -> None:
+        for d in self.drafts:
+            parse_draft(d, vocab_size=2)
         if self.n_prompt < 0 or self.n_gen < 0 or self.n_prompt + self.n_gen == 0:
             raise UserError("-p and -n must be ≥ 0 and not both 0")
         if self.reps < 1 or min(self.batches) < 1 or min(self.depths) < 0:
@@ -72,31 +84,57 @@ def run_bench(load: Callable[..., Engine], spec: BenchSpec, on_row: Callable[[Be
         for batch in spec.batches:
             engine = load(kv_dtype=kv, parallel=batch, ctx_size=ctx)
             try:
-                _measure(engine, spec, batch, 0, 1, seed)  # warm-up: compiles, graph captures, allocations
-                for depth in spec.depths:
-                    pp, tg = [], []
-                    for r in range(spec.reps):
-                        a, b = _measure(engine, spec, batch, depth, spec.n_gen, seed + r)
-                        pp.append(a)
-                        tg.append(b)
-                    for row in _rows(engine, spec, batch, depth, pp, tg):
-                        rows.append(row)
-                        if on_row is not None:
-                            on_row(row)
+                for draft in spec.drafts:
+                    engine.drafter = parse_draft(draft, engine.cfg.vocab_size)
+                    # warm-up: compiles, graph captures, allocations, a draft length settling
+                    _measure(engine, spec, batch, 0, min(spec.n_gen, 16), seed)
+                    for depth in spec.depths:
+                        pp, tg, kept = [], [], []
+                        for r in range(spec.reps):
+                            a, b, c = _measure(engine, spec, batch, depth, spec.n_gen, seed + r)
+                            pp.append(a)
+                            tg.append(b)
+                            kept.append(c)
+                        for row in _rows(engine, spec, batch, depth, pp, tg, draft, kept):
+                            rows.append(row)
+                            if on_row is not None:
+                                on_row(row)
             finally:
                 engine.runner.close()
     return rows
 
 
-def _measure(engine: Engine, spec: BenchSpec, batch: int, depth: int, n_gen: int, seed: int) -> tuple[float, float]:
-    """(prompt tokens/s, generated tokens/s) of one repetition."""
+def parse_draft(text: str, vocab_size: int):
+    """A `--draft` value → the engine's drafter: off → None, ngram, or "A/K" (fed-in acceptance)."""
+    if "/" in text:
+        try:
+            kept, length = (int(x) for x in text.split("/"))
+        except ValueError:
+            raise UserError(f"--draft {text!r}: give off, ngram or KEPT/DRAFTED (e.g. 3/4)") from None
+        return ReplayDrafter(kept, length, vocab_size)
+    return make_drafter(text)
+
+
+def _measure(engine: Engine, spec: BenchSpec, batch: int, depth: int, n_gen: int,
+             seed: int) -> tuple[float, float, float | None]:
+    """(prompt tokens/s, generated tokens/s, drafted tokens kept or None) of one repetition."""
     n_prompt = max(spec.n_prompt, 1)
+    replay = engine.drafter if isinstance(engine.drafter, ReplayDrafter) else None
+    scripts = None
+    if replay is not None:  # the greedy continuations the drafts replay: a run without drafts, untimed
+        engine.drafter = None
+        try:
+            scripts = _generate(engine, batch, depth, n_prompt, n_gen, seed)
+        finally:
+            engine.drafter = replay
     gen = torch.Generator().manual_seed(seed)
     sched = Scheduler(engine)
     seqs = []
-    for _ in range(batch):
+    for i in range(batch):
         ids = torch.randint(0, engine.cfg.vocab_size, (depth + n_prompt,), generator=gen).tolist()
         s = engine.sequence(ids, ignore_eos=True, max_new_tokens=n_gen + 1, temperature=0.0)
+        if replay is not None:
+            replay.scripts[s.id] = scripts[i]
         if depth:
             engine.runner.prefill(s.id, ids[:depth], 0)  # the context already there: not timed
         sched.add(s, cached=depth)
@@ -119,10 +157,30 @@ def _measure(engine: Engine, spec: BenchSpec, batch: int, depth: int, n_gen: int
     finally:
         for s in seqs:
             engine.cache.free(s.id)
-    return batch * n_prompt / prefill_s, decoded / decode_s if decode_s else 0.0
+    kept = sched.stats.accepted / sched.stats.drafted if sched.stats.drafted else None
+    return batch * n_prompt / prefill_s, decoded / decode_s if decode_s else 0.0, kept
 
 
-def _rows(engine: Engine, spec: BenchSpec, batch: int, depth: int, pp: list[float], tg: list[float]) -> list[BenchRow]:
+def _generate(engine: Engine, batch: int, depth: int, n_prompt: int, n_gen: int, seed: int) -> list[list[int]]:
+    """Each sequence's tokens (prompt and greedy answer) as `_measure` with `seed` makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    sched = Scheduler(engine)
+    seqs = []
+    for _ in range(batch):
+        ids = torch.randint(0, engine.cfg.vocab_size, (depth + n_prompt,), generator=gen).tolist()
+        seqs.append(engine.sequence(ids, ignore_eos=True, max_new_tokens=n_gen + 1, temperature=0.0))
+        sched.add(seqs[-1])
+    try:
+        while not sched.idle:
+            sched.step()
+    finally:
+        for s in seqs:
+            engine.cache.free(s.id)
+    return [s.tokens for s in seqs]
+
+
+def _rows(engine: Engine, spec: BenchSpec, batch: int, depth: int, pp: list[float], tg: list[float],
+          draft: str = "off", kept: list[float | None] | None = None) -> list[BenchRow]:
     from planner.tensors import total_params
 
     info = engine.info
@@ -134,11 +192,13 @@ def _rows(engine: Engine, spec: BenchSpec, batch: int, depth: int, pp: list[floa
                 device=info.get("device", ""), weights=info.get("weights", ""), kv_dtype=kv, n_batch=batch,
                 n_depth=depth, plan=plan)
     out = []
-    if spec.n_prompt:
+    if spec.n_prompt and draft == spec.drafts[0]:  # a prompt's prefill drafts nothing: one pp row
         out.append(BenchRow(**base, n_prompt=spec.n_prompt, n_gen=0, test=f"pp{spec.n_prompt}{at}", **_stats(pp)))
     if spec.n_gen:
+        rates = [k for k in kept or [] if k is not None]
         out.append(BenchRow(**base, n_prompt=0, n_gen=spec.n_gen, test=f"tg{spec.n_gen}{at}", **_stats(tg),
-                            predicted_ts=predicted))
+                            predicted_ts=predicted, draft=draft,
+                            acceptance=statistics.fmean(rates) if rates else None))
     return out
 
 
@@ -148,7 +208,7 @@ def _stats(xs: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------- output
-COLUMNS = ["model", "params", "device", "weights", "kv_dtype", "n_batch", "test", "t/s", "plan"]
+COLUMNS = ["model", "params", "device", "weights", "kv_dtype", "n_batch", "draft", "test", "t/s", "plan"]
 
 
 def render(rows: list[BenchRow], fmt: str) -> str:
@@ -167,7 +227,8 @@ def render(rows: list[BenchRow], fmt: str) -> str:
         lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---:" if c in ("params", "n_batch", "t/s")
                                                                 else "---" for c in COLUMNS) + "|"]
         for r in rows:
-            cells = [r.model, _params(r.params), r.device, r.weights, r.kv_dtype, str(r.n_batch), r.test,
+            draft = r.draft if r.acceptance is None else f"{r.draft} ({r.acceptance:.0%} kept)"
+            cells = [r.model, _params(r.params), r.device, r.weights, r.kv_dtype, str(r.n_batch), draft, r.test,
                      f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}", r.plan]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)

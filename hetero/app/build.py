@@ -14,6 +14,7 @@ from hetero.app.engine import Engine
 from hetero.errors import UserError
 from hetero.random_weights import RandomCheckpoint
 from hetero.sampling import SamplingParams, defaults_from_generation_config
+from hetero.speculative import make_drafter
 from hetero.tokenizer import Tokenizer
 from hetero.validate import check_vocab
 from cpu_attention import configure as configure_numba
@@ -51,6 +52,7 @@ def load(
     plan: "str | Path | Plan | None" = None,
     tokenizer: bool = True,
     context_overflow: str = "drop-turns",
+    draft: str | None = None,
     progress: Progress | None = None,
     **sampling,
 ) -> Engine:
@@ -70,12 +72,14 @@ def load(
     first n layers are computed by the CPU (MoE models); sub_batches: 1 or 2; weight_mode:
     stream|cpu, how weights that do not fit the GPU budget run; context_overflow:
     drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows the context
-    (`hetero.context`); progress(done, total): called as the weights are converted, layer by layer
+    (`hetero.context`); draft: ngram|off, speculative decoding's drafts (ngram: prompt lookup over
+    the sequence's own tokens; hetero/speculative.py); progress(done, total): called as the weights are converted, layer by layer
     (the CLI draws a bar with it); sampling: default sampling parameters (temperature, top_k, top_p, min_p,
     repeat_penalty, seed, max_new_tokens). With device cpu and a plan for the GPU, the plan runs
     with the CPU standing in for the GPU (slow for 4-bit weights, meant for tests).
     """
     overflow = Overflow.parse(context_overflow)
+    make_drafter(draft)  # an unknown drafter is refused before anything loads
     for name, value, lo in (("ctx_size", ctx_size, 0), ("parallel", parallel, 1), ("threads", threads, 1),
                             ("block_size", block_size, 1), ("gpu_kv_tokens", gpu_kv_tokens, 0),
                             ("stream_tokens", stream_tokens, 0), ("n_cpu_moe", n_cpu_moe, 0)):
@@ -111,16 +115,18 @@ def load(
               stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe)
     if plan is not None and device == "auto" and p.device is Device.CPU:
         dev = torch.device("cpu")  # a saved CPU plan runs on the CPU
-    return build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow, progress=progress)
+    return build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow, draft=draft,
+                 progress=progress)
 
 
 def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = None,
           tokenizer: Tokenizer | None = None, sampling: SamplingParams | None = None,
-          overflow: Overflow = Overflow.DROP_TURNS, progress: Progress | None = None) -> Engine:
+          overflow: Overflow = Overflow.DROP_TURNS, draft: str | None = None,
+          progress: Progress | None = None) -> Engine:
     """The one way an engine is assembled: `plan` carried out exactly (weights where it puts them,
     the KV tiers it sizes, its threads and sub-batches), or refused up front with what to change.
     device: where the plan's GPU work runs (default: the plan's device; the CPU stands in for the
-    GPU when given a GPU plan, for tests)."""
+    GPU when given a GPU plan, for tests); draft: speculative decoding's drafter (`hetero.speculative`)."""
     dev = device or torch.device(plan.device.value)
     check_plan_supported(plan, dev)
     configure_numba()  # before any host kernel compiles
@@ -140,7 +146,7 @@ def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = N
             "plan": summary_line(plan),
             "predicted": f"{plan.prediction.decode_tok_s:.1f} tok/s decode ({plan.prediction.bottleneck})"}
     engine = Engine(model, tokenizer, runner, plan.workload.ctx_size, sampling or SamplingParams(), info=info,
-                    plan=plan)
+                    plan=plan, draft=draft)
     engine.overflow = overflow
     return engine
 

@@ -46,6 +46,7 @@ def serve_cmd(
     stream_tokens: Optional[int] = flags.stream_tokens(),
     weight_mode: str = flags.weight_mode(),
     plan: Optional[str] = flags.plan_file(),
+    draft: str = flags.draft(),
     temperature: Optional[float] = flags.temperature(),
     top_k: Optional[int] = flags.top_k(),
     top_p: Optional[float] = flags.top_p(),
@@ -67,7 +68,7 @@ def serve_cmd(
         load = functools.partial(hetero.load, model or model_arg, device=device, weights=weights, kv_dtype=kv_dtype,
                                  gpu_kv_dtype=gpu_kv_dtype, ctx_size=ctx_size, parallel=parallel, threads=threads, gpu_mem=gpu_mem,
                                  cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe,
-                                 weight_mode=weight_mode, plan=plan,
+                                 weight_mode=weight_mode, plan=plan, draft=draft,
                                  **{k: v for k, v in sampling.items() if v is not None})
         err.print(f"[dim]hetero serve: listening on http://{host}:{port} (loading the model; /health is 503 "
                   f"until it is ready)[/dim]", highlight=False)
@@ -89,6 +90,8 @@ def bench_cmd(
     parallel: str = flags.option("1", "-b", "--parallel", help="sequences decoded together, comma-separated (e.g. 1,16)"),
     kv_dtype: Optional[str] = flags.option(None, "--kv-dtype",
                                            help="host KV precision(s), comma-separated: bf16,int8,int4 (default: the planner's)"),
+    draft: str = flags.option("off", "--draft", help="speculative decoding, comma-separated: off, ngram, or KEPT/DRAFTED "
+                                                       "(e.g. 3/4: an acceptance fed in, for random weights)"),
     output: str = flags.choice_opt("md", "-o", "--output", values=("md", "json", "csv"), help="table format"),
     threads: Optional[int] = flags.threads(),
     weights: str = flags.weights(),
@@ -115,7 +118,8 @@ def bench_cmd(
             raise UserError("give a MODEL or --random SHAPE, not both")
         spec = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depths=parse_list(depth, "-d"), reps=reps,
                          batches=parse_list(parallel, "-b"),
-                         kv_dtypes=tuple(kv_dtype.split(",")) if kv_dtype else (None,))
+                         kv_dtypes=tuple(kv_dtype.split(",")) if kv_dtype else (None,),
+                         drafts=tuple(d.strip() for d in draft.split(",") if d.strip()) or ("off",))
         source = model or model_arg
         if random:
             import torch
@@ -127,7 +131,8 @@ def bench_cmd(
         load = functools.partial(hetero.load, source, device=device, weights=weights, threads=threads, gpu_mem=gpu_mem,
                                  cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, n_cpu_moe=n_cpu_moe,
                                  weight_mode=weight_mode)
-        rows = run_bench(load, spec, on_row=lambda r: err.print(f"[dim]{r.test} batch {r.n_batch} {r.kv_dtype}: "
+        rows = run_bench(load, spec, on_row=lambda r: err.print(f"[dim]{r.test} batch {r.n_batch} {r.kv_dtype} "
+                                                                f"draft {r.draft}: "
                                                                 f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f} t/s[/dim]"))
         sys.stdout.write(render(rows, output) + "\n")
     except UserError as e:

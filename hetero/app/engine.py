@@ -19,8 +19,10 @@ from hetero.errors import UserError
 from hetero.app.metrics import RequestStats
 from hetero.model import Model
 from hetero.sampling import SamplingParams
+from hetero.speculative import DraftLength, StepCost, make_drafter
 from hetero.app.scheduler import Chunk, Scheduler, Sequence
 from hetero.tokenizer import StreamDecoder, Tokenizer
+from offload import rows
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
 
@@ -29,7 +31,8 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer | None, runner: Runner, ctx_size: int,
-                 defaults: SamplingParams, info: dict | None = None, plan=None):
+                 defaults: SamplingParams, info: dict | None = None, plan=None, draft: str | None = None):
+        """draft: where speculative decoding's drafts come from ("ngram": prompt lookup; None: none)."""
         self.model, self.tok, self.runner = model, tokenizer, runner
         self.plan = plan  # the planner.Plan this engine carries out
         self.cache: TieredKVCache = runner.cache
@@ -42,6 +45,8 @@ class Engine:
         self._chat_tokens: list[int] = []
         self._window = Window()  # what of the conversation the model sees
         self.overflow = Overflow.DROP_TURNS
+        self.drafter = make_drafter(draft)
+        self.draft_cost = StepCost()  # a draft row's cost relative to a step, as measured here
 
     # ------------------------------------------------------------------ model passes
     def _prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
@@ -182,8 +187,23 @@ class Engine:
                     self.cache.free(s.id)
             stats.kv_gpu_tokens, stats.kv_host_tokens = self.cache.tier_tokens()
 
+    def _drafts(self, s: Sequence) -> list[int]:
+        """The tokens to draft after `s` this step: as many as pay at the recent acceptance rate
+        (`DraftLength`) or the drafter's fixed length, within the answer's and the context's room and
+        an exact KV rollback."""
+        if s.draft is None:
+            s.draft = DraftLength()
+        k = self.drafter.length or s.draft.choose(self.draft_cost.relative)
+        k = min(k, s.params.max_new_tokens - len(s.generated) - 1,
+                self.ctx_size - len(s.tokens) - 1)
+        k = rows.draft_room(self.cache, s.id, k)
+        return self.drafter.propose(s.id, s.tokens, k) if k > 0 else []
+
     def _sample(self, s: Sequence, logits: torch.Tensor) -> Chunk:
-        tok = s.sampler(logits, s.tokens)
+        return self._emit(s, s.sampler(logits, s.tokens))
+
+    def _emit(self, s: Sequence, tok: int) -> Chunk:
+        """`tok` is the sequence's next token: append it, see whether the sequence ends, its text."""
         s.tokens.append(tok)
         s.generated.append(tok)
         stop = self.tok.stop_ids if self.tok else frozenset(self.cfg.eos_token_ids)

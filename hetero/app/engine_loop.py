@@ -140,7 +140,8 @@ class EngineLoop:
 
     def _step(self, sched: Scheduler, active: dict[int, Request]) -> None:
         m = self.engine.metrics.total
-        before = (m.cpu_attention, m.gpu, m.h2d_bytes, m.d2h_bytes, sched.stats.prompt_tokens)
+        before = (m.cpu_attention, m.gpu, m.h2d_bytes, m.d2h_bytes, sched.stats.prompt_tokens, sched.stats.drafted,
+                  sched.stats.accepted)
         decode = not sched.waiting
         t0 = time.perf_counter()
         try:
@@ -161,7 +162,8 @@ class EngineLoop:
             gpu = wall  # a prefill, or a whole-step CUDA graph: the device is what the step waits on
         self.live.step(prompt_tokens=sched.stats.prompt_tokens - before[4], generation_tokens=len(out), wall=wall,
                        decode=decode, cpu_attention=m.cpu_attention - before[0], gpu=gpu,
-                       h2d=m.h2d_bytes - before[2], d2h=m.d2h_bytes - before[3])
+                       h2d=m.h2d_bytes - before[2], d2h=m.d2h_bytes - before[3],
+                       drafted=sched.stats.drafted - before[5], accepted=sched.stats.accepted - before[6])
         for seq, chunk in out:
             r = active.get(seq.id)
             if r is None:
@@ -207,11 +209,7 @@ def _memory(engine: Engine) -> dict[str, dict[str, int | None]]:
 
 
 def host_rss_bytes() -> int | None:
-    """This process's resident memory (Linux /proc; None elsewhere)."""
-    import os
+    """This process's resident memory."""
+    import psutil
 
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+    return psutil.Process().memory_info().rss

@@ -41,6 +41,8 @@ class Totals:
     cpu_attention_s: float = 0.0
     gpu_s: float = 0.0
     step_s: float = 0.0
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and of them kept
+    accepted_tokens: int = 0
 
 
 class LiveStats:
@@ -67,7 +69,7 @@ class LiveStats:
         return self.seconds[-1]
 
     def step(self, *, prompt_tokens: int, generation_tokens: int, wall: float, decode: bool, cpu_attention: float,
-             gpu: float, h2d: int, d2h: int) -> None:
+             gpu: float, h2d: int, d2h: int, drafted: int = 0, accepted: int = 0) -> None:
         with self._lock:
             s, tot = self._second(time.time()), self.totals
             s.prompt_tokens += prompt_tokens
@@ -85,6 +87,8 @@ class LiveStats:
             tot.gpu_s += gpu
             tot.h2d_bytes += h2d
             tot.d2h_bytes += d2h
+            tot.draft_tokens += drafted
+            tot.accepted_tokens += accepted
 
     def latency(self, kind: str, seconds: float) -> None:
         """kind: "ttft" (request arrival to its first token) or "itl" (between tokens of a request)."""
@@ -145,6 +149,7 @@ class LiveStats:
                 "cpu_attention_busy": min(1.0, rate("cpu_attention_s", recent, span)),
                 "gpu_busy": min(1.0, rate("gpu_s", recent, span)),
                 "engine_busy": min(1.0, rate("step_s", recent, span)),
+                "draft_acceptance": totals["accepted_tokens"] / totals["draft_tokens"] if totals["draft_tokens"] else 0.0,
             },
             "per_second": _fill_seconds(per_s, int(now)),
             "latency": {"ttft": _percentiles(ttft), "itl": _percentiles(itl)},

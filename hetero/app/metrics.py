@@ -13,6 +13,8 @@ class RequestStats:
     kv_gpu_tokens: int = 0
     kv_host_tokens: int = 0
     decode_tokens: int = 0
+    drafted: int = 0  # speculative decoding: tokens drafted, and of them kept
+    accepted: int = 0
     notes: list[str] = field(default_factory=list)  # what the context overflow dropped or cut
 
     def add_prefill(self, tokens: int, seconds: float) -> None:
@@ -25,6 +27,14 @@ class RequestStats:
         self.decode_tokens += tokens
         self.gen_seconds += seconds
 
+    def add_drafts(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
     @property
     def prompt_tps(self) -> float:
         return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
@@ -36,8 +46,11 @@ class RequestStats:
 
     def line(self) -> str:
         return (f"[ prompt {self.prompt_tokens} tok, {self.prompt_tps:.0f} t/s | generation {self.gen_tokens} tok, "
-                f"{self.gen_tps:.1f} t/s | KV {_k(self.kv_gpu_tokens + self.kv_host_tokens)} tok: "
+                f"{self.gen_tps:.1f} t/s{self._drafts()} | KV {_k(self.kv_gpu_tokens + self.kv_host_tokens)} tok: "
                 f"{_k(self.kv_gpu_tokens)} GPU / {_k(self.kv_host_tokens)} CPU ]")
+
+    def _drafts(self) -> str:
+        return f", drafts {self.accepted}/{self.drafted} kept" if self.drafted else ""
 
 
 def _k(n: int) -> str:

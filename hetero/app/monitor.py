@@ -84,6 +84,8 @@ def frame(s: dict, url: str, status: str = "connected") -> RenderableType:
                  _spark(per["generation_tokens"]))
     tput.add_row("prompt", f"{r['prompt_tok_s']:7.1f} t/s now", f"{tot['prompt_tokens']:7d} tok total",
                  _spark(per["prompt_tokens"]))
+    if tot.get("draft_tokens"):
+        tput.add_row("drafts", f"{r['draft_acceptance']:7.0%} kept", f"{tot['accepted_tokens']:7d} of {tot['draft_tokens']}", "")
     lat, ttft, itl = Table.grid(padding=(0, 2)), s["latency"]["ttft"], s["latency"]["itl"]
     lat.add_row("TTFT", f"p50 {_ms(ttft['p50'])}", f"p95 {_ms(ttft['p95'])}", f"({ttft['count']} in 1 min)")
     lat.add_row("ITL", f"p50 {_ms(itl['p50'])}", f"p95 {_ms(itl['p95'])}", f"({itl['count']} in 1 min)")

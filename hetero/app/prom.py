@@ -43,6 +43,12 @@ class _LiveCollector:
         yield _gauge("hetero:num_requests_waiting", "Requests queued or waiting for their prefill.", s["waiting"])
         yield _counter("hetero:prompt_tokens", "Prompt tokens prefilled.", tot["prompt_tokens"])
         yield _counter("hetero:generation_tokens", "Tokens generated.", tot["generation_tokens"])
+        yield _counter("hetero:spec_decode_num_draft_tokens", "Tokens drafted (speculative decoding).",
+                       tot["draft_tokens"])
+        yield _counter("hetero:spec_decode_num_accepted_tokens", "Drafted tokens the model kept.",
+                       tot["accepted_tokens"])
+        yield _gauge("hetero:spec_decode_draft_acceptance_rate", "Drafted tokens kept over tokens drafted.",
+                     rates["draft_acceptance"])
         done = CounterMetricFamily("hetero:request_success", "Requests finished, by reason.", labels=["finished_reason"])
         for reason, n in sorted(tot["requests"].items()):
             done.add_metric([_REASON.get(reason, reason)], n)

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 from hetero.app.metrics import RequestStats
 from hetero.sampling import Sampler, SamplingParams
+from hetero.speculative import DraftLength, accept
 from hetero.tokenizer import StreamDecoder
+from offload import rows
 
 if TYPE_CHECKING:
     from hetero.app.engine import Engine
@@ -33,6 +35,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # generate to max_new_tokens through EOS (benchmarks, load tests)
     ctx_full: bool = False  # it stopped because the context was full
+    draft: DraftLength | None = None  # speculative decoding: how many tokens to draft for it
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
@@ -86,20 +89,59 @@ class Scheduler:
             logits = e._prefill(s.id, s.tokens, start)
             stats.add_prefill(len(s.tokens) - start, time.perf_counter() - t0)
             batch = [s]
+        elif e.drafter is not None:
+            return self._speculative_step(t0)
         else:
             batch, logits = list(self.running), e._decode(self.running)
             stats.add_decode(len(batch), time.perf_counter() - t0)
         logits = logits.cpu()  # sampling runs on the host (seeded generator, small vectors)
         out = []
         for s, row in zip(batch, logits):  # postprocess
-            chunk = e._sample(s, row)
-            if s.finish_reason is None:
-                if s not in self.running:
-                    self.running.append(s)
-            else:
-                if s in self.running:
-                    self.running.remove(s)
-                if not self.keep:
-                    e.cache.free(s.id)
-            out.append((s, chunk))
+            out.append((s, e._sample(s, row)))
+            self._settle(s)
         return out
+
+    def _speculative_step(self, t0: float) -> list[tuple[Sequence, Chunk]]:
+        """Every running sequence's last token and its drafts in one decode step (hetero/speculative.py);
+        each yields the drafts the model keeps and one token more, and the rows it rejected leave the KV."""
+        e, batch = self.engine, list(self.running)
+        drafts = [e._drafts(s) for s in batch]
+        seqs, tokens, positions = [], [], []
+        for s, d in zip(batch, drafts):
+            run = [s.tokens[-1], *d]
+            seqs += [s.id] * len(run)
+            tokens += run
+            positions += range(len(s.tokens) - 1, len(s.tokens) - 1 + len(run))
+        logits = e.runner.decode(seqs, tokens, positions).cpu()
+        wall = time.perf_counter() - t0
+        e.draft_cost.add(len(seqs) / len(batch), wall)
+        out, at = [], 0
+        for s, d in zip(batch, drafts):
+            kept = accept(s.sampler, logits[at: at + len(d) + 1], d, s.tokens)
+            at += len(d) + 1
+            emitted = 0
+            for tok in kept:
+                out.append((s, e._emit(s, tok)))
+                emitted += 1
+                if s.finish_reason is not None:
+                    break
+            if len(d) + 1 > emitted:  # the KV keeps the rows of the tokens now in the sequence but its last
+                rows.rollback(e.cache, s.id, len(d) + 1 - emitted)
+            s.draft.update(len(d), len(kept) - 1)
+            self.stats.add_drafts(len(d), len(kept) - 1)
+            self._settle(s)
+        self.stats.add_decode(len(out), wall)
+        return out
+
+    def _settle(self, s: Sequence) -> None:
+        """After a step: a sequence that goes on runs; one that finished leaves (and frees its KV)."""
+        if s.finish_reason is None:
+            if s not in self.running:
+                self.running.append(s)
+            return
+        if s in self.running:
+            self.running.remove(s)
+        if self.engine.drafter is not None:
+            self.engine.drafter.forget(s.id)
+        if not self.keep:
+            self.engine.cache.free(s.id)

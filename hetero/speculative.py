@@ -1,0 +1,207 @@
+"""Speculative decoding: drafts, their verification, and how many tokens to draft.
+
+A drafter proposes up to k tokens to follow a sequence; one decode step runs the sequence's last
+token and the drafts as consecutive rows (offload/rows.py), which gives the model's logits after
+each of them for about the price of one step where the step is bound by reading weights or KV.
+`accept` keeps the drafts the model agrees with and adds one token of its own, so a step yields
+between 1 and k + 1 tokens.
+
+Acceptance is the speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023): a draft d
+drawn with probability q(d) is kept with probability min(1, p(d) / q(d)), p being the sampler's
+distribution (after the repetition penalty, temperature, top-k, min-p and top-p); at the first
+rejection the token is drawn from max(0, p − q), renormalized; when every draft is kept one more
+is drawn from p. The tokens are distributed exactly as without drafting. A prompt-lookup draft is
+deterministic (q is one-hot at d): keep d with probability p(d), else draw from p without d. At
+temperature 0 p is one-hot at the argmax, so the output is token for token that of plain greedy
+decoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hetero.errors import UserError
+from hetero.sampling import Sampler
+
+MAX_DRAFT = 8  # tokens a step drafts at most
+DRAFTERS = ("ngram",)
+
+
+class NgramDrafter:
+    """Prompt lookup (llama.cpp's `--lookup`, transformers' `prompt_lookup_num_tokens`): the last n
+    tokens of the sequence, n from `max_ngram` down to `min_ngram`, are looked up among its earlier
+    tokens (prompt and answer); what followed their latest earlier occurrence is the draft.
+
+    n from 3 down to 1 is what prompt-lookup implementations settle on: a longer n finds fewer
+    matches and a 1-token match still pays where the cost of a draft row is small
+    (`DraftLength` stops drafting where it does not pay)."""
+
+    length = None  # tokens a step drafts: chosen step by step (`DraftLength`)
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram sizes {min_ngram}..{max_ngram}: need 1 ≤ min ≤ max")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._arrays: dict[int, tuple[np.ndarray, int]] = {}  # sequence id → (tokens buffer, tokens in it)
+
+    def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens to follow `tokens` (the sequence's tokens so far, which only grow)."""
+        if k <= 0:
+            return []
+        arr = self._tokens(seq_id, tokens)
+        N = len(arr)
+        for n in range(min(self.max_ngram, N - 1), self.min_ngram - 1, -1):
+            tail = arr[N - n:]
+            starts = np.flatnonzero(arr[: N - n] == tail[0])  # an occurrence at i is followed by arr[i + n]
+            for j in range(1, n):
+                starts = starts[arr[starts + j] == tail[j]]
+            if starts.size:
+                i = int(starts[-1]) + n
+                return arr[i: i + k].tolist()
+        return []
+
+    def forget(self, seq_id: int) -> None:
+        self._arrays.pop(seq_id, None)
+
+    def _tokens(self, seq_id: int, tokens: list[int]) -> np.ndarray:
+        """The tokens as an array, kept per sequence and extended by what was appended since."""
+        buf, n = self._arrays.get(seq_id, (None, 0))
+        if buf is None or n > len(tokens):
+            buf, n = np.empty(max(64, 2 * len(tokens)), np.int64), 0
+        if len(tokens) > len(buf):
+            buf = np.concatenate([buf[:n], np.empty(len(tokens), np.int64)])
+        buf[n: len(tokens)] = tokens[n:]
+        self._arrays[seq_id] = (buf, len(tokens))
+        return buf[: len(tokens)]
+
+
+class ReplayDrafter:
+    """Drafts with an acceptance fed in, for models whose own drafts mean nothing (random weights,
+    `hetero bench --draft 3/4`): every step drafts `length` tokens, the first `kept` of them the
+    model's greedy continuation recorded by a run without drafting (`scripts`: a sequence's whole
+    token list by its id), the rest tokens that run did not produce. Greedy verification then keeps
+    exactly `kept` a step while the recorded run and this one agree."""
+
+    def __init__(self, kept: int, length: int, vocab_size: int):
+        if not 0 <= kept <= length or length < 1:
+            raise UserError(f"draft {kept}/{length}: need 0 ≤ kept ≤ drafted and drafted ≥ 1")
+        self.kept, self.length, self.vocab = kept, length, vocab_size
+        self.scripts: dict[int, list[int]] = {}
+
+    def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+        script, n = self.scripts.get(seq_id, []), len(tokens)
+        out = script[n: n + min(k, self.kept)]
+        while len(out) < k and n + len(out) < len(script):
+            out.append((script[n + len(out)] + 1) % self.vocab)  # not what the model produced there
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        self.scripts.pop(seq_id, None)
+
+
+def make_drafter(name: str | None) -> NgramDrafter | None:
+    if name in (None, "", "off", "none"):
+        return None
+    if name == "ngram":
+        return NgramDrafter()
+    raise UserError(f"unknown drafter {name!r}: use one of {', '.join(DRAFTERS)} (or off)")
+
+
+def accept(sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: list[int],
+           draft_probs: torch.Tensor | None = None) -> list[int]:
+    """The tokens a verified step yields (module doc): the kept prefix of `drafts` and one more.
+
+    logits [k + 1, V]: the model's after the sequence's last token and after each draft; history:
+    the sequence's tokens before the drafts (for the repetition penalty); draft_probs [k, V]: the
+    distributions the drafts were drawn from (None: deterministic drafts)."""
+    out: list[int] = []
+    for i, d in enumerate(drafts):
+        p = sampler.distribution(logits[i], history + out)
+        q = None if draft_probs is None else draft_probs[i]
+        qd = 1.0 if q is None else float(q[d])
+        pd = float(p[d])
+        if pd >= qd or (pd > 0 and sampler.uniform() < pd / qd):
+            out.append(d)
+            continue
+        if q is None:
+            residual = p.clone()
+            residual[d] = 0
+        else:
+            residual = torch.clamp(p - q, min=0)
+        total = float(residual.sum())
+        out.append(sampler.draw(residual / total) if total > 0 else sampler.draw(p))
+        return out
+    out.append(sampler.draw(sampler.distribution(logits[len(drafts)], history + out)))
+    return out
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to draft: the k that maximizes the expected tokens a step yields over what
+    the step costs. With a per-token acceptance rate a, a step of k drafts yields
+    (1 − a^(k+1)) / (1 − a) tokens on average and costs 1 + c·k plain steps, c being a draft row's
+    cost relative to a step, measured on this machine as steps run (`StepCost`)."""
+
+    max_draft: int = MAX_DRAFT
+    prior: float = 0.6  # the acceptance rate until drafts have been verified
+    memory: float = 0.8  # the rate is an exponential average: the weight of the past a step
+    rate: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.rate < 0:
+            self.rate = self.prior
+
+    def choose(self, cost: float) -> int:
+        a = min(self.rate, 0.999)
+        best, best_k = 1.0, 0
+        for k in range(1, self.max_draft + 1):
+            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k)
+            if gain > best * 1.02:  # a longer draft must pay by a margin
+                best, best_k = gain, k
+        if best_k == 0:  # not drafting teaches nothing: the rate drifts back so that drafting is tried again
+            self.rate += 0.02 * (self.prior - self.rate)
+        return best_k
+
+    def update(self, drafted: int, kept: int) -> None:
+        """A verification kept `kept` of `drafted` tokens: kept successes in min(kept + 1, drafted) trials."""
+        if drafted:
+            trials = min(kept + 1, drafted)
+            self.rate = self.memory * self.rate + (1 - self.memory) * kept / trials
+
+
+@dataclass
+class StepCost:
+    """A draft row's cost relative to a plain step, fitted to the decode steps' wall times against
+    their rows a sequence (least squares on exponentially weighted sums: the steps of the last few
+    hundred count, as the context and the batch change what a step costs)."""
+
+    prior: float = 0.25
+    decay: float = 0.99
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+    seen: set[float] = field(default_factory=set)
+
+    def add(self, rows: float, seconds: float) -> None:
+        w = self.decay
+        self._n, self._sx, self._sy, self._sxx, self._sxy = (w * self._n, w * self._sx, w * self._sy,
+                                                             w * self._sxx, w * self._sxy)
+        self._n += 1
+        self._sx += rows
+        self._sy += seconds
+        self._sxx += rows * rows
+        self._sxy += rows * seconds
+        self.seen.add(rows)
+
+    @property
+    def relative(self) -> float:
+        var = self._n * self._sxx - self._sx ** 2
+        if len(self.seen) < 2 or var <= 1e-9 * self._n ** 2:  # a slope needs two row counts
+            return self.prior
+        slope = (self._n * self._sxy - self._sx * self._sy) / var
+        base = (self._sy - slope * self._sx) / self._n + slope  # a step of one row
+        return min(1.0, max(0.0, slope / base)) if base > 0 else self.prior

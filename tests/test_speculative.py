@@ -1,0 +1,225 @@
+"""Speculative decoding: prompt-lookup drafts verified as runs of rows of one decode step.
+
+Drafting changes nothing but speed: greedy tokens are those of plain decoding, the KV left after
+rejected drafts is that of a run that never drafted (both tiers, every KV format), and with
+sampling the distribution of a token is the model's."""
+import pytest
+import torch
+
+import hetero
+from conftest import rel_err
+from hetero.app.scheduler import Scheduler
+from hetero.errors import UserError
+from hetero.sampling import Sampler, SamplingParams
+from hetero.speculative import DraftLength, NgramDrafter, StepCost, accept
+from offload import rows
+
+PROMPTS = [
+    [3, 17, 42, 99, 5, 150, 7, 8, 64, 33, 2, 11, 90, 91, 92, 93, 94, 95, 1, 2],
+    [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8],  # repeats itself: drafts get kept
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 40, 41, 42],
+]
+
+
+def _engine(folder, **kw):
+    return hetero.load(folder, device="cpu", weights="f32", tokenizer=False, block_size=4, **kw)
+
+
+def _run(engine, prompt, n=24, **params):
+    """Generate with KV kept afterwards (the server's scheduler, keep=True) → the sequence."""
+    sched = Scheduler(engine, keep=True)
+    s = engine.sequence(prompt, max_new_tokens=n, **{"temperature": 0.0, **params})
+    sched.add(s)
+    while not sched.idle:
+        sched.step()
+    return s, sched.stats
+
+
+def _kv(engine, seq):
+    """Every layer's K and V of a sequence, each tier's tokens as the tier holds them (float32)."""
+    c = engine.cache
+    s = c.seqs[seq]
+    out = []
+    for layer in range(engine.cfg.num_layers):
+        if s.host.num_tokens:
+            out += c.host.gather(layer, torch.tensor(s.host.blocks), s.host.num_tokens)
+        if s.gpu.num_tokens:
+            k, v = c.gpu.gather(layer, torch.tensor([s.gpu.blocks]))
+            out += [k[0, :, : s.gpu.num_tokens].float(), v[0, :, : s.gpu.num_tokens].float()]
+    return out
+
+
+# ---------------------------------------------------------------------------- the drafter
+def test_ngram_drafter_continues_the_latest_earlier_occurrence():
+    d = NgramDrafter(max_ngram=3, min_ngram=1)
+    toks = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]
+    assert d.propose(0, toks, 4) == [7, 8, 6, 1]  # "1 2 3" last seen before "7 8 6 1"
+    assert d.propose(0, toks + [7], 2) == [8, 6]  # the buffer grows with the sequence
+    assert d.propose(1, [1, 2, 3, 4], 3) == []  # nothing repeats
+    assert d.propose(2, [4, 5, 6, 5], 3) == [6, 5]  # a 1-token match when no longer one is there
+    assert d.propose(3, toks, 0) == []
+
+
+def test_unknown_drafter_is_refused(tiny):
+    with pytest.raises(UserError, match="unknown drafter"):
+        _engine(tiny("llama")[0], draft="medusa")
+
+
+# ---------------------------------------------------------------------------- acceptance
+def test_greedy_acceptance_keeps_the_argmax_prefix():
+    V = 6
+    logits = torch.full((4, V), -5.0)
+    for i, t in enumerate([2, 4, 1, 5]):  # the model's argmax after each row
+        logits[i, t] = 5.0
+    s = Sampler(SamplingParams(temperature=0.0))
+    assert accept(s, logits, [2, 4, 1], []) == [2, 4, 1, 5]  # all kept, plus the model's next
+    assert accept(s, logits, [2, 3, 1], []) == [2, 4]  # the first disagreement is replaced
+    assert accept(s, logits[:1], [], []) == [2]
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_sampled_acceptance_keeps_the_models_distribution(with_q):
+    """The first token of a step, over many seeds, is distributed as the sampler's p, whether the
+    draft was p's likeliest token, an unlikely one or one p excludes (prompt lookup), or drawn
+    from another distribution q (a draft model)."""
+    V, n = 5, 6000
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7, -1.0], [0.0, 0.3, 0.1, -0.2, 0.5]])
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    p = Sampler(params).distribution(logits[0], [])
+    q = torch.tensor([0.1, 0.5, 0.2, 0.1, 0.1])
+    for fixed in (0, 2, 4):
+        counts = torch.zeros(V)
+        for seed in range(n):
+            sampler = Sampler(params.update(seed=seed))
+            draft = int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(n + seed))) if with_q else fixed
+            counts[accept(sampler, logits, [draft], [], q[None] if with_q else None)[0]] += 1
+        freq = counts / n
+        tol = 4 * (p * (1 - p) / n).sqrt() + 1e-3  # four standard errors a token
+        assert torch.all((freq - p).abs() <= tol), (fixed, freq, p)
+
+
+def test_draft_length_follows_the_acceptance_rate_and_the_cost():
+    d = DraftLength(max_draft=8)
+    for _ in range(30):
+        d.update(drafted=8, kept=8)
+    assert d.choose(cost=0.05) == 8  # everything kept, rows nearly free: draft the most
+    assert d.choose(cost=1.0) == 0  # a row costs a step: drafting cannot pay
+    for _ in range(30):
+        d.update(drafted=4, kept=0)
+    assert d.choose(cost=0.05) <= 1
+    c = StepCost()
+    for r, t in [(1, 1.0), (3, 1.2), (5, 1.4), (1, 1.0)]:
+        c.add(r, t)
+    assert abs(c.relative - 0.1) < 1e-6  # 0.1 s a row over a 1 s step
+
+
+# ---------------------------------------------------------------------------- the engine
+@pytest.mark.parametrize("kw", [
+    dict(kv_dtype="f32"),
+    dict(kv_dtype="bf16"),
+    dict(kv_dtype="int8"),
+    dict(kv_dtype="int4"),
+    dict(kv_dtype="bf16", gpu_kv_tokens=8),  # both tiers: the device stand-in first
+    dict(kv_dtype="int8", gpu_kv_dtype="int8", gpu_kv_tokens=8),
+    dict(kv_dtype="int4", gpu_kv_dtype="int4", gpu_kv_tokens=12),
+    dict(kv_dtype="int4", gpu_kv_dtype="int4", gpu_kv_tokens=1000),  # all on a quantized device tier
+], ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_drafting_changes_no_token_and_no_kv(tiny, kw):
+    folder = tiny("llama_hd32")[0]  # head dim 32: int4's groups
+    plain, spec = _engine(folder, **kw), _engine(folder, draft="ngram", **kw)
+    drafted = kept = 0
+    for prompt in PROMPTS:
+        want, _ = _run(plain, prompt, n=28)
+        got, stats = _run(spec, prompt, n=28)
+        assert got.generated == want.generated
+        drafted, kept = drafted + stats.drafted, kept + stats.accepted
+        assert spec.cache.num_tokens(got.id) == len(got.tokens) - 1
+        a, b = _kv(plain, want.id), _kv(spec, got.id)
+        assert len(a) == len(b)
+        for x, y in zip(a, b):  # the same tokens' KV: a verified run's rows are computed together, so
+            assert x.shape == y.shape  # a value may round to the storage format's neighbouring step
+            assert rel_err(y, x) <= 1e-6 if kw["kv_dtype"] == "f32" else rel_err(y, x) <= 2e-3
+        for e, s in ((plain, want), (spec, got)):
+            e.cache.free(s.id)
+    assert drafted > kept > 0  # drafts were kept and drafts were rolled back
+
+
+def test_batched_drafting_matches_plain_batches(tiny):
+    folder = tiny("llama")[0]
+    plain, spec = _engine(folder, kv_dtype="bf16"), _engine(folder, kv_dtype="bf16", draft="ngram")
+    outs = []
+    for e in (plain, spec):
+        got = [[] for _ in PROMPTS]
+        for c in e.generate(PROMPTS, max_new_tokens=20, temperature=0.0):
+            got[c.index].append(c.token)
+        outs.append(got)
+        assert e.cache.tier_tokens() == (0, 0)  # finished sequences freed both tiers
+    assert outs[0] == outs[1]
+    assert spec.last_stats.drafted > 0
+
+
+def test_draft_room_never_completes_a_quantized_block(tiny):
+    e = _engine(tiny("llama_hd32")[0], kv_dtype="int4")
+    e.cache.reserve(7, 5)  # 5 tokens in blocks of 4: the next row is at offset 1
+    assert rows.draft_room(e.cache, 7, 8) == 1  # rows at offsets 1, 2; offset 3 would complete it
+    e.cache.reserve(7, 2)  # next row at offset 3: it completes the block, so no drafts
+    assert rows.draft_room(e.cache, 7, 8) == 0
+    f = _engine(tiny("llama_hd32")[0], kv_dtype="int8")  # per-token formats: any draft length
+    f.cache.reserve(7, 7)
+    assert rows.draft_room(f.cache, 7, 8) == 8
+
+
+def test_demo_model_answers_the_same_with_prompt_lookup():
+    """The real model, greedy: a question whose answer quotes the context, and free chat."""
+    plain, spec = hetero.load(parallel=1), hetero.load(parallel=1, draft="ngram")
+    doc = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is "
+           "named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
+    chats = [[{"role": "user", "content": doc + "\nRepeat the text above exactly."}],
+             [{"role": "user", "content": "Write a short poem about the sea."}]]
+    kept = []
+    for msgs in chats:
+        want = [c.token for c in plain.chat(msgs, max_new_tokens=48, temperature=0)]
+        got = [c.token for c in spec.chat(msgs, max_new_tokens=48, temperature=0)]
+        assert got == want
+        kept.append(spec.last_stats.accepted)
+        plain.reset_chat()
+        spec.reset_chat()
+    assert kept[0] >= 16  # the quoted answer is mostly drafted
+
+
+def test_server_loop_drafts_per_request_and_counts_them(tiny):
+    """The server's engine loop (continuous batching) with drafting: each request gets the tokens
+    it gets alone without drafting, and the live stats and /metrics count drafted and kept tokens."""
+    import queue
+
+    from hetero.app.engine_loop import EngineLoop, Request
+    from hetero.app.live import LiveStats
+    from hetero.app.prom import make_registry, render
+
+    folder = tiny("llama")[0]
+    want = [_run(_engine(folder, kv_dtype="bf16"), p, n=20)[0].generated for p in PROMPTS]
+    engine = _engine(folder, kv_dtype="bf16", draft="ngram", parallel=3)
+    live = LiveStats({"device": "cpu"})
+    loop = EngineLoop(engine, live, parallel=3, max_waiting=4)
+    loop.start()
+    try:
+        inbox = [queue.Queue() for _ in PROMPTS]
+        for p, q in zip(PROMPTS, inbox):
+            loop.submit(Request(engine.sequence(p, max_new_tokens=20, temperature=0.0), q.put))
+        got = []
+        for q in inbox:
+            toks = []
+            while True:
+                c = q.get(timeout=120)
+                toks.append(c.token)
+                if c.finish_reason is not None:
+                    break
+            got.append(toks)
+    finally:
+        loop.stop()
+    assert got == want
+    tot = live.totals
+    assert tot.draft_tokens > tot.accepted_tokens > 0
+    text = render(make_registry(live)).decode()
+    assert f"hetero:spec_decode_num_draft_tokens_total {float(tot.draft_tokens)}" in text
+    assert "hetero:spec_decode_draft_acceptance_rate" in text
