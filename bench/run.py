@@ -30,6 +30,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv_accuracy": ("quantized host KV on the demo model: argmax agreement with bf16 KV and perplexity", "CPU"),
     "startup": ("where `hetero chat`'s start-up time goes: imports, tokenizer, plan, weights, KV cache, first "
                 "token", "CPU or GPU"),
+    "speculative": ("speculative decoding at long context (Llama-3-8B shape, the planner's placement): tok/s with "
+                    "drafts off, fed-in acceptances and prompt lookup, against (kept + 1) plain steps", "GPU or CPU"),
     "serve_load": ("a bounded load run against `hetero serve`: requests, errors, server memory", "CPU"),
 }
 
