@@ -8,11 +8,11 @@ gpu_mem=B, ctx_size=C, parallel=1, draft=...)` and nothing else; the KV cache fi
 context with random codes (attention's speed does not depend on the values, and a prefill of
 32k tokens would take longer than the decode being measured), then decode steps through the
 engine's scheduler, as `hetero chat --draft` runs them. Random weights draft nothing useful, so
-the acceptance is fed in: "A/K" drafts K tokens a step of which the first A are the model's own
-greedy continuation, recorded by a run without drafts over the same KV
-(`hetero.speculative.ReplayDrafter`); "ngram" is the real prompt-lookup drafter, which over
-random tokens finds little: what drafting costs when nothing is kept. Prints tok/s per mode with
-the plain run's figure and, for A/K, the bound: (A + 1) tokens a step at the cost of plain steps.
+the acceptance is fed in: "A/K" drafts K tokens a step and its verification keeps A of them
+(`hetero.speculative.FedAcceptance`: the rows, their KV and the rollback are the real work);
+"ngram" is the real prompt-lookup drafter, which over random tokens finds little: what drafting
+costs when nothing is kept. Prints tok/s per mode with the plain run's figure and, for A/K, the
+bound: A + 1 tokens a step at a plain step's cost.
 """
 from __future__ import annotations
 
@@ -28,18 +28,15 @@ import torch  # noqa: E402
 from bench.budget import fill  # noqa: E402
 from hetero.app.bench import parse_draft  # noqa: E402
 from hetero.app.scheduler import Scheduler  # noqa: E402
-from hetero.speculative import ReplayDrafter  # noqa: E402
 from planner.units import parse_size  # noqa: E402
 
 
-def run(engine, mode: str, n0: int, steps: int, script: list[int] | None, prompt: list[int]) -> dict:
+def run(engine, mode: str, n0: int, steps: int, prompt: list[int]) -> dict:
     """`steps` tokens decoded after a context of n0 random-code tokens → tok/s, acceptance, tokens."""
     engine.drafter = parse_draft(mode, engine.cfg.vocab_size)
     sched = Scheduler(engine)
     s = engine.sequence(prompt, ignore_eos=True, max_new_tokens=steps + 1, temperature=0.0)
-    if isinstance(engine.drafter, ReplayDrafter):
-        engine.drafter.scripts[s.id] = script
-    torch.manual_seed(0)  # the same KV values for every mode: the greedy continuations agree
+    torch.manual_seed(0)  # the same KV values for every mode
     fill(engine.cache, [s.id], n0 - 1)  # the prompt's tokens but its last: its KV
     sched.running.append(s)  # the prompt is "prefilled": the next step decodes
     if engine.runner.cuda:
@@ -53,7 +50,7 @@ def run(engine, mode: str, n0: int, steps: int, script: list[int] | None, prompt
     engine.cache.free(s.id)
     st = sched.stats
     return dict(mode=mode, tok_s=len(s.generated) / wall, tokens=len(s.generated), seconds=wall,
-                drafted=st.drafted, kept=st.accepted, acceptance=st.acceptance, tail=s.tokens)
+                drafted=st.drafted, kept=st.accepted, acceptance=st.acceptance)
 
 
 def main() -> None:
@@ -76,16 +73,13 @@ def main() -> None:
     print(f"plan: {engine.info['plan']}")
     n0 = a.ctx - a.steps - 16
     prompt = torch.randint(0, engine.cfg.vocab_size, (n0,), generator=torch.Generator().manual_seed(1)).tolist()
-    run(engine, "off", n0, 8, None, prompt)  # warm-up: compiles, graph captures
+    modes = a.drafts.split(",")
+    for mode in modes:  # warm-up: compiles, graph captures of each run length
+        run(engine, mode, n0, 12, prompt)
     results: dict[str, list[dict]] = {}
-    script = None
     for rep in range(a.reps):
-        for mode in a.drafts.split(","):
-            if mode != "off" and script is None:  # the greedy continuation the fed-in drafts replay
-                script = run(engine, "off", n0, a.steps, None, prompt)["tail"]
-            r = run(engine, mode, n0, a.steps, script, prompt)
-            if mode == "off":
-                script = script or r["tail"]
+        for mode in modes:
+            r = run(engine, mode, n0, a.steps, prompt)
             results.setdefault(mode, []).append(r)
             print(f"rep {rep} {mode:6} {r['tok_s']:8.1f} tok/s  {r['tokens']} tokens in {r['seconds']:.2f} s, "
                   f"drafts kept {r['kept']}/{r['drafted']}", flush=True)
@@ -101,8 +95,7 @@ def main() -> None:
             bound = f"{plain * (kept + 1):8.1f}"
         print(f"{mode:8} {best['tok_s']:8.1f} {ratio:>9} {best['acceptance']:6.0%} {bound:>8}")
     if a.out:
-        a.out.write_text(json.dumps({m: [{k: v for k, v in r.items() if k != "tail"} for r in rs]
-                                     for m, rs in results.items()}, indent=2))
+        a.out.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

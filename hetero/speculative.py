@@ -62,6 +62,9 @@ class NgramDrafter:
                 return arr[i: i + k].tolist()
         return []
 
+    def keep(self, sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: list[int]) -> list[int]:
+        return accept(sampler, logits, drafts, history)
+
     def forget(self, seq_id: int) -> None:
         self._arrays.pop(seq_id, None)
 
@@ -77,28 +80,27 @@ class NgramDrafter:
         return buf[: len(tokens)]
 
 
-class ReplayDrafter:
-    """Drafts with an acceptance fed in, for models whose own drafts mean nothing (random weights,
-    `hetero bench --draft 3/4`): every step drafts `length` tokens, the first `kept` of them the
-    model's greedy continuation recorded by a run without drafting (`scripts`: a sequence's whole
-    token list by its id), the rest tokens that run did not produce. Greedy verification then keeps
-    exactly `kept` a step while the recorded run and this one agree."""
+class FedAcceptance:
+    """An acceptance fed in, for benchmarks of models whose own drafts mean nothing (random weights:
+    `hetero bench --draft 3/4`): every step drafts `length` tokens and its verification keeps the
+    first `kept` of them whatever the model's logits say, then adds the model's own token, as a
+    step whose drafts the model agreed with `kept` times would. The step's work is the real one
+    (the rows, their KV, the rollback of the rest); the text is not the model's."""
 
     def __init__(self, kept: int, length: int, vocab_size: int):
         if not 0 <= kept <= length or length < 1:
             raise UserError(f"draft {kept}/{length}: need 0 ≤ kept ≤ drafted and drafted ≥ 1")
         self.kept, self.length, self.vocab = kept, length, vocab_size
-        self.scripts: dict[int, list[int]] = {}
 
     def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
-        script, n = self.scripts.get(seq_id, []), len(tokens)
-        out = script[n: n + min(k, self.kept)]
-        while len(out) < k and n + len(out) < len(script):
-            out.append((script[n + len(out)] + 1) % self.vocab)  # not what the model produced there
-        return out
+        return [(tokens[-1] + 1 + i) % self.vocab for i in range(k)]
+
+    def keep(self, sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: list[int]) -> list[int]:
+        n = min(self.kept, len(drafts))
+        return drafts[:n] + [sampler.draw(sampler.distribution(logits[n], history + drafts[:n]))]
 
     def forget(self, seq_id: int) -> None:
-        self.scripts.pop(seq_id, None)
+        pass
 
 
 def make_drafter(name: str | None) -> NgramDrafter | None:

@@ -10,9 +10,8 @@ mean ± sample standard deviation over the repetitions, and the plan each ran wi
 
 Speculative decoding (`--draft`, a column): "ngram" drafts by prompt lookup as `hetero chat
 --draft ngram` does (over random tokens it finds little: what drafting costs when nothing is
-kept); "A/K" feeds the acceptance in, for random weights: each step drafts K tokens of which the
-first A are the model's own greedy continuation, recorded by an untimed run without drafting of
-the same repetition (`hetero.speculative.ReplayDrafter`), and the verification keeps them.
+kept); "A/K" feeds the acceptance in, for random weights: each step drafts K tokens and its
+verification keeps A of them (`hetero.speculative.FedAcceptance`).
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ import torch
 from hetero.app.engine import Engine
 from hetero.errors import UserError
 from hetero.app.scheduler import Scheduler
-from hetero.speculative import ReplayDrafter, make_drafter
+from hetero.speculative import FedAcceptance, make_drafter
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ def parse_draft(text: str, vocab_size: int):
             kept, length = (int(x) for x in text.split("/"))
         except ValueError:
             raise UserError(f"--draft {text!r}: give off, ngram or KEPT/DRAFTED (e.g. 3/4)") from None
-        return ReplayDrafter(kept, length, vocab_size)
+        return FedAcceptance(kept, length, vocab_size)
     return make_drafter(text)
 
 
@@ -119,22 +118,12 @@ def _measure(engine: Engine, spec: BenchSpec, batch: int, depth: int, n_gen: int
              seed: int) -> tuple[float, float, float | None]:
     """(prompt tokens/s, generated tokens/s, drafted tokens kept or None) of one repetition."""
     n_prompt = max(spec.n_prompt, 1)
-    replay = engine.drafter if isinstance(engine.drafter, ReplayDrafter) else None
-    scripts = None
-    if replay is not None:  # the greedy continuations the drafts replay: a run without drafts, untimed
-        engine.drafter = None
-        try:
-            scripts = _generate(engine, batch, depth, n_prompt, n_gen, seed)
-        finally:
-            engine.drafter = replay
     gen = torch.Generator().manual_seed(seed)
     sched = Scheduler(engine)
     seqs = []
-    for i in range(batch):
+    for _ in range(batch):
         ids = torch.randint(0, engine.cfg.vocab_size, (depth + n_prompt,), generator=gen).tolist()
         s = engine.sequence(ids, ignore_eos=True, max_new_tokens=n_gen + 1, temperature=0.0)
-        if replay is not None:
-            replay.scripts[s.id] = scripts[i]
         if depth:
             engine.runner.prefill(s.id, ids[:depth], 0)  # the context already there: not timed
         sched.add(s, cached=depth)
@@ -159,24 +148,6 @@ def _measure(engine: Engine, spec: BenchSpec, batch: int, depth: int, n_gen: int
             engine.cache.free(s.id)
     kept = sched.stats.accepted / sched.stats.drafted if sched.stats.drafted else None
     return batch * n_prompt / prefill_s, decoded / decode_s if decode_s else 0.0, kept
-
-
-def _generate(engine: Engine, batch: int, depth: int, n_prompt: int, n_gen: int, seed: int) -> list[list[int]]:
-    """Each sequence's tokens (prompt and greedy answer) as `_measure` with `seed` makes them."""
-    gen = torch.Generator().manual_seed(seed)
-    sched = Scheduler(engine)
-    seqs = []
-    for _ in range(batch):
-        ids = torch.randint(0, engine.cfg.vocab_size, (depth + n_prompt,), generator=gen).tolist()
-        seqs.append(engine.sequence(ids, ignore_eos=True, max_new_tokens=n_gen + 1, temperature=0.0))
-        sched.add(seqs[-1])
-    try:
-        while not sched.idle:
-            sched.step()
-    finally:
-        for s in seqs:
-            engine.cache.free(s.id)
-    return [s.tokens for s in seqs]
 
 
 def _rows(engine: Engine, spec: BenchSpec, batch: int, depth: int, pp: list[float], tg: list[float],

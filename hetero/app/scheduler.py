@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from hetero.app.metrics import RequestStats
 from hetero.sampling import Sampler, SamplingParams
-from hetero.speculative import DraftLength, accept
+from hetero.speculative import DraftLength
 from hetero.tokenizer import StreamDecoder
 from offload import rows
 
@@ -117,7 +117,7 @@ class Scheduler:
         e.draft_cost.add(len(seqs) / len(batch), wall)
         out, at = [], 0
         for s, d in zip(batch, drafts):
-            kept = accept(s.sampler, logits[at: at + len(d) + 1], d, s.tokens)
+            kept = e.drafter.keep(s.sampler, logits[at: at + len(d) + 1], d, s.tokens)
             at += len(d) + 1
             emitted = 0
             for tok in kept:
