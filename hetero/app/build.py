@@ -16,7 +16,7 @@ from hetero.random_weights import RandomCheckpoint
 from hetero.sampling import SamplingParams, defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
 from hetero.validate import check_vocab
-from cpu_attention import configure as configure_numba
+from cpu_attention import warm
 from cpu_attention.layout import INT4_GROUP, KVDtype
 from offload.build import fence_gpu_memory, load_from_plan, runtime_from_plan
 from offload.loader import Progress
@@ -123,7 +123,6 @@ def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = N
     GPU when given a GPU plan, for tests)."""
     dev = device or torch.device(plan.device.value)
     check_plan_supported(plan, dev)
-    configure_numba()  # before any host kernel compiles
     if dev.type == "cuda":
         fence_gpu_memory(plan.budget.gpu_bytes, dev)
     fmt = FORMATS[plan.weights]
@@ -139,8 +138,10 @@ def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = N
                         f"{kv.host_tokens} on the host ({kv.host_dtype.value})",
             "plan": summary_line(plan),
             "predicted": f"{plan.prediction.decode_tok_s:.1f} tok/s decode ({plan.prediction.bottleneck})"}
+    # Numba and the host kernels load in the background from here (the chat's prompt does not wait
+    # for them; the first prefill does); a kernel run before, e.g. quantizing weights, loads them itself
     engine = Engine(model, tokenizer, runner, plan.workload.ctx_size, sampling or SamplingParams(), info=info,
-                    plan=plan)
+                    plan=plan, kernels=warm.submit_load())
     engine.overflow = overflow
     return engine
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Iterator
 
@@ -29,8 +30,11 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer | None, runner: Runner, ctx_size: int,
-                 defaults: SamplingParams, info: dict | None = None, plan=None):
+                 defaults: SamplingParams, info: dict | None = None, plan=None, kernels: Future | None = None):
+        """kernels: the host kernels loading in the background (`cpu_attention.warm.submit_load`),
+        waited for by the first model pass."""
         self.model, self.tok, self.runner = model, tokenizer, runner
+        self._kernels = kernels
         self.plan = plan  # the planner.Plan this engine carries out
         self.cache: TieredKVCache = runner.cache
         self.cfg = model.cfg
@@ -45,6 +49,9 @@ class Engine:
 
     # ------------------------------------------------------------------ model passes
     def _prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        if self._kernels is not None:  # a sequence's first model pass is always a prefill: wait here, once
+            self._kernels.result()
+            self._kernels = None
         return self.runner.prefill(seq, tokens, start, all_logits)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
