@@ -17,9 +17,11 @@ knows nothing of CUDA). Where any of that is missing (another OS, a tensor under
 torch.zeros as before. Like torch.zeros, it touches every page up front, so that no decode step
 later pays a page fault or the kernel's compaction for a fresh 2 MiB page: one
 MADV_POPULATE_WRITE (Linux 5.14+; the kernel hands the pages over zeroed, as for any anonymous
-mapping), else a memset (locking does the same). On the 2-core machine torch's memset, two
-threads contending for each fresh huge page, faulted `hetero chat`'s 91 MiB pool in 130–180 ms;
-the madvise takes ~10 ms.
+mapping), else a memset (locking does the same). The madvise is one pass where the memset was
+the kernel's zeroing of each fresh page and then ours, over two threads contending for each
+huge page: for `hetero chat`'s 91 MiB pool on the 2-core machine, a median of 11 ms against 17 ms
+(8 fresh processes each). Either took ~0.27 s in one run of the eight, and 0.2–0.25 s inside the
+chat's start-up on a busy day: the VM's host backing fresh memory, which no call here avoids.
 """
 from __future__ import annotations
 
