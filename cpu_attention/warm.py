@@ -8,9 +8,9 @@ serializes compiles within one process, so `start` compiles each in its own proc
 `hetero profile` measuring the GPU; the caller's own first call then loads from the cache in
 well under a second. `python -m cpu_attention.warm bf16 int8` does the same in the foreground.
 
-`submit_load` is the engine's warm-up in this process: Numba and the kernels' modules imported,
-and Numba's one-time set-up done, in a background thread while the chat waits at its prompt
-(the engine's first prefill waits for it).
+`submit_load` is the engine's warm-up in this process (`Engine.load_kernels`): Numba and the
+kernels' modules imported, and Numba's one-time set-up done, in a background thread while the
+chat waits at its prompt (the engine's first prefill waits for it).
 
 This module imports nothing heavy at the top (torch and the kernels load in `compile_decode`),
 so the CLI can start the compiles (`start_early`) before it imports torch itself.
@@ -60,7 +60,7 @@ def load() -> None:
 
 def submit_load() -> Future:
     """`load` running in a background thread from now on; `.result()` waits for it and raises what
-    failed. The engine starts it once built and waits in its first prefill."""
+    failed."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-kernels")
     try:
         return pool.submit(load)

@@ -16,7 +16,6 @@ from hetero.random_weights import RandomCheckpoint
 from hetero.sampling import SamplingParams, defaults_from_generation_config
 from hetero.tokenizer import Tokenizer
 from hetero.validate import check_vocab
-from cpu_attention import warm
 from cpu_attention.layout import INT4_GROUP, KVDtype
 from offload.build import fence_gpu_memory, load_from_plan, runtime_from_plan
 from offload.loader import Progress
@@ -138,10 +137,8 @@ def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = N
                         f"{kv.host_tokens} on the host ({kv.host_dtype.value})",
             "plan": summary_line(plan),
             "predicted": f"{plan.prediction.decode_tok_s:.1f} tok/s decode ({plan.prediction.bottleneck})"}
-    # Numba and the host kernels load in the background from here (the chat's prompt does not wait
-    # for them; the first prefill does); a kernel run before, e.g. quantizing weights, loads them itself
     engine = Engine(model, tokenizer, runner, plan.workload.ctx_size, sampling or SamplingParams(), info=info,
-                    plan=plan, kernels=warm.submit_load())
+                    plan=plan)
     engine.overflow = overflow
     return engine
 

@@ -22,6 +22,7 @@ from hetero.model import Model
 from hetero.sampling import SamplingParams
 from hetero.app.scheduler import Chunk, Scheduler, Sequence
 from hetero.tokenizer import StreamDecoder, Tokenizer
+from cpu_attention import warm
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
 
@@ -30,11 +31,10 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer | None, runner: Runner, ctx_size: int,
-                 defaults: SamplingParams, info: dict | None = None, plan=None, kernels: Future | None = None):
-        """kernels: the host kernels loading in the background (`cpu_attention.warm.submit_load`),
-        waited for by the first model pass."""
+                 defaults: SamplingParams, info: dict | None = None, plan=None):
         self.model, self.tok, self.runner = model, tokenizer, runner
-        self._kernels = kernels
+        self._kernels: Future | None = None  # `load_kernels`
+        self._kernels_loaded = False
         self.plan = plan  # the planner.Plan this engine carries out
         self.cache: TieredKVCache = runner.cache
         self.cfg = model.cfg
@@ -49,15 +49,24 @@ class Engine:
 
     # ------------------------------------------------------------------ model passes
     def _prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
-        if self._kernels is not None:  # a sequence's first model pass is always a prefill: wait here, once
-            self._kernels.result()
-            self._kernels = None
+        if not self._kernels_loaded:  # a sequence's first model pass is always a prefill: once, here
+            self.load_kernels().result()
+            self._kernels_loaded = True
         return self.runner.prefill(seq, tokens, start, all_logits)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for each sequence → logits [B, V]."""
         return self.runner.decode([s.id for s in seqs], [s.tokens[-1] for s in seqs],
                                   [len(s.tokens) - 1 for s in seqs])
+
+    def load_kernels(self) -> Future:
+        """Numba, its settings and the host kernels loading in a background thread from now on
+        (`cpu_attention.warm.load`: ~0.9 s on the 2-core machine); the first prefill waits for
+        them, and starts the load itself where nobody did. `hetero chat` calls this once its prompt
+        is up, so the load overlaps the typing instead of the start-up."""
+        if self._kernels is None:
+            self._kernels = warm.submit_load()
+        return self._kernels
 
     @property
     def metrics(self):
