@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import numba
 import numpy as np
@@ -25,22 +26,24 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 _configured = False
+_configuring = threading.Lock()
 
 
 def configure() -> None:
     """Numba's settings for the host kernels, made before their first compile (the codegen reads
     them once): OpenMP first as the threading layer, and on AVX-512 hosts 512-bit vectors
     (`_prefer_512_bit_vectors`). Called explicitly where kernels are about to run: at engine start
-    (`hetero.app.build`), by the profile's measurement and by the background compiles, so cached
-    kernels share one cache key. Idempotent; a user's NUMBA_THREADING_LAYER / NUMBA_CPU_FEATURES win.
+    (the warm-up, `warm.load`), at `linear`'s first kernel call, by the profile's measurement and
+    by the background compiles, so cached kernels share one cache key. Idempotent; a user's NUMBA_THREADING_LAYER / NUMBA_CPU_FEATURES win.
     A kernel compiled before it is correct, with Numba's default vector width."""
     global _configured
-    if _configured:
-        return
-    _configured = True
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-        numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
-    _prefer_512_bit_vectors()
+    with _configuring:  # the engine's warm-up thread and the main thread may both get here first
+        if _configured:
+            return
+        if "NUMBA_THREADING_LAYER" not in os.environ:
+            numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+        _prefer_512_bit_vectors()
+        _configured = True
 
 
 def _prefer_512_bit_vectors() -> None:

@@ -14,9 +14,14 @@ advised MADV_HUGEPAGE before anything touches it, the tensor starting at its fir
 boundary (`torch.frombuffer` keeps the mapping alive as long as the tensor). A pool the GPU
 copies from has its mapping page-locked by the caller's `lock` (`offload.pinned`: this package
 knows nothing of CUDA). Where any of that is missing (another OS, a tensor under 2 MiB) it is
-torch.zeros as before. Like torch.zeros, it touches every page up front (a memset; locking does
-the same), so that no decode step later pays a page fault or the kernel's compaction for a
-fresh 2 MiB page.
+torch.zeros as before. Like torch.zeros, it touches every page up front, so that no decode step
+later pays a page fault or the kernel's compaction for a fresh 2 MiB page: one
+MADV_POPULATE_WRITE (Linux 5.14+; the kernel hands the pages over zeroed, as for any anonymous
+mapping), else a memset (locking does the same). The madvise is one pass where the memset was
+the kernel's zeroing of each fresh page and then ours, over two threads contending for each
+huge page: for `hetero chat`'s 91 MiB pool on the 2-core machine, a median of 11 ms against 17 ms
+(8 fresh processes each). Either took ~0.27 s in one run of the eight, and 0.2–0.25 s inside the
+chat's start-up on a busy day: the VM's host backing fresh memory, which no call here avoids.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Callable
 import torch
 
 HUGE_PAGE = 2 << 20  # bytes
+MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap module does not name it
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype,
@@ -51,5 +57,14 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype,
         if not lock(m, t.data_ptr(), n):
             return None
     else:
-        t.zero_()  # fault every page in now (module doc; locking did that)
+        _fault_in(m, t)
     return t.view(dtype).reshape(shape)
+
+
+def _fault_in(m: mmap.mmap, t: torch.Tensor) -> None:
+    """Every page of the fresh mapping m present and writable now (module doc); t: its aligned part."""
+    try:
+        m.madvise(MADV_POPULATE_WRITE)
+        return
+    except OSError:  # a kernel before 5.14
+        t.zero_()

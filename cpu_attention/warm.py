@@ -8,6 +8,10 @@ serializes compiles within one process, so `start` compiles each in its own proc
 `hetero profile` measuring the GPU; the caller's own first call then loads from the cache in
 well under a second. `python -m cpu_attention.warm bf16 int8` does the same in the foreground.
 
+`submit_load` is the engine's warm-up in this process (`Engine.load_kernels`): Numba and the
+kernels' modules imported, and Numba's one-time set-up done, in a background thread while the
+chat waits at its prompt (the engine's first prefill waits for it).
+
 This module imports nothing heavy at the top (torch and the kernels load in `compile_decode`),
 so the CLI can start the compiles (`start_early`) before it imports torch itself.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 HOST_DTYPES = ("bf16", "int8", "int4")  # the host tier's KV dtypes (`layout.KVDtype` values)
 
@@ -37,6 +42,30 @@ def compile_decode(dtype: str) -> None:
     pool = HostKVPool(1, 2, 2, BS, D, dtype=KVDtype(dtype))
     tables = torch.arange(2, dtype=torch.int32).reshape(1, 2)
     decode_attention(pool, 0, torch.zeros(1, 8, D), tables, torch.tensor([2 * BS - 1]), D**-0.5, threads=1)
+
+
+def load() -> None:
+    """What an engine's first prefill would otherwise pay before its first kernel runs (2-core
+    machine): importing Numba and the kernels' modules (~0.3 s), Numba's settings (`configure`),
+    and Numba's one-time set-up at its first compile or cache load (its typing and lowering
+    registries, scipy's BLAS bindings among them, and the threading layer: ~0.6 s), here through
+    a one-row int8 GEMV, the kernel every prefill's logits go through."""
+    import torch
+
+    from cpu_attention import _numba, append, decode, linear  # noqa: F401  (append, decode: imported)
+
+    _numba.configure()
+    linear.Int8Linear.from_quantized(torch.zeros(1, 1, dtype=torch.int8), torch.ones(1))(torch.zeros(1, 1))
+
+
+def submit_load() -> Future:
+    """`load` running in a background thread from now on; `.result()` waits for it and raises what
+    failed."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-kernels")
+    try:
+        return pool.submit(load)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the job
 
 
 class Compiles:

@@ -19,7 +19,7 @@ import torch
 
 from hetero.config import Arch, ModelConfig, RopeScaling, SUPPORTED, load_hf_config
 from hetero.errors import UserError
-from hetero.gguf_file import GGUFFile
+from hetero.gguf_file import GGUFFile, dequantize
 from hetero.validate import check_bytes, check_config, check_tensors
 
 _ST_DTYPES = {
@@ -249,11 +249,9 @@ class GGUFCheckpoint:
                 self._where[name] = (t, None)
 
     def get(self, name: str) -> torch.Tensor:
-        from gguf.quants import dequantize
-
         t, expert = self._where[name]
         shape = tuple(int(d) for d in reversed(t.shape))
-        x = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        x = dequantize(t).reshape(shape)
         if expert is not None:
             x = x[expert]
         x = np.ascontiguousarray(x)

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from cpu_attention.append import write_arrays
 from offload.driver import RAW_GRAPHS, driver, event_handle, graph_handle
 from offload.graphs import Captured
 from offload.timers import StepTimes, now
@@ -50,6 +49,9 @@ class InlineLayers:
         self.q, self.k, self.v = (cap.down[n].numpy() for n in ("q", "k", "v"))
         self.o, self.lse = cap.up["o"].numpy(), cap.up["lse"].numpy()
         self.qs = np.empty_like(self.q)  # q times the softmax scale
+        from cpu_attention.append import write_arrays  # Numba: imported with the first captured set
+
+        self.write = write_arrays
 
     @staticmethod
     def usable(runner: Runner, parts: list[Part]) -> bool:
@@ -60,7 +62,7 @@ class InlineLayers:
 
     def run(self, runner: Runner, p: Part, st: StepTimes) -> None:
         """All layers of one step for sub-batch p (its inputs loaded into the captured set)."""
-        drv, cache, spans, streamer = driver(), runner.cache, runner.spans, runner.streamer
+        drv, cache, spans, streamer, write = driver(), runner.cache, runner.spans, runner.streamer, self.write
         pool, work = cache.host, p.work
         h = torch.cuda.current_stream(runner.dev).cuda_stream
         scale = runner.model.scale
@@ -86,7 +88,7 @@ class InlineLayers:
                 drv.synchronize(self.ready)
                 t = now()
                 if slots is not None:
-                    write_arrays(pool, i, slots, *((self.k, self.v) if rows is None else (self.k[rows], self.v[rows])))
+                    write(pool, i, slots, *((self.k, self.v) if rows is None else (self.k[rows], self.v[rows])))
                 work.run(pool, i, self.q, scale, self.o, self.lse, scaled=self.qs)
                 cpu += now() - t
             span = spans.begin(h)

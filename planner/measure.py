@@ -122,12 +122,12 @@ def _cpu_gemv_kernel() -> Callable | None:
     """hetero's int8 CPU GEMV (w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32),
     compiled or loaded by a small call; None if it is missing."""
     try:
-        from cpu_attention.linear import _gemv_int8
+        from cpu_attention.linear_kernels import gemv_int8
     except ImportError:
         return None
-    _gemv_int8(np.ones((8, 64), np.int8), np.ones(8, np.float32), np.ones((1, 64), np.float32),
-               np.empty((1, 8), np.float32))
-    return _gemv_int8
+    gemv_int8(np.ones((8, 64), np.int8), np.ones(8, np.float32), np.ones((1, 64), np.float32),
+              np.empty((1, 8), np.float32))
+    return gemv_int8
 
 
 def _measure_cpu_gemv(quick: bool) -> tuple[float, str]:

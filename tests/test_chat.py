@@ -41,3 +41,17 @@ def test_edited_history_recomputes_from_the_divergence(e):
     out = _tokens(e.chat(b, temperature=0.0, max_new_tokens=8))
     e.reset_chat()
     assert out == _tokens(e.chat(b, temperature=0.0, max_new_tokens=8))
+
+
+def test_the_first_pass_waits_for_the_kernel_load_and_raises_its_failure():
+    from concurrent.futures import Future
+
+    engine = hetero.load(weights="f32", kv_dtype="f32", tokenizer=False)
+    failed = Future()
+    failed.set_exception(RuntimeError("the kernels did not load"))
+    engine._kernels = failed  # as if `load_kernels` had started a load that then failed
+    with pytest.raises(RuntimeError, match="did not load"):
+        list(engine.generate([1, 2, 3], max_new_tokens=1))
+    engine._kernels = None
+    assert engine.load_kernels() is engine.load_kernels()  # one load
+    assert len(list(engine.generate([1, 2, 3], max_new_tokens=2, temperature=0.0))) == 2

@@ -74,6 +74,20 @@ def test_every_quant_type_dequantizes(tmp_path):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("rows, cols", [(1, 32), (7, 96), (49, 576)])
+def test_q8_0_dequantizes_as_gguf_does(rows, cols):
+    """The reader's own Q8_0 path against gguf-py's, bit for bit (odd row counts, several blocks a row)."""
+    from gguf.quants import quantize
+
+    from hetero.gguf_file import Tensor, dequantize as ours
+
+    x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32) * 3
+    x[0, :5] = 0.0
+    raw = quantize(x, Q.Q8_0)  # [rows, bytes a row]
+    t = Tensor("w", (cols, rows), Q.Q8_0, 0, raw.nbytes, raw.tobytes())
+    assert np.array_equal(ours(t), dequantize(raw, Q.Q8_0))
+
+
 def test_real_smollm2_knows_paris():
     engine = hetero.load(kv_dtype="bf16")  # the embedded demo model, int8 weights
     text = "".join(c.text for c in engine.chat([{"role": "user", "content": "What is the capital of France?"}],

@@ -30,6 +30,16 @@ def test_the_kernel_packages_know_nothing_of_cuda_memory_or_options():
         assert "HETERO_" not in p.read_text(), p.name
 
 
+def test_the_chat_reaches_its_prompt_without_importing_numba():
+    """Numba's import (~0.2 s of `hetero chat`'s start-up on 2 cores) is left to the engine's
+    background load (`cpu_attention.warm.submit_load`): the CLI, the engine's modules and the
+    int8 weights' classes import without it."""
+    code = ("import sys, cli, hetero.app.build, hetero.app.repl, offload.int8_cache, cpu_attention.linear\n"
+            "assert 'numba' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_importing_changes_no_settings_until_configure_is_called():
     """Importing the packages leaves Numba's settings alone; `cpu_attention.configure()` (engine
     start) makes them."""

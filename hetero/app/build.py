@@ -17,7 +17,6 @@ from hetero.sampling import SamplingParams, defaults_from_generation_config
 from hetero.speculative import make_drafter
 from hetero.tokenizer import Tokenizer
 from hetero.validate import check_vocab
-from cpu_attention import configure as configure_numba
 from cpu_attention.layout import INT4_GROUP, KVDtype
 from offload.build import fence_gpu_memory, load_from_plan, runtime_from_plan
 from offload.loader import Progress
@@ -129,7 +128,6 @@ def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = N
     GPU when given a GPU plan, for tests); draft: speculative decoding's drafter (`hetero.speculative`)."""
     dev = device or torch.device(plan.device.value)
     check_plan_supported(plan, dev)
-    configure_numba()  # before any host kernel compiles
     if dev.type == "cuda":
         fence_gpu_memory(plan.budget.gpu_bytes, dev)
     fmt = FORMATS[plan.weights]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Iterator
 
@@ -22,6 +23,7 @@ from hetero.sampling import SamplingParams
 from hetero.speculative import DraftLength, StepCost, make_drafter
 from hetero.app.scheduler import Chunk, Scheduler, Sequence
 from hetero.tokenizer import StreamDecoder, Tokenizer
+from cpu_attention import warm
 from offload import rows
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
@@ -34,6 +36,8 @@ class Engine:
                  defaults: SamplingParams, info: dict | None = None, plan=None, draft: str | None = None):
         """draft: where speculative decoding's drafts come from ("ngram": prompt lookup; None: none)."""
         self.model, self.tok, self.runner = model, tokenizer, runner
+        self._kernels: Future | None = None  # `load_kernels`
+        self._kernels_loaded = False
         self.plan = plan  # the planner.Plan this engine carries out
         self.cache: TieredKVCache = runner.cache
         self.cfg = model.cfg
@@ -50,12 +54,24 @@ class Engine:
 
     # ------------------------------------------------------------------ model passes
     def _prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        if not self._kernels_loaded:  # a sequence's first model pass is always a prefill: once, here
+            self.load_kernels().result()
+            self._kernels_loaded = True
         return self.runner.prefill(seq, tokens, start, all_logits)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for each sequence → logits [B, V]."""
         return self.runner.decode([s.id for s in seqs], [s.tokens[-1] for s in seqs],
                                   [len(s.tokens) - 1 for s in seqs])
+
+    def load_kernels(self) -> Future:
+        """Numba, its settings and the host kernels loading in a background thread from now on
+        (`cpu_attention.warm.load`: ~0.9 s on the 2-core machine); the first prefill waits for
+        them, and starts the load itself where nobody did. `hetero chat` calls this once its prompt
+        is up, so the load overlaps the typing instead of the start-up."""
+        if self._kernels is None:
+            self._kernels = warm.submit_load()
+        return self._kernels
 
     @property
     def metrics(self):

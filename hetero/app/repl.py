@@ -135,6 +135,7 @@ def run_chat(session: ChatSession, stdin: TextIO, interactive: bool, read: Calla
         read = line_editor(session.console) if interactive else _lines(stdin)
     if interactive:
         session.console.print("[dim]Send a message (/? for help)[/dim]")
+        session.engine.load_kernels()  # while the user types (the first answer waits for them)
     while True:
         try:
             line = read(">>> ")

@@ -1,0 +1,104 @@
+"""The Numba kernels behind `cpu_attention.linear` (per-row int8 weights): the GEMV, the two fused
+decode kernels a layer, the row quantizer. Their torch twins and the wrappers that call them are
+in `linear.py`, which imports this module on first use: Numba's import is ~0.2 s, which the
+chat's start-up leaves to the engine's background warm-up (`cpu_attention.warm.submit_load`).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+# fastmath lets LLVM split each dot product over SIMD lanes (reassociation) and fuse the
+# int8→f32 multiply-add into FMAs; no kernel relies on inf/nan semantics.
+_FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
+_JIT = dict(nogil=True, cache=True, fastmath=_FAST)
+
+
+@njit(inline="always", **_JIT)
+def _dot(w, o, x, n):  # Σ_i w[o, i] · x[n, i]; one int8 row against one f32 row
+    acc = np.float32(0.0)
+    for i in range(w.shape[1]):
+        acc += np.float32(w[o, i]) * x[n, i]
+    return acc
+
+
+@njit(parallel=True, **_JIT)
+def gemv_int8(w, scale, x, out):  # w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32
+    for o in prange(w.shape[0]):
+        for n in range(x.shape[0]):
+            out[n, o] = _dot(w, o, x, n) * scale[o]
+
+
+@njit(inline="always", **_JIT)
+def _rms_norm_into(x, w, eps, out):  # x [N, H] → out [N, H] = x / rms(x) · w
+    for n in range(x.shape[0]):
+        ss = np.float32(0.0)
+        for i in range(x.shape[1]):
+            ss += x[n, i] * x[n, i]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[1]) + eps)
+        for i in range(x.shape[1]):
+            out[n, i] = x[n, i] * r * w[i]
+
+
+@njit(parallel=True, **_JIT)
+def attn_in(x, pos, norm_w, eps, w, scale, bias, cos, sin, h, y, q, k, v):
+    """x [N, H] → y = W·RMSNorm(x) + b split into q [N, Hq, D], k, v [N, Hkv, D]; RoPE on q and k.
+
+    cos, sin [T, D] are the whole tables, pos [N] each token's row in them; h [N, H], y [N, O] scratch.
+    """
+    N, Hq, D = q.shape
+    Hkv = k.shape[1]
+    _rms_norm_into(x, norm_w, eps, h)
+    for o in prange(w.shape[0]):
+        for n in range(N):
+            y[n, o] = _dot(w, o, h, n) * scale[o]
+    half = D // 2
+    for n in range(N):
+        if bias.shape[0]:
+            for o in range(w.shape[0]):
+                y[n, o] += bias[o]
+        p = pos[n]
+        for hd in range(Hq + Hkv):  # rotate-half RoPE: (a, b) → (a·cos − b·sin, b·cos + a·sin)
+            t, j = (q, hd) if hd < Hq else (k, hd - Hq)
+            for d in range(half):
+                a, b = y[n, hd * D + d], y[n, hd * D + half + d]
+                t[n, j, d] = a * cos[p, d] - b * sin[p, d]
+                t[n, j, half + d] = b * cos[p, half + d] + a * sin[p, half + d]
+        for j in range(Hkv):
+            for d in range(D):
+                v[n, j, d] = y[n, (Hq + Hkv + j) * D + d]
+
+
+@njit(parallel=True, **_JIT)
+def mlp_block(x, attn, wo, so, norm_w, eps, wgu, sgu, wd, sd, h, act, out):
+    """out [N, H] = y + down(SiLU(gate(RMSNorm(y))) · up(RMSNorm(y))) with y = x + O·attn.
+
+    wgu [2F, H] holds the gate rows then the up rows; h [N, H] and act [N, F] are scratch.
+    """
+    N, F_ = x.shape[0], wd.shape[1]
+    for o in prange(wo.shape[0]):
+        for n in range(N):
+            out[n, o] = x[n, o] + _dot(wo, o, attn, n) * so[o]
+    _rms_norm_into(out, norm_w, eps, h)
+    for j in prange(F_):
+        for n in range(N):
+            g = _dot(wgu, j, h, n) * sgu[j]
+            u = _dot(wgu, F_ + j, h, n) * sgu[F_ + j]
+            act[n, j] = g / (np.float32(1.0) + np.exp(-g)) * u
+    for o in prange(wd.shape[0]):
+        for n in range(N):
+            out[n, o] += _dot(wd, o, act, n) * sd[o]
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def quantize_rows(w, q, scale):  # w [O, I] f32 → q [O, I] int8, scale [O] f32; one pass per row
+    O, I = w.shape
+    for o in prange(O):
+        m = np.float32(1e-12)
+        for i in range(I):
+            m = max(m, abs(w[o, i]))
+        s = m / np.float32(127.0)
+        scale[o] = s
+        inv = np.float32(1.0) / s
+        for i in range(I):
+            q[o, i] = np.int8(min(127.0, max(-127.0, np.round(w[o, i] * inv))))
