@@ -14,7 +14,7 @@
 # offload:  bench.offload_decode (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
 # startup8b: bench.startup on a Llama-3-8B-shaped Q4_K_M GGUF it writes first (carry .dbg/tok.gguf from
 #           `python3 -m bench.startup --tokenizer-only .dbg/tok.gguf`), twice: cold caches, then warm
-# spec:     bench.speculative: speculative decoding on the Llama-3-8B shape at SPEC_DEPTH (default 32768)
+# spec:     bench.speculative: speculative decoding on the Llama-3-8B shape at each SPEC_DEPTH (default 32768)
 #           context, --gpu-mem SPEC_GPU_MEM (default 6GiB), the planner's own placement: drafts off,
 #           fed-in acceptances 3/4 and 0/4, and ngram (SPEC_DRAFTS)
 # budget:   bench.budget (decode at each --gpu-mem budget, the planner's own choice; BUDGET_ARGS passed through)
@@ -67,8 +67,11 @@ for stage in $STAGES; do
         | tee "$OUT/startup8b_cold.log" | tail -14
       timeout 200 python3 -m bench.startup /tmp/l3.gguf --device cuda 2>&1 | tee "$OUT/startup8b_warm.log" | tail -14 ;;
     spec)
-      timeout ${SPEC_TIMEOUT:-420} python3 -m bench.speculative --ctx ${SPEC_DEPTH:-32768} --gpu-mem ${SPEC_GPU_MEM:-6GiB} \
-        --drafts ${SPEC_DRAFTS:-off,3/4,0/4,ngram} --out "$OUT/speculative.json" 2>&1 | tee "$OUT/speculative.log" | tail -14 ;;
+      for depth in ${SPEC_DEPTH:-32768}; do
+        timeout ${SPEC_TIMEOUT:-300} python3 -m bench.speculative --ctx $depth --gpu-mem ${SPEC_GPU_MEM:-6GiB} \
+          --steps ${SPEC_STEPS:-48} --drafts ${SPEC_DRAFTS:-off,3/4,0/4,ngram} --out "$OUT/speculative_$depth.json" 2>&1 \
+          | tee "$OUT/speculative_$depth.log" | tail -8
+      done ;;
     budget)
       timeout ${BUDGET_TIMEOUT:-420} python3 -m bench.budget --out "$OUT" ${BUDGET_ARGS:-} 2>&1 \
         | tee "$OUT/budget_stdout.log" | tail -${BUDGET_TAIL:-10} ;;
