@@ -42,7 +42,7 @@ from cpu_attention._numba import resolve_threads
 from cpu_attention._simd import VEC
 from cpu_attention.decode_bf16 import decode_float, decode_float_any
 from cpu_attention.decode_int4 import decode_int4
-from cpu_attention.decode_run import attend_run, run_rows
+from cpu_attention.decode_run import attend_run, run_rows, split_run
 from cpu_attention import decode_int8 as int8_mod  # its tile and prefetch settings are read per call
 from cpu_attention.decode_tiles import rest_heads
 from cpu_attention.pool import HostKVPool
@@ -161,15 +161,17 @@ class DecodeWork:
     whose query heads are all the run's: the KV before the run is read once for all of them."""
 
     def __init__(self, pool: HostKVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 threads: int | None = None):
+                 threads: int | None = None, runs: bool = True):
+        """runs: look for a run of one sequence's rows (False: attend row by row)."""
         self.threads = resolve_threads(threads)
         self.bt = block_tables.detach().to(torch.int32).contiguous().numpy()  # [B, max_blocks]
         self.lens = seq_lens.detach().to(torch.int64).contiguous().numpy()  # [B]
-        self.run_rows = run_rows(self.bt, self.lens)  # ≥ 2: the rows are one run
-        # what the kernel attends: every row, or the run's one row over the tokens before the run
-        self.kbt, self.klens = (self.bt[:1], self.lens[:1] - 1) if self.run_rows else (self.bt, self.lens)
+        self.run_rows = run_rows(self.bt, self.lens) if runs else 0  # ≥ 2: the rows are one run
+        if self.run_rows:  # the run's two parts, each an ordinary work (`decode_run`)
+            self.shared, self.own, _ = split_run(pool, self.bt, self.lens, self.threads, DecodeWork)
+            return
         self.items, self.pair_start, self.order = _work_items(
-            tuple(self.klens.tolist()), pool.num_kv_heads, pool.block_size, self.threads)
+            tuple(self.lens.tolist()), pool.num_kv_heads, pool.block_size, self.threads)
 
     def run(self, pool: HostKVPool, layer: int, q: np.ndarray, scale: float, on: np.ndarray, ln: np.ndarray,
             scaled: np.ndarray | None = None) -> None:
@@ -180,20 +182,15 @@ class DecodeWork:
         buffers."""
         if self.run_rows:
             attend_run(self, pool, layer, q, scale, on, ln)
-        else:
-            self.kernel(pool, layer, q, scale, on, ln, scaled)
-
-    def kernel(self, pool: HostKVPool, layer: int, q: np.ndarray, scale: float, on: np.ndarray, ln: np.ndarray,
-               scaled: np.ndarray | None = None) -> None:
-        """The kernel over `kbt` / `klens`, q a row each (`run`'s arguments)."""
+            return
         resolve_threads(self.threads)  # thread counts are per calling thread in Numba
         if pool.dtype is KVDtype.F32:  # exact pools exist for checks: the twin is enough
-            o, lse = decode_attention_ref(pool, layer, torch.from_numpy(q), torch.from_numpy(self.kbt),
-                                          torch.from_numpy(self.klens), scale)
+            o, lse = decode_attention_ref(pool, layer, torch.from_numpy(q), torch.from_numpy(self.bt),
+                                          torch.from_numpy(self.lens), scale)
             on[...], ln[...] = o.numpy(), lse.numpy()
             return
         D, G = q.shape[-1], q.shape[1] // pool.num_kv_heads
-        bt, items, pair_start, order, a = self.kbt, self.items, self.pair_start, self.order, pool.arrays
+        bt, items, pair_start, order, a = self.bt, self.items, self.pair_start, self.order, pool.arrays
         sc = np.float32(scale)
         # the fast kernels take q as it is and write the merged output: q × scale, int8's rotation of q,
         # the merge and the output's rotation back all happen on the kernel's threads

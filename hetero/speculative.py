@@ -17,6 +17,8 @@ decoding.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,7 +151,9 @@ class DraftLength:
     max_draft: int = MAX_DRAFT
     prior: float = 0.6  # the acceptance rate until drafts have been verified
     memory: float = 0.8  # the rate is an exponential average: the weight of the past a step
+    probe_every: int = 16  # not drafting teaches nothing: after this many steps without, one token is drafted
     rate: float = -1.0
+    _idle: int = 0
 
     def __post_init__(self) -> None:
         if self.rate < 0:
@@ -162,9 +166,14 @@ class DraftLength:
             gain = (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k)
             if gain > best * 1.02:  # a longer draft must pay by a margin
                 best, best_k = gain, k
-        if best_k == 0:  # not drafting teaches nothing: the rate drifts back so that drafting is tried again
-            self.rate += 0.02 * (self.prior - self.rate)
-        return best_k
+        if best_k:
+            self._idle = 0
+            return best_k
+        self._idle += 1
+        if self._idle >= self.probe_every:  # a probe: the rate and the row's cost are measured again
+            self._idle = 0
+            return 1
+        return 0
 
     def update(self, drafted: int, kept: int) -> None:
         """A verification kept `kept` of `drafted` tokens: kept successes in min(kept + 1, drafted) trials."""
@@ -175,35 +184,26 @@ class DraftLength:
 
 @dataclass
 class StepCost:
-    """A draft row's cost relative to a plain step, fitted to the decode steps' wall times against
-    their rows a sequence (least squares on exponentially weighted sums: the steps of the last few
-    hundred count, as the context and the batch change what a step costs)."""
+    """A draft row's cost relative to a plain step, from the recent decode steps' wall times:
+    the median time of recent one-row steps, and the median over recent longer steps of what
+    each row beyond the first added to it. Medians, because a step now and then is slow for
+    reasons of its own (a kernel compiling, another process), and one such step must not stop
+    drafting; recent steps only, as the context and the batch change what a step costs."""
 
     prior: float = 0.25
-    decay: float = 0.99
-    _n: float = 0.0
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
-    seen: set[float] = field(default_factory=set)
+    plain: deque = field(default_factory=lambda: deque(maxlen=64))  # seconds of one-row steps
+    extra: deque = field(default_factory=lambda: deque(maxlen=64))  # (rows - 1, seconds) of longer steps
 
     def add(self, rows: float, seconds: float) -> None:
-        w = self.decay
-        self._n, self._sx, self._sy, self._sxx, self._sxy = (w * self._n, w * self._sx, w * self._sy,
-                                                             w * self._sxx, w * self._sxy)
-        self._n += 1
-        self._sx += rows
-        self._sy += seconds
-        self._sxx += rows * rows
-        self._sxy += rows * seconds
-        self.seen.add(rows)
+        if rows <= 1.0:
+            self.plain.append(seconds)
+        else:
+            self.extra.append((rows - 1.0, seconds))
 
     @property
     def relative(self) -> float:
-        var = self._n * self._sxx - self._sx ** 2
-        if len(self.seen) < 2 or var <= 1e-9 * self._n ** 2:  # a slope needs two row counts
+        if not self.plain or not self.extra:
             return self.prior
-        slope = (self._n * self._sxy - self._sx * self._sy) / var
-        base = (self._sy - slope * self._sx) / self._n + slope  # a step of one row
-        return min(1.0, max(0.0, slope / base)) if base > 0 else self.prior
+        base = statistics.median(self.plain)
+        per_row = statistics.median((t - base) / n for n, t in self.extra)
+        return min(1.0, max(0.0, per_row / base)) if base > 0 else self.prior

@@ -112,9 +112,10 @@ def test_draft_length_follows_the_acceptance_rate_and_the_cost():
         d.update(drafted=4, kept=0)
     assert d.choose(cost=0.05) <= 1
     c = StepCost()
-    for r, t in [(1, 1.0), (3, 1.2), (5, 1.4), (1, 1.0)]:
+    assert c.relative == c.prior  # nothing measured yet
+    for r, t in [(1, 1.0), (3, 1.2), (5, 9.0), (5, 1.4), (1, 1.0), (1, 7.0), (2, 1.1)]:  # two slow steps
         c.add(r, t)
-    assert abs(c.relative - 0.1) < 1e-6  # 0.1 s a row over a 1 s step
+    assert abs(c.relative - 0.1) < 1e-6  # 0.1 s a row over a 1 s step, the slow steps aside
 
 
 # ---------------------------------------------------------------------------- the engine

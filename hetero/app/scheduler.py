@@ -114,7 +114,8 @@ class Scheduler:
             positions += range(len(s.tokens) - 1, len(s.tokens) - 1 + len(run))
         logits = e.runner.decode(seqs, tokens, positions).cpu()
         wall = time.perf_counter() - t0
-        e.draft_cost.add(len(seqs) / len(batch), wall)
+        if all(len(s.generated) > 2 for s in batch):  # a sequence's first steps run slow (caches, first calls)
+            e.draft_cost.add(len(seqs) / len(batch), wall)
         out, at = [], 0
         for s, d in zip(batch, drafts):
             kept = e.drafter.keep(s.sampler, logits[at: at + len(d) + 1], d, s.tokens)
