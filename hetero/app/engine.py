@@ -24,6 +24,7 @@ from hetero.speculative import DraftLength, StepCost, make_drafter
 from hetero.app.scheduler import Chunk, Scheduler, Sequence
 from hetero.tokenizer import StreamDecoder, Tokenizer
 from cpu_attention import warm
+from cpu_attention.linear import GEMV_MAX_ROWS
 from offload import rows
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
@@ -51,6 +52,9 @@ class Engine:
         self.overflow = Overflow.DROP_TURNS
         self.drafter = make_drafter(draft)
         self.draft_cost = StepCost()  # a draft row's cost relative to a step, as measured here
+        # the most rows a step with drafts may have: on the CPU, what its linears compute row by row
+        # (int8 GEMV up to 8 rows; a larger step goes through another kernel, whose float sums differ)
+        self.step_rows: int | None = None if runner.cuda else GEMV_MAX_ROWS
 
     # ------------------------------------------------------------------ model passes
     def _prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
@@ -203,14 +207,14 @@ class Engine:
                     self.cache.free(s.id)
             stats.kv_gpu_tokens, stats.kv_host_tokens = self.cache.tier_tokens()
 
-    def _drafts(self, s: Sequence) -> list[int]:
+    def _drafts(self, s: Sequence, room: int) -> list[int]:
         """The tokens to draft after `s` this step: as many as pay at the recent acceptance rate
-        (`DraftLength`) or the drafter's fixed length, within the answer's and the context's room and
-        an exact KV rollback."""
+        (`DraftLength`) or the drafter's fixed length, within `room` (the step's rows), the answer's
+        and the context's room and an exact KV rollback."""
         if s.draft is None:
             s.draft = DraftLength()
         k = self.drafter.length or s.draft.choose(self.draft_cost.relative)
-        k = min(k, s.params.max_new_tokens - len(s.generated) - 1,
+        k = min(k, room, s.params.max_new_tokens - len(s.generated) - 1,
                 self.ctx_size - len(s.tokens) - 1)
         k = rows.draft_room(self.cache, s.id, k)
         return self.drafter.propose(s.id, s.tokens, k) if k > 0 else []

@@ -105,7 +105,11 @@ class Scheduler:
         """Every running sequence's last token and its drafts in one decode step (hetero/speculative.py);
         each yields the drafts the model keeps and one token more, and the rows it rejected leave the KV."""
         e, batch = self.engine, list(self.running)
-        drafts = [e._drafts(s) for s in batch]
+        room = max(0, (e.step_rows or len(batch)) - len(batch))  # draft rows the step may add
+        drafts = []
+        for s in batch:
+            drafts.append(e._drafts(s, room))
+            room -= len(drafts[-1])
         seqs, tokens, positions = [], [], []
         for s, d in zip(batch, drafts):
             run = [s.tokens[-1], *d]
