@@ -5,6 +5,7 @@ Each is a few lines over library calls a Python user can make too:
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from rich.table import Table
 from cpu_attention.layout import KVDtype
 from hetero.errors import UserError
 from planner import flags
+from planner.cost import speculative_gain
 from planner.options import budget_from, overrides_from
 from planner.plan import Workload
 from planner.profile import HardwareProfile, cache_path, implausible, load_or_measure
@@ -29,6 +31,17 @@ from planner.units import format_size as fs
 def _fail(e: UserError) -> None:
     Console(stderr=True).print(f"[bold red]error:[/bold red] {e}", highlight=False)
     raise typer.Exit(2)
+
+
+def _rate(text: str | float) -> float:
+    """An acceptance rate in [0, 1)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a number; use a share of drafts kept in [0, 1), e.g. 0.7") from None
+    if not 0 <= x < 1:
+        raise typer.BadParameter(f"{x} is outside [0, 1); use a share of drafts kept, e.g. 0.7")
+    return x
 
 
 def plan_cmd(
@@ -57,6 +70,9 @@ def plan_cmd(
     profile: Optional[Path] = typer.Option(None, "--profile", envvar="HETERO_PROFILE",
                                            help="hardware profile JSON to plan for (default: this machine's)"),
     json_: bool = typer.Option(False, "--json", help="print the plan as one JSON document"),
+    draft_accept: Optional[float] = flags.option(None, "--draft-accept", parser=_rate, metavar="RATE",
+                                                 help="also predict speculative decoding (--draft) at batch 1 "
+                                                      "with this share of drafted tokens kept, e.g. 0.7"),
 ) -> None:
     """Show where weights and KV would go and the predicted speed (reads only headers)."""
     try:
@@ -73,15 +89,26 @@ def plan_cmd(
         _fail(e)
     notes += [f"the hardware profile looks implausible: {n}; its predictions may be off — run `hetero profile "
               f"--refresh` when the machine is idle" for n in implausible(hw)]
+    spec = None if draft_accept is None else speculative_gain(cfg, hw, p, draft_accept)
     if json_:
         for n in notes:
             Console(stderr=True).print(f"[yellow]note:[/yellow] {n}", highlight=False)
-        sys.stdout.write(to_json(p, checkpoint) + "\n")
+        doc = to_json(p, checkpoint)
+        if spec is not None:
+            d = json.loads(doc)
+            d["speculative"] = {"draft_accept": draft_accept, "draft_tokens": spec[0], "speed_up": spec[1]}
+            doc = json.dumps(d, indent=2)
+        sys.stdout.write(doc + "\n")
         return
     console = Console()
     for n in notes:
         console.print(f"[yellow]note:[/yellow] {n}", highlight=False)
     render(p, console, checkpoint)
+    if spec is not None:
+        k, gain = spec
+        console.print(f"speculative decoding, {draft_accept:.0%} of drafts kept: " + (
+            f"[bold]{gain:.2f}×[/bold] at {k} drafted a step (batch 1)" if k else
+            "no draft length pays on this plan (each drafted row costs about a step)"), highlight=False)
 
 
 def _model(path: Optional[str]):

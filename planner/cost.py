@@ -251,3 +251,21 @@ def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan
     if key == "transfers":
         return f"PCIe round trips: {cfg.num_layers * sub_batches} layers' q/o copies at {hw.pcie_latency_s * 1e6:.0f} µs each" + share
     return f"per-layer overhead: {cfg.num_layers} × {t[key] / cfg.num_layers * 1e6:.0f} µs" + share
+
+
+def speculative_gain(cfg: ModelConfig, hw: HardwareProfile, p, rate: float,
+                     max_draft: int = 7) -> tuple[int, float]:
+    """(draft length k, predicted speed-up over plain decoding) for one sequence whose drafts are
+    kept at `rate` each: a step of k drafts yields (1 − rate^(k+1)) / (1 − rate) tokens and costs
+    `decode_step` at k + 1 rows, which counts the attention once a row (the GPU's as it runs; the
+    host's reads a run's KV once, so there the cost is an upper bound)."""
+    wl = p.workload
+    base = decode_step(cfg, hw, p.placements, p.kv, 1, wl.decode_context, p.threads, 1).seconds
+    best = (0, 1.0)
+    a = min(max(rate, 0.0), 0.999)
+    for k in range(1, max_draft + 1):
+        step = decode_step(cfg, hw, p.placements, p.kv, k + 1, wl.decode_context, p.threads, 1).seconds
+        gain = (1 - a ** (k + 1)) / (1 - a) * base / step
+        if gain > best[1]:
+            best = (k, gain)
+    return best

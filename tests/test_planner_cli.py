@@ -181,3 +181,19 @@ def test_measure_runs_without_gpu():
     assert {r.dtype for r in hw.cpu_attention} == {"bf16", "int8", "int4"}
     assert HardwareProfile.from_json(hw.to_json()) == hw
     assert hw.versions["torch"] and hw.created
+
+
+def test_plan_predicts_speculative_decoding_from_an_acceptance_rate(synthetic_profile):
+    """--draft-accept: the predicted speed-up grows with the share of drafts kept, and none is
+    predicted where nothing is kept; a rate outside [0, 1) is refused."""
+    gains = []
+    for rate in (0.0, 0.5, 0.9):
+        r = CliRunner().invoke(_app(), ["plan", "--profile", str(synthetic_profile), "-c", "8192", "--json",
+                                        "--draft-accept", str(rate)])
+        assert r.exit_code == 0, r.output
+        spec = json.loads(r.stdout)["speculative"]
+        gains.append((spec["draft_tokens"], spec["speed_up"]))
+    assert gains[0] == (0, 1.0)
+    assert 1.0 <= gains[1][1] < gains[2][1] and gains[2][0] >= gains[1][0] >= 1
+    r = CliRunner().invoke(_app(), ["plan", "--profile", str(synthetic_profile), "--draft-accept", "1"])
+    assert r.exit_code == 2 and "outside [0, 1)" in r.output
