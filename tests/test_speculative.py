@@ -153,9 +153,13 @@ def test_drafting_changes_no_token_and_no_kv(tiny, kw):
     assert drafted > kept > 0  # drafts were kept and drafts were rolled back
 
 
-def test_batched_drafting_matches_plain_batches(tiny):
+@pytest.mark.parametrize("step_rows", [8, None])  # None: no cap on a step's rows (as on CUDA)
+def test_batched_drafting_matches_plain_batches(tiny, step_rows):
     folder = tiny("llama")[0]
     plain, spec = _engine(folder, kv_dtype="bf16"), _engine(folder, kv_dtype="bf16", draft="ngram")
+    spec.step_rows = step_rows
+    decode, widest = spec.runner.decode, []
+    spec.runner.decode = lambda seqs, *a: (widest.append(len(seqs)), decode(seqs, *a))[1]
     outs = []
     for e in (plain, spec):
         got = [[] for _ in PROMPTS]
@@ -165,6 +169,7 @@ def test_batched_drafting_matches_plain_batches(tiny):
         assert e.cache.tier_tokens() == (0, 0)  # finished sequences freed both tiers
     assert outs[0] == outs[1]
     assert spec.last_stats.drafted > 0
+    assert max(widest) <= 8 if step_rows else max(widest) > 8  # a step's rows: within the cap, or beyond 8
 
 
 def test_draft_room_never_completes_a_quantized_block(tiny):

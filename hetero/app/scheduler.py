@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from hetero.app.metrics import RequestStats
 from hetero.sampling import Sampler, SamplingParams
-from hetero.speculative import DraftLength
+from hetero.speculative import MAX_DRAFT, DraftLength
 from hetero.tokenizer import StreamDecoder
 from offload import rows
 
@@ -105,7 +105,8 @@ class Scheduler:
         """Every running sequence's last token and its drafts in one decode step (hetero/speculative.py);
         each yields the drafts the model keeps and one token more, and the rows it rejected leave the KV."""
         e, batch = self.engine, list(self.running)
-        room = max(0, (e.step_rows or len(batch)) - len(batch))  # draft rows the step may add
+        # draft rows the step may add (no limit where the linears are the same at any row count)
+        room = max(0, e.step_rows - len(batch)) if e.step_rows else MAX_DRAFT * len(batch)
         drafts = []
         for s in batch:
             drafts.append(e._drafts(s, room))
