@@ -13,7 +13,8 @@ rejection the token is drawn from max(0, p − q), renormalized; when every draf
 is drawn from p. The tokens are distributed exactly as without drafting. A prompt-lookup draft is
 deterministic (q is one-hot at d): keep d with probability p(d), else draw from p without d. At
 temperature 0 p is one-hot at the argmax, so the output is token for token that of plain greedy
-decoding.
+decoding, given the same logits: a verified step's logits are plain decoding's up to float
+rounding (the host tier sums a run's attention in another order: cpu_attention/decode_run.py).
 """
 from __future__ import annotations
 
