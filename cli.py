@@ -84,6 +84,7 @@ def chat(
     max_new_tokens: int = flags.max_new_tokens(),
     context_overflow: str = flags.context_overflow(),
     draft: str = flags.draft(),
+    draft_model: Optional[str] = flags.draft_model(),
     threads: Optional[int] = flags.threads(),
     kv_dtype: str = flags.kv_dtype(),
     gpu_kv_dtype: str = flags.gpu_kv_dtype(),
@@ -122,7 +123,7 @@ def chat(
                                  gpu_mem=gpu_mem, cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, n_cpu_moe=n_cpu_moe,
                                  stream_tokens=stream_tokens, weight_mode=weight_mode, plan=plan,
                                  context_overflow=context_overflow, parallel=1,  # one conversation
-                                 draft=draft, progress=progress)
+                                 draft=draft, draft_model=draft_model, progress=progress)
         if interactive:
             err.print(f"[dim]{' · '.join(f'{k} {v}' for k, v in engine.info.items())}[/dim]")
         session = ChatSession(engine, sys.stdout, err, system=system,

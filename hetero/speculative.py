@@ -208,3 +208,48 @@ class StepCost:
         base = statistics.median(self.plain)
         per_row = statistics.median((t - base) / n for n, t in self.extra)
         return min(1.0, max(0.0, per_row / base)) if base > 0 else self.prior
+
+
+class ModelDrafter:
+    """Drafts from a small model with the same vocabulary (`--draft-model PATH`), run by its own
+    engine on the same device: its greedy continuation, k tokens by one prefill of what it has not
+    seen and k − 1 decode steps. Greedy drafts are deterministic (q one-hot), so `accept`'s rule
+    keeps the target's distribution at any temperature. The draft engine keeps each sequence's KV
+    between steps, cut back to what the target kept."""
+
+    length = None  # chosen step by step (`DraftLength`)
+
+    def __init__(self, engine):
+        self.e = engine  # a hetero Engine for the draft model
+        self.seen: dict[int, list[int]] = {}  # sequence id → the tokens in the draft engine's KV
+
+    def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        cache, runner = self.e.cache, self.e.runner
+        have = self.seen.get(seq_id, [])
+        n = 0
+        for a, b in zip(have, tokens[:-1]):  # the last token runs again: its logits give the first draft
+            if a != b:
+                break
+            n += 1
+        if seq_id in cache.seqs and (n < cache.num_tokens(seq_id)):
+            if cache.seqs[seq_id].ordered:
+                cache.truncate(seq_id, n)
+            else:  # blocks were swapped: the order of positions is lost, compute again
+                cache.free(seq_id)
+                n = 0
+        logits = runner.prefill(seq_id, tokens, n)
+        out = [int(torch.argmax(logits[-1]))]
+        for i in range(1, k):
+            logits = runner.decode([seq_id], [out[-1]], [len(tokens) + i - 1])
+            out.append(int(torch.argmax(logits[-1])))
+        self.seen[seq_id] = tokens + out[:-1]
+        return out
+
+    def keep(self, sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: list[int]) -> list[int]:
+        return accept(sampler, logits, drafts, history)
+
+    def forget(self, seq_id: int) -> None:
+        self.seen.pop(seq_id, None)
+        self.e.cache.free(seq_id)

@@ -142,6 +142,11 @@ def draft() -> Any:
                            "repeat their context")
 
 
+def draft_model() -> Any:
+    return option(None, "--draft-model", metavar="PATH",
+                  help="speculative decoding with drafts from this small model (same tokenizer; on the CPU)")
+
+
 # ----------------------------------------------------------------------------- placement
 def gpu_mem() -> Any:
     return option(None, "--gpu-mem", parser=size, metavar="SIZE",

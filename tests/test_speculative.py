@@ -272,3 +272,39 @@ def test_a_run_of_rows_attends_like_its_rows_one_by_one(dtype, prior):
             assert float((lse[r] - twin_lse[0]).abs().max()) < LSE_TOL[pool.dtype]
     two = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)  # two sequences' rows: no run
     assert not DecodeWork(pool, two, torch.tensor([5, 6], dtype=torch.int32)).run_rows
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int4"])
+def test_a_draft_model_changes_no_token(tiny, tmp_path, kv):
+    """--draft-model: a tiny random model of the same vocabulary drafts; the tokens are plain
+    decoding's, and its own KV follows what the model kept (free once a sequence ends)."""
+    from conftest import make_tiny
+
+    folder = tiny("llama_hd32")[0]
+    make_tiny(tmp_path / "draft", "llama_hd32", seed=1)  # another model of the same shapes and vocabulary
+    plain = _engine(folder, kv_dtype=kv)
+    spec = hetero.load(folder, device="cpu", weights="f32", tokenizer=False, block_size=4, kv_dtype=kv,
+                       draft_model=tmp_path / "draft", parallel=2)
+    spec.drafter.length = 3
+    for prompt in PROMPTS:
+        want, _ = _run(plain, prompt, n=20)
+        got, stats = _run(spec, prompt, n=20)
+        assert got.generated == want.generated
+        assert stats.drafted > 0
+        plain.cache.free(want.id)
+        spec.cache.free(got.id)
+    got = [c.token for c in spec.generate(PROMPTS, max_new_tokens=12, temperature=0.0)]
+    assert len(got) == 12 * len(PROMPTS)
+    assert spec.drafter.e.cache.tier_tokens() == (0, 0)  # the draft engine's KV went with the sequences
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny, tmp_path):
+    import transformers as tf
+
+    from conftest import COMMON
+
+    tf.LlamaForCausalLM(tf.LlamaConfig(**{**COMMON, "vocab_size": 200})).save_pretrained(tmp_path / "v200")
+    with pytest.raises(UserError, match="vocabulary"):
+        hetero.load(tiny("llama")[0], device="cpu", weights="f32", tokenizer=False, draft_model=tmp_path / "v200")
+    with pytest.raises(UserError, match="one source of drafts"):
+        hetero.load(tiny("llama")[0], device="cpu", draft="ngram", draft_model=tmp_path / "v200")

@@ -14,7 +14,7 @@ from hetero.app.engine import Engine
 from hetero.errors import UserError
 from hetero.random_weights import RandomCheckpoint
 from hetero.sampling import SamplingParams, defaults_from_generation_config
-from hetero.speculative import make_drafter
+from hetero.speculative import ModelDrafter, make_drafter
 from hetero.tokenizer import Tokenizer
 from hetero.validate import check_vocab
 from cpu_attention.layout import INT4_GROUP, KVDtype
@@ -52,6 +52,7 @@ def load(
     tokenizer: bool = True,
     context_overflow: str = "drop-turns",
     draft: str | None = None,
+    draft_model: str | Path | RandomCheckpoint | None = None,
     progress: Progress | None = None,
     **sampling,
 ) -> Engine:
@@ -72,13 +73,16 @@ def load(
     stream|cpu, how weights that do not fit the GPU budget run; context_overflow:
     drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows the context
     (`hetero.context`); draft: ngram|off, speculative decoding's drafts (ngram: prompt lookup over
-    the sequence's own tokens; hetero/speculative.py); progress(done, total): called as the weights are converted, layer by layer
+    the sequence's own tokens; hetero/speculative.py); draft_model: a small model with the same
+    vocabulary that drafts instead (its own engine, on the CPU); progress(done, total): called as the weights are converted, layer by layer
     (the CLI draws a bar with it); sampling: default sampling parameters (temperature, top_k, top_p, min_p,
     repeat_penalty, seed, max_new_tokens). With device cpu and a plan for the GPU, the plan runs
     with the CPU standing in for the GPU (slow for 4-bit weights, meant for tests).
     """
     overflow = Overflow.parse(context_overflow)
     make_drafter(draft)  # an unknown drafter is refused before anything loads
+    if draft_model is not None and draft not in (None, "off"):
+        raise UserError(f"--draft {draft} and --draft-model: give one source of drafts")
     for name, value, lo in (("ctx_size", ctx_size, 0), ("parallel", parallel, 1), ("threads", threads, 1),
                             ("block_size", block_size, 1), ("gpu_kv_tokens", gpu_kv_tokens, 0),
                             ("stream_tokens", stream_tokens, 0), ("n_cpu_moe", n_cpu_moe, 0)):
@@ -114,8 +118,19 @@ def load(
               stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe)
     if plan is not None and device == "auto" and p.device is Device.CPU:
         dev = torch.device("cpu")  # a saved CPU plan runs on the CPU
-    return build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow, draft=draft,
-                 progress=progress)
+    if draft_model is not None and dev.type != "cpu":
+        raise UserError("--draft-model runs on the CPU for now (the plan does not yet share the GPU budget "
+                        "with a second model): use --device cpu, or --draft ngram")
+    engine = build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow, draft=draft,
+                   progress=progress)
+    if draft_model is not None:
+        small = load(draft_model, device="cpu", ctx_size=ctx, parallel=parallel, threads=threads,
+                     tokenizer=False, cpu_mem=cpu_mem)
+        if small.cfg.vocab_size != cfg.vocab_size:
+            raise UserError(f"the draft model's vocabulary ({small.cfg.vocab_size} tokens) is not the model's "
+                            f"({cfg.vocab_size}): a draft model must share the tokenizer")
+        engine.drafter = ModelDrafter(small)
+    return engine
 
 
 def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = None,

@@ -47,6 +47,7 @@ def serve_cmd(
     weight_mode: str = flags.weight_mode(),
     plan: Optional[str] = flags.plan_file(),
     draft: str = flags.draft(),
+    draft_model: Optional[str] = flags.draft_model(),
     temperature: Optional[float] = flags.temperature(),
     top_k: Optional[int] = flags.top_k(),
     top_p: Optional[float] = flags.top_p(),
@@ -68,7 +69,7 @@ def serve_cmd(
         load = functools.partial(hetero.load, model or model_arg, device=device, weights=weights, kv_dtype=kv_dtype,
                                  gpu_kv_dtype=gpu_kv_dtype, ctx_size=ctx_size, parallel=parallel, threads=threads, gpu_mem=gpu_mem,
                                  cpu_mem=cpu_mem, gpu_kv_tokens=gpu_kv_tokens, stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe,
-                                 weight_mode=weight_mode, plan=plan, draft=draft,
+                                 weight_mode=weight_mode, plan=plan, draft=draft, draft_model=draft_model,
                                  **{k: v for k, v in sampling.items() if v is not None})
         err.print(f"[dim]hetero serve: listening on http://{host}:{port} (loading the model; /health is 503 "
                   f"until it is ready)[/dim]", highlight=False)
