@@ -131,16 +131,18 @@ class TieredKVCache:
             self.seqs[seq] = SeqKV(TierTable(self.block_size), TierTable(self.block_size), limit)
         return self.seqs[seq]
 
-    def reserve(self, seq: int, n: int) -> Slots:
+    def reserve(self, seq: int, n: int, keep: frozenset[int] = frozenset()) -> Slots:
         """Room for n more tokens of `seq`: the device tier first (up to its share), then the host.
-        A step's reservations come before its writes, and `seal_complete` after them."""
+        A step's reservations come before its writes, and `seal_complete` after them. keep: other
+        sequences whose blocks must not be swapped out for this room (a run of drafted rows: its
+        rollback needs the blocks where its reservation put them)."""
         s = self._seq(seq)
         to_gpu = max(0, min(n, s.gpu_limit - s.gpu.num_tokens))
         out = Slots()
         if to_gpu:
             need = s.gpu.blocks_needed(to_gpu)
             if need > self.gpu_alloc.num_free:
-                self._make_gpu_room(need - self.gpu_alloc.num_free, keep=seq)
+                self._make_gpu_room(need - self.gpu_alloc.num_free, keep=keep | {seq})
             if need <= self.gpu_alloc.num_free:
                 s.gpu.blocks += self.gpu_alloc.allocate(need)
                 if self.gpu.quantized:
@@ -258,9 +260,9 @@ class TieredKVCache:
         return bt, torch.tensor([t.num_tokens - h for t, h in zip(ts, hidden)], dtype=torch.int32)
 
     # ------------------------------------------------------------------ swapping
-    def _make_gpu_room(self, blocks: int, keep: int) -> None:
+    def _make_gpu_room(self, blocks: int, keep: frozenset[int]) -> None:
         """Swap out full device blocks of other sequences (largest first) until `blocks` are free."""
-        victims = sorted((s for s in self.seqs if s != keep), key=lambda s: -len(self.seqs[s].gpu.blocks))
+        victims = sorted((s for s in self.seqs if s not in keep), key=lambda s: -len(self.seqs[s].gpu.blocks))
         for v in victims:
             if blocks <= 0:
                 return

@@ -40,8 +40,10 @@ def runs(seqs: list[int]) -> list[tuple[int, int]]:
 def reserve(cache: TieredKVCache, seqs: list[int]) -> list[Slots]:
     """Room for one token a row; a run of one sequence's rows is reserved at once, one Slots a row."""
     out: list[Slots] = []
-    for s, n in runs(seqs):
-        sl = cache.reserve(s, n)
+    step = runs(seqs)
+    keep = frozenset(s for s, n in step if n > 1)  # a run's blocks stay where its rows go: `rollback`
+    for s, n in step:
+        sl = cache.reserve(s, n, keep)
         out += _split(sl, n) if n > 1 else [sl]
     return out
 

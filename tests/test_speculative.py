@@ -308,3 +308,22 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny, tmp_path):
         hetero.load(tiny("llama")[0], device="cpu", weights="f32", tokenizer=False, draft_model=tmp_path / "v200")
     with pytest.raises(UserError, match="one source of drafts"):
         hetero.load(tiny("llama")[0], device="cpu", draft="ngram", draft_model=tmp_path / "v200")
+
+
+def test_a_run_keeps_its_device_blocks_while_others_need_room():
+    """A full device tier: another sequence's room in the same step is not made by swapping out the
+    blocks of a sequence with a run of drafted rows, so its rollback finds its rows where they went."""
+    from hetero.config import Arch, ModelConfig
+    from offload.kv_cache import TieredKVCache
+
+    cfg = ModelConfig(arch=Arch.LLAMA, vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    c = TieredKVCache(cfg, host_tokens=64, gpu_tokens=12, block_size=4, gpu_tokens_per_seq=12)
+    c.reserve(1, 4)  # one full device block
+    c.reserve(0, 2)  # one block, half filled: one block of the three is free
+    # sequence 0's run at positions 2, 3, 4 completes its block and takes the free one; sequence 1's
+    # row needs a block too: swapping out sequence 0's full block would take the run's first rows
+    rows.reserve(c, [0, 0, 0, 1])
+    assert c.seqs[0].swapped == 0 and c.seqs[0].gpu.num_tokens == 5
+    rows.rollback(c, 0, 2)
+    assert c.num_tokens(0) == 3 and c.seqs[0].gpu.num_tokens == 3 and len(c.seqs[0].gpu.blocks) == 1
