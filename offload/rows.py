@@ -103,6 +103,6 @@ def rollback(cache: TieredKVCache, seq: int, n: int) -> None:
         alloc.free(gone)
         if tier is s.host:
             cache.host.release(gone)
-        elif cache.gpu is not None and cache.gpu.quantized:
-            cache.gpu.drop_tails(gone)
+        else:
+            cache._drop_tails(gone)  # a quantized tier's tails go back, and nothing is sealed in them
     s.recent = (gpu_new - (n - drop_host), host_new - drop_host)
