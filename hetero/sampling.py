@@ -86,21 +86,29 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         """logits [V] float32 → the next token id."""
+        if self.greedy:  # the argmax itself, no distribution built
+            return int(torch.argmax(self._penalized(logits, history)))
         return self.draw(self.distribution(logits, history))
 
     @property
     def greedy(self) -> bool:
         return self.p.temperature == 0
 
-    def distribution(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """logits [V] → the probabilities the next token is drawn from [V] float32 (after the
-        repetition penalty, temperature, top-k, min-p and top-p; one-hot at the argmax when greedy)."""
+    def _penalized(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """A float32 copy of logits with the repetition penalty applied to the tokens in history."""
         p = self.p
         logits = logits.float().clone()
         if p.repeat_penalty != 1.0 and history:
             ids = torch.tensor(sorted(set(history)), dtype=torch.long)
             v = logits[ids]
             logits[ids] = torch.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+        return logits
+
+    def distribution(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """logits [V] → the probabilities the next token is drawn from [V] float32 (after the
+        repetition penalty, temperature, top-k, min-p and top-p; one-hot at the argmax when greedy)."""
+        p = self.p
+        logits = self._penalized(logits, history)
         if p.temperature == 0:
             return torch.nn.functional.one_hot(torch.argmax(logits), logits.numel()).float()
         logits = logits / p.temperature
