@@ -42,7 +42,7 @@ from cpu_attention._numba import resolve_threads
 from cpu_attention._simd import VEC
 from cpu_attention.decode_bf16 import decode_float, decode_float_any
 from cpu_attention.decode_int4 import decode_int4
-from cpu_attention.decode_run import attend_run, run_rows, split_run
+from cpu_attention.decode_run import attend_run, run_rows
 from cpu_attention import decode_int8 as int8_mod  # its tile and prefetch settings are read per call
 from cpu_attention.decode_tiles import rest_heads
 from cpu_attention.pool import HostKVPool
@@ -167,8 +167,10 @@ class DecodeWork:
         self.bt = block_tables.detach().to(torch.int32).contiguous().numpy()  # [B, max_blocks]
         self.lens = seq_lens.detach().to(torch.int64).contiguous().numpy()  # [B]
         self.run_rows = run_rows(self.bt, self.lens) if runs else 0  # ≥ 2: the rows are one run
-        if self.run_rows:  # the run's two parts, each an ordinary work (`decode_run`)
-            self.shared, self.own, _ = split_run(pool, self.bt, self.lens, self.threads, DecodeWork)
+        if self.run_rows:  # the run's two parts, each an ordinary work, cut at its first token's block
+            n0 = (int(self.lens[0]) - 1) // pool.block_size * pool.block_size  # (`decode_run`)
+            self.shared = DecodeWork(pool, block_tables[:1], torch.tensor([n0]), threads, runs=False) if n0 else None
+            self.own = DecodeWork(pool, block_tables[:, n0 // pool.block_size:], seq_lens - n0, threads, runs=False)
             return
         self.items, self.pair_start, self.order = _work_items(
             tuple(self.lens.tolist()), pool.num_kv_heads, pool.block_size, self.threads)

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from cpu_attention.pool import HostKVPool
 
@@ -31,16 +30,6 @@ def run_rows(bt: np.ndarray, lens: np.ndarray) -> int:
     if B < 2 or lens[0] < 1 or not np.array_equal(lens - lens[0], np.arange(B)):
         return 0
     return B if (bt == bt[:1]).all() else 0
-
-
-def split_run(pool: HostKVPool, bt: np.ndarray, lens: np.ndarray, threads: int, work_cls) -> tuple:
-    """(the shared part's work or None, the rows' own part's work, the cut n0) for a run's tables."""
-    BS = pool.block_size
-    n0 = (int(lens[0]) - 1) // BS * BS
-    as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x))  # noqa: E731
-    shared = work_cls(pool, as_t(bt[:1]), as_t(np.array([n0])), threads, runs=False) if n0 else None
-    own = work_cls(pool, as_t(bt[:, n0 // BS:]), as_t(lens - n0), threads, runs=False)
-    return shared, own, n0
 
 
 def attend_run(work: DecodeWork, pool: HostKVPool, layer: int, q: np.ndarray, scale: float, on: np.ndarray,
