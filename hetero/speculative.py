@@ -147,7 +147,7 @@ class DraftLength:
     """How many tokens to draft: the k that maximizes the expected tokens a step yields over what
     the step costs. With a per-token acceptance rate a, a step of k drafts yields
     (1 − a^(k+1)) / (1 − a) tokens on average and costs 1 + c·k plain steps, c being a draft row's
-    cost relative to a step, measured on this machine as steps run (`StepCost`)."""
+    cost relative to a step, measured on this machine as steps run (`RowCost`)."""
 
     max_draft: int = MAX_DRAFT
     prior: float = 0.6  # the acceptance rate until drafts have been verified
@@ -184,7 +184,7 @@ class DraftLength:
 
 
 @dataclass
-class StepCost:
+class RowCost:
     """A draft row's cost relative to a plain step, from the recent decode steps' wall times:
     the median time of recent one-row steps, and the median over recent longer steps of what
     each row beyond the first added to it. Medians, because a step now and then is slow for

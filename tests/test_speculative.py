@@ -11,7 +11,7 @@ from conftest import rel_err
 from hetero.app.scheduler import Scheduler
 from hetero.errors import UserError
 from hetero.sampling import Sampler, SamplingParams
-from hetero.speculative import DraftLength, NgramDrafter, StepCost, accept
+from hetero.speculative import DraftLength, NgramDrafter, RowCost, accept
 from offload import rows
 
 PROMPTS = [
@@ -111,7 +111,7 @@ def test_draft_length_follows_the_acceptance_rate_and_the_cost():
     for _ in range(30):
         d.update(drafted=4, kept=0)
     assert d.choose(cost=0.05) <= 1
-    c = StepCost()
+    c = RowCost()
     assert c.relative == c.prior  # nothing measured yet
     for r, t in [(1, 1.0), (3, 1.2), (5, 9.0), (5, 1.4), (1, 1.0), (1, 7.0), (2, 1.1)]:  # two slow steps
         c.add(r, t)

@@ -20,7 +20,7 @@ from hetero.errors import UserError
 from hetero.app.metrics import RequestStats
 from hetero.model import Model
 from hetero.sampling import SamplingParams
-from hetero.speculative import DraftLength, StepCost, make_drafter
+from hetero.speculative import DraftLength, RowCost, make_drafter
 from hetero.app.scheduler import Chunk, Scheduler, Sequence
 from hetero.tokenizer import StreamDecoder, Tokenizer
 from cpu_attention import warm
@@ -51,7 +51,7 @@ class Engine:
         self._window = Window()  # what of the conversation the model sees
         self.overflow = Overflow.DROP_TURNS
         self.drafter = make_drafter(draft)
-        self.draft_cost = StepCost()  # a draft row's cost relative to a step, as measured here
+        self.draft_cost = RowCost()  # a draft row's cost relative to a step, as measured here
         # the most rows a step with drafts may have: on the CPU, what its linears compute row by row
         # (int8 GEMV up to 8 rows; a larger step goes through another kernel, whose float sums differ)
         self.step_rows: int | None = None if runner.cuda else GEMV_MAX_ROWS
