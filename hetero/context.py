@@ -63,6 +63,16 @@ class Fitted:
     note: str | None  # what was dropped, for one dim line
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share (the KV a new turn or a draft engine can keep)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def fit(tok: Template, messages: list[dict], win: Window, ctx: int, room: int, mode: Overflow,
         answer: list[int] = ()) -> Fitted:
     """The tokens to run: the conversation in `win` plus `answer`, with `room` tokens left for the

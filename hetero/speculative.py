@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hetero.context import common_prefix
 from hetero.errors import UserError
 from hetero.sampling import Sampler
 
@@ -227,12 +228,8 @@ class ModelDrafter:
         if k <= 0:
             return []
         cache, runner = self.e.cache, self.e.runner
-        have = self.seen.get(seq_id, [])
-        n = 0
-        for a, b in zip(have, tokens[:-1]):  # the last token runs again: its logits give the first draft
-            if a != b:
-                break
-            n += 1
+        # the last token runs again: its logits give the first draft
+        n = common_prefix(self.seen.get(seq_id, []), tokens[:-1])
         if seq_id in cache.seqs and (n < cache.num_tokens(seq_id)):
             if cache.seqs[seq_id].ordered:
                 cache.truncate(seq_id, n)

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from hetero.context import ContextFull, Overflow, Window, fit
+from hetero.context import ContextFull, Overflow, Window, common_prefix, fit
 from hetero.errors import UserError
 from hetero.app.metrics import RequestStats
 from hetero.model import Model
@@ -171,7 +171,7 @@ class Engine:
         """Give `seq` the conversation's KV cache; → how many of its tokens are already there."""
         cached = 0
         if self._chat_seq is not None:
-            cached = _common_prefix(self._chat_tokens, seq.tokens)
+            cached = common_prefix(self._chat_tokens, seq.tokens)
             cached = min(cached, len(seq.tokens) - 1)  # the last prompt token must run to give logits
             self.cache.rename(self._chat_seq, seq.id)
             if cached < self.cache.num_tokens(seq.id) and not self.cache.seqs[seq.id].ordered:
@@ -256,11 +256,3 @@ class Engine:
     def generate_text(self, prompt: str | list[int], **params) -> str:
         return "".join(c.text for c in self.generate(prompt, **params))
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
