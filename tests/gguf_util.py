@@ -101,6 +101,14 @@ def write_gguf(path, folder, arch: str, qtype_for=lambda name, shape: Q.F32, see
     return written
 
 
+def _copy_tokenizer(w: GGUFWriter, src) -> None:
+    """The tokenizer.* fields of the GGUFReader src into the writer w."""
+    for name, f in src.fields.items():
+        if name.startswith("tokenizer."):
+            sub = f.types[1] if len(f.types) > 1 else None
+            w.add_key_value(name, f.contents(), f.types[0], sub)
+
+
 def write_tokenizer_only(path, source=None) -> None:
     """A GGUF with no tensors holding the tokenizer fields of `source` (default: the demo model):
     a few MB, for `write_llama3_8b_q4km(tokenizer_from=...)` on a host without the demo model."""
@@ -108,12 +116,8 @@ def write_tokenizer_only(path, source=None) -> None:
 
     from hetero.demo import demo_model_path
 
-    src = GGUFReader(str(source or demo_model_path()))
     w = GGUFWriter(str(path), "llama")
-    for name, f in src.fields.items():
-        if name.startswith("tokenizer."):
-            sub = f.types[1] if len(f.types) > 1 else None
-            w.add_key_value(name, f.contents(), f.types[0], sub)
+    _copy_tokenizer(w, GGUFReader(str(source or demo_model_path())))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -144,10 +148,7 @@ def write_llama3_8b_q4km(path, layers: int = 32, seed: int = 0, tokenizer_from=N
     w.add_rope_freq_base(500000.0)
     w.add_key_length(hd)
     w.add_vocab_size(vocab)
-    for name, f in demo.fields.items():
-        if name.startswith("tokenizer."):
-            sub = f.types[1] if len(f.types) > 1 else None
-            w.add_key_value(name, f.contents(), f.types[0], sub)
+    _copy_tokenizer(w, demo)
     tensors = [("token_embd.weight", (vocab, h), Q.Q4_K), ("output_norm.weight", (h,), Q.F32),
                ("output.weight", (vocab, h), Q.Q6_K)]
     for i in range(layers):
