@@ -327,3 +327,15 @@ def test_a_run_keeps_its_device_blocks_while_others_need_room():
     assert c.seqs[0].swapped == 0 and c.seqs[0].gpu.num_tokens == 5
     rows.rollback(c, 0, 2)
     assert c.num_tokens(0) == 3 and c.seqs[0].gpu.num_tokens == 3 and len(c.seqs[0].gpu.blocks) == 1
+
+
+def test_a_draft_model_plans_within_what_the_model_leaves_of_cpu_mem(tiny, tmp_path):
+    from conftest import make_tiny
+
+    make_tiny(tmp_path / "draft", "llama", seed=1)
+    e = hetero.load(tiny("llama")[0], device="cpu", weights="f32", tokenizer=False, draft_model=tmp_path / "draft",
+                    cpu_mem="1GiB")
+    assert e.drafter.e.plan.budget.host_bytes == 2**30 - e.plan.memory.host_used
+    with pytest.raises(UserError, match="no host memory for the draft model"):
+        hetero.load(tiny("llama")[0], device="cpu", weights="f32", tokenizer=False, draft_model=tmp_path / "draft",
+                    cpu_mem=e.plan.memory.host_used)

@@ -124,8 +124,13 @@ def load(
     engine = build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow, draft=draft,
                    progress=progress)
     if draft_model is not None:
+        left = None  # with --cpu-mem, the draft engine plans within what the model's plan leaves of it
+        if cpu_mem:
+            left = p.budget.host_bytes - p.memory.host_used
+            if left <= 0:
+                raise UserError("--cpu-mem leaves no host memory for the draft model: raise --cpu-mem")
         small = load(draft_model, device="cpu", ctx_size=ctx, parallel=parallel, threads=threads,
-                     tokenizer=False, cpu_mem=cpu_mem)
+                     tokenizer=False, cpu_mem=left)
         if small.cfg.vocab_size != cfg.vocab_size:
             raise UserError(f"the draft model's vocabulary ({small.cfg.vocab_size} tokens) is not the model's "
                             f"({cfg.vocab_size}): a draft model must share the tokenizer")
