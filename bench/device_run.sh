@@ -10,7 +10,8 @@
 #           ATTN_ARGS passed through, e.g. "--threads 8 --int8-sweep 64:2,128:4")
 # gpudecode: bench.gpu_decode (all-GPU decode and prefill, per-linear NF4 kernels; GPUDECODE_ARGS="--only b1")
 # mma:      bench.nf4_mma (the W4A16 tensor-core kernel's sweep at 4-64 rows vs bitsandbytes; MMA_ARGS passed through)
-# kvattn:   bench.gpu_kv_attention (paged decode attention over bf16 / int8 / int4 device blocks, GB/s vs HBM)
+# kvattn:   bench.gpu_kv_attention (paged decode attention over bf16 / int8 / int4 device blocks, GB/s vs HBM;
+#           KVATTN_ARGS passed through, e.g. "--rows 1,4,8 --launch 4x2,8x2")
 # offload:  bench.offload_decode (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
 # startup8b: bench.startup on a Llama-3-8B-shaped Q4_K_M GGUF it writes first (carry .dbg/tok.gguf from
 #           `python3 -m bench.startup --tokenizer-only .dbg/tok.gguf`), twice: cold caches, then warm
@@ -59,7 +60,7 @@ for stage in $STAGES; do
       timeout ${MMA_TIMEOUT:-330} python3 -m bench.nf4_mma --out "$OUT" ${MMA_ARGS:-} 2>&1 \
         | tee "$OUT/nf4_mma_stdout.log" | grep -v "^20..-" | tail -${MMA_TAIL:-75} ;;
     kvattn)
-      timeout ${KVATTN_TIMEOUT:-200} python3 -m bench.gpu_kv_attention --out "$OUT/gpu_kv_attention.json" 2>&1 \
+      timeout ${KVATTN_TIMEOUT:-200} python3 -m bench.gpu_kv_attention --out "$OUT/gpu_kv_attention.json" ${KVATTN_ARGS:-} 2>&1 \
         | tee "$OUT/gpu_kv_attention.log" | tail -${KVATTN_TAIL:-16} ;;
     startup8b)
       tok=.dbg/tok.gguf; [ -f "$tok" ] || tok=

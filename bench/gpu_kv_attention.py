@@ -2,6 +2,7 @@
 (gpu_ops.attention_quant), Llama-3-8B's head shape (32 q heads, 8 kv heads, D 128, BS 16).
 
     python3 -m bench.gpu_kv_attention [--out results.json] [--cases 1x8k,1x32k,1x64k,16x8k,32x2k]
+        [--rows 1,4,8] [--block-size 16] [--launch 4x2,8x2]
 
 (as a module from the repository root: run as a file, bench/cpu_attention.py would shadow the
 package)
@@ -11,6 +12,12 @@ size), each sequence's blocks scattered, its last block partly filled and in a b
 during decode (context − 5 tokens); the kernel checked once against its torch twin
 (`decode_attention_torch`, float32), then timed as µs a call: a CUDA graph of calls rotating over
 the pool's layers (≥ 512 MB together, so L2 holds none of a call's data), median of replays.
+
+Rows: a case at k rows a sequence is a speculative step's verification (k consecutive positions
+of each sequence): as a run (`RunRows`, one program a sequence reading its KV once for all k
+rows) and, beside it, as k separate rows (each reading the KV), the way decode ran them before
+runs; their KV GB/s counts the sequence's bytes once. Launch: the quantized kernels' (warps,
+pipeline stages) a program, compared.
 
 KV bytes a call = what the kernel must read of the pool: per block and kv head, codes + scales +
 zeros (bf16 2·BS·D·2; int8 2·BS·D + 2·4·BS; int4 BS·D + 2·2·D + 2·2·BS·D/32), a tail block as
@@ -28,12 +35,13 @@ import statistics
 import torch
 
 from cpu_attention.layout import KVDtype
-from gpu_ops.attention import decode_attention_torch
+from gpu_ops.attention import RunRows, decode_attention_torch, run_codes
 from gpu_ops.attention_quant import paged_decode_quant, prepare
 from gpu_ops.attention_triton import paged_decode
 from gpu_ops.kv_pool import GpuKVPool
 
-HQ, HKV, D, BS = 32, 8, 128, 16
+HQ, HKV, D = 32, 8, 128
+BS = 16  # --block-size sets it
 ROTATE_BYTES = 512 << 20  # the layers a graph rotates over hold at least this much
 CHECK_TOL = 1e-2
 DTYPES = [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4]
@@ -96,24 +104,39 @@ def make_pool(kv: KVDtype, batch: int, ctx: int, dev: torch.device):
     return pool, tables, lens, q
 
 
-def attend(pool: GpuKVPool, layer: int, q, tables, lens):
-    fn = paged_decode if pool.kv_dtype is KVDtype.BF16 else paged_decode_quant
-    return fn(pool, layer, q, tables, lens, D**-0.5, out_dtype=torch.bfloat16)
+def as_rows(tables, lens, q, k: int, runs: bool):
+    """Each sequence as k rows at its last k positions → (tables, lens, q, RunRows or None)."""
+    if k == 1:
+        return tables, lens, q, None
+    B = tables.shape[0]
+    lens_k = (lens[:, None] - k + 1 + torch.arange(k, device=lens.device)[None, :]).reshape(-1).int()
+    q_k = torch.randn(B * k, *q.shape[1:], device=q.device).to(q.dtype)
+    rr = None
+    if runs:
+        rr = RunRows(torch.tensor(run_codes([k] * B), dtype=torch.int32, device=lens.device), k)
+    return tables.repeat_interleave(k, 0), lens_k, q_k, rr
 
 
-def time_call(pool: GpuKVPool, q, tables, lens, replays: int = 20) -> float:
+def attend(pool: GpuKVPool, layer: int, q, tables, lens, runs=None, launch=None):
+    if pool.kv_dtype is KVDtype.BF16:
+        return paged_decode(pool, layer, q, tables, lens, D**-0.5, out_dtype=torch.bfloat16, runs=runs)
+    return paged_decode_quant(pool, layer, q, tables, lens, D**-0.5, out_dtype=torch.bfloat16, runs=runs,
+                              launch=launch)
+
+
+def time_call(pool: GpuKVPool, q, tables, lens, runs=None, launch=None, replays: int = 20) -> float:
     """µs a call: a graph of calls over the layers in turn, median over replays."""
     calls = max(16, pool.num_layers)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(pool.num_layers):  # compile, caches, allocator warm
-            attend(pool, i, q, tables, lens)
+            attend(pool, i, q, tables, lens, runs, launch)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
-            attend(pool, i % pool.num_layers, q, tables, lens)
+            attend(pool, i % pool.num_layers, q, tables, lens, runs, launch)
     graph.replay()
     times = []
     for _ in range(replays):
@@ -135,33 +158,52 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON to this file")
     ap.add_argument("--cases", default="1x8k,1x32k,1x64k,16x8k,32x2k", help="batch x context, comma-separated")
+    ap.add_argument("--rows", default="1", help="rows a sequence (a speculative step's k), comma-separated")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--launch", default="", help="the quantized kernels' warps x stages[x registers], "
+                    "comma-separated (default: the kernels' own, attention_quant.LAUNCH)")
+    ap.add_argument("--dtypes", default="bf16,int8,int4")
     a = ap.parse_args()
+    global BS
+    BS = a.block_size
     dev = torch.device("cuda")
     bound = copy_bandwidth(dev)
-    print(f"{torch.cuda.get_device_name(dev)}: device copy {bound / 1e9:.0f} GB/s (read + written)", flush=True)
+    print(f"{torch.cuda.get_device_name(dev)}: device copy {bound / 1e9:.0f} GB/s (read + written), block {BS}",
+          flush=True)
+    launches = [tuple(int(x) for x in s.split("x")) for s in a.launch.split(",")] if a.launch else [None]
     rows = []
     for case in a.cases.split(","):
         batch, ctx = parse_case(case)
-        for kv in DTYPES:
-            pool, tables, lens, q = make_pool(kv, batch, ctx, dev)
+        for kv in [KVDtype(d) for d in a.dtypes.split(",")]:
+            pool, tables0, lens0, q0 = make_pool(kv, batch, ctx, dev)
             prepare(pool)
-            out, _ = attend(pool, 0, q, tables, lens)
-            ref, _ = decode_attention_torch(pool, 0, q, tables, lens, D**-0.5)
-            err = float((out.float() - ref).norm() / ref.norm())
-            us = time_call(pool, q, tables, lens)
-            nbytes = call_bytes(kv, batch, ctx)
-            rows.append(dict(case=case, batch=batch, ctx=ctx, kv=kv.value, us=us, kv_bytes=nbytes,
-                             gbps=nbytes / us / 1e3, of_bound=nbytes / (us * 1e-6) / bound, rel_err=err,
-                             layers=pool.num_layers))
-            print(json.dumps(rows[-1]), flush=True)
-            assert err < CHECK_TOL, f"{kv.value} {case}: rel err {err:.2e} against the torch twin"
+            for k, runs in ((int(k), r) for k in a.rows.split(",") for r in ((True, False) if int(k) > 1 else (True,))):
+                tables, lens, q, rr = as_rows(tables0, lens0, q0, k, runs)
+                for launch in launches if kv is not KVDtype.BF16 else launches[:1]:
+                    out, _ = attend(pool, 0, q, tables, lens, rr, launch)
+                    ref, _ = decode_attention_torch(pool, 0, q, tables, lens, D**-0.5)
+                    err = float((out.float() - ref).norm() / ref.norm())
+                    us = time_call(pool, q, tables, lens, rr, launch)
+                    nbytes = call_bytes(kv, batch, ctx)
+                    rows.append(dict(case=case, batch=batch, ctx=ctx, kv=kv.value, rows=k,
+                                     mode="run" if runs or k == 1 else "rows",
+                                     launch="x".join(map(str, launch)) if launch else "own", us=us,
+                                     kv_bytes=nbytes, gbps=nbytes / us / 1e3, of_bound=nbytes / (us * 1e-6) / bound,
+                                     rel_err=err, layers=pool.num_layers))
+                    print(json.dumps(rows[-1]), flush=True)
+                    assert err < CHECK_TOL, f"{kv.value} {case}: rel err {err:.2e} against the torch twin"
             del pool, out, ref
             torch.cuda.empty_cache()
-    bf16_us = {r["case"]: r["us"] for r in rows if r["kv"] == "bf16"}
-    print(f"\n{'case':>8} {'kv':>5} {'µs':>8} {'KV MB':>8} {'GB/s':>6} {'of copy':>7} {'vs bf16':>7} {'err':>8}")
+    first = rows[0]["launch"] if rows else None
+    one = {(r["case"], r["kv"]): r["us"] for r in rows if r["rows"] == 1 and r["launch"] in (first, "own")}
+    bf16_us = {r["case"]: r["us"] for r in rows if r["kv"] == "bf16" and r["rows"] == 1}
+    print(f"\n{'case':>8} {'kv':>5} {'rows':>7} {'launch':>6} {'µs':>8} {'KV MB':>8} {'GB/s':>6} {'of copy':>7} "
+          f"{'vs 1 row':>8} {'vs bf16':>7} {'err':>8}")
     for r in rows:
-        print(f"{r['case']:>8} {r['kv']:>5} {r['us']:8.1f} {r['kv_bytes'] / 1e6:8.1f} {r['gbps']:6.0f} "
-              f"{r['of_bound']:7.0%} {bf16_us[r['case']] / r['us']:6.2f}x {r['rel_err']:8.1e}")
+        vs_bf16 = f"{bf16_us[r['case']] / r['us']:6.2f}x" if r["case"] in bf16_us else "-"
+        print(f"{r['case']:>8} {r['kv']:>5} {str(r['rows']) + ' ' + r['mode']:>7} {r['launch']:>6} {r['us']:8.1f} "
+              f"{r['kv_bytes'] / 1e6:8.1f} {r['gbps']:6.0f} {r['of_bound']:7.0%} "
+              f"{r['us'] / one.get((r['case'], r['kv']), r['us']):7.2f}x {vs_bf16:>7} {r['rel_err']:8.1e}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(dev), copy_gbps=bound / 1e9, shape=dict(

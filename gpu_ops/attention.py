@@ -13,6 +13,7 @@ Prefill is torch only: it is compute-bound in the projections, not here.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
@@ -21,6 +22,28 @@ from cpu_attention.merge import merge_attention
 from gpu_ops.kv_pool import GpuKVPool, quant_shapes_ok
 
 PREFILL_KV_CHUNK = 4096  # tier tokens per score matrix in prefill, to bound its memory
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRows:
+    """Runs of a decode batch (a speculative step's rows of one sequence: offload/rows.py): codes
+    [B] int32 on the attention's device (`run_codes`) and the longest run, `most`. The Triton
+    kernels attend several rows of a run in one program, reading each KV block once for them;
+    the torch path attends row by row (the same result)."""
+
+    codes: torch.Tensor
+    most: int
+
+
+def run_codes(sizes: list[int]) -> list[int]:
+    """The rows of runs of `sizes` rows each, in batch order → a code a row: its offset j in its run
+    << 16 | the run's rows (a lone row: 1)."""
+    return [j << 16 | n for n in sizes for j in range(n)]
+
+
+def run_bucket(most: int) -> int:
+    """The longest run's rows rounded up to a power of two: a captured graph per bucket."""
+    return 1 << (most - 1).bit_length()
 
 
 class AttnKernel(str, enum.Enum):
@@ -38,6 +61,7 @@ def decode_attention(
     scale: float,
     kernel: AttnKernel = AttnKernel.AUTO,
     out_dtype: torch.dtype = torch.float32,
+    runs: RunRows | None = None,  # rows of one sequence that may share a program (None: each row its own)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """→ (out [B, Hq, D] out_dtype, lse [B, Hq] float32). No host sync: capturable in a CUDA graph.
     (out_dtype bf16 where nothing merges the result: the Triton kernels write it, no cast kernel.)"""
@@ -46,11 +70,11 @@ def decode_attention(
     if kernel is AttnKernel.TRITON and pool.quantized:
         from gpu_ops.attention_quant import paged_decode_quant
 
-        return paged_decode_quant(pool, layer, q, block_tables, seq_lens, scale, out_dtype=out_dtype)
+        return paged_decode_quant(pool, layer, q, block_tables, seq_lens, scale, out_dtype=out_dtype, runs=runs)
     if kernel is AttnKernel.TRITON:
         from gpu_ops.attention_triton import paged_decode
 
-        return paged_decode(pool, layer, q, block_tables, seq_lens, scale, out_dtype=out_dtype)
+        return paged_decode(pool, layer, q, block_tables, seq_lens, scale, out_dtype=out_dtype, runs=runs)
     o, lse = decode_attention_torch(pool, layer, q, block_tables, seq_lens, scale)
     return o.to(out_dtype), lse
 

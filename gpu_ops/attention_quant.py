@@ -35,17 +35,21 @@ all 255 and spilled (`ptxas -v` for sm_90).
 Blocks being filled (`tail_of_block` ≥ 0: bf16 tail, keys and values plain) are not branched
 on in the main loop, which attends the codes only (a tail block's scores masked to -inf; its
 stale codes are read and weighted 0: pool memory is zeroed at allocation and only ever holds
-finite quantizer output). A second loop, run only by a split holding a tail (`_has_tail`: one
-vector load of its block ids' entries), attends them with plain q into a plain accumulator,
-acc_tail, which the epilogue stores first and adds to acc @ Rᵀ chunk by chunk. A branch in the
-main loop kept its temporaries live there: 227-255 registers against 128-140 now (int8).
+finite quantizer output). Tails are a sequence's last two blocks at most (the block being
+filled, and the one this step completed, sealed at the next step's start), so one more split,
+program sp = S, attends them (`_attend_tails`: plain q, plain values) and the merge takes it as
+any split. A branch in the main loop kept its temporaries live there (227-255 registers against
+128-140, int8), and a second loop over the split's tails beside it took 86 more (int4: 214
+against 128, so one program an SM where four fit).
 
 The dense R·√P is made on the device once per (D, device) (`rotation_matrix`): by the
 first eager call, or by `prepare(pool)` before a CUDA graph is captured without an eager call
 first; a capture that finds it missing raises (no host copy may happen inside a capture).
 
 Split-K as `attention_triton`: one program per (sequence, kv head, split), splits' partial
-(out, lse) merged by its merge kernel. Shapes are static, no host sync: capturable.
+(out, lse) merged by its merge kernel; a run's rows in one program (`attention_triton.RunRows`),
+so a speculative step dequantizes each block once for all its rows. Shapes are static, no host
+sync: capturable.
 """
 from __future__ import annotations
 
@@ -60,7 +64,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from cpu_attention import rotation
 from cpu_attention.layout import KVDtype
 from gpu_ops import pdl
-from gpu_ops.attention_triton import _sms, merge_splits, split_outputs
+from gpu_ops.attention import RunRows
+from gpu_ops.attention_triton import _query_rows, _sms, merge_splits, query_rows, split_outputs
 from gpu_ops.kv_pool import GpuKVPool, quant_shapes_ok
 
 
@@ -91,16 +96,6 @@ def _rotate_rows(src_ptr, row_off, row_ok, rot_ptr, cols, M: tl.constexpr, N: tl
 
 
 @triton.jit
-def _has_tail(bt_row_ptr, tob_ptr, first, last, PER: tl.constexpr):
-    """Whether any of this split's blocks first .. last - 1 is in a tail: one vector load of the
-    split's block ids and their tail_of_block entries (PER ≥ last - first, a power of two)."""
-    j = first + tl.arange(0, PER)
-    ok = j < last
-    blk = tl.load(bt_row_ptr + j, mask=ok, other=0)
-    return tl.max(tl.load(tob_ptr + blk, mask=ok, other=-1), 0) >= 0
-
-
-@triton.jit
 def _online_softmax(s, m_i, l_i):
     """One block's scores s [GP, BS] (masked: -inf) into the running max m_i and sum l_i [GP]:
     → (p [GP, BS], alpha [GP] for the accumulator, new m_i, new l_i)."""
@@ -120,96 +115,130 @@ def _lse(m_i, l_i, lse_ptr, dst, row_ok):
 
 
 @triton.jit
-def _store_rotated_back(acc, acc_tail, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D: tl.constexpr,
-                        RC: tl.constexpr, DOT_F32: tl.constexpr):
-    """out = (acc @ Rᵀ·√P · inv_sqrt + acc_tail) · inv_l at rows dst: acc_tail stored first, then
-    acc's product by column chunks of RC (no [D, D] operand), each chunk added to what is there."""
-    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], (acc_tail * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+def _attend_tails(q_ptr, tk_ptr, tv_ptr, tob_ptr, bt_row_ptr, o_ptr, lse_ptr, row_ok, n_row, head, n, dst,
+                  layer, T1, Hkv, h, scale, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+    """The tail split: the run's last two blocks, those in a bf16 tail, attended with plain q and
+    values (each row masked at its length) → (out, lse) at rows dst."""
+    d = tl.arange(0, D)
+    t = tl.arange(0, BS)
+    q = tl.load(q_ptr + (head * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    nb = tl.cdiv(n, BS)
+    for i in range(tl.maximum(nb - 2, 0), nb):
+        blk = tl.load(bt_row_ptr + i).to(tl.int64)
+        tail = tl.load(tob_ptr + blk)
+        if tail >= 0:
+            tb = ((layer * T1 + tail) * Hkv + h).to(tl.int64) * (BS * D)
+            kt = tl.load(tk_ptr + tb + (t * D)[None, :] + d[:, None])  # [D, BS] transposed
+            s = tl.dot(q, kt.to(DT)).to(tl.float32) * scale
+            s = tl.where((i * BS + t)[None, :] < n_row[:, None], s, float("-inf"))
+            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+            vt = tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :])  # [BS, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(DT), vt.to(DT))
+    inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
+    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None])
-    tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+
+
+@triton.jit
+def _store_rotated_back(acc, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D: tl.constexpr,
+                        RC: tl.constexpr, DOT_F32: tl.constexpr):
+    """out = acc @ Rᵀ·√P · inv_sqrt · inv_l at rows dst, by column chunks of RC (no [D, D] operand)."""
     for n0 in tl.static_range(0, D, RC):
         e = n0 + tl.arange(0, RC)
         o = _rot_dot(acc, tl.load(rot_ptr + e[None, :] * D + d[:, None]), DOT_F32)
-        ptr = o_ptr + (dst * D)[:, None] + e[None, :]
-        o = o * (inv_sqrt * inv_l)[:, None] + tl.load(ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        tl.store(ptr, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptr + (dst * D)[:, None] + e[None, :], (o * (inv_sqrt * inv_l)[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
 
 
 @triton.jit
 def _int8_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
-    layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
-    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, PER: tl.constexpr,
-    DT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr, run_ptr, o_ptr,
+    lse_ptr, layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr,
+    DT: tl.constexpr, DOT_F32: tl.constexpr, RUNS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    rows = tl.arange(0, GP)
-    row_ok = rows < G
+    row_ok, n_row, head, n = _query_rows(run_ptr, len_ptr, b, h, Hq, G, GP, RUNS)
+    dst = sp * B * Hq + head
+    if sp == tl.num_programs(2) - 1:
+        _attend_tails(q_ptr, tk_ptr, tv_ptr, tob_ptr, bt_ptr + b * MB, o_ptr, lse_ptr, row_ok, n_row, head, n, dst,
+                      layer, T1, Hkv, h, scale, GP, BS, D, DT)
+    else:
+        _int8_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tob_ptr, rot_ptr, bt_ptr + b * MB, o_ptr, lse_ptr,
+                    row_ok, n_row, head, n, dst, layer, NB1, Hkv, h, sp, blocks_per_split, scale, inv_sqrt,
+                    GP, BS, D, RC, DT, DOT_F32)
+
+
+@triton.jit
+def _int8_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tob_ptr, rot_ptr, bt_row_ptr, o_ptr, lse_ptr,
+                row_ok, n_row, head, n, dst, layer, NB1, Hkv, h, sp, blocks_per_split, scale, inv_sqrt,
+                GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, DT: tl.constexpr,
+                DOT_F32: tl.constexpr):
     d = tl.arange(0, D)
     t = tl.arange(0, BS)
-    q_row = (b * Hq + h * G + rows) * D
+    q_row = head * D
     q_rot = (_rotate_rows(q_ptr, q_row, row_ok, rot_ptr, d, GP, D, D, RC, DOT_F32) * inv_sqrt).to(DT)  # q @ R
     k_off = ((d // 4) * (4 * BS) + d % 4)[:, None] + (t * 4)[None, :]  # [D, BS]: codes, transposed
     v_off = ((t // 4) * (4 * D) + t % 4)[:, None] + (d * 4)[None, :]  # [BS, D]
-    n = tl.load(len_ptr + b)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)  # Σ p · (v @ R): rotated
     first = sp * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
     for i in range(first, last):
-        blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+        blk = tl.load(bt_row_ptr + i).to(tl.int64)
         hb = (layer * NB1 + blk) * Hkv + h  # (layer, block, head): index of its codes, scales
         kc = tl.load(k_ptr + hb * (BS * D) + k_off)  # see the module doc: loads at the top level
         ksc = tl.load(ks_ptr + hb * BS + t)  # [BS] per-token key scale, on the score
         vc = tl.load(v_ptr + hb * (BS * D) + v_off)
         vsc = tl.load(vs_ptr + hb * BS + t)  # [BS] per-token value scale, on the weight
-        tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the loop below
+        tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the tail split
         s = tl.dot(q_rot, kc.to(DT)).to(tl.float32) * (ksc * scale)[None, :]
-        s = tl.where(((i * BS + t)[None, :] < n) & (tail < 0), s, float("-inf"))
+        s = tl.where(((i * BS + t)[None, :] < n_row[:, None]) & (tail < 0), s, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot((p * vsc[None, :]).to(DT), vc.to(DT))
-    acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
-    if _has_tail(bt_ptr + b * MB, tob_ptr, first, last, PER):
-        q_pl = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
-        for i in range(first, last):
-            blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
-            tail = tl.load(tob_ptr + blk)
-            if tail >= 0:
-                tb = ((layer * T1 + tail) * Hkv + h).to(tl.int64) * (BS * D)
-                kt = tl.load(tk_ptr + tb + (t * D)[None, :] + d[:, None])  # [D, BS] transposed
-                s = tl.dot(q_pl, kt.to(DT)).to(tl.float32) * scale
-                s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
-                p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-                acc = acc * alpha[:, None]
-                vt = tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :])  # [BS, D]
-                acc_tail = acc_tail * alpha[:, None] + tl.dot(p.to(DT), vt.to(DT))
-    dst = (sp * B + b) * Hq + h * G + rows
     inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
-    _store_rotated_back(acc, acc_tail, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D, RC, DOT_F32)
+    _store_rotated_back(acc, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D, RC, DOT_F32)
 
 
 @triton.jit
 def _int4_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr,
-    o_ptr, lse_ptr, layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
-    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, PER: tl.constexpr,
-    DT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    run_ptr, o_ptr, lse_ptr, layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr,
+    DT: tl.constexpr, DOT_F32: tl.constexpr, RUNS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    rows = tl.arange(0, GP)
-    row_ok = rows < G
+    row_ok, n_row, head, n = _query_rows(run_ptr, len_ptr, b, h, Hq, G, GP, RUNS)
+    dst = sp * B * Hq + head
+    if sp == tl.num_programs(2) - 1:
+        _attend_tails(q_ptr, tk_ptr, tv_ptr, tob_ptr, bt_ptr + b * MB, o_ptr, lse_ptr, row_ok, n_row, head, n, dst,
+                      layer, T1, Hkv, h, scale, GP, BS, D, DT)
+    else:
+        _int4_split(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tob_ptr, rot_ptr, bt_ptr + b * MB, o_ptr,
+                    lse_ptr, row_ok, n_row, head, n, dst, layer, NB1, Hkv, h, sp, blocks_per_split, scale, inv_sqrt,
+                    GP, BS, D, RC, DT, DOT_F32)
+
+
+@triton.jit
+def _int4_split(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tob_ptr, rot_ptr, bt_row_ptr, o_ptr,
+                lse_ptr, row_ok, n_row, head, n, dst, layer, NB1, Hkv, h, sp, blocks_per_split, scale, inv_sqrt,
+                GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, DT: tl.constexpr,
+                DOT_F32: tl.constexpr):
     t = tl.arange(0, BS)
     x = tl.arange(0, D // 2)  # key byte rows and value byte columns
     kch = (x // 4) * 8 + x % 4  # a key byte's low-nibble channel; + 4: its high one
     vch = (x // 16) * 32 + x % 16  # a value byte's low-nibble channel; + 16: its high one
-    q_row = ((b * Hq + h * G + rows) * D)[:, None]
+    q_row = (head * D)[:, None]
     # q at the key bytes' low- and high-nibble channels: [GP, D/2] dot operands each
     qb_lo = tl.load(q_ptr + q_row + kch[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(DT)
     qb_hi = tl.load(q_ptr + q_row + kch[None, :] + 4, mask=row_ok[:, None], other=0.0).to(tl.float32).to(DT)
@@ -219,7 +248,6 @@ def _int4_kernel(
     vs_off = (t * (D // 32))[:, None] + gi[None, :]  # [BS, 16]
     g_ok = (gi < (D // 32))[None, :]
     onehot = ((x // 16)[None, :] == gi[:, None]).to(DT)  # [16, D/2]: byte column → its group
-    n = tl.load(len_ptr + b)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, D // 2], tl.float32)  # Σ p · (v @ R) at channels vch
@@ -227,7 +255,7 @@ def _int4_kernel(
     first = sp * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
     for i in range(first, last):
-        blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
+        blk = tl.load(bt_row_ptr + i).to(tl.int64)
         hb = (layer * NB1 + blk) * Hkv + h
         kb = tl.load(k_ptr + hb * (BS * D // 2) + k_off)  # [D/2, BS] uint8; loads at the top level
         sc_lo = tl.load(ks_ptr + hb * D + kch).to(tl.float32)  # per block and channel
@@ -237,45 +265,30 @@ def _int4_kernel(
         vb = tl.load(v_ptr + hb * (BS * D // 2) + v_off)  # [BS, D/2] uint8
         vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)  # [BS, 16]
         vzr = tl.load(vz_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)
-        tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the loop below
+        tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the tail split
         s = tl.dot(qb_lo, ((kb & 15).to(tl.float32) * sc_lo[:, None] + z_lo[:, None]).to(DT))
         s = (s + tl.dot(qb_hi, ((kb >> 4).to(tl.float32) * sc_hi[:, None] + z_hi[:, None]).to(DT))) * scale
-        s = tl.where(((i * BS + t)[None, :] < n) & (tail < 0), s.to(tl.float32), float("-inf"))
+        s = tl.where(((i * BS + t)[None, :] < n_row[:, None]) & (tail < 0), s.to(tl.float32), float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         pd = p.to(DT)
         vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32: each byte column's group scale
         vz_x = tl.dot(vzr, onehot)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT))
         acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT))
-    d = tl.arange(0, D)
-    acc_tail = tl.zeros([GP, D], tl.float32)  # Σ p · v over tail blocks: plain
-    if _has_tail(bt_ptr + b * MB, tob_ptr, first, last, PER):
-        for i in range(first, last):
-            blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
-            tail = tl.load(tob_ptr + blk)
-            if tail >= 0:
-                tb = ((layer * T1 + tail) * Hkv + h).to(tl.int64) * (BS * D)
-                tk_off = tb + (t * D)[None, :] + kch[:, None]  # [D/2, BS]: the low-nibble channels
-                s = tl.dot(qb_lo, tl.load(tk_ptr + tk_off).to(DT))
-                s = (s + tl.dot(qb_hi, tl.load(tk_ptr + tk_off + 4).to(DT))) * scale
-                s = tl.where((i * BS + t)[None, :] < n, s.to(tl.float32), float("-inf"))
-                p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-                acc_lo = acc_lo * alpha[:, None]
-                acc_hi = acc_hi * alpha[:, None]
-                vt = tl.load(tv_ptr + tb + (t * D)[:, None] + d[None, :])  # [BS, D]
-                acc_tail = acc_tail * alpha[:, None] + tl.dot(p.to(DT), vt.to(DT))
-    dst = (sp * B + b) * Hq + h * G + rows
     inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
-    tl.store(o_ptr + (dst * D)[:, None] + d[None, :], (acc_tail * inv_l[:, None]).to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     for n0 in tl.static_range(0, D, RC):  # out = acc @ Rᵀ by column chunks, acc's rows by halves
         e = n0 + tl.arange(0, RC)
         o = _rot_dot(acc_lo, tl.load(rot_ptr + e[None, :] * D + vch[:, None]), DOT_F32)
         o += _rot_dot(acc_hi, tl.load(rot_ptr + e[None, :] * D + vch[:, None] + 16), DOT_F32)
-        ptr = o_ptr + (dst * D)[:, None] + e[None, :]
-        o = o * (inv_sqrt * inv_l)[:, None] + tl.load(ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        tl.store(ptr, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptr + (dst * D)[:, None] + e[None, :], (o * (inv_sqrt * inv_l)[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+# (warps, pipeline stages[, registers a thread at most]): the fastest of bench/gpu_kv_attention.py's
+# --launch 4x2,4x1,8x2,4x2x128,4x3x128 at 1 × 32k and 16 × 8k, one row and runs of 5, block 32
+# (H100): int8 4x1 89-162 µs against 96-196 for 4x2; int4 capped at 128 registers (four programs
+# an SM) 90-183 µs against 106-195 uncapped
+LAUNCH = {KVDtype.INT8: (4, 1), KVDtype.INT4: (4, 2, 128)}
 
 
 @functools.cache
@@ -298,30 +311,35 @@ def prepare(pool: GpuKVPool) -> None:
 
 def paged_decode_quant(
     pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, out_dtype: torch.dtype = torch.float32, dot_f32: bool = False,
+    scale: float, out_dtype: torch.dtype = torch.float32, dot_f32: bool = False, runs: RunRows | None = None,
+    launch: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq]
-    float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter)."""
+    float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter); launch:
+    (warps, pipeline stages[, registers a thread at most]) a program, default `LAUNCH`'s."""
     B, Hq, D = q.shape
     Hkv, BS = pool.num_kv_heads, pool.block_size
     if not quant_shapes_ok(pool.kv_dtype, D, BS):
         raise ValueError(f"no Triton kernel for {pool.kv_dtype.value} KV with head dim {D}, block size {BS}: "
                          "use kernel=AttnKernel.TORCH (or AUTO)")
-    G = Hq // Hkv
     MB = block_tables.shape[1]
-    S, per, o, lse = split_outputs(B, Hq, Hkv, D, MB, q.device, out_dtype)  # splits as attention_triton's
+    # splits as attention_triton's, and the tail split last
+    S, per, o, lse = split_outputs(B, Hq, Hkv, D, MB, q.device, out_dtype, runs, extra=1)
     rot = rotation_matrix(D, q.device)
-    common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, RC=min(32, D),
-                  PER=triton.next_power_of_2(per), DT=tl.float32 if dot_f32 else tl.bfloat16,
-                  DOT_F32=dot_f32, PDL=pdl.enabled(q.device), num_warps=4, num_stages=2, **pdl.launch(q.device))
+    common = dict(**query_rows(Hq // Hkv, runs), BS=BS, D=D, RC=min(32, D), DT=tl.float32 if dot_f32 else tl.bfloat16,
+                  DOT_F32=dot_f32, PDL=pdl.enabled(q.device))
+    launch = launch or LAUNCH[pool.kv_dtype]
+    common.update(num_warps=launch[0], num_stages=launch[1],
+                  **({"maxnreg": launch[2]} if len(launch) > 2 else {}), **pdl.launch(q.device))
     # tail_of_block is per block, layer independent; the tails are [L, T + 1, Hkv, BS, D]
-    tails = (pool.tail_k, pool.tail_v, pool.tail_of_block, rot, block_tables.contiguous(),
-             seq_lens.to(torch.int32).contiguous(), o, lse)
+    lens = seq_lens.to(torch.int32).contiguous()
+    tails = (pool.tail_k, pool.tail_v, pool.tail_of_block, rot, block_tables.contiguous(), lens,
+             runs.codes if runs is not None else lens, o, lse)
     sizes = (layer, pool.k.shape[1], pool.tail_k.shape[1], Hkv, MB, per, scale, 1.0 / math.sqrt(rotation.block(D)),
              B, Hq)
     if pool.kv_dtype is KVDtype.INT8:
-        _int8_kernel[(B, Hkv, S)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.v_scale, *tails, *sizes, **common)
+        _int8_kernel[(B, Hkv, S + 1)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.v_scale, *tails, *sizes, **common)
     else:
-        _int4_kernel[(B, Hkv, S)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero,
+        _int4_kernel[(B, Hkv, S + 1)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero,
                                   *tails, *sizes, **common)
     return merge_splits(o, lse, out_dtype)

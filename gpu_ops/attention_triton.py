@@ -7,6 +7,15 @@ One program per (sequence, kv head, split): its G = Hq / Hkv query heads (padded
 the tensor cores) walk the sequence's blocks of that split with an online softmax. Splits over
 the sequence keep the GPU busy at small batch; their partial (out, lse) are merged in torch.
 Shapes are static (max blocks per sequence), so a CUDA graph can hold it.
+
+Runs (a speculative step's rows: `RunRows`): R consecutive batch rows of one sequence at
+consecutive positions share its block table and differ only in length. A program takes TR =
+GP / G of the run's rows as its GP query rows, each masked at its own length, so a KV block is
+read once for every TR rows (runs of up to 4 rows at Llama's G = 4: once a run); the program of
+the run's row j takes rows j·TR .., and those past the run's end find nothing to do. GP stays
+16: at 32 rows the quantized kernels took 255 registers, and an int8 run of 5 rows took 5.2×
+one row's time, against 3.7× for the rows one by one. The runs are a tensor, so one captured
+graph serves any grouping.
 """
 from __future__ import annotations
 
@@ -18,30 +27,49 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_ops import pdl
-
+from gpu_ops.attention import RunRows
 from gpu_ops.kv_pool import GpuKVPool
 
 
 @triton.jit
+def _query_rows(run_ptr, len_ptr, b, h, Hq, G: tl.constexpr, GP: tl.constexpr, RUNS: tl.constexpr):
+    """The program's query rows, (run row r, head g) = (j·TR + row // G, row % G) for the program
+    of its run's row j → (row_ok, tokens each row sees n_row (0 where not ok), the row's index in
+    [B, Hq], the longest n_row)."""
+    rows = tl.arange(0, GP)
+    TR: tl.constexpr = GP // G
+    if RUNS:
+        code = tl.load(run_ptr + b)  # `run_codes`: j << 16 | R
+        j = code >> 16
+        first = b - j
+        r = j * TR + rows // G
+        row_ok = (r < (code & 0xFFFF)) & (rows < TR * G)
+    else:
+        first = b
+        r = rows // G
+        row_ok = r < 1
+    n_row = tl.load(len_ptr + first + r, mask=row_ok, other=0)
+    return row_ok, n_row, (first + r) * Hq + h * G + rows % G, tl.max(n_row, 0)
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, run_ptr, o_ptr, lse_ptr,
     layer_off, head_stride, block_stride,  # element offset of the layer; strides of heads, blocks
     MB, blocks_per_split, scale, B, Hq,
     G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr = False,
+    RUNS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    rows = tl.arange(0, GP)
     d = tl.arange(0, D)
     t = tl.arange(0, BS)
-    row_ok = rows < G
-    q = tl.load(q_ptr + ((b * Hq + h * G + rows) * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    row_ok, n_row, head, n = _query_rows(run_ptr, len_ptr, b, h, Hq, G, GP, RUNS)
+    q = tl.load(q_ptr + (head * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    n = tl.load(len_ptr + b)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -55,7 +83,7 @@ def _decode_kernel(
         if DOT_F32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [GP, BS]; scale may arrive as fp64 (inductor)
-        s = tl.where((i * BS + t)[None, :] < n, s, float("-inf"))
+        s = tl.where((i * BS + t)[None, :] < n_row[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
@@ -67,7 +95,7 @@ def _decode_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    dst = (sp * B + b) * Hq + h * G + rows  # [GP]
+    dst = sp * B * Hq + head  # [GP]
     tl.store(o_ptr + (dst * D)[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + dst, lse, mask=row_ok)
 
@@ -99,14 +127,20 @@ def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, S, BH, SP: tl.con
     tl.store(out_lse_ptr + r, big)
 
 
-def split_outputs(B: int, Hq: int, Hkv: int, D: int, MB: int, device: torch.device, out_dtype: torch.dtype):
-    """Splits of a sequence's MB blocks and their partial outputs → (S, blocks a split, o [S, B, Hq, D],
-    lse [S, B, Hq]). About 8 programs an SM (enough loads in flight to keep HBM busy), ≥ 4 blocks a
-    split from 32 blocks on; below that a block a split (short contexts at batch 1: 8 programs walking
-    5 blocks in turn took 8.5 µs, the latency of a chain of dependent dots)."""
-    S = max(1, min(-(-8 * _sms(device) // (B * Hkv)), MB // 4 if MB >= 32 else MB))
-    o = torch.empty((S, B, Hq, D), dtype=torch.float32 if S > 1 else out_dtype, device=device)
-    lse = torch.empty((S, B, Hq), dtype=torch.float32, device=device)
+def split_outputs(B: int, Hq: int, Hkv: int, D: int, MB: int, device: torch.device, out_dtype: torch.dtype,
+                  runs: RunRows | None = None, extra: int = 0):
+    """Splits of a sequence's MB blocks and their partial outputs → (S, blocks a split, o [S + extra, B,
+    Hq, D], lse [S + extra, B, Hq]); `extra` splits after them are the caller's (the quantized
+    kernels' tails). About 8 working programs an SM (enough loads in flight to keep HBM busy; with
+    runs, about B / most of the rows' programs work), ≥ 4 blocks a split from 32 blocks on; below
+    that a block a split (short contexts at batch 1: 8 programs walking 5 blocks in turn took 8.5 µs,
+    the latency of a chain of dependent dots)."""
+    tiles = -(-runs.most // max(1, ROWS // (Hq // Hkv))) if runs is not None else 1  # programs a run takes
+    working = max(1, B * tiles // runs.most) if runs is not None else B
+    S = max(1, min(-(-8 * _sms(device) // (working * Hkv)), MB // 4 if MB >= 32 else MB))
+    n = S + extra
+    o = torch.empty((n, B, Hq, D), dtype=torch.float32 if n > 1 else out_dtype, device=device)
+    lse = torch.empty((n, B, Hq), dtype=torch.float32, device=device)
     return S, -(-MB // S), o, lse
 
 
@@ -128,21 +162,30 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+ROWS = 16  # query rows a program: the tensor cores' least, and the quantized kernels' most (module doc)
+
+
+def query_rows(G: int, runs: RunRows | None) -> dict:
+    """The kernels' compile-time row arguments: G, GP (a program's query rows) and RUNS."""
+    return dict(G=G, GP=max(ROWS, triton.next_power_of_2(G)), RUNS=runs is not None)
+
+
 def paged_decode(
     pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, dot_f32: bool = False, out_dtype: torch.dtype = torch.float32,
+    scale: float, dot_f32: bool = False, out_dtype: torch.dtype = torch.float32, runs: RunRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq] float32)."""
     B, Hq, D = q.shape
     Hkv, BS = pool.num_kv_heads, pool.block_size
-    G = Hq // Hkv
     MB = block_tables.shape[1]
-    S, per, o, lse = split_outputs(B, Hq, Hkv, D, MB, q.device, out_dtype)
+    S, per, o, lse = split_outputs(B, Hq, Hkv, D, MB, q.device, out_dtype, runs)
     k = pool.k
+    lens = seq_lens.to(torch.int32).contiguous()
     _decode_kernel[(B, Hkv, S)](
-        q.to(k.dtype).contiguous(), k, pool.v, block_tables.contiguous(), seq_lens.to(torch.int32).contiguous(), o, lse,
+        q.to(k.dtype).contiguous(), k, pool.v, block_tables.contiguous(), lens,
+        runs.codes if runs is not None else lens, o, lse,
         layer * k.stride(0), k.stride(2), k.stride(1), MB, per, scale, B, Hq,
-        G=G, GP=max(16, triton.next_power_of_2(G)), BS=BS, D=D, DOT_F32=dot_f32, PDL=pdl.enabled(q.device),
+        **query_rows(Hq // Hkv, runs), BS=BS, D=D, DOT_F32=dot_f32, PDL=pdl.enabled(q.device),
         num_warps=4, num_stages=2, **pdl.launch(q.device),
     )
     return merge_splits(o, lse, out_dtype)

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from gpu_ops.attention import AttnKernel, decode_attention, prefill_attention
+from gpu_ops.attention import AttnKernel, RunRows, decode_attention, prefill_attention, run_bucket, run_codes
 from gpu_ops.kv_pool import GpuKVPool
 from hetero.model import Model
 
@@ -74,6 +74,7 @@ class GpuDecoder:
         self.slots = torch.zeros(max_batch, dtype=i64, device=dev)
         self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=i32, device=dev)
         self.lens = torch.ones(max_batch, dtype=i32, device=dev)
+        self.run_codes = torch.ones(max_batch, dtype=i32, device=dev)  # RunRows.codes: 1, each row its own
         # an embedding table in host memory: the step's rows are gathered there and copied up into
         # x_in through pinned staging before the replay (a row a token: microseconds)
         self.host_embed = model.embed_w.device != dev
@@ -83,7 +84,7 @@ class GpuDecoder:
             self._x_host = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.act_dtype,
                                        pin_memory=dev.type == "cuda")
             self._x_copied = torch.cuda.Event() if dev.type == "cuda" else None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, run rows)
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
         # torch.compile fuses the ~60 small elementwise kernels a layer (norms, RoPE, SwiGLU,
         # casts) that otherwise cost more than the weights' bytes at batch 1; one compile per bucket
@@ -97,8 +98,10 @@ class GpuDecoder:
         slots: torch.Tensor,  # [B] its flat KV slot in the pool (block * BS + offset)
         block_tables: torch.Tensor,  # [B, ≤ max_blocks_per_seq] int32
         seq_lens: torch.Tensor,  # [B] tokens in the pool after this one is written
+        run_sizes: list[int] | None = None,  # runs of one sequence's rows, in order (offload/rows.run_sizes)
     ) -> torch.Tensor:
-        """→ float32 logits [B, V]."""
+        """→ float32 logits [B, V]. With runs, a program attends several rows of a run (each KV block
+        read once for them): a graph per (batch bucket, longest run's power of two)."""
         B, W = block_tables.shape
         if B > self.max_batch or W > self.max_blocks:
             raise ValueError(
@@ -106,16 +109,18 @@ class GpuDecoder:
                 "build the GpuDecoder with a larger max_batch / max_blocks_per_seq"
             )
         nb = next(b for b in self.buckets if b >= B)
-        self._load(B, nb, token_ids, positions, slots, block_tables, seq_lens)
+        rows = run_bucket(max(run_sizes)) if run_sizes else 1
+        self._load(B, nb, token_ids, positions, slots, block_tables, seq_lens, run_sizes)
         if not self.graphs:  # the graph's own inputs, run eagerly (fresh tensors here gave wrong tokens on CUDA)
-            return self._fwd(self.ids[:nb], self.pos[:nb], self.slots[:nb], self.tables[:nb], self.lens[:nb])[:B]
-        if nb not in self._graphs:
-            self._graphs[nb] = self._capture(nb)
-        graph, logits = self._graphs[nb]
+            return self._fwd(self.ids[:nb], self.pos[:nb], self.slots[:nb], self.tables[:nb], self.lens[:nb],
+                             rows)[:B]
+        if (nb, rows) not in self._graphs:
+            self._graphs[nb, rows] = self._capture(nb, rows)
+        graph, logits = self._graphs[nb, rows]
         graph.replay()
         return logits[:B].clone()
 
-    def _load(self, B, nb, token_ids, positions, slots, block_tables, seq_lens) -> None:
+    def _load(self, B, nb, token_ids, positions, slots, block_tables, seq_lens, run_sizes) -> None:
         """Copy the inputs into the static buffers; rows B..nb and unused columns → the scratch block."""
         scratch = self.pool.scratch_block
         if self.host_embed:
@@ -130,6 +135,10 @@ class GpuDecoder:
         self.pos[:B].copy_(positions, non_blocking=True)
         self.slots[:B].copy_(slots, non_blocking=True)
         self.lens[:B].copy_(seq_lens, non_blocking=True)
+        if run_sizes:
+            self.run_codes[:B].copy_(torch.tensor(run_codes(run_sizes), dtype=torch.int32), non_blocking=True)
+        else:
+            self.run_codes[:B].fill_(1)
         self.tables[:nb].fill_(scratch)
         self.tables[:B, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         if nb > B:
@@ -137,10 +146,11 @@ class GpuDecoder:
             self.pos[B:nb].zero_()
             self.slots[B:nb].fill_(scratch * self.pool.block_size)
             self.lens[B:nb].fill_(1)
+            self.run_codes[B:nb].fill_(1)
 
-    def _capture(self, nb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        log.debug("capturing the decode step for batch bucket %d", nb)
-        args = (self.ids[:nb], self.pos[:nb], self.slots[:nb], self.tables[:nb], self.lens[:nb])
+    def _capture(self, nb: int, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        log.debug("capturing the decode step for batch bucket %d, runs of up to %d rows", nb, rows)
+        args = (self.ids[:nb], self.pos[:nb], self.slots[:nb], self.tables[:nb], self.lens[:nb], rows)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compiles kernels, creates handles (idempotent KV writes)
@@ -151,8 +161,9 @@ class GpuDecoder:
             logits = self._fwd(*args)
         return graph, logits
 
-    def _forward(self, ids, pos, slots, tables, lens) -> torch.Tensor:
+    def _forward(self, ids, pos, slots, tables, lens, rows: int) -> torch.Tensor:
         m = self.model
+        runs = RunRows(self.run_codes[: ids.shape[0]], rows) if rows > 1 else None
         x = self.x_in[: ids.shape[0]] if self.host_embed else m.embed(ids)
         target = self.pool.write_target(slots)  # where the new k, v go: the pool, or its blocks' tails
         kp, vp, dst = target
@@ -160,7 +171,7 @@ class GpuDecoder:
             q, k, v = m.pre_attention(i, x, pos, kv_out=(kp, vp, i, dst, self.pool.block_size))
             if k is not None:  # not stored by the fused kernels
                 self.pool.write(i, slots, k, v, target=target)
-            o, _ = decode_attention(self.pool, i, q, tables, lens, m.scale, self.attn, out_dtype=x.dtype)
+            o, _ = decode_attention(self.pool, i, q, tables, lens, m.scale, self.attn, out_dtype=x.dtype, runs=runs)
             x = m.post_attention(i, x, o)
         return m.logits(x)
 

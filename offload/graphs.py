@@ -22,7 +22,7 @@ import logging
 import torch
 
 from cpu_attention.merge import merge_attention
-from gpu_ops.attention import decode_attention
+from gpu_ops.attention import RunRows, decode_attention, run_bucket, run_codes
 from gpu_ops.decode_step import collector_paused, no_sync_view
 from gpu_ops.host_read import read_pinned
 from gpu_ops.nf4 import MMA_AUTO_ROWS
@@ -35,11 +35,14 @@ MMA_MAX_ROWS = MMA_AUTO_ROWS[-1]
 
 
 class Captured:
-    """Static buffers and graphs for one batch size."""
+    """Static buffers and graphs for one batch size and longest run of one sequence's rows (a power
+    of two: `RunRows.bucket`)."""
 
-    def __init__(self, model: Model, cache: TieredKVCache, B: int, mempool, streamer: KVStreamer | None = None):
+    def __init__(self, model: Model, cache: TieredKVCache, B: int, mempool, streamer: KVStreamer | None = None,
+                 run_rows: int = 1):
         c, dev, dt = model.cfg, model.device, model.act_dtype
         self.B, self.model, self.cache, self.streamer = B, model, cache, streamer
+        self.runs = RunRows(torch.ones(B, dtype=torch.int32, device=dev), run_rows) if run_rows > 1 else None
         self.gpu = cache.gpu
         z = lambda *s, dtype=dt: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
         pin = lambda *s: torch.zeros(*s, dtype=torch.float32, pin_memory=True)  # noqa: E731
@@ -73,7 +76,7 @@ class Captured:
     def _attn(self, i: int, q) -> list[tuple[torch.Tensor, torch.Tensor]]:
         parts = []
         if self.gpu is not None:
-            parts.append(decode_attention(self.gpu, i, q, self.tables, self.lens, self.model.scale))
+            parts.append(decode_attention(self.gpu, i, q, self.tables, self.lens, self.model.scale, runs=self.runs))
         if self.streamer is not None:  # lens 0 on a step that streams nothing: lse -inf, merged away
             parts.append(self.streamer.attend(i, q, self.model.scale, wait=False))
         return parts
@@ -112,7 +115,7 @@ class Captured:
         self.outs.append((q, k, v))
 
     def load(self, x: torch.Tensor, pos: torch.Tensor, gpu_rows: list[int], gpu_slots: list[int],
-             tables: torch.Tensor | None, lens: torch.Tensor | None) -> None:
+             tables: torch.Tensor | None, lens: torch.Tensor | None, run_sizes: list[int] | None = None) -> None:
         """One step's inputs into the static buffers (asynchronous copies); the CPU's share empty
         (out 0, lse -inf) until a host job writes it."""
         self.x.copy_(x)
@@ -128,6 +131,9 @@ class Captured:
             if tables is not None:
                 self.tables[:, : tables.shape[1]].copy_(tables, non_blocking=True)
                 self.lens.copy_(lens, non_blocking=True)
+            if self.runs is not None:
+                codes = run_codes(run_sizes or [1] * self.B)
+                self.runs.codes.copy_(torch.tensor(codes, dtype=torch.int32), non_blocking=True)
         self.up["o"].zero_()
         self.up["lse"].fill_(float("-inf"))
 
@@ -138,7 +144,7 @@ class SegmentGraphs:
     def __init__(self, model: Model, cache: TieredKVCache, max_pos: int, streamer: KVStreamer | None = None):
         self.model = no_sync_view(model, max_pos)  # same weights; its RoPE never syncs with the host
         self.cache, self.max_pos, self.streamer = cache, max_pos, streamer
-        self._sets: dict[tuple[int, int], Captured] = {}
+        self._sets: dict[tuple[int, int, int], Captured] = {}
 
     # Above this many rows a sub-batch runs eagerly: there the 4-bit linears are bitsandbytes'
     # (gpu_ops.nf4), whose dequantized bf16 temporaries would fill each captured set's private
@@ -149,15 +155,17 @@ class SegmentGraphs:
     def supported(model: Model) -> bool:
         return model.device.type == "cuda" and not model.cfg.is_moe  # MoE routing reads ids back
 
-    def get(self, slot: int, B: int) -> Captured:
-        key = (slot, B)
+    def get(self, slot: int, B: int, longest_run: int = 1) -> Captured:
+        """The set for sub-batch `slot` of B rows whose longest run of one sequence has `longest_run` rows."""
+        run_rows = run_bucket(longest_run)
+        key = (slot, B, run_rows)
         if key not in self._sets:
-            log.debug("capturing %d layers' decode segments for sub-batch %d, batch %d", self.model.cfg.num_layers,
-                      slot, B)
+            log.debug("capturing %d layers' decode segments for sub-batch %d, batch %d, runs of %d",
+                      self.model.cfg.num_layers, slot, B, run_rows)
             # One memory pool per set: a set's graphs replay in capture order (pre0, post0, pre1, …) so
             # they may share one, but two sub-batches' sets interleave, and a shared pool would let one
             # set's intermediates overwrite the other's live outputs.
             # the streamer serves batch 1 only: its share lives in the one-row set of slot 0
             streamer = self.streamer if (slot, B) == (0, 1) else None
-            self._sets[key] = Captured(self.model, self.cache, B, torch.cuda.graph_pool_handle(), streamer)
+            self._sets[key] = Captured(self.model, self.cache, B, torch.cuda.graph_pool_handle(), streamer, run_rows)
         return self._sets[key]

@@ -37,6 +37,13 @@ def runs(seqs: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def run_sizes(seqs: list[int]) -> list[int] | None:
+    """The rows of each run in batch order (`gpu_ops.attention.run_codes`); None when every row is a
+    sequence of its own."""
+    step = runs(seqs)
+    return None if len(step) == len(seqs) else [n for _, n in step]
+
+
 def reserve(cache: TieredKVCache, seqs: list[int]) -> list[Slots]:
     """Room for one token a row; a run of one sequence's rows is reserved at once, one Slots a row."""
     out: list[Slots] = []

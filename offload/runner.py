@@ -51,6 +51,7 @@ class Part:
     host_rows: torch.Tensor | None  # rows whose new k/v go to the host tier (None: none, or all of them)
     host_slots: torch.Tensor | None  # their flat host slots [n] int64
     gpu_tables: tuple[torch.Tensor, torch.Tensor] | None  # (block tables, lens) on the pool's device
+    gpu_runs: gpu_attention.RunRows | None  # runs of one sequence's rows, attended together by the device
     host_tables: tuple[torch.Tensor, torch.Tensor] | None  # on the host
     buf: dict[str, torch.Tensor] | None = None  # pinned staging buffers (CUDA only)
     gpu_out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -185,24 +186,28 @@ class Runner(Prefill):
             sl.extend(s, j)
         ids = torch.tensor(tokens[a:b])
         ss = seqs[a:b]
-        gpu_tables = host_tables = None
+        gpu_tables = host_tables = gpu_runs = None
+        sizes = rows.run_sizes(ss)
         if c.gpu is not None and any(c.seqs[s].gpu.num_tokens for s in ss):
             bt, lens = c.tables(ss, "gpu", slots[a:b])
             gpu_tables = (bt.to(c.gpu.k.device), lens.to(c.gpu.k.device))
+            if sizes:
+                codes = torch.tensor(gpu_attention.run_codes(sizes), dtype=torch.int32)
+                gpu_runs = gpu_attention.RunRows(codes.to(c.gpu.k.device), max(sizes))
         work = None
         if any(c.seqs[s].host.num_tokens for s in ss):
             host_tables = c.tables(ss, "host", slots[a:b])
             work = cpu_attention.DecodeWork(c.host, *host_tables, self.threads)
         pdev = c.gpu.k.device if c.gpu is not None else dev
         if self.segments is not None and b - a <= SegmentGraphs.MAX_ROWS:
-            cap = self.segments.get(k, b - a)
+            cap = self.segments.get(k, b - a, max(sizes or [1]))
             cap.load(self.model.embed(ids), torch.tensor(positions[a:b]), sl.gpu_rows, sl.gpu_slots,
-                     *(c.tables(ss, "gpu", slots[a:b]) if c.gpu is not None else (None, None)))
+                     *(c.tables(ss, "gpu", slots[a:b]) if c.gpu is not None else (None, None)), sizes)
             # the graphs copy q, k, v down into cap.down and (o, lse) up from cap.up themselves
             return Part(seqs=ss, x=cap.x, pos=cap.pos, slots=sl, gpu_slots=None, gpu_rows=None,
                         host_rows=torch.tensor(sl.host_rows) if sl.host_rows else None,
                         host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
-                        gpu_tables=None, host_tables=host_tables, cap=cap, work=work,
+                        gpu_tables=None, gpu_runs=None, host_tables=host_tables, cap=cap, work=work,
                         buf={**cap.down, **cap.up})
         return Part(
             seqs=ss,
@@ -214,6 +219,7 @@ class Runner(Prefill):
             host_rows=torch.tensor(sl.host_rows, device=dev) if sl.host_rows else None,
             host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
             gpu_tables=gpu_tables,
+            gpu_runs=gpu_runs,
             host_tables=host_tables,
             work=work,
             buf=self._buffers(k, b - a) if self.cuda and host_tables is not None else None,
@@ -253,7 +259,8 @@ class Runner(Prefill):
             if p.streamed:
                 self.streamer.release(i)
         elif p.cap is None and p.gpu_tables is not None:
-            p.gpu_out = gpu_attention.decode_attention(self.cache.gpu, i, q, *p.gpu_tables, self.model.scale)
+            p.gpu_out = gpu_attention.decode_attention(self.cache.gpu, i, q, *p.gpu_tables, self.model.scale,
+                                                       runs=p.gpu_runs)
         if p.cap is None and p.streamed:
             p.stream_out = self.streamer.attend(i, q, self.model.scale)
         if p.streamed and i + 2 < self.cfg.num_layers:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from offload import rows
 from offload.inline import InlineLayers
 from offload.timers import StepTimes
 
@@ -49,7 +50,8 @@ class GraphStep:
         if d is None or d.max_batch < len(seqs) or d.max_blocks < max(bt.shape[1], need_blocks):
             d = self.decoder = GpuDecoder(r.model, c.gpu, max(r.max_batch, len(seqs)), max(need_blocks, bt.shape[1]))
         return d.step(torch.tensor(tokens), torch.tensor(positions, device=dev),
-                      torch.tensor([sl.gpu_slots[0] for sl in slots], device=dev), bt.to(dev), lens.to(dev))
+                      torch.tensor([sl.gpu_slots[0] for sl in slots], device=dev), bt.to(dev), lens.to(dev),
+                      rows.run_sizes(seqs))
 
 
 class LeanStep:

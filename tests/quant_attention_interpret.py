@@ -30,7 +30,7 @@ from cpu_attention.layout import KVDtype  # noqa: E402
 from gpu_ops.attention import decode_attention_torch, quant_shapes_ok  # noqa: E402
 from gpu_ops.attention_quant import paged_decode_quant  # noqa: E402
 # tests/ is sys.path[0] when this file runs as a script
-from test_gpu_quant_attention import TRITON_TOL, check_against_references, make_case, rel  # noqa: E402
+from test_gpu_quant_attention import TRITON_TOL, as_runs, check_against_references, make_case, rel  # noqa: E402
 
 TOL = 2e-5  # float32 dots against float64 / the float32 twin over the same bytes
 BF16_LSE_TOL = 2e-2  # bf16 q in the scores: the gpu tests' bound
@@ -95,6 +95,23 @@ def run(quick: bool, bf16: bool) -> tuple[int, int]:
             err = (lse[full] - tlse[full]).abs().max()
             print(f"{'bf16' if bf16 else 'f32 '} {kv.value} D {D} BS {BS} G {G} lens {lens}: out rel "
                   f"{rel(out[full], to[full]):.1e} lse {err:.1e} {status}", flush=True)
+            if G == 3 or D == 128:
+                continue
+            # the same sequences as runs of 5 rows (a program takes 16 // G of them) against the rows one by one
+            rcase, rr = as_runs(case, 5, seed=G)
+            pool, bt, sl, q, _ = rcase
+            out, lse = paged_decode_quant(pool, 1, q, bt, sl, scale, dot_f32=not bf16, runs=rr)
+            ro, rl = paged_decode_quant(pool, 1, q, bt, sl, scale, dot_f32=not bf16)
+            full = sl > 0
+            runs += 1
+            try:
+                check_against_references(out, lse, rcase, scale, tol, lse_tol)
+                assert rel(out[full], ro[full]) < 1e-5 and (lse[full] - rl[full]).abs().max() < 1e-5
+                status = "ok"
+            except AssertionError as e:
+                fails += 1
+                status = f"FAIL {e!r:.200}"
+            print(f"  runs of 5: out rel to rows {rel(out[full], ro[full]):.1e} {status}", flush=True)
     return fails, runs
 
 

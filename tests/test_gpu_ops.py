@@ -423,6 +423,29 @@ def test_gpu_decode_attention_triton_matches_reference():
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("R", [2, 5, 8])
+def test_gpu_decode_attention_triton_runs_match_rows(R):
+    """Runs of R rows (one block table, consecutive lengths) in one program each give what the
+    kernel gives row by row (float32 rounding) and the reference; a lone row beside them."""
+    from gpu_ops.attention import RunRows, run_codes
+
+    pool, host = _pool("cuda", NB=80)
+    MB = 36
+    long, short = torch.randperm(pool.num_blocks)[:MB].int(), torch.randperm(pool.num_blocks)[:MB].int()
+    tables = torch.stack([long] * R + [short] * 2 + [short])
+    lens = torch.tensor([500 + j for j in range(R)] + [R + 1, R + 2, 40], dtype=torch.int32)
+    runs = torch.tensor(run_codes([R, 2, 1]), dtype=torch.int32)
+    q = torch.randn(R + 3, 6, pool.head_dim).to(pool.dtype)
+    args = (pool, 1, q.cuda(), tables.cuda(), lens.cuda(), 0.3, AttnKernel.TRITON)
+    o, lse = decode_attention(*args, runs=RunRows(runs.cuda(), R))
+    ro, rl = decode_attention(*args)
+    assert rel_err(o.cpu(), ro.cpu()) < 1e-5 and rel_err(lse.cpu(), rl.cpu()) < 1e-5
+    ref_o, ref_l = decode_attention_ref(host, 1, q.float(), tables, lens, 0.3)
+    assert rel_err(o.cpu(), ref_o) < 1e-2 and rel_err(lse.cpu(), ref_l) < 1e-2
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_graph_decode_same_tokens_as_eager(tmp_path):
     folder = _tiny_separated(tmp_path)
     model = load_model(open_checkpoint(folder), WeightFormat.BF16, torch.device("cuda"))

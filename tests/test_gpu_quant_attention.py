@@ -119,6 +119,27 @@ def exact64(q: torch.Tensor, raw, scale: float, Hkv: int):
     return res
 
 
+def as_runs(case, R: int, seed: int = 0):
+    """`case` with each non-empty sequence of n tokens as a run of R rows seeing n - R + 1 .. n of
+    them (a speculative step's rows: one block table, consecutive lengths, their own queries) →
+    (the case of B·R rows, RunRows). The reference data of a row is its sequence's first tokens."""
+    from gpu_ops.attention import RunRows, run_codes
+
+    pool, bt, lens, q, raw = case
+    gen = torch.Generator().manual_seed(seed)
+    rows, sizes, raws = [], [], []
+    for b, n in enumerate(lens.tolist()):
+        r = min(R, n) if n else 1
+        rows += [b] * r
+        sizes.append(r)
+        raws += [(raw[b][0][: n - r + 1 + j], raw[b][1][: n - r + 1 + j]) for j in range(r)]
+    idx = torch.tensor(rows)
+    run_lens = torch.tensor([len(k) for k, _ in raws], dtype=torch.int32)
+    q_rows = torch.randn(len(rows), *q.shape[1:], generator=gen).to(q.device)
+    out = (pool, bt[idx.to(bt.device)], run_lens.to(lens.device), q_rows, raws)
+    return out, RunRows(torch.tensor(run_codes(sizes), dtype=torch.int32, device=lens.device), max(sizes))
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
 
@@ -273,6 +294,28 @@ def test_gpu_triton_in_a_cuda_graph(kv, lens):
     to, tl_ = decode_attention_torch(pool, 1, q_in, bt, lens_in, 0.1)
     full = lens_in > 0
     assert rel(out[full], to[full]) < TRITON_TOL and rel(lse[full], tl_[full]) < TRITON_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", QUANT)
+@pytest.mark.parametrize("R", [2, 5, 8])
+@pytest.mark.parametrize("BS,G", [(16, 4), (32, 1), (16, 8)])
+def test_gpu_triton_runs_match_rows(kv, R, BS, G):
+    """Runs of R rows (one program each, causal by their lengths): float64 and the unquantized
+    data as any batch, and the kernel row by row (the same bytes) to float32 rounding; a long run
+    (many splits), runs in tails and across a tail's start, a short sequence, an empty one."""
+    D = 128
+    scale = 1 / math.sqrt(D)
+    for lens in ([40 * BS + 7, BS + 2, 0, 3], [5 * BS - 1, 2 * BS]):
+        case, runs = as_runs(make_case(kv, D, BS, lens, G=G, Hkv=2, seed=R + BS, device="cuda", open_full=True), R)
+        pool, bt, sl, q, _ = case
+        from gpu_ops.attention_quant import paged_decode_quant
+
+        out, lse = paged_decode_quant(pool, 1, q, bt, sl, scale, runs=runs)
+        check_against_references(out, lse, case, scale, TRITON_TOL, 2e-2)
+        ro, rl = paged_decode_quant(pool, 1, q, bt, sl, scale)
+        full = sl > 0
+        assert rel(out[full], ro[full]) < 1e-5 and (lse[full] - rl[full]).abs().max() < 1e-5
 
 
 @pytest.mark.gpu
