@@ -63,6 +63,12 @@ class Workload:
         """Tokens a decode step attends to on average over the answer."""
         return min(self.ctx_size, self.prompt_tokens + self.gen_tokens // 2)
 
+    def decode_contexts(self, n: int = 4) -> list[int]:
+        """n contexts spread over the answer, at the middles of its n parts: a step's time is linear
+        in the context within a KV tier but not across tiers, so its mean over the answer is the
+        mean over these, not the time at `decode_context`."""
+        return [min(self.ctx_size, self.prompt_tokens + (2 * i + 1) * self.gen_tokens // (2 * n)) for i in range(n)]
+
 
 @dataclass(frozen=True)
 class Budget:

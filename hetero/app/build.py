@@ -194,7 +194,8 @@ def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_me
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"cannot read the plan {plan}: {e}") from e
     hw = load_or_measure() if dev.type == "cuda" else load_or_estimate()
-    wl = Workload(ctx_size=ctx, batch=parallel, prompt_tokens=max(1, ctx // 2), gen_tokens=max(1, ctx // 4))
+    # a conversation that may fill the context: placements compare over the second half of it
+    wl = Workload(ctx_size=ctx, batch=parallel, prompt_tokens=max(1, ctx // 2), gen_tokens=max(1, ctx - ctx // 2))
     ov = overrides_from(device=dev.type, **options)
     return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), wl, ov)
 
