@@ -304,13 +304,13 @@ def test_gpu_triton_runs_match_rows(kv, R, BS, G):
     """Runs of R rows (one program each, causal by their lengths): float64 and the unquantized
     data as any batch, and the kernel row by row (the same bytes) to float32 rounding; a long run
     (many splits), runs in tails and across a tail's start, a short sequence, an empty one."""
+    from gpu_ops.attention_quant import paged_decode_quant
+
     D = 128
     scale = 1 / math.sqrt(D)
     for lens in ([40 * BS + 7, BS + 2, 0, 3], [5 * BS - 1, 2 * BS]):
         case, runs = as_runs(make_case(kv, D, BS, lens, G=G, Hkv=2, seed=R + BS, device="cuda", open_full=True), R)
         pool, bt, sl, q, _ = case
-        from gpu_ops.attention_quant import paged_decode_quant
-
         out, lse = paged_decode_quant(pool, 1, q, bt, sl, scale, runs=runs)
         check_against_references(out, lse, case, scale, TRITON_TOL, 2e-2)
         ro, rl = paged_decode_quant(pool, 1, q, bt, sl, scale)
