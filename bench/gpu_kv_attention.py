@@ -35,7 +35,8 @@ import statistics
 import torch
 
 from cpu_attention.layout import KVDtype
-from gpu_ops.attention import RunRows, decode_attention_torch, run_codes
+from gpu_ops.attention import decode_attention_torch
+from gpu_ops.runs import RunRows, run_codes
 from gpu_ops.attention_quant import paged_decode_quant, prepare
 from gpu_ops.attention_triton import paged_decode
 from gpu_ops.kv_pool import GpuKVPool

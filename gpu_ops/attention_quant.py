@@ -64,7 +64,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from cpu_attention import rotation
 from cpu_attention.layout import KVDtype
 from gpu_ops import pdl
-from gpu_ops.attention import RunRows
+from gpu_ops.runs import RunRows
 from gpu_ops.attention_triton import _query_rows, _sms, merge_splits, query_rows, split_outputs
 from gpu_ops.kv_pool import GpuKVPool, quant_shapes_ok
 

@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_ops import pdl
-from gpu_ops.attention import RunRows
+from gpu_ops.runs import RunRows
 from gpu_ops.kv_pool import GpuKVPool
 
 

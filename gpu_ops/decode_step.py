@@ -17,7 +17,8 @@ import logging
 
 import torch
 
-from gpu_ops.attention import AttnKernel, RunRows, decode_attention, prefill_attention, run_bucket, run_codes
+from gpu_ops.attention import AttnKernel, decode_attention, prefill_attention
+from gpu_ops.runs import RunRows, run_bucket, run_codes
 from gpu_ops.kv_pool import GpuKVPool
 from hetero.model import Model
 

@@ -22,10 +22,11 @@ import logging
 import torch
 
 from cpu_attention.merge import merge_attention
-from gpu_ops.attention import RunRows, decode_attention, run_bucket, run_codes
+from gpu_ops.attention import decode_attention
 from gpu_ops.decode_step import collector_paused, no_sync_view
 from gpu_ops.host_read import read_pinned
 from gpu_ops.nf4 import MMA_AUTO_ROWS
+from gpu_ops.runs import RunRows, run_bucket, run_codes
 from hetero.model import Model
 from offload.kv_cache import TieredKVCache
 from offload.stream import KVStreamer

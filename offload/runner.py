@@ -25,6 +25,7 @@ import torch
 import cpu_attention
 from cpu_attention.merge import merge_attention
 from gpu_ops import attention as gpu_attention
+from gpu_ops.runs import RunRows, run_codes
 from hetero.model import Model
 from offload import rows
 from offload.graphs import Captured, SegmentGraphs
@@ -51,7 +52,7 @@ class Part:
     host_rows: torch.Tensor | None  # rows whose new k/v go to the host tier (None: none, or all of them)
     host_slots: torch.Tensor | None  # their flat host slots [n] int64
     gpu_tables: tuple[torch.Tensor, torch.Tensor] | None  # (block tables, lens) on the pool's device
-    gpu_runs: gpu_attention.RunRows | None  # runs of one sequence's rows, attended together by the device
+    gpu_runs: RunRows | None  # runs of one sequence's rows, attended together by the device
     host_tables: tuple[torch.Tensor, torch.Tensor] | None  # on the host
     buf: dict[str, torch.Tensor] | None = None  # pinned staging buffers (CUDA only)
     gpu_out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -192,8 +193,8 @@ class Runner(Prefill):
             bt, lens = c.tables(ss, "gpu", slots[a:b])
             gpu_tables = (bt.to(c.gpu.k.device), lens.to(c.gpu.k.device))
             if sizes:
-                codes = torch.tensor(gpu_attention.run_codes(sizes), dtype=torch.int32)
-                gpu_runs = gpu_attention.RunRows(codes.to(c.gpu.k.device), max(sizes))
+                codes = torch.tensor(run_codes(sizes), dtype=torch.int32)
+                gpu_runs = RunRows(codes.to(c.gpu.k.device), max(sizes))
         work = None
         if any(c.seqs[s].host.num_tokens for s in ss):
             host_tables = c.tables(ss, "host", slots[a:b])

@@ -427,7 +427,7 @@ def test_gpu_decode_attention_triton_matches_reference():
 def test_gpu_decode_attention_triton_runs_match_rows(R):
     """Runs of R rows (one block table, consecutive lengths) in one program each give what the
     kernel gives row by row (float32 rounding) and the reference; a lone row beside them."""
-    from gpu_ops.attention import RunRows, run_codes
+    from gpu_ops.runs import RunRows, run_codes
 
     pool, host = _pool("cuda", NB=80)
     MB = 36

@@ -123,7 +123,7 @@ def as_runs(case, R: int, seed: int = 0):
     """`case` with each non-empty sequence of n tokens as a run of R rows seeing n - R + 1 .. n of
     them (a speculative step's rows: one block table, consecutive lengths, their own queries) →
     (the case of B·R rows, RunRows). The reference data of a row is its sequence's first tokens."""
-    from gpu_ops.attention import RunRows, run_codes
+    from gpu_ops.runs import RunRows, run_codes
 
     pool, bt, lens, q, raw = case
     gen = torch.Generator().manual_seed(seed)
