@@ -86,9 +86,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         """logits [V] float32 → the next token id."""
-        if self.greedy:  # the argmax itself, no distribution built
-            return int(torch.argmax(self._penalized(logits, history)))
+        if self.greedy:  # the argmax itself, no distribution built (nor a copy, without a penalty)
+            return int(torch.argmax(self._penalized(logits, history) if self._penalizes(history) else logits))
         return self.draw(self.distribution(logits, history))
+
+    def _penalizes(self, history: list[int]) -> bool:
+        return self.p.repeat_penalty != 1.0 and bool(history)
 
     @property
     def greedy(self) -> bool:
@@ -98,7 +101,7 @@ class Sampler:
         """A float32 copy of logits with the repetition penalty applied to the tokens in history."""
         p = self.p
         logits = logits.float().clone()
-        if p.repeat_penalty != 1.0 and history:
+        if self._penalizes(history):
             ids = torch.tensor(sorted(set(history)), dtype=torch.long)
             v = logits[ids]
             logits[ids] = torch.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)

@@ -123,6 +123,12 @@ def accept(sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: l
     the sequence's tokens before the drafts (for the repetition penalty); draft_probs [k, V]: the
     distributions the drafts were drawn from (None: deterministic drafts)."""
     out: list[int] = []
+    if sampler.greedy:  # p one-hot at the argmax: a draft is kept where it is the argmax, no distribution built
+        for i in range(len(drafts) + 1):
+            tok = sampler(logits[i], history + out if out else history)
+            out.append(tok)
+            if i == len(drafts) or tok != drafts[i]:
+                return out
     for i, d in enumerate(drafts):
         p = sampler.distribution(logits[i], history + out)
         q = None if draft_probs is None else draft_probs[i]

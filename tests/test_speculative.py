@@ -79,6 +79,12 @@ def test_greedy_acceptance_keeps_the_argmax_prefix():
     assert accept(s, logits, [2, 4, 1], []) == [2, 4, 1, 5]  # all kept, plus the model's next
     assert accept(s, logits, [2, 3, 1], []) == [2, 4]  # the first disagreement is replaced
     assert accept(s, logits[:1], [], []) == [2]
+    # a repetition penalty sees the drafts kept before a row: 4 once kept is no longer row 1's argmax
+    logits = torch.full((3, V), -5.0)
+    logits[:2, 4], logits[1, 3], logits[2, 0] = 5.0, 3.0, 5.0
+    s = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0))
+    assert accept(s, logits, [4, 3], []) == [4, 3, 0]
+    assert accept(s, logits, [4, 4], []) == [4, 3]
 
 
 @pytest.mark.parametrize("with_q", [False, True])
