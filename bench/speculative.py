@@ -3,6 +3,7 @@
     python3 -m bench.speculative [--ctx 32768] [--gpu-mem 6GiB] [--steps 48] [--drafts off,3/4,0/4,ngram]
     python3 -m bench.speculative --shape smollm2-135m --device cpu --ctx 2048   # a quick check anywhere
     python3 -m bench.speculative --demo      # the demo model, real drafts: a quoting task and free chat
+    python3 -m bench.speculative --demo --ngram 3:1,4:1,2:1,3:2   # prompt lookup's n-gram sizes (max:min)
 
 Random weights of a real shape (default Llama-3-8B) built in memory, `hetero.load(model,
 gpu_mem=B, ctx_size=C, parallel=1, draft=...)` and nothing else; the KV cache filled to the
@@ -61,31 +62,38 @@ TASKS = {  # name → (context, question): one whose answer repeats its context,
 }
 
 
-def demo(ctx_tokens: int, new_tokens: int, reps: int) -> None:
-    """The demo model with `--draft ngram` and without, greedy: the answers must be the same;
-    → decode tok/s, drafts kept, on each task."""
+def demo(ctx_tokens: int, new_tokens: int, reps: int, ngrams: list[tuple[int, int]]) -> None:
+    """The demo model with `--draft ngram` (n-gram sizes max:min each of `ngrams`) and without,
+    greedy: the answers must be the same; → decode tok/s, drafts kept, on each task."""
     import hetero
+    from hetero.speculative import NgramDrafter
 
     plain = hetero.load(parallel=1, ctx_size=ctx_tokens + new_tokens + 64)
     spec = hetero.load(parallel=1, ctx_size=ctx_tokens + new_tokens + 64, draft="ngram")
     tok = plain.tok
     doc = tok.decode(tok.encode(DOC.read_text())[: ctx_tokens - 64])
+
+    def best_of(e, msgs):
+        rates = []
+        for _ in range(reps + 1):  # the first run warms the kernels and the cost estimate
+            answer = [c.token for c in e.chat(msgs, max_new_tokens=new_tokens, temperature=0)]
+            rates.append(e.last_stats.gen_tps)
+            st = e.last_stats
+            e.reset_chat()
+        return max(rates[1:]), answer, st
+
     print(f"demo model, CPU, {ctx_tokens}-token budget for the context, {new_tokens} new tokens, greedy, best of {reps}")
-    print(f"{'task':6} {'prompt':>7} {'plain tok/s':>12} {'ngram tok/s':>12} {'speed-up':>9} {'kept':>10} same")
+    print(f"{'task':6} {'prompt':>7} {'n-grams':>7} {'plain tok/s':>12} {'ngram tok/s':>12} {'speed-up':>9} "
+          f"{'kept':>10} same")
     for name, (context, question) in TASKS.items():
         msgs = [{"role": "user", "content": (context.format(doc=doc) + "\n\n" if context else "") + question}]
-        best = {}
-        for e in (plain, spec):
-            rates = []
-            for _ in range(reps + 1):  # the first run warms the kernels and the cost estimate
-                answer = [c.token for c in e.chat(msgs, max_new_tokens=new_tokens, temperature=0)]
-                rates.append(e.last_stats.gen_tps)
-                st = e.last_stats
-                e.reset_chat()
-            best[e is spec] = (max(rates[1:]), answer, st)
-        (p_rate, p_ans, p_st), (s_rate, s_ans, s_st) = best[False], best[True]
-        print(f"{name:6} {p_st.prompt_tokens:7d} {p_rate:12.1f} {s_rate:12.1f} {s_rate / p_rate:8.2f}x "
-              f"{s_st.accepted:4d}/{s_st.drafted:<5d} {'yes' if s_ans == p_ans else 'NO'}")
+        p_rate, p_ans, p_st = best_of(plain, msgs)
+        for hi, lo in ngrams:
+            spec.drafter = NgramDrafter(hi, lo)
+            s_rate, s_ans, s_st = best_of(spec, msgs)
+            print(f"{name:6} {p_st.prompt_tokens:7d} {f'{hi}:{lo}':>7} {p_rate:12.1f} {s_rate:12.1f} "
+                  f"{s_rate / p_rate:8.2f}x {s_st.accepted:4d}/{s_st.drafted:<5d} {'yes' if s_ans == p_ans else 'NO'}",
+                  flush=True)
 
 
 def main() -> None:
@@ -99,9 +107,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--demo", action="store_true", help="the demo model with real drafts (TASKS), CPU")
+    ap.add_argument("--ngram", default="3:1", help="with --demo: prompt lookup's n-gram sizes max:min, comma-separated")
     a = ap.parse_args()
     if a.demo:
-        demo(ctx_tokens=min(a.ctx, 2048), new_tokens=a.steps * 4, reps=a.reps)
+        ngrams = [tuple(int(x) for x in s.split(":")) for s in a.ngram.split(",")]
+        demo(ctx_tokens=min(a.ctx, 2048), new_tokens=a.steps * 4, reps=a.reps, ngrams=ngrams)
         return
     import hetero
     from hetero.random_weights import RandomCheckpoint, random_shape

@@ -37,7 +37,7 @@ MMA_MAX_ROWS = MMA_AUTO_ROWS[-1]
 
 class Captured:
     """Static buffers and graphs for one batch size and longest run of one sequence's rows (a power
-    of two: `RunRows.bucket`)."""
+    of two: `run_bucket`)."""
 
     def __init__(self, model: Model, cache: TieredKVCache, B: int, mempool, streamer: KVStreamer | None = None,
                  run_rows: int = 1):

@@ -38,7 +38,7 @@ def runs(seqs: list[int]) -> list[tuple[int, int]]:
 
 
 def run_sizes(seqs: list[int]) -> list[int] | None:
-    """The rows of each run in batch order (`gpu_ops.attention.run_codes`); None when every row is a
+    """The rows of each run in batch order (`gpu_ops.runs.run_codes`); None when every row is a
     sequence of its own."""
     step = runs(seqs)
     return None if len(step) == len(seqs) else [n for _, n in step]
