@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import hetero
+from hetero.speculative import NgramDrafter
 from conftest import forced_plan, greedy_batch, rel_err
 from cpu_attention.layout import KVDtype
 from planner.plan import Mode
@@ -381,6 +382,7 @@ def test_cuda_drafting_changes_no_token(tiny, kv, gpu_kv, gpu_tokens, sub_batche
               sub_batches=sub_batches, parallel=2, **({"gpu_kv_dtype": gpu_kv} if gpu_kv else {}))
     folder = tiny("llama_hd32")[0]  # head dim 32: int4's groups
     plain, spec = hetero.load(folder, **kw), hetero.load(folder, draft="ngram", **kw)
+    spec.drafter = NgramDrafter(min_ngram=1)  # 1-token matches too: more drafts to verify
     spec.drafter.length = 4  # fixed: what is drafted does not depend on timings
     assert _greedy(spec, REPEATS, n=24) == _greedy(plain, REPEATS, n=24)
     assert spec.last_stats.accepted > 0

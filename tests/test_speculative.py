@@ -163,6 +163,8 @@ def test_drafting_changes_no_token_and_no_kv(tiny, kw):
 def test_batched_drafting_matches_plain_batches(tiny, step_rows):
     folder = tiny("llama")[0]
     plain, spec = _engine(folder, kv_dtype="bf16"), _engine(folder, kv_dtype="bf16", draft="ngram")
+    spec.drafter = NgramDrafter(min_ngram=1)  # 1-token matches: drafts in most steps of this random model
+    spec.drafter.length = 4  # fixed: how wide a step is does not depend on timings
     spec.step_rows = step_rows
     decode, widest = spec.runner.decode, []
     spec.runner.decode = lambda seqs, *a: (widest.append(len(seqs)), decode(seqs, *a))[1]
