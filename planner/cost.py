@@ -91,11 +91,26 @@ def tier_tokens(kv: KVPlan, context: int) -> tuple[int, int]:
     return gpu, min(context - gpu, kv.host_tokens)
 
 
+# query rows a GPU attention program takes (gpu_ops.attention_triton.ROWS): a run of a sequence's
+# rows (a speculative step) reads the device tier once for every RUN_QUERY_ROWS / G of them
+RUN_QUERY_ROWS = 16
+
+
+def kv_reads(cfg: ModelConfig, rows: int, run_rows: int) -> tuple[int, int]:
+    """(device-tier reads, host-tier reads) of the KV by `rows` rows in runs of `run_rows` rows of
+    one sequence: the GPU's programs take RUN_QUERY_ROWS / G rows of a run each; the CPU attends a
+    run's earlier tokens once for all its rows (cpu_attention/decode_run.py)."""
+    seqs = -(-rows // run_rows)
+    per_program = max(1, RUN_QUERY_ROWS // max(1, cfg.num_heads // cfg.num_kv_heads))
+    return seqs * -(-run_rows // per_program), seqs
+
+
 def decode_step(
     cfg: ModelConfig, hw: HardwareProfile, placements: Sequence[Placement], kv: KVPlan,
-    batch: int, context: int, threads: int, sub_batches: int,
+    batch: int, context: int, threads: int, sub_batches: int, run_rows: int = 1,
 ) -> StepCost:
-    """One decode step of `batch` sequences at `context` tokens each.
+    """One decode step of `batch` rows at `context` tokens each: `batch` sequences, or runs of
+    `run_rows` rows of one sequence (a speculative step), whose KV is read as `kv_reads` says.
 
     Per layer, with n sub-batches of B/n sequences:
       g = Σ_sub (GPU GEMVs of resident and streamed groups) + GPU attention over T_g (+ T_s)
@@ -148,17 +163,19 @@ def decode_step(
         if layer >= 0:
             T_cpu = T_c - T_s
             for b in sub:
-                g_att += attention_seconds(b, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_rate(kv.gpu_dtype) or 1.0, BS)
-                g_att += attention_seconds(b, T_s, kv.host_dtype, cfg, hw.gpu_attention_rate(kv.host_dtype) or 1.0, BS)
-                c_att += attention_seconds(b, T_cpu, kv.host_dtype, cfg, attn_rate, BS) + (hw.cpu_attention_call_s if T_cpu else 0.0)
+                b_g, b_c = kv_reads(cfg, b, run_rows)
+                g_att += attention_seconds(b_g, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_rate(kv.gpu_dtype) or 1.0, BS)
+                g_att += attention_seconds(b_g, T_s, kv.host_dtype, cfg, hw.gpu_attention_rate(kv.host_dtype) or 1.0, BS)
+                c_att += attention_seconds(b_c, T_cpu, kv.host_dtype, cfg, attn_rate, BS) + (hw.cpu_attention_call_s if T_cpu else 0.0)
                 if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
                     x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
             s_up = T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
             if T_s:
                 d = T_c * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (max(hw.dram_read_gbps, 1e-9) * GB)
-            nbytes["gpu attention"] += batch * (T_g * kv_bytes_per_token_layer(cfg, kv.gpu_dtype, BS)
-                                                + T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS))
-            nbytes["cpu attention"] += batch * T_cpu * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
+            reads_g, reads_c = kv_reads(cfg, batch, run_rows)
+            nbytes["gpu attention"] += reads_g * (T_g * kv_bytes_per_token_layer(cfg, kv.gpu_dtype, BS)
+                                                  + T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS))
+            nbytes["cpu attention"] += reads_c * T_cpu * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
             nbytes["pcie kv"] += T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
         over = 0.0
         if layer >= 0:  # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
@@ -257,14 +274,14 @@ def speculative_gain(cfg: ModelConfig, hw: HardwareProfile, p, rate: float,
                      max_draft: int = 7) -> tuple[int, float]:
     """(draft length k, predicted speed-up over plain decoding) for one sequence whose drafts are
     kept at `rate` each: a step of k drafts yields (1 − rate^(k+1)) / (1 − rate) tokens and costs
-    `decode_step` at k + 1 rows, which counts the attention once a row (the GPU's as it runs; the
-    host's reads a run's KV once, so there the cost is an upper bound)."""
+    `decode_step` at a run of k + 1 rows (its KV read as `kv_reads` says; the host's own-part rows,
+    the run's last tokens, are left out)."""
     wl = p.workload
     base = decode_step(cfg, hw, p.placements, p.kv, 1, wl.decode_context, p.threads, 1).seconds
     best = (0, 1.0)
     a = min(max(rate, 0.0), 0.999)
     for k in range(1, max_draft + 1):
-        step = decode_step(cfg, hw, p.placements, p.kv, k + 1, wl.decode_context, p.threads, 1).seconds
+        step = decode_step(cfg, hw, p.placements, p.kv, k + 1, wl.decode_context, p.threads, 1, run_rows=k + 1).seconds
         gain = (1 - a ** (k + 1)) / (1 - a) * base / step
         if gain > best[1]:
             best = (k, gain)

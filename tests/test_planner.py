@@ -246,3 +246,25 @@ def test_cpu_plans_keep_bf16_kv_while_it_fits_and_say_why():
     bf16_kv = roomy.memory.host_kv
     tight = plan(cfg, hw, Budget(0, weights + bf16_kv * 3 // 4), wl, Overrides(device=Device.CPU))
     assert tight.kv.host_dtype is KVDtype.INT8
+
+
+def test_a_run_of_rows_reads_the_kv_as_the_kernels_do():
+    """A speculative step's run of k + 1 rows: the GPU reads the device tier once for every 16 / G
+    rows (Llama-3-8B's G = 4: once for 4 rows, twice for 5), the CPU its tier once; the linears
+    still see every row, so the run costs less than as many sequences and more than one row."""
+    from planner.cost import kv_reads
+
+    assert kv_reads(LLAMA3_8B, 1, 1) == (1, 1)
+    assert kv_reads(LLAMA3_8B, 4, 4) == (1, 1)
+    assert kv_reads(LLAMA3_8B, 5, 5) == (2, 1)
+    assert kv_reads(LLAMA3_8B, 10, 5) == (4, 2)  # two sequences' runs
+    assert kv_reads(LLAMA3_8B, 3, 1) == (3, 3)  # three sequences
+    hw = HardwareProfile.synthetic(80, host_gib=256)
+    p = plan(LLAMA3_8B, hw, Budget(6 * GIB, 200 * GIB), Workload(32768, prompt_tokens=32000, gen_tokens=256))
+    assert p.kv.gpu_tokens and not p.kv.host_tokens
+    step = lambda rows, run: decode_step(LLAMA3_8B, hw, p.placements, p.kv, rows, 32000, p.threads, 1,  # noqa: E731
+                                         run_rows=run)
+    one, run, apart = step(1, 1), step(5, 5), step(5, 1)
+    assert run.nbytes["gpu attention"] == 2 * one.nbytes["gpu attention"]
+    assert apart.nbytes["gpu attention"] == 5 * one.nbytes["gpu attention"]
+    assert one.seconds < run.seconds < apart.seconds
