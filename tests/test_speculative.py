@@ -347,3 +347,30 @@ def test_a_draft_model_plans_within_what_the_model_leaves_of_cpu_mem(tiny, tmp_p
     with pytest.raises(UserError, match="no host memory for the draft model"):
         hetero.load(tiny("llama")[0], device="cpu", weights="f32", tokenizer=False, draft_model=tmp_path / "draft",
                     cpu_mem=e.plan.memory.host_used)
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+@pytest.mark.parametrize("gpu_kv_tokens", [28, 1000])  # 28: the device tier fills mid-answer
+def test_device_tails_are_a_sequences_last_two_blocks(tiny, draft, gpu_kv_tokens):
+    """The GPU's quantized attention attends bf16 tails in a split of their own that looks at each
+    sequence's last two device blocks only (gpu_ops/attention_quant.py): whenever the runner reads
+    the device tier's tables, no other block of a sequence is in a tail, through prefill, decode,
+    runs of drafts and their rollback, batches, and a tier that fills."""
+    folder = tiny("llama_hd32")[0]
+    e = _engine(folder, kv_dtype="int4", gpu_kv_dtype="int4", gpu_kv_tokens=gpu_kv_tokens, parallel=3,
+                **({"draft": draft} if draft else {}))
+    c, seen = e.cache, []
+    tables = c.tables
+
+    def checked(seqs, tier, slots=None):
+        if tier == "gpu":
+            for s in seqs:
+                blocks = c.seqs[s].gpu.blocks
+                assert not any(c.gpu.has_tail(b) for b in blocks[:-2]), (s, blocks)
+                seen.append(sum(c.gpu.has_tail(b) for b in blocks))
+        return tables(seqs, tier, slots)
+
+    c.tables = checked
+    for _ in e.generate(PROMPTS, max_new_tokens=20, temperature=0.0):
+        pass
+    assert seen and max(seen) >= 1  # tails were there to check
