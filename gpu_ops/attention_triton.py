@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_ops import pdl
-from gpu_ops.runs import RunRows
+from gpu_ops.runs import ROWS, RunRows, programs_per_run
 from gpu_ops.kv_pool import GpuKVPool
 
 
@@ -135,8 +135,7 @@ def split_outputs(B: int, Hq: int, Hkv: int, D: int, MB: int, device: torch.devi
     runs, about B / most of the rows' programs work), ≥ 4 blocks a split from 32 blocks on; below
     that a block a split (short contexts at batch 1: 8 programs walking 5 blocks in turn took 8.5 µs,
     the latency of a chain of dependent dots)."""
-    tiles = -(-runs.most // max(1, ROWS // (Hq // Hkv))) if runs is not None else 1  # programs a run takes
-    working = max(1, B * tiles // runs.most) if runs is not None else B
+    working = max(1, B * programs_per_run(runs.most, Hq // Hkv) // runs.most) if runs is not None else B
     S = max(1, min(-(-8 * _sms(device) // (working * Hkv)), MB // 4 if MB >= 32 else MB))
     n = S + extra
     o = torch.empty((n, B, Hq, D), dtype=torch.float32 if n > 1 else out_dtype, device=device)
@@ -160,9 +159,6 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype) -> 
 @functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
-ROWS = 16  # query rows a program: the tensor cores' least, and the quantized kernels' most (module doc)
 
 
 def query_rows(G: int, runs: RunRows | None) -> dict:

@@ -24,6 +24,15 @@ def run_codes(sizes: list[int]) -> list[int]:
     return [j << 16 | n for n in sizes for j in range(n)]
 
 
+ROWS = 16  # query rows a GPU attention program takes: the tensor cores' least, the quantized kernels' most
+
+
+def programs_per_run(rows: int, G: int) -> int:
+    """The GPU attention programs (each a read of the KV) a run of `rows` rows takes at G query
+    heads a KV head: a program holds ROWS // G of its rows (one row where G ≥ ROWS)."""
+    return -(-rows // max(1, ROWS // G))
+
+
 def run_bucket(most: int) -> int:
     """The longest run's rows rounded up to a power of two: a captured graph per bucket."""
     return 1 << (most - 1).bit_length()

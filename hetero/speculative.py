@@ -103,7 +103,7 @@ class FedAcceptance:
 
     def keep(self, sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: list[int]) -> list[int]:
         n = min(self.kept, len(drafts))
-        return drafts[:n] + [sampler.draw(sampler.distribution(logits[n], history + drafts[:n]))]
+        return drafts[:n] + [sampler(logits[n], history + drafts[:n])]
 
     def forget(self, seq_id: int) -> None:
         pass
@@ -147,7 +147,7 @@ def accept(sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: l
         total = float(residual.sum())
         out.append(sampler.draw(residual / total) if total > 0 else sampler.draw(p))
         return out
-    out.append(sampler.draw(sampler.distribution(logits[len(drafts)], history + out)))
+    out.append(sampler(logits[len(drafts)], history + out))
     return out
 
 

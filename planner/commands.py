@@ -5,7 +5,6 @@ Each is a few lines over library calls a Python user can make too:
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -93,12 +92,9 @@ def plan_cmd(
     if json_:
         for n in notes:
             Console(stderr=True).print(f"[yellow]note:[/yellow] {n}", highlight=False)
-        doc = to_json(p, checkpoint)
-        if spec is not None:
-            d = json.loads(doc)
-            d["speculative"] = {"draft_accept": draft_accept, "draft_tokens": spec[0], "speed_up": spec[1]}
-            doc = json.dumps(d, indent=2)
-        sys.stdout.write(doc + "\n")
+        extra = None if spec is None else {
+            "speculative": {"draft_accept": draft_accept, "draft_tokens": spec[0], "speed_up": spec[1]}}
+        sys.stdout.write(to_json(p, checkpoint, extra) + "\n")
         return
     console = Console()
     for n in notes:

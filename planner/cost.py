@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cpu_attention.layout import KVDtype
+from gpu_ops.runs import programs_per_run
 from hetero.config import ModelConfig
 from planner.plan import KVPlan, Mode, Placement
 from planner.hardware import HardwareProfile
@@ -91,18 +92,12 @@ def tier_tokens(kv: KVPlan, context: int) -> tuple[int, int]:
     return gpu, min(context - gpu, kv.host_tokens)
 
 
-# query rows a GPU attention program takes (gpu_ops.attention_triton.ROWS): a run of a sequence's
-# rows (a speculative step) reads the device tier once for every RUN_QUERY_ROWS / G of them
-RUN_QUERY_ROWS = 16
-
-
 def kv_reads(cfg: ModelConfig, rows: int, run_rows: int) -> tuple[int, int]:
     """(device-tier reads, host-tier reads) of the KV by `rows` rows in runs of `run_rows` rows of
-    one sequence: the GPU's programs take RUN_QUERY_ROWS / G rows of a run each; the CPU attends a
-    run's earlier tokens once for all its rows (cpu_attention/decode_run.py)."""
+    one sequence: a GPU attention program reads it for several rows of a run (`programs_per_run`);
+    the CPU attends a run's earlier tokens once for all its rows (cpu_attention/decode_run.py)."""
     seqs = -(-rows // run_rows)
-    per_program = max(1, RUN_QUERY_ROWS // max(1, cfg.num_heads // cfg.num_kv_heads))
-    return seqs * -(-run_rows // per_program), seqs
+    return seqs * programs_per_run(run_rows, max(1, cfg.num_heads // cfg.num_kv_heads)), seqs
 
 
 def decode_step(

@@ -112,10 +112,11 @@ def render(p: Plan, console: Console, checkpoint: dict[str, Any] | None = None) 
             console.print(f"  [cyan]{c.setting}[/cyan] {c.value} [dim]— {c.reason}[/dim]", highlight=False)
 
 
-def to_json(p: Plan, checkpoint: dict[str, Any] | None = None) -> str:
-    """The Plan itself (predictions included), plus the summary line and the checkpoint seen."""
+def to_json(p: Plan, checkpoint: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> str:
+    """The Plan itself (predictions included), plus the summary line, the checkpoint seen and any
+    `extra` sections (`hetero plan --draft-accept`'s prediction)."""
     d = p.to_dict()
     d["summary"] = summary_line(p)
     if checkpoint:
         d["checkpoint"] = checkpoint
-    return json.dumps(d, indent=1)
+    return json.dumps({**d, **(extra or {})}, indent=1)
