@@ -19,6 +19,8 @@
 #           context, --gpu-mem SPEC_GPU_MEM (default 6GiB), the planner's own placement: drafts off,
 #           fed-in acceptances 3/4 and 0/4, and ngram (SPEC_DRAFTS)
 # budget:   bench.budget (decode at each --gpu-mem budget, the planner's own choice; BUDGET_ARGS passed through)
+# moe:      bench.moe (mixture-of-experts decode and prefill at each --gpu-mem budget, the planner's own choice;
+#           MOE_ARGS passed through, e.g. "--only qwen3@8GiB --steps 16")
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests offload}
@@ -73,6 +75,9 @@ for stage in $STAGES; do
           --steps ${SPEC_STEPS:-48} --drafts ${SPEC_DRAFTS:-off,3/4,0/4,ngram} --out "$OUT/speculative_$depth.json" 2>&1 \
           | tee "$OUT/speculative_$depth.log" | tail -8
       done ;;
+    moe)
+      timeout ${MOE_TIMEOUT:-500} python3 -m bench.moe --out "$OUT" ${MOE_ARGS:-} 2>&1 \
+        | tee "$OUT/moe_stdout.log" | tail -${MOE_TAIL:-10} ;;
     budget)
       timeout ${BUDGET_TIMEOUT:-420} python3 -m bench.budget --out "$OUT" ${BUDGET_ARGS:-} 2>&1 \
         | tee "$OUT/budget_stdout.log" | tail -${BUDGET_TAIL:-10} ;;

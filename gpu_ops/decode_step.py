@@ -5,8 +5,8 @@
 `GpuDecoder.step` captures that whole step as one CUDA graph per batch-size bucket: its inputs
 (the token ids, or their embedding rows when the table stays in host memory) live in static buffers (block tables padded to `max_blocks_per_seq` columns, padding rows
 pointed at the pool's scratch block), so a replay costs one launch instead of ~15 a layer.
-Where a graph cannot hold the step (MoE routing reads expert ids back to the host; a CPU
-model) it runs eagerly, with the same arithmetic.
+Where a graph cannot hold the step (MoE routing that reads expert ids back to the host,
+`Model.capturable`; a CPU model) it runs eagerly, with the same arithmetic.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class GpuDecoder:
         self.pool, self.max_batch, self.max_blocks, self.attn = pool, max_batch, max_blocks_per_seq, attn
         self.model = no_sync_view(model, max_blocks_per_seq * pool.block_size)
         self.device = model.device
-        self.graphs = graphs and self.device.type == "cuda" and not model.cfg.is_moe
+        self.graphs = graphs and self.device.type == "cuda" and model.capturable(max_batch)
         self.buckets = buckets or default_buckets(max_batch)
         dev, i64, i32 = self.device, torch.int64, torch.int32
         self.ids = torch.zeros(max_batch, dtype=i64, device=dev)

@@ -99,13 +99,28 @@ def _nf4_gemv_kernel(
     N, KW, stride_xm, words_per_split, stride_rm,
     M: tl.constexpr, BLOCK_N: tl.constexpr, H: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
     RES: tl.constexpr, SWIGLU: tl.constexpr = False, PDL: tl.constexpr = False,
+    eid_ptr=None, expert_words=0, XDIV: tl.constexpr = 0,
 ):
     """out[s, m, n] (float32 partials if SPLIT, else bf16 y[m, n], plus res[m, n] if RES) for
     rows [pid_n·BN, +BN) of W.
 
     A step covers H half groups (32 codes, 4 int32 words, one 16-byte load) of each row.
+
+    XDIV > 0 (experts): W is a stack of experts' matrices, expert_words int32 words apart, and
+    axis 1 runs over slots s: the slot's expert eid[s] (−1: none here, the slot's row is 0) times
+    x's row s // XDIV, into out's row s (M = 1, no split).
     """
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    words = words_per_split
+    k_first = pid_s * words_per_split
+    if XDIV > 0:
+        e = tl.load(eid_ptr + pid_s)
+        words = tl.where(e >= 0, words_per_split, 0)  # no expert here: no step, zeros out
+        e = tl.maximum(e, 0).to(tl.int64)
+        w32_ptr += e * expert_words
+        absmax_ptr += e * (expert_words // 8)
+        x32_ptr += (pid_s // XDIV) * stride_xm
+        k_first = 0
     if SWIGLU:  # W = [gate; up], N = 2F: the program's rows pair gate row n with up row F + n
         i = tl.arange(0, BLOCK_N)
         rows = tl.minimum(pid_n * (BLOCK_N // 2) + i // 2, N // 2 - 1) + (i % 2) * (N // 2)
@@ -130,16 +145,15 @@ def _nf4_gemv_kernel(
         tab = book_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 16
         t0, t1, t2, t3 = tl.load(tab), tl.load(tab + 1), tl.load(tab + 2), tl.load(tab + 3)
         t4, t5, t6, t7 = tl.load(tab + 4), tl.load(tab + 5), tl.load(tab + 6), tl.load(tab + 7)
-    k_first = pid_s * words_per_split
     q = tl.load(w_rows + (k_first + w)[None, :])  # [BN, 4H] int32: 8 codes each
     sc = _load_scales(a_rows, k_first, h, DECODE)  # [BN, H]
     if PDL:  # weights and scales are constant: loaded above while the previous kernel ends; x is not
         gdc_wait()
-    for i in range(0, words_per_split, 4 * H):  # (not range(k_first, ...): Triton's interpreter rejects it)
+    for i in range(0, words, 4 * H):  # (not range(k_first, ...): Triton's interpreter rejects it)
         kw = k_first + i  # word index along K of this step
         # prefetch the next step while this one computes (masked off after the last step; the
         # scales, an L1 hit, are re-read there instead)
-        more = i + 4 * H < words_per_split
+        more = i + 4 * H + 0 * w[None, :] < words  # [1, 4H] (a comparison: Triton's interpreter takes no bool &)
         k_next = k_first + tl.minimum(i + 4 * H, words_per_split - 4 * H)
         q_next = tl.load(w_rows + (k_next + w)[None, :], mask=more, other=0)
         sc_next = _load_scales(a_rows, k_next, h, DECODE)
@@ -292,3 +306,35 @@ def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape:
                            PDL=pdl.enabled(x.device), num_warps=warps, **pdl.launch(x.device))
     y = part.sum(0).to(torch.bfloat16)
     return y if residual is None else residual + y
+
+
+def nf4_experts_gemv(x: torch.Tensor, eids: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                     shape: tuple[int, int], xdiv: int, swiglu: bool = False,
+                     decode: Decode = Decode.PRMT) -> torch.Tensor:
+    """Slots s of a mixture-of-experts layer in one launch: y[s] = W_{eids[s]} · x[s // xdiv] with
+    W_e [N, K] the e-th of a stack of NF4 matrices (packed [E, N·K/2], absmax [E, N·K/64]); a slot
+    whose eid is −1 (an expert another device computes) gets a zero row. x [R, K] bf16, eids [S]
+    int32 → y [S, N] bf16 ([S, N/2] silu(gate)·up where swiglu: W is [gate; up]). The expert ids
+    are read on the device: nothing syncs, so a CUDA graph can hold it."""
+    N, K = shape
+    if K % 64:
+        raise ValueError(f"nf4_experts_gemv needs K divisible by 64, got W {shape}")
+    BN, H, warps, _ = gemv_config(N, K, _sms(x.device))
+    x = x.to(torch.bfloat16)
+    if x.stride(-1) != 1 or x.stride(0) % 2:
+        x = x.contiguous()
+    x32 = x.view(torch.int32)
+    S = eids.numel()
+    NO = N // 2 if swiglu else N
+    y = torch.empty((S, NO), dtype=torch.bfloat16, device=x.device)
+    if swiglu:
+        if N % 2 or BN % 2:
+            raise ValueError(f"swiglu needs an even N and tile: W {shape}, tile {BN}")
+        grid = (triton.cdiv(NO, BN // 2), S)
+    else:
+        grid = (triton.cdiv(N, BN), S)
+    _nf4_gemv_kernel[grid](x32, packed.view(torch.int32), absmax, _book(x.device), y, y, N, K // 8, x32.stride(0),
+                           K // 8, 0, M=1, BLOCK_N=BN, H=H, DECODE=int(decode), SPLIT=False, RES=False,
+                           SWIGLU=swiglu, PDL=pdl.enabled(x.device), eid_ptr=eids, expert_words=N * K // 8,
+                           XDIV=xdiv, num_warps=warps, **pdl.launch(x.device))
+    return y

@@ -177,6 +177,15 @@ class Model:
         self.fused, self.ops = fused, ops
         self._fused_layers = [fused is not None and fused.fits(lw) for lw in self.layers]
 
+    def capturable(self, rows: int) -> bool:
+        """Whether a step of `rows` rows reads nothing back to the host, so that a CUDA graph can hold
+        it: routed experts in this module's loop read their ids back; a feed-forward computed
+        elsewhere says up to how many rows it does not (its `graph_rows`, default none)."""
+        for lw in self.layers:
+            if lw.ffn is not None and rows > getattr(lw.ffn, "graph_rows", 0) or lw.ffn is None and lw.router is not None:
+                return False
+        return True
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_w[ids.to(self.embed_w.device)].to(self.device, self.act_dtype)  # [N, H]
 

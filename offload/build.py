@@ -33,8 +33,9 @@ def load_from_plan(ck: Checkpoint, plan: Plan, device: torch.device,
         model = load_model(ck, FORMATS[plan.weights], device, progress=progress)
         return model, place_weights(model, plan)
     embed_dev = device if plan.placement(-1, Kind.EMBED).on_gpu else torch.device("cpu")
+    wl = plan.workload
     model = load_model(ck, FORMATS[plan.weights], device, embed_device=embed_dev, homes=weight_homes(plan, device),
-                       progress=progress)
+                       progress=progress, threads=plan.threads, moe_rows=max(wl.ubatch, wl.batch))
     return model, place_weights(model, plan)
 
 

@@ -29,6 +29,7 @@ class Driver:
         self._sync = fn("cuEventSynchronize", p)
         self._wait = fn("cuStreamWaitEvent", p, p, ctypes.c_uint)
         self._memcpy = fn("cuMemcpyHtoDAsync_v2", u64, p, size, p)
+        self._host_func = fn("cuLaunchHostFunc", p, p, p)
 
     @staticmethod
     def _check(err: int, what: str) -> None:
@@ -53,6 +54,12 @@ class Driver:
     def memcpy_up(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Queue a copy of nbytes from pinned host memory at src to device memory at dst."""
         self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def host_func(self, stream: int, fn: int, data: int) -> None:
+        """Queue a call of the C function `void fn(void *data)` on stream: the driver's own thread
+        calls it once the stream's earlier work is done, and the stream's later work waits for it.
+        Captured into a CUDA graph, it is a host node. fn must not call CUDA."""
+        self._check(self._host_func(stream, fn, data), "cuLaunchHostFunc")
 
 
 @functools.cache

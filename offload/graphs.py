@@ -154,7 +154,7 @@ class SegmentGraphs:
 
     @staticmethod
     def supported(model: Model) -> bool:
-        return model.device.type == "cuda" and not model.cfg.is_moe  # MoE routing reads ids back
+        return model.device.type == "cuda" and model.capturable(SegmentGraphs.MAX_ROWS)
 
     def get(self, slot: int, B: int, longest_run: int = 1) -> Captured:
         """The set for sub-batch `slot` of B rows whose longest run of one sequence has `longest_run` rows."""

@@ -84,6 +84,8 @@ class HostLinear:
 class HostFFN:
     """A layer's whole MLP (or router and experts) computed by the CPU: h [N, H] → [N, H]."""
 
+    graph_rows = 0  # it waits for the device's work mid-step: no CUDA graph holds it
+
     def __init__(self, cfg: ModelConfig, host: LayerWeights, compute: HostCompute):
         self.cfg, self.host, self.compute = cfg, host, compute  # host: the layer's host-side weights
         self.out_features = cfg.hidden_size

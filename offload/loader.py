@@ -27,6 +27,7 @@ class WeightFormat(str, enum.Enum):
     F32 = "f32"
     BF16 = "bf16"
     INT8 = "int8"  # per-row int8, CPU kernel
+    INT4 = "int4"  # host experts: a scale per 64 weights, the CPU's expert kernel (cpu_attention.experts)
     NF4 = "4bit"  # bitsandbytes NF4, GPU
 
     @classmethod
@@ -47,10 +48,13 @@ class Home:
 
     fmt: WeightFormat
     device: torch.device
+    host_computed: bool = False  # computed by the CPU beside the device (a MoE layer's host experts)
 
 
 Progress = Callable[[int, int], None]  # (done, total) as the weights are converted
-Homes = Callable[[int, Kind], Home]  # (layer, group kind) → its home; layer -1: embedding and head
+# (layer, group kind[, expert]) → its home; layer -1: embedding and head. With an expert index: that
+# expert's (a plan may split a layer's experts between the devices); without: the group's (the router's).
+Homes = Callable[..., Home]
 
 
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, fmt: WeightFormat, device: torch.device) -> Linear:
@@ -69,12 +73,13 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, fmt: WeightFormat, devi
 
 def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
                embed_device: torch.device | None = None, homes: Homes | None = None,
-               progress: Progress | None = None) -> Model:
+               progress: Progress | None = None, threads: int | None = None, moe_rows: int = 2048) -> Model:
     """embed_device: where the embedding table lives (the CPU, when the plan keeps it off the GPU:
     a step reads one row per token). homes: each weight group's storage (device and format) when
     not every group is `fmt` on `device`; a group kept on the host in a device format (streamed
     weights) is made on `device` first, so a GPU quantizes it, then moved there, one matrix at a time.
-    progress(done, total): called as each layer's weights are ready (total: the layers and the head)."""
+    progress(done, total): called as each layer's weights are ready (total: the layers and the head).
+    threads, moe_rows: the CPU threads and the most rows a step gives host-resident experts."""
     cfg: ModelConfig = ck.config
     act = torch.float32 if fmt in (WeightFormat.F32, WeightFormat.INT8) or device.type == "cpu" else torch.bfloat16
     keep = torch.float32 if act == torch.float32 else torch.bfloat16
@@ -93,7 +98,8 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
         from offload.int8_cache import Int8Cache
 
         int8 = Int8Cache(ck.path)
-    home = homes or (lambda layer, kind: Home(fmt, device))
+    home = homes or (lambda layer, kind, expert=None: Home(fmt, device))
+    staging: list = []  # the MoE layers' shared host staging, made with the first that needs it
 
     def lin(where: Home, name: str, weight, b: torch.Tensor | None = None) -> Linear:
         """`weight()` reads (and fuses) the source tensor; a cache hit never calls it."""
@@ -125,11 +131,24 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
         m = p + "mlp."
         if cfg.moe_layers[i]:
             ex = home(i, Kind.EXPERTS)
-            lw.router = vec(ex, m + "gate.weight", torch.float32)
-            for e in range(cfg.num_experts):
+            ehomes = [home(i, Kind.EXPERTS, e) for e in range(cfg.num_experts)]
+
+            def pair(e: int, where: Home) -> tuple[Linear, Linear]:
                 x = f"{m}experts.{e}."
                 gu = lambda: torch.cat([get(x + "gate_proj.weight"), get(x + "up_proj.weight")])  # noqa: E731
-                lw.experts.append((lin(ex, x + "gate_up", gu), lin(ex, x + "down", lambda: get(x + "down_proj.weight"))))
+                return lin(where, x + "gate_up", gu), lin(where, x + "down", lambda: get(x + "down_proj.weight"))
+
+            split = _split_moe(ex, ehomes, device)  # MoEFeedForward routes in the activations' dtype (planned as bf16)
+            lw.router = vec(ex, m + "gate.weight", None if split else torch.float32)
+            if split:
+                if not staging and any(h.host_computed for h in ehomes):
+                    from offload.moe import HostStaging
+
+                    staging.append(HostStaging(cfg, device, moe_rows))
+                lw.ffn = _moe_layer(cfg, i, lw.router, ehomes, pair, get, device, staging[0] if staging else None,
+                                    threads)
+            else:
+                lw.experts = [pair(e, ex) for e in range(cfg.num_experts)]
         else:
             mlp = home(i, Kind.MLP)
             lw.gate_up = lin(mlp, m + "gate_up", lambda: torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
@@ -160,6 +179,59 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
     if progress is not None:
         progress(cfg.num_layers + 1, cfg.num_layers + 1)
     return model
+
+
+def _split_moe(group: Home, homes: list[Home], device: torch.device) -> bool:
+    """Whether a MoE layer runs as `offload.moe.MoEFeedForward`: some of its experts computed by the
+    host beside the device (which routes), or all NF4 on a GPU (the grouped kernels, which a CUDA
+    graph can hold); else the model's own loop over the experts (streamed experts, a CPU plan)."""
+    if any(h.host_computed != group.host_computed for h in homes):
+        return True
+    return device.type == "cuda" and all(h.device == device and h.fmt is WeightFormat.NF4 for h in homes)
+
+
+def _moe_layer(cfg: ModelConfig, layer: int, router: torch.Tensor, homes: list[Home], pair, get,
+               device: torch.device, staging, threads: int | None):
+    """The layer's `MoEFeedForward`: the device's experts (stacked where NF4 on CUDA), the host's (int4,
+    quantized from the checkpoint's weights on the device where there is one, or torch linears)."""
+    from gpu_ops.nf4 import NF4Linear
+    from offload.moe import DeviceExperts, MoEFeedForward, TorchHostExperts
+
+    on_dev = [e for e, h in enumerate(homes) if not h.host_computed]
+    on_host = [e for e, h in enumerate(homes) if h.host_computed]
+    dx = None
+    if on_dev:
+        linears, stacked = [], None
+        for n, e in enumerate(on_dev):  # NF4 on CUDA: each expert's codes copied into the stacks as made
+            gu, dn = pair(e, homes[e])
+            parts = ((gu, "packed"), (gu, "absmax"), (dn, "packed"), (dn, "absmax"))
+            if device.type == "cuda" and isinstance(gu, NF4Linear) and isinstance(dn, NF4Linear):
+                if stacked is None:
+                    stacked = tuple(torch.empty((len(on_dev),) + getattr(lin, a).shape, dtype=getattr(lin, a).dtype,
+                                                device=device) for lin, a in parts)
+                for t, (lin, a) in zip(stacked, parts):
+                    t[n].copy_(getattr(lin, a))
+                    setattr(lin, a, t[n])  # the linear becomes a view of its stack
+            linears.append((gu, dn))
+        dx = DeviceExperts(on_dev, linears, stacked)
+    host = None
+    if on_host:
+        hfmt = homes[on_host[0]].fmt
+        if hfmt is WeightFormat.INT4:
+            from cpu_attention.experts import HostExperts
+
+            from cpu_attention._numba import physical_cores
+
+            host = HostExperts(on_host, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                               threads or physical_cores())
+            qdev = device if device.type == "cuda" else torch.device("cpu")  # a GPU quantizes faster
+            for j, e in enumerate(on_host):
+                x = f"model.layers.{layer}.mlp.experts.{e}."
+                gu = torch.cat([get(x + "gate_proj.weight").to(qdev), get(x + "up_proj.weight").to(qdev)])
+                host.set(j, gu, get(x + "down_proj.weight").to(qdev))
+        else:
+            host = TorchHostExperts(on_host, [pair(e, homes[e]) for e in on_host])
+    return MoEFeedForward(cfg, router.to(device), dx, host, device, staging)
 
 
 def kernels_for(device: torch.device) -> tuple[FusedLayer | None, ElementwiseOps | None]:

@@ -25,8 +25,8 @@ from offload.weights import TensorRef, WeightStreamer
 from planner.plan import Device, Mode, Plan
 from planner.tensors import Kind, WDtype
 
-FORMATS = {WDtype.NF4: WeightFormat.NF4, WDtype.INT8: WeightFormat.INT8, WDtype.BF16: WeightFormat.BF16,
-           WDtype.F32: WeightFormat.F32}
+FORMATS = {WDtype.NF4: WeightFormat.NF4, WDtype.INT8: WeightFormat.INT8, WDtype.INT4: WeightFormat.INT4,
+           WDtype.BF16: WeightFormat.BF16, WDtype.F32: WeightFormat.F32}
 _VECTORS = (Kind.NORMS, Kind.FINAL_NORM)  # applied by the device whatever the plan's mode
 
 
@@ -64,19 +64,32 @@ def check_plan_supported(plan: Plan, device: torch.device | None = None) -> None
         if p.mode is Mode.STREAM and p.dtype is WDtype.INT8:
             raise UserError(f"plan: {p.name} streams int8 weights, but int8 is computed by the CPU only: set its "
                             "mode to cpu, or its dtype to the plan's GPU format")
-        if p.mode is Mode.RESIDENT and p.dtype is WDtype.INT8:
-            raise UserError(f"plan: {p.name} keeps int8 weights on the GPU, which has no int8 kernel: use nf4 or bf16")
+        if p.mode is Mode.RESIDENT and p.dtype in (WDtype.INT8, WDtype.INT4):
+            raise UserError(f"plan: {p.name} keeps {p.dtype.value} weights on the GPU, which has no kernel for them: "
+                            "use nf4 or bf16")
+        if p.dtype is WDtype.INT4 and not (p.kind is Kind.EXPERTS and p.mode is Mode.CPU):
+            raise UserError(f"plan: {p.name} is int4, the format of experts the CPU computes only: use int8 or nf4")
+        if p.experts is not None and p.mode is Mode.STREAM:
+            raise UserError(f"plan: {p.name} streams a part of a layer's experts; a split layer's host experts are "
+                            "computed by the CPU: set its mode to cpu")
+    for layer in {p.layer for p in plan.placements if p.kind is Kind.EXPERTS}:
+        parts = plan.expert_placements(layer)
+        if len(parts) > 1 and not any(p.on_gpu for p in parts):
+            raise UserError(f"plan: layer {layer}'s experts are split but no part is on the GPU, which routes: "
+                            "put the router's part on cuda")
 
 
 def weight_homes(plan: Plan, device: torch.device) -> Homes:
     """(layer, kind) → where the loader stores the group and in which format."""
     host = torch.device("cpu")
 
-    def home(layer: int, kind: Kind) -> Home:
+    def home(layer: int, kind: Kind, expert: int | None = None) -> Home:
         p = plan.placement(layer, kind)
+        if expert is not None:  # the part of the layer's experts that holds this one
+            p = next(x for x in plan.expert_placements(layer) if x.experts is None or expert in x.experts)
         if p.mode is Mode.RESIDENT or kind in _VECTORS and p.mode is Mode.CPU:
             return Home(FORMATS[p.dtype], device)
-        return Home(FORMATS[p.dtype], host)
+        return Home(FORMATS[p.dtype], host, host_computed=p.experts is not None and p.mode is Mode.CPU)
 
     return home
 
@@ -96,6 +109,8 @@ def place_weights(model: Model, plan: Plan) -> PlacedWeights:
         key = p.layer if p.layer >= 0 else L
         if p.mode is Mode.STREAM:
             streamed.setdefault(key, []).extend(_tensors(model, p.layer, p.kind))
+        elif p.experts is not None:  # a split layer's host experts: offload.moe computes them beside the device's
+            continue
         elif p.kind not in _VECTORS:
             _compute_on_host(model, p.layer, p.kind, compute)
             host_groups += 1

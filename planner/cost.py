@@ -15,7 +15,8 @@ from gpu_ops.runs import programs_per_run
 from hetero.config import ModelConfig
 from planner.plan import KVPlan, Mode, Placement
 from planner.hardware import HardwareProfile
-from planner.tensors import Group, Kind, WDtype, cpu_dtype, experts_touched, kv_bytes_per_token_layer, weight_groups
+from planner.tensors import (Group, Kind, WDtype, cpu_dtype, expert_bytes, experts_touched, kv_bytes_per_token_layer,
+                              router_bytes, weight_groups)
 
 GB = 1e9
 # Share of the measured PCIe rate streamed host KV gets inside a decode step. Measured about half
@@ -38,6 +39,9 @@ GENERAL_LOOP_OVERHEAD_S = 200e-6
 # beside the measurement.
 GRAPH_LAYER_OVERHEAD_S = 12e-6
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
+# Per MoE layer whose experts are split between the devices: the host function's hand-off (the
+# driver's thread wakes, Numba's threads start) and its return to the stream. Stated.
+HOST_EXPERTS_CALL_S = 30e-6
 
 
 @dataclass(frozen=True)
@@ -53,9 +57,12 @@ def read_bytes(g: Group, p: Placement, tokens: int) -> float:
     if g.kind is Kind.EMBED:
         return tokens * WDtype.BF16.nbytes(g.active_params)
     if g.kind is Kind.EXPERTS:
-        router = WDtype.BF16.nbytes(g.small_params)
         E = g.params // g.expert_params
         k = round((g.active_params - g.small_params) / g.expert_params)
+        if p.experts is not None:  # a part of a split group: the router goes with the device's part
+            touched = experts_touched(E, k, tokens) * len(p.experts) / E
+            return (router_bytes(g) if p.on_gpu else 0) + touched * expert_bytes(g, p.dtype)
+        router = router_bytes(g)
         return router + experts_touched(E, k, tokens) * (p.nbytes - router) / E
     return p.nbytes
 
@@ -79,11 +86,19 @@ def hop_seconds(nbytes: float, hw: HardwareProfile) -> float:
 
 
 def _pairs(cfg: ModelConfig, placements: Sequence[Placement]) -> dict[int, list[tuple[Group, Placement]]]:
-    by_key = {(p.layer, p.kind): p for p in placements}
+    """Layer → its (group, placement) pairs; a split experts group pairs with each of its parts."""
+    by_key: dict[tuple[int, Kind], list[Placement]] = {}
+    for p in placements:
+        by_key.setdefault((p.layer, p.kind), []).append(p)
     out: dict[int, list[tuple[Group, Placement]]] = {}
     for g in weight_groups(cfg):
-        out.setdefault(g.layer, []).append((g, by_key[(g.layer, g.kind)]))
+        out.setdefault(g.layer, []).extend((g, p) for p in by_key[(g.layer, g.kind)])
     return out
+
+
+def split_experts(p: Placement) -> bool:
+    """A placement of part of an experts group: its experts computed beside the other device's."""
+    return p.kind is Kind.EXPERTS and p.experts is not None
 
 
 def tier_tokens(kv: KVPlan, context: int) -> tuple[int, int]:
@@ -123,7 +138,8 @@ def decode_step(
     """
     pairs = _pairs(cfg, placements)
     # the runtime's lean loop (offload/inline.py): one sub-batch, no weights moving during the step
-    lean = sub_batches == 1 and all(p.mode is Mode.RESIDENT or p.kind is Kind.EMBED for p in placements)
+    lean = sub_batches == 1 and all(p.mode is Mode.RESIDENT or p.kind is Kind.EMBED or split_experts(p)
+                                    for p in placements)
     T_g, T_c = tier_tokens(kv, context)
     T_s = min(kv.stream_tokens, T_c) if batch == 1 and hw.has_gpu else 0
     BS = kv.block_size
@@ -133,17 +149,26 @@ def decode_step(
     if T_s and hw.dram_read_gbps:  # DRAM shared with the copy engine streaming T_s tokens up
         attn_rate = min(attn_rate, max(hw.dram_read_gbps - STREAM_PCIE_SHARE * hw.pcie_h2d_gbps,
                                        MIN_CPU_DRAM_SHARE * hw.dram_read_gbps))
-    terms = dict.fromkeys(("gpu weights", "gpu attention", "cpu attention", "cpu weights", "pcie weights",
-                           "pcie kv", "transfers", "overhead"), 0.0)
+    terms = dict.fromkeys(("gpu weights", "gpu attention", "cpu attention", "cpu weights", "cpu experts",
+                           "pcie weights", "pcie kv", "transfers", "overhead"), 0.0)
     nbytes = dict.fromkeys(terms, 0.0)
     total = 0.0
     for layer, groups in sorted(pairs.items(), key=lambda kv_: kv_[0] < 0):  # layers, then the head
-        g_lin = c_w = p = x_w = 0.0
+        g_lin = c_w = p = x_w = g_e = c_e = x_e = 0.0
         for g, pl in groups:
             for b in sub:
                 rb = read_bytes(g, pl, b)
                 flops = 2.0 * g.active_params * b
-                if pl.mode is Mode.CPU:
+                if split_experts(pl) and pl.mode is Mode.CPU:  # beside the GPU's experts, off the GIL
+                    flops *= len(pl.experts) / (g.params // g.expert_params)
+                    c_e += gemv_seconds(rb, flops, hw.cpu_experts_rate, hw.cpu_gflops)
+                    nbytes["cpu experts"] += rb
+                    if hw.has_gpu:
+                        x_e += 2 * hop_seconds(b * cfg.hidden_size * 4, hw) + HOST_EXPERTS_CALL_S
+                elif split_experts(pl):
+                    g_e += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b), gpu_gflops)
+                    nbytes["gpu weights"] += rb
+                elif pl.mode is Mode.CPU:
                     c_w += gemv_seconds(rb, flops, hw.cpu_gemv_gbps, hw.cpu_gflops)
                     nbytes["cpu weights"] += rb
                     if g.kind is not Kind.EMBED and hw.has_gpu:
@@ -176,14 +201,15 @@ def decode_step(
         if layer >= 0:  # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
             over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else \
                 hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S
+        e = max(g_e, c_e + x_e)
         if sub_batches == 1:
-            t = max(g_lin + max(g_att, c_att + x_att), p + s_up, d) + c_w + x_w + over
+            t = max(g_lin + max(g_att, c_att + x_att) + e, p + s_up, d) + c_w + x_w + over
         else:
-            t = max(g_lin + g_att, c_att + c_w + x_att + x_w, p) + over
+            t = max(g_lin + g_att + g_e, c_att + c_w + c_e + x_att + x_w + x_e, p) + over
         total += t
-        for k, v in (("gpu weights", g_lin), ("gpu attention", g_att), ("cpu attention", c_att),
-                     ("cpu weights", c_w), ("pcie weights", p), ("pcie kv", s_up), ("transfers", x_att + x_w),
-                     ("overhead", over)):
+        for k, v in (("gpu weights", g_lin + g_e), ("gpu attention", g_att), ("cpu attention", c_att),
+                     ("cpu weights", c_w), ("cpu experts", c_e), ("pcie weights", p), ("pcie kv", s_up),
+                     ("transfers", x_att + x_w + x_e), ("overhead", over)):
             terms[k] += v
     return StepCost(total, terms, nbytes)
 
@@ -198,6 +224,7 @@ def prefill_seconds(
       flops  = 2 · u · Σ active params  +  L · 4 · u · (s + u/2) · q_size      (GEMMs + causal attention)
       gpu    = flops on GPU-computed groups / (MFU · bf16 matmul rate)
       cpu    = CPU-mode groups: min(2·u·params / CPU flop rate, W / PCIe)    (compute there or stream)
+               + split experts' host part: 2·u·its active params / CPU flop rate (computed there)
       h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
       d2h    = host-tier KV of the chunk / PCIe
       t      = max(gpu, h2d, d2h) + cpu + L · overhead                           (copies double-buffered)
@@ -206,15 +233,19 @@ def prefill_seconds(
     pairs = _pairs(cfg, placements)
     L = cfg.num_layers
     kv_bf16 = kv_bytes_per_token_layer(cfg, KVDtype.BF16, kv.block_size)
-    active_gpu = active_cpu = streamed = cpu_bytes = 0.0
+    active_gpu = active_cpu = streamed = cpu_bytes = host_experts = 0.0
     for layer, groups in pairs.items():
         for g, pl in groups:
             if g.kind is Kind.EMBED:
                 continue
             act = g.params + g.small_params if g.kind is not Kind.EXPERTS else g.active_params
+            if split_experts(pl):
+                act = act * len(pl.experts) / (g.params // g.expert_params)
             if g.kind is Kind.LM_HEAD:
                 act = act / ubatch  # logits of the chunk's last token only
-            if pl.mode is Mode.CPU:
+            if split_experts(pl) and pl.mode is Mode.CPU:
+                host_experts += act
+            elif pl.mode is Mode.CPU:
                 active_cpu += act
                 cpu_bytes += pl.nbytes
             else:
@@ -225,10 +256,11 @@ def prefill_seconds(
         u = min(ubatch, prompt - s)
         attn_flops = L * 4.0 * u * (s + u / 2) * cfg.q_size
         if all(p.mode is Mode.CPU for p in placements):
-            total += (2.0 * u * (active_gpu + active_cpu) + attn_flops) / (hw.cpu_gflops * GB)
+            total += (2.0 * u * (active_gpu + active_cpu + host_experts) + attn_flops) / (hw.cpu_gflops * GB)
         else:
             gpu = (2.0 * u * active_gpu + attn_flops) / (PREFILL_MFU * hw.gpu_tflops * 1e12)
             cpu = min(2.0 * u * active_cpu / (hw.cpu_gflops * GB), cpu_bytes / (hw.pcie_h2d_gbps * GB))
+            cpu += 2.0 * u * host_experts / (hw.cpu_gflops * GB)
             host_before = max(0, s - kv.gpu_tokens)
             host_chunk = max(0, s + u - max(s, kv.gpu_tokens))
             h2d = (streamed + L * host_before * kv_bf16) / (hw.pcie_h2d_gbps * GB)
@@ -256,6 +288,9 @@ def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan
     if key == "cpu weights":
         dt = cpu_dtype(gpu_dtype).value
         return f"CPU weights: {gb(key)} of {dt} at {hw.cpu_gemv_gbps:.0f} GB/s" + share
+    if key == "cpu experts":
+        dt = cpu_dtype(gpu_dtype, Kind.EXPERTS).value
+        return f"CPU experts: {gb(key)} of {dt} experts at {hw.cpu_experts_rate:.0f} GB/s" + share
     if key == "pcie weights":
         return f"PCIe weight streaming: {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
     if key == "pcie kv":

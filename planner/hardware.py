@@ -14,7 +14,7 @@ import torch
 from cpu_attention import warm
 from cpu_attention.layout import KVDtype
 
-FORMAT = 9  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
+FORMAT = 10  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3
 KV_BLOCK = 32  # tokens a KV block: the engine's default, and what the attention rates are measured at
 
@@ -57,6 +57,7 @@ class HardwareProfile:
     cpu_gflops: float  # dense fp32 matmul on the CPU
     cpu_attention: tuple[AttnRate, ...] = ()
     cpu_gemv_dtype: str = "int8"  # cpu_attention.linear's kernel; "bf16" when torch.mv measured it
+    cpu_experts_gbps: float = 0.0  # int4 experts (cpu_attention.experts), weight bytes / s; 0: not measured
     gpu_name: str | None = None
     gpu_total_bytes: int = 0
     gpu_free_bytes: int = 0
@@ -92,6 +93,11 @@ class HardwareProfile:
         r = below[-1]
         return min(r.gbps * threads / r.threads, max(r.gbps, self.dram_read_gbps)) if threads > r.threads \
             else r.gbps * threads / r.threads
+
+    @property
+    def cpu_experts_rate(self) -> float:
+        """GB/s of int4 expert weights the CPU computes over (unmeasured: the GEMV rate)."""
+        return self.cpu_experts_gbps or self.cpu_gemv_gbps
 
     def gpu_attention_rate(self, dtype: KVDtype) -> float:
         """KV bytes / s the GPU's decode attention reads of `dtype` blocks (unmeasured: the bf16 rate)."""

@@ -108,7 +108,36 @@ def _measure_host(cores: int, quick: bool) -> dict[str, float]:
     m = 256 if quick else 1024
     a, b = torch.randn(m, m), torch.randn(m, m)
     gflops = 2 * m**3 / _best(lambda: a @ b) / 1e9
-    return {"dram_read_gbps": dram, "cpu_gemv_gbps": gemv, "cpu_gemv_dtype": gemv_dtype, "cpu_gflops": gflops}
+    return {"dram_read_gbps": dram, "cpu_gemv_gbps": gemv, "cpu_gemv_dtype": gemv_dtype, "cpu_gflops": gflops,
+            "cpu_experts_gbps": _measure_cpu_experts(quick)}
+
+
+def _measure_cpu_experts(quick: bool) -> float:
+    """One token through 8 int4 experts of Qwen3-30B-A3B's shape (hidden 2048, expert FFN 768) with
+    hetero's CPU expert kernel, cycling over layers' worth of experts past the last-level cache;
+    0.0 if the kernel is missing."""
+    try:
+        from cpu_attention.experts import HostExperts, Scratch
+    except ImportError:
+        return 0.0
+    H, Fi, k = 2048, 768, 8
+    layers = 2 if quick else 24  # 24 × 8 experts × 2.65 MB: 500 MB
+    sets = [HostExperts(list(range(k)), H, Fi, k, threads=physical_cores()[0]) for _ in range(layers)]
+    for he in sets:  # the values do not change the time
+        he.gu_q.fill(0x5A)
+        he.d_q.fill(0xA5)
+        he.gu_s.fill(0.01)
+        he.d_s.fill(0.01)
+    sc = Scratch(1, k, H, Fi, k)
+    x, ids, w = np.ones((1, H), np.float32), np.arange(k, dtype=np.int32)[None], np.ones((1, k), np.float32)
+    out = np.empty((1, H), np.float32)
+    sets[0](x, ids, w, out, sc)  # compiles (or loads) the kernel
+
+    def all_layers() -> None:
+        for he in sets:
+            he(x, ids, w, out, sc)
+
+    return layers * sets[0].nbytes / _best(all_layers, reps=2 if quick else 3) / 1e9
 
 
 def _measure_dram(quick: bool) -> float:

@@ -36,6 +36,9 @@ class Placement:
     dtype: WDtype
     mode: Mode
     nbytes: int
+    # experts groups split between the devices: the experts (indices in the layer) this placement
+    # holds; the device's also holds the router. None: the whole group.
+    experts: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -164,10 +167,15 @@ class Plan:
     format: int = PLAN_FORMAT
 
     def placement(self, layer: int, kind: Kind) -> Placement:
+        """The group's placement (a split experts group: its device part, which holds the router)."""
         for p in self.placements:
             if p.layer == layer and p.kind is kind:
                 return p
         raise KeyError(f"no placement for layer {layer} {kind.value}")
+
+    def expert_placements(self, layer: int) -> list[Placement]:
+        """A layer's experts placements: one for the whole group, or its device and host parts."""
+        return [p for p in self.placements if p.layer == layer and p.kind is Kind.EXPERTS]
 
     @property
     def gpu_layers(self) -> int:
@@ -193,7 +201,8 @@ class Plan:
             weights=WDtype(d["weights"]), threads=d["threads"], sub_batches=d["sub_batches"],
             placements=tuple(
                 Placement(p["layer"], Kind(p["kind"]), Device(p["device"]), WDtype(p["dtype"]),
-                          Mode(p["mode"]), p["nbytes"]) for p in d["placements"]
+                          Mode(p["mode"]), p["nbytes"],
+                          None if p.get("experts") is None else tuple(p["experts"])) for p in d["placements"]
             ),
             kv=_load(KVPlan, d["kv"], gpu_dtype=KVDtype, host_dtype=KVDtype),
             workload=_load(Workload, d["workload"]), budget=_load(Budget, d["budget"]),

@@ -36,11 +36,20 @@ def _where(pl: Placement) -> str:
     return pl.device.value
 
 
+def _group(x: Placement, layer: list[Placement]) -> str:
+    """The group's name; a split experts group's parts say how many of the layer's experts each holds
+    (the device's part also holds the router)."""
+    if x.experts is None:
+        return x.kind.value
+    E = sum(len(y.experts or ()) for y in layer if y.kind is Kind.EXPERTS)
+    return f"experts {len(x.experts)}/{E}" + (" + router" if x.on_gpu else "")
+
+
 def _layer_rows(p: Plan) -> list[tuple[str, str, int, str, str]]:
     """Rows (layers, groups, bytes, dtype, device); runs of identical layers collapse to one row."""
     per_layer = {layer: list(pls) for layer, pls in groupby(
         sorted((x for x in p.placements if x.layer >= 0), key=lambda x: x.layer), key=lambda x: x.layer)}
-    sig = lambda pls: tuple((x.kind, x.dtype, x.mode, x.device, x.nbytes) for x in pls)  # noqa: E731
+    sig = lambda pls: tuple((_group(x, pls), x.dtype, x.mode, x.device, x.nbytes) for x in pls)  # noqa: E731
     rows: list[tuple[str, str, int, str, str]] = []
     head = {x.kind: x for x in p.placements if x.layer < 0}
     if Kind.EMBED in head:
@@ -54,7 +63,7 @@ def _layer_rows(p: Plan) -> list[tuple[str, str, int, str, str]]:
             j += 1
         name = str(layers[i]) if i == j else f"{layers[i]}–{layers[j]}"
         for x in per_layer[layers[i]]:
-            rows.append((name, x.kind.value, x.nbytes * (j - i + 1), x.dtype.value, _where(x)))
+            rows.append((name, _group(x, per_layer[layers[i]]), x.nbytes * (j - i + 1), x.dtype.value, _where(x)))
             name = ""
         i = j + 1
     for k in (Kind.FINAL_NORM, Kind.LM_HEAD):

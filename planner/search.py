@@ -20,7 +20,8 @@ from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
 from planner.hardware import KV_BLOCK, HardwareProfile
-from planner.tensors import Group, Kind, WDtype, cpu_dtype, kv_bytes_per_token_layer, weight_groups
+from planner.tensors import (Group, Kind, WDtype, cpu_dtype, expert_bytes, kv_bytes_per_token_layer, router_bytes,
+                              weight_groups)
 from planner.units import format_size as fs
 
 GIB = 1024**3
@@ -191,10 +192,17 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
         work += readback
         readback = 0
     user_kv = int(wl.batch * (ov.gpu_kv_tokens or 0) * gpu_tok)
+    # experts split per expert take the GPU's room left after the other weights: also try leaving
+    # room for the whole batch's KV first (KV read every step against experts read as routed)
+    # (the CPU's int4 expert kernel takes rows of whole 64-weight groups)
+    split_ok = cfg.is_moe and not (cfg.hidden_size % 64 or cfg.moe_intermediate_size % 64)
+    reserves = [0]
+    if cfg.is_moe and ov.gpu_kv_tokens is None and budget.gpu_bytes - work - all_weights < full_kv:
+        reserves.append(int(full_kv))
     best, err = None, None
-    for mode, (order_name, order), embed_gpu in itertools.product(modes, orders, (True, False)):
-        pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv, order, embed_gpu,
-                            ov.n_cpu_moe)
+    for mode, (order_name, order), embed_gpu, reserve in itertools.product(modes, orders, (True, False), reserves):
+        pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv - reserve, order, embed_gpu,
+                            ov.n_cpu_moe, split_ok)
         left = budget.gpu_bytes - work - staging - sum(p.nbytes for p in pl if p.on_gpu)
         if left < 0:
             need = work + staging + sum(p.nbytes for p in pl if p.on_gpu)
@@ -234,13 +242,18 @@ def _fits_host(cfg, hw, budget, wl, block, dtype: KVDtype, weight_bytes: int) ->
 
 def _fill(
     groups: list[Group], weights: WDtype, modes: tuple[Mode, Mode], cap: int, order: dict, embed_gpu: bool,
-    n_cpu_moe: int = 0,
+    n_cpu_moe: int = 0, split_ok: bool = False,
 ) -> tuple[tuple[Placement, ...], int]:
     """First fit in priority order; streamed weights need two GPU staging slots (double buffering,
     offload/weights.py) each as large as the largest layer's streamed groups together (the head —
     final norm and lm_head — counting as one layer), so refill with that reserved until stable.
-    The experts of layers below n_cpu_moe are the CPU's whatever the room."""
-    cpu_experts = {i for i, g in enumerate(groups) if g.kind is Kind.EXPERTS and g.layer < n_cpu_moe}
+
+    Experts the CPU computes (4-bit weights, split_ok) are placed one by one: the other groups first, then
+    as many experts as the room left holds, spread evenly over the MoE layers (the first layers
+    take one more where they do not divide), the rest computed by the CPU; the layers below
+    n_cpu_moe keep none on the GPU. Their routers stay on the GPU."""
+    split = split_ok and modes[0] is Mode.CPU and weights is WDtype.NF4
+    cpu_experts = {i for i, g in enumerate(groups) if g.kind is Kind.EXPERTS and (g.layer < n_cpu_moe or split)}
     staging = 0
     for _ in range(4):
         room = cap - staging
@@ -259,18 +272,51 @@ def _fill(
         if need <= staging:
             break
         staging = need
+    gpu_experts = _spread_experts(groups, weights, room, n_cpu_moe) if split else {}
     out = []
     for i, g in enumerate(groups):
-        if i in on:
+        if i in gpu_experts:
+            out += _split_experts(g, weights, gpu_experts[i])
+        elif i in on:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CUDA, dt, Mode.RESIDENT, g.nbytes(dt)))
         elif g.kind is Kind.EMBED or _mode(g, modes) is Mode.CPU or i in cpu_experts:  # a lookup stays put
-            dt = g.dtype_for(cpu_dtype(weights))
+            dt = g.dtype_for(cpu_dtype(weights, g.kind))
             out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.CPU, g.nbytes(dt)))
         else:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.STREAM, g.nbytes(dt)))
     return tuple(out), staging
+
+
+def _spread_experts(groups: list[Group], weights: WDtype, room: int, n_cpu_moe: int) -> dict[int, int]:
+    """Experts group index → how many of its experts the GPU holds, the room (after the routers)
+    spread evenly over the layers at or past n_cpu_moe."""
+    moe = [i for i, g in enumerate(groups) if g.kind is Kind.EXPERTS]
+    room -= sum(router_bytes(groups[i]) for i in moe)
+    eligible = [i for i in moe if groups[i].layer >= n_cpu_moe]
+    counts = dict.fromkeys(moe, 0)
+    if not eligible or room <= 0:
+        return counts
+    g0 = groups[eligible[0]]
+    E = g0.params // g0.expert_params
+    total = min(room // expert_bytes(g0, weights), E * len(eligible))
+    base, extra = divmod(total, len(eligible))
+    for rank, i in enumerate(eligible):
+        counts[i] = base + (rank < extra)
+    return counts
+
+
+def _split_experts(g: Group, weights: WDtype, n: int) -> list[Placement]:
+    """An experts group with its first n experts on the GPU (with the router), the rest on the host."""
+    E = g.params // g.expert_params
+    if n >= E:
+        return [Placement(g.layer, g.kind, Device.CUDA, weights, Mode.RESIDENT, g.nbytes(weights))]
+    host = cpu_dtype(weights, Kind.EXPERTS)
+    return [Placement(g.layer, g.kind, Device.CUDA, weights, Mode.RESIDENT,
+                      router_bytes(g) + n * expert_bytes(g, weights), tuple(range(n))),
+            Placement(g.layer, g.kind, Device.CPU, host, Mode.CPU, (E - n) * expert_bytes(g, host),
+                      tuple(range(n, E)))]
 
 
 def _mode(g: Group, modes: tuple[Mode, Mode]) -> Mode:
@@ -376,7 +422,7 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
 
 def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choices) -> Plan:
     b = c.cost.nbytes
-    cpu_b = b["cpu attention"] + b["cpu weights"]
+    cpu_b = b["cpu attention"] + b["cpu weights"] + b["cpu experts"]
     gpu_b = b["gpu attention"] + b["gpu weights"]
     prefill = prefill_seconds(cfg, hw, c.placements, c.kv, wl.prompt_tokens, wl.ubatch, threads)
     pred = Prediction(

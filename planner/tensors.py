@@ -28,12 +28,13 @@ class Kind(str, enum.Enum):
 class WDtype(str, enum.Enum):
     NF4 = "nf4"  # bitsandbytes, GPU
     INT8 = "int8"  # per-row scale, the CPU kernel (cpu_attention.linear)
+    INT4 = "int4"  # a scale per 64 weights, the CPU's expert kernel (cpu_attention.experts)
     BF16 = "bf16"
     F32 = "f32"
 
     def nbytes(self, params: int, rows: int = 0) -> int:
         """Bytes of `params` weights in `rows` output rows (int8 keeps a fp32 scale a row)."""
-        if self is WDtype.NF4:
+        if self in (WDtype.NF4, WDtype.INT4):
             return params // 2 + 4 * (-(-params // NF4_BLOCK))
         if self is WDtype.INT8:
             return params + 4 * rows
@@ -112,6 +113,19 @@ def kv_bytes_per_seq_layer(cfg: ModelConfig, dtype: KVDtype, block_size: int) ->
     return tail_bytes(dtype, cfg.num_kv_heads, cfg.head_dim, block_size)
 
 
-def cpu_dtype(weights: WDtype) -> WDtype:
-    """What a host-computed matrix is stored as: the CPU has no 4-bit kernel, int8 instead."""
-    return WDtype.INT8 if weights is WDtype.NF4 else weights
+def cpu_dtype(weights: WDtype, kind: Kind | None = None) -> WDtype:
+    """What a host-computed matrix is stored as: experts in int4 beside 4-bit GPU weights (the
+    CPU's expert kernel reads that format), other groups in int8 (the CPU has no 4-bit GEMV)."""
+    if weights is WDtype.NF4:
+        return WDtype.INT4 if kind is Kind.EXPERTS else WDtype.INT8
+    return weights
+
+
+def expert_bytes(g: Group, dtype: WDtype) -> int:
+    """One expert's bytes in dtype (an experts group's matrices are E equal experts)."""
+    E = g.params // g.expert_params
+    return dtype.nbytes(g.expert_params, g.rows // E)
+
+
+def router_bytes(g: Group) -> int:
+    return WDtype.BF16.nbytes(g.small_params)

@@ -50,6 +50,13 @@ def _spec(arch: str):
         return tf.Qwen3Config(**COMMON, head_dim=16), tf.Qwen3ForCausalLM
     if arch == "mixtral":
         return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2), tf.MixtralForCausalLM
+    if arch == "qwen3_moe_64":  # expert FFN 64: whole groups of the CPU's int4 expert format
+        return (tf.Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=16, num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                                  decoder_sparse_step=1), tf.Qwen3MoeForCausalLM)
+    if arch == "mixtral_64":
+        return (tf.MixtralConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=6, num_experts_per_tok=2),
+                tf.MixtralForCausalLM)
     if arch == "qwen3_moe":
         return (tf.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                   moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1),

@@ -1,0 +1,159 @@
+"""Mixture-of-experts decode and prefill at a GPU budget, as a user gets them: the planner's own choice.
+
+    python3 -m bench.moe --out DIR [--only NAME,...] [--profile profile.json] [--steps N]
+
+Random weights of a real shape built in memory (`hetero.random_weights`: Qwen3-30B-A3B, Mixtral-8x7B),
+`hetero.load(model, device="cuda", gpu_mem=B, ctx_size=4096, parallel=N)` and nothing else. Per row:
+the plan (experts a layer on the GPU, KV tiers), decode tok/s at a 4k context (the KV filled with
+random codes), the prefill of a 512-token prompt, the planner's predictions, and the bound: a decode
+step's GPU bytes (weights and the experts it routes to, expected over uniform routing, and KV) over
+the HBM read rate, or its host experts' bytes over the DRAM read rate, whichever is longer (the same
+for the prompt's tokens). Each row runs in a fresh process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
+import torch  # noqa: E402
+
+from bench.budget import fill  # noqa: E402
+from planner.profile import HardwareProfile, cache_path, measure  # noqa: E402
+from planner.tensors import Kind  # noqa: E402
+
+GiB = 2**30
+CTX, PROMPT = 4096, 512
+
+# name, shape, --gpu-mem GiB, batch, decode target tok/s, prefill target tok/s (0: none)
+ROWS = [
+    ("qwen3@8GiB", "qwen3-30b-a3b", 8, 1, 90, 2500),
+    ("qwen3@14GiB", "qwen3-30b-a3b", 14, 1, 130, 0),
+    ("qwen3@24GiB", "qwen3-30b-a3b", 24, 1, 300, 9000),
+    ("qwen3x8@8GiB", "qwen3-30b-a3b", 8, 8, 0, 0),
+    ("mixtral@24GiB", "mixtral-8x7b", 24, 1, 0, 0),
+]
+
+
+def bound_s(prof: HardwareProfile, nbytes: dict[str, float]) -> float:
+    hbm = prof.hbm_gbps / 2 * 1e9  # the profile's HBM figure is a copy's read + write
+    return max((nbytes["gpu weights"] + nbytes["gpu attention"]) / hbm,
+               (nbytes["cpu experts"] + nbytes["cpu weights"] + nbytes["cpu attention"]) / (prof.dram_read_gbps * 1e9))
+
+
+def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
+            prefill_target: float, steps: int) -> dict:
+    import hetero
+    from hetero.random_weights import random_shape
+    from hetero.random_weights import RandomCheckpoint
+    from planner.cost import decode_step
+
+    cfg = random_shape(shape)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine = hetero.load(RandomCheckpoint(cfg, "cuda"), device="cuda", gpu_mem=gpu_gib * GiB, ctx_size=CTX,
+                         parallel=batch)
+    load_s = time.perf_counter() - t0
+    runner, cache, plan = engine.runner, engine.cache, engine.plan
+    gen = torch.Generator().manual_seed(0)
+    # prefill: a warm-up prompt, then the timed one (each into a sequence of its own, freed after)
+    pre = []
+    for n in (64, PROMPT, PROMPT):
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        runner.prefill(0, ids, 0)
+        torch.cuda.synchronize()
+        pre.append(time.perf_counter() - t)
+        cache.free(0)
+    prefill_s = min(pre[1:])
+    # decode at the context's end
+    seqs = list(range(batch))
+    n0 = CTX - steps - 8
+    fill(cache, seqs, n0)
+    toks, pos = [1] * batch, [n0] * batch
+    for _ in range(3):  # warm-up: graph capture, Triton compiles
+        runner.decode(seqs, toks, pos)
+        pos = [p + 1 for p in pos]
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        runner.decode(seqs, toks, pos)
+        times.append(time.perf_counter() - t)
+        pos = [p + 1 for p in pos]
+    step = statistics.median(times)
+    pred = decode_step(cfg, prof, plan.placements, plan.kv, batch, n0 + steps // 2, plan.threads, plan.sub_batches)
+    prefill_cost = decode_step(cfg, prof, plan.placements, plan.kv, PROMPT, 0, plan.threads, 1)
+    on_gpu = [len(x.experts) if x.experts is not None else cfg.num_experts
+              for x in plan.placements if x.kind is Kind.EXPERTS and x.on_gpu]
+    kv = plan.kv
+    out = dict(
+        name=name, shape=shape, gpu_mem_gib=gpu_gib, batch=batch, target=target, prefill_target=prefill_target,
+        plan=f"experts on the GPU a layer {min(on_gpu)}–{max(on_gpu)} of {cfg.num_experts}; KV GPU {kv.gpu_tokens} "
+             f"{kv.gpu_dtype.value} / host {kv.host_tokens} {kv.host_dtype.value}; sub-batches {plan.sub_batches}",
+        choices=[f"{c.setting}={c.value}: {c.reason}" for c in plan.choices],
+        tok_s=batch / step, predicted_tok_s=batch / pred.seconds, bound_tok_s=batch / bound_s(prof, pred.nbytes),
+        prefill_tok_s=PROMPT / prefill_s, predicted_prefill_tok_s=plan.prediction.prefill_tok_s,
+        prefill_bound_tok_s=PROMPT / bound_s(prof, prefill_cost.nbytes),
+        bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, step_ms_all=[round(t * 1e3, 2) for t in times],
+        terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()}, load_s=load_s,
+        peak_gpu_gib=torch.cuda.max_memory_allocated() / GiB,
+        graph=runner.graph_step is not None and getattr(runner.graph_step, "decoder", None) is not None,
+    )
+    runner.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--quick", action="store_true", help="a quick profile (less exact rates)")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps a row")
+    ap.add_argument("--only", default="", help="comma-separated row names")
+    ap.add_argument("--profile", type=Path, help="a saved HardwareProfile JSON (default: measure now)")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this row, print it
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        prof = HardwareProfile.from_json(args.profile.read_text())
+        row = next(r for r in ROWS if r[0] == args.one)
+        print("ROW " + json.dumps(run_row(prof, *row, steps=args.steps)), flush=True)
+        return
+    prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
+    prof_path = args.out / "profile.json"
+    prof_path.write_text(prof.to_json())
+    cache_path().parent.mkdir(parents=True, exist_ok=True)
+    cache_path().write_text(prof.to_json())  # what hetero.load plans with in each row's process
+    rows = []
+    for name in args.only.split(",") if args.only else [r[0] for r in ROWS]:
+        cmd = [sys.executable, "-m", "bench.moe", "--one", name, "--profile", str(prof_path), "--out", str(args.out)]
+        r = subprocess.run(cmd + ["--steps", str(args.steps)], capture_output=True, text=True)
+        (args.out / f"{name}.log").write_text(r.stdout + r.stderr)
+        found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+        row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-3000:])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    (args.out / "moe.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
+    print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · CPU int4 experts "
+          f"{prof.cpu_experts_gbps:.1f} GB/s · PCIe h2d {prof.pcie_h2d_gbps:.1f} GB/s · {prof.physical_cores} cores")
+    print(f"{'row':14} {'decode':>7} {'target':>6} {'pred':>7} {'bound':>7} {'prefill':>8} {'target':>6} {'pred':>7} "
+          f"{'bound':>7} {'peak GiB':>9}  plan")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:14} ERROR {r['error'][-400:]}")
+            continue
+        print(f"{r['name']:14} {r['tok_s']:7.1f} {r['target']:6.0f} {r['predicted_tok_s']:7.1f} {r['bound_tok_s']:7.1f} "
+              f"{r['prefill_tok_s']:8.0f} {r['prefill_target']:6.0f} {r['predicted_prefill_tok_s']:7.0f} "
+              f"{r['prefill_bound_tok_s']:7.0f} {r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2}  {r['plan']}"
+              f"{' graph' if r['graph'] else ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Mixture-of-experts layers' host-resident experts, computed by the CPU (Numba, `experts_kernels`).
+
+Format (int4, per expert matrix W [O, I], I a multiple of 64): a float32 scale per 64 weights
+(max |w| / 7) and 4-bit codes c = round(w / scale) + 8 in 0..15, two a byte; of a group's 64
+weights, byte j holds weight j in its low nibble and weight 32 + j in its high one, so a group's
+two halves multiply two contiguous runs of x. 0.5625 bytes a weight, as NF4. `quantize_int4` runs
+on any torch device (a GPU quantizes a model's experts as it loads), `dequantize_int4` is the twin.
+
+`HostExperts` holds one layer's host experts stacked ([E, 2F, I/2] gate/up, [E, H, F/2] down);
+`__call__` computes them for a batch (tokens, and per token the host's expert index of each routed
+slot, −1 for slots that are not the host's), and `descriptor` gives the same call for the C entry
+point. `Scratch` is what a call needs besides the weights (one serves every layer). `experts_ref` is the torch twin (float32 or float64).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+GROUP = 64
+
+
+@functools.cache
+def _kernels():
+    from cpu_attention import _numba, experts_kernels
+
+    _numba.configure()
+    return experts_kernels
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] (any device) → (codes uint8 [O, I/2], scale float32 [O, I/64]) on w's device."""
+    O, I = w.shape
+    if I % GROUP:
+        raise ValueError(f"int4 experts need rows of a multiple of {GROUP} weights, got {I}")
+    g = w.float().reshape(O, I // GROUP, GROUP)
+    scale = g.abs().amax(-1).clamp_min(1e-30) / 7
+    c = (g / scale[..., None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8)
+    codes = c[..., :32] | (c[..., 32:] << 4)
+    return codes.reshape(O, I // 2), scale
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of `quantize_int4` → W [O, I] in dtype."""
+    O = codes.shape[0]
+    c = codes.reshape(O, -1, 32)
+    q = torch.cat([c & 15, c >> 4], dim=-1).to(dtype) - 8
+    return (q * scale.to(dtype)[..., None]).reshape(O, -1)
+
+
+def experts_ref(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gu_q, gu_s, d_q, d_s) -> torch.Tensor:
+    """The torch twin: x [N, H], ids [N, k] host expert index or −1, w [N, k] → [N, H] in x's dtype
+    (float32 or float64), from the dequantized weights."""
+    out = torch.zeros_like(x)
+    dt = x.dtype
+    for n, s in (ids >= 0).nonzero().tolist():
+        e = int(ids[n, s])
+        g, u = (x[n] @ dequantize_int4(gu_q[e], gu_s[e], dt).T).chunk(2)
+        out[n] += w[n, s].to(dt) * (dequantize_int4(d_q[e], d_s[e], dt) @ (F.silu(g) * u))
+    return out
+
+
+class Scratch:
+    """What a call needs besides the weights, for up to `max_rows` tokens of top-k routing; one
+    serves every layer (their calls run one at a time)."""
+
+    def __init__(self, max_rows: int, top_k: int, hidden: int, inter: int, max_experts: int):
+        P = max_rows * top_k
+        self.max_rows = max_rows
+        self.tok, self.pws = np.zeros(P, np.int64), np.zeros(P, np.int64)
+        self.starts, self.gexp = np.zeros(max_experts + 1, np.int64), np.zeros(max(max_experts, 1), np.int64)
+        self.act, self.y = np.zeros((P, inter), np.float32), np.zeros((P, hidden), np.float32)
+
+
+class HostExperts:
+    """One layer's experts that the host holds: `experts` (their indices in the layer, ascending)
+    stacked in the int4 format."""
+
+    def __init__(self, experts: list[int], hidden: int, inter: int, top_k: int, threads: int):
+        E = len(experts)
+        self.experts, self.H, self.F, self.k, self.threads = list(experts), hidden, inter, top_k, threads
+        self.gu_q = np.zeros((E, 2 * inter, hidden // 2), np.uint8)
+        self.gu_s = np.zeros((E, 2 * inter, hidden // GROUP), np.float32)
+        self.d_q = np.zeros((E, hidden, inter // 2), np.uint8)
+        self.d_s = np.zeros((E, hidden, inter // GROUP), np.float32)
+        self._descriptors: dict[tuple[int, ...], np.ndarray] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.gu_q, self.gu_s, self.d_q, self.d_s))
+
+    def set(self, j: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Store the j-th held expert from its float weights (gate_up [2F, H], down [H, F]; any device)."""
+        for (q, s), (qd, sd) in (((self.gu_q, self.gu_s), quantize_int4(gate_up)), ((self.d_q, self.d_s), quantize_int4(down))):
+            q[j] = qd.cpu().numpy()
+            s[j] = sd.cpu().numpy()
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.from_numpy(a) for a in (self.gu_q, self.gu_s, self.d_q, self.d_s))
+
+    def __call__(self, x: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
+        """out [N, H] f32 = this layer's host experts over x [N, H] f32 for the slots ids [N, k] int32
+        (the host's index, −1: another device's), weighted by w [N, k] f32."""
+        self._check(x.shape[0], scratch)
+        from cpu_attention._numba import resolve_threads
+
+        resolve_threads(self.threads)
+        sc = scratch
+        _kernels().run(x, ids, w, self.gu_q, self.gu_s, self.d_q, self.d_s, sc.tok, sc.pws, sc.starts, sc.gexp,
+                       sc.act, sc.y, out)
+
+    def _check(self, rows: int, scratch: Scratch) -> None:
+        if rows > scratch.max_rows or len(self.experts) > scratch.gexp.shape[0]:
+            raise ValueError(f"{rows} rows over {len(self.experts)} experts: more than the scratch was sized for "
+                             f"({scratch.max_rows} rows, {scratch.gexp.shape[0]} experts)")
+
+    def descriptor(self, x: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray, scratch: Scratch) -> np.ndarray:
+        """The int64 descriptor of the call `self(x, ids, w, out, scratch)` for the C entry point
+        (`experts_kernels.entry_address`); the arrays must outlive every use of it (pinned buffers
+        a captured graph keeps using), so it is kept here, one per set of buffers and rows."""
+        self._check(x.shape[0], scratch)
+        kn = _kernels()
+        key = (x.ctypes.data, ids.ctypes.data, w.ctypes.data, out.ctypes.data, x.shape[0], id(scratch))
+        d = self._descriptors.get(key)
+        if d is None:
+            d = np.zeros(kn.FIELDS, np.int64)
+            sc = scratch
+            vals = {kn.N_: x.shape[0], kn.K_: self.k, kn.H_: self.H, kn.F_: self.F, kn.E_: len(self.experts),
+                    kn.THREADS_: self.threads}
+            arrays = {kn.X_: x, kn.IDS_: ids, kn.W_: w, kn.GUQ_: self.gu_q, kn.GUS_: self.gu_s, kn.DQ_: self.d_q,
+                      kn.DS_: self.d_s, kn.TOK_: sc.tok, kn.PWS_: sc.pws, kn.STARTS_: sc.starts,
+                      kn.GEXP_: sc.gexp, kn.ACT_: sc.act, kn.Y_: sc.y, kn.OUT_: out}
+            for i, v in vals.items():
+                d[i] = v
+            for i, a in arrays.items():
+                if not a.flags.c_contiguous:
+                    raise ValueError("the host experts' arrays must be contiguous")
+                d[i] = a.ctypes.data
+            self._descriptors[key] = d
+        return d

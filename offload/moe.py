@@ -1,0 +1,169 @@
+"""A mixture-of-experts layer whose experts the plan splits between the device and the host.
+
+Per layer and step (`MoEFeedForward`, the layer's `ffn`):
+
+    device:  router → top-k → each slot's expert as the device's index (or −1) and the host's
+    host:    h, the slots' weights and host indices down (one copy) → the CPU computes the host's
+             experts (cpu_attention.experts, Numba) → their weighted sum up
+    device:  meanwhile its own experts for every slot in two grouped kernels (gate/up with
+             SiLU·up, down: gpu_ops.nf4_gemv.nf4_experts_gemv) → weighted sum → + the host's
+
+On CUDA the host's share is queued on a side stream as a host function (the CUDA driver calls
+the Numba kernel's C entry point, `cuLaunchHostFunc`): no Python runs in between and nothing
+syncs, so the step still captures as one CUDA graph (a host node per MoE layer), and the CPU
+computes while the GPU runs its experts. The main stream waits for the side stream only before
+the sum. Many rows (prefill) take the same path, except that the device runs its experts one at
+a time with the 4-bit GEMM kernels. On a CPU stand-in device the host's share is a plain call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hetero.config import ModelConfig
+from hetero.model import Linear, _swiglu
+
+
+@dataclass
+class DeviceExperts:
+    """The experts the device holds for one layer: `experts` (layer indices, ascending), their
+    (gate_up, down) linears, and where these are NF4 on CUDA the same codes stacked for the
+    grouped kernel (gate_up, gate_up absmax, down, down absmax; the linears are views of them)."""
+
+    experts: list[int]
+    linears: list[tuple[Linear, Linear]]
+    stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class TorchHostExperts:
+    """Host experts in a float format (a CPU plan's stand-in, tests): the torch math, one expert at a time."""
+
+    def __init__(self, experts: list[int], linears: list[tuple[Linear, Linear]]):
+        self.experts, self.linears = experts, linears
+
+    def __call__(self, x: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray, scratch=None) -> None:
+        xt, it, wt = torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w)
+        acc = torch.zeros(out.shape, dtype=torch.float32)
+        for j in it[it >= 0].unique().tolist():
+            tok, slot = (it == j).nonzero(as_tuple=True)
+            gate_up, down = self.linears[j]
+            acc.index_add_(0, tok, _swiglu(gate_up, down, xt[tok]).float() * wt[tok, slot, None])
+        out[:] = acc.numpy()
+
+
+class HostStaging:
+    """What every MoE layer's host share uses, one at a time: the Numba scratch and, on CUDA, the
+    side stream and the pinned buffers a row goes down and comes up in."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, max_rows: int):
+        from cpu_attention.experts import Scratch
+
+        H, k = cfg.hidden_size, cfg.num_experts_per_tok
+        self.max_rows = max_rows
+        self.scratch = Scratch(max_rows, k, H, cfg.moe_intermediate_size, cfg.num_experts)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            from cpu_attention import experts_kernels
+            from offload.driver import driver
+
+            if driver() is None:
+                raise RuntimeError("host-resident experts on CUDA need the CUDA driver (libcuda)")
+            self.entry = experts_kernels.entry_address()
+            self.side = torch.cuda.Stream(device)
+            self.down = torch.empty(max_rows * (H + 2 * k), dtype=torch.float32, pin_memory=True)  # h, weights, ids
+            self.up = torch.empty(max_rows, H, dtype=torch.float32, pin_memory=True)
+
+
+class MoEFeedForward:
+    """h [N, H] → the layer's routed experts' weighted sum [N, H] (the residual not added)."""
+
+    # rows up to which the device's experts run in the grouped kernels (a slot a program: each slot
+    # reads its expert's weights, so prefill takes the one-expert-at-a-time GEMMs instead); with up to
+    # this many rows nothing is read back to the host: a CUDA graph can hold the layer
+    GROUPED_ROWS = 64
+
+    def __init__(self, cfg: ModelConfig, router: torch.Tensor, device_experts: DeviceExperts | None,
+                 host_experts, device: torch.device, staging: HostStaging | None):
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        self.cfg, self.router, self.dev, self.host, self.staging = cfg, router, device, host_experts, staging
+        self.device_experts = device_experts
+        # rows a step may have with nothing read back to the host (`Model.capturable`)
+        self.graph_rows = self.GROUPED_ROWS if device_experts is None or device_experts.stacked is not None else 0
+        self.out_features = cfg.hidden_size
+        self.norm_topk = cfg.norm_topk_prob
+        self.k = k
+        gpu_map = torch.full((E,), -1, dtype=torch.int32)
+        host_map = torch.full((E,), -1, dtype=torch.int32)
+        if device_experts is not None:
+            gpu_map[device_experts.experts] = torch.arange(len(device_experts.experts), dtype=torch.int32)
+        if host_experts is not None:
+            host_map[host_experts.experts] = torch.arange(len(host_experts.experts), dtype=torch.int32)
+        self.gpu_map, self.host_map = gpu_map.to(device), host_map.to(device)
+        self.cuda = device.type == "cuda"
+        if host_experts is not None and (staging is None or self.cuda and not hasattr(host_experts, "descriptor")):
+            raise ValueError("host experts need the staging; on CUDA, in the int4 format")
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(F.linear(h.to(self.router.dtype), self.router).float(), dim=-1)  # [N, E]
+        w, idx = probs.topk(self.k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        host = self._queue_host(h, idx, w) if self.host is not None else None
+        out = self._device(h, idx, w) if self.device_experts is not None else None
+        if host is not None:
+            out = host if out is None else out + host
+        return out.to(h.dtype)
+
+    def _device(self, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The device's experts' weighted sum, float32 [N, H] (slots routed elsewhere add nothing)."""
+        dx = self.device_experts
+        N, k = idx.shape
+        local = self.gpu_map[idx]  # [N, k]
+        if dx.stacked is not None and N <= self.GROUPED_ROWS:
+            from gpu_ops.nf4_gemv import nf4_experts_gemv
+
+            gu, gu_a, dn, dn_a = dx.stacked
+            H, Fi = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+            slots = local.reshape(-1)
+            act = nf4_experts_gemv(h, slots, gu, gu_a, (2 * Fi, H), xdiv=k, swiglu=True)  # [N·k, F]
+            y = nf4_experts_gemv(act, slots, dn, dn_a, (H, Fi), xdiv=1)  # [N·k, H]; zero rows elsewhere
+            return (y.view(N, k, H).float() * w[..., None]).sum(1)
+        out = torch.zeros(N, self.cfg.hidden_size, dtype=torch.float32, device=h.device)
+        for j in local[local >= 0].unique().tolist():  # prefill: one expert at a time (reads ids back)
+            tok, slot = (local == j).nonzero(as_tuple=True)
+            gate_up, down = dx.linears[j]
+            out.index_add_(0, tok, _swiglu(gate_up, down, h[tok]).float() * w[tok, slot, None])
+        return out
+
+    def _queue_host(self, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The host's experts' weighted sum, float32 [N, H] on the device: computed now on a CPU
+        stand-in; on CUDA queued (a host function on the side stream), the main stream waiting for
+        it only where the result is read."""
+        N, k = idx.shape
+        H = self.cfg.hidden_size
+        st = self.staging
+        if N > st.max_rows:
+            raise ValueError(f"{N} rows, more than the {st.max_rows} the host experts were sized for")
+        ids = self.host_map[idx]
+        if not self.cuda:
+            out = np.empty((N, H), np.float32)
+            self.host(h.float().contiguous().numpy(), ids.numpy(), w.float().contiguous().numpy(), out, st.scratch)
+            return torch.from_numpy(out)
+        from offload.driver import driver
+
+        main = torch.cuda.current_stream(self.dev)
+        row = torch.cat([h.float().reshape(-1), w.float().reshape(-1), ids.view(torch.float32).reshape(-1)])
+        st.side.wait_stream(main)
+        n = row.numel()
+        with torch.cuda.stream(st.side):
+            st.down[:n].copy_(row, non_blocking=True)
+            row.record_stream(st.side)
+            down = st.down.numpy()
+            d = self.host.descriptor(down[: N * H].reshape(N, H), down[N * (H + k): n].view(np.int32).reshape(N, k),
+                                     down[N * H: N * (H + k)].reshape(N, k), st.up.numpy()[:N], st.scratch)
+            driver().host_func(st.side.cuda_stream, st.entry, d.ctypes.data)
+        main.wait_stream(st.side)
+        return st.up[:N].to(self.dev, non_blocking=True)

@@ -1,0 +1,279 @@
+"""Mixture-of-experts layers with their experts split between the device and the host.
+
+The model runs on the CPU stand-in for the GPU: the device's experts are its own linears (the
+grouped CUDA kernels are gpu-marked tests), the host's are computed as they are on a GPU host (the
+Numba int4 kernel, or the torch math for float plans). Any split must give the tokens of all
+experts in one place; the int4 kernel must match its float64 twin.
+"""
+import ctypes
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import hetero
+from hetero.checkpoint import open_checkpoint
+from conftest import forced_plan, rel_err
+from cpu_attention.experts import HostExperts, Scratch, dequantize_int4, experts_ref, quantize_int4
+from offload.moe import MoEFeedForward, TorchHostExperts
+from planner import Budget, HardwareProfile, Workload, plan
+from planner.plan import Device, Mode, Placement, Plan
+from planner.report import render
+from planner.tensors import Kind, WDtype, expert_bytes, weight_groups
+from test_planner import QWEN3_30B_A3B
+
+PROMPTS = [[3, 17, 42, 99, 5, 150, 7, 8, 64, 33, 2, 11], [5, 9, 120, 4, 4, 77, 31]]
+
+
+def split_plan(p: Plan, E: int, on_gpu, host_dtype: WDtype) -> Plan:
+    """p with each MoE layer's E experts split: on_gpu(layer, E) → the experts the device keeps (with
+    the router), the rest host-computed in host_dtype."""
+    out = []
+    for x in p.placements:
+        if x.kind is not Kind.EXPERTS:
+            out.append(x)
+            continue
+        dev = tuple(sorted(on_gpu(x.layer, E)))
+        host = tuple(e for e in range(E) if e not in dev)
+        out.append(dataclasses.replace(x, experts=dev))
+        out.append(Placement(x.layer, Kind.EXPERTS, Device.CPU, host_dtype, Mode.CPU, 0, host))
+    return dataclasses.replace(p, placements=tuple(out))
+
+
+def _run(folder, p, n=10):
+    e = hetero.load(folder, device="cpu", plan=p, tokenizer=False, ctx_size=64)
+    toks = [[] for _ in PROMPTS]
+    for c in e.generate(PROMPTS, max_new_tokens=n, temperature=0.0):
+        toks[c.index].append(c.token)
+    return e, toks, e.logits(PROMPTS[0])
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe_64", "mixtral_64"])
+def moe(request, tiny):
+    folder, ref = tiny(request.param)
+    p = forced_plan(folder)
+    E = open_checkpoint(folder).config.num_experts
+    e, toks, logits = _run(folder, p)
+    return folder, p, E, toks, logits, ref
+
+
+SPLITS = {
+    "half": lambda layer, E: range(E // 2),
+    "none on the device": lambda layer, E: (),
+    "alternate, by layer": lambda layer, E: range(layer % 2, E, 2),
+    "all but one": lambda layer, E: range(1, E),
+}
+
+
+@pytest.mark.parametrize("sub_batches", [1, 2])
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_any_split_gives_the_tokens_of_all_experts_in_one_place(moe, split, sub_batches):
+    folder, p, E, want_toks, want, _ = moe
+    sp = split_plan(dataclasses.replace(p, sub_batches=sub_batches), E, SPLITS[split], WDtype.F32)
+    e, toks, logits = _run(folder, sp)
+    assert toks == want_toks
+    assert rel_err(logits, want) <= 1e-5
+    ffn = [lw.ffn for lw in e.model.layers]
+    assert all(isinstance(f, MoEFeedForward) and isinstance(f.host, TorchHostExperts) for f in ffn)
+    assert e.runner.host_compute is None  # the host's experts are not a stalling host group
+
+
+def test_int4_host_experts_stay_near_transformers(moe):
+    """The host's experts in the CPU's int4 format (the Numba kernel): logits within 4-bit error of
+    transformers' float32 model, closer than the whole model in the device's 4-bit format (NF4) gets
+    (tiny random models: their 4-bit errors are large)."""
+    folder, p, E, _, _, ref = moe
+    with torch.no_grad():
+        theirs = ref(torch.tensor([PROMPTS[0]])).logits[0].float()
+    sp = split_plan(p, E, SPLITS["half"], WDtype.INT4)
+    e, _, logits = _run(folder, sp, n=4)
+    assert all(isinstance(lw.ffn.host, HostExperts) for lw in e.model.layers)
+    err = rel_err(logits, theirs)
+    nf4 = _run(folder, forced_plan(folder, weights=WDtype.NF4), n=1)[2]
+    assert 1e-4 < err < min(0.3, rel_err(nf4, theirs))
+
+
+@pytest.mark.parametrize("N", [1, 3, 9])
+def test_int4_kernel_matches_its_float64_twin(N):
+    torch.manual_seed(N)
+    H, F, E, k = 128, 192, 5, 3
+    he = HostExperts(list(range(E)), H, F, k, threads=2)
+    for j in range(E):
+        he.set(j, torch.randn(2 * F, H) * 0.05, torch.randn(H, F) * 0.05)
+    x = torch.randn(N, H)
+    ids = torch.randint(-1, E, (N, k), dtype=torch.int32)
+    ids[0] = torch.tensor([2, 2, -1])  # a repeated expert, a slot another device computes
+    w = torch.rand(N, k)
+    out = np.full((N, H), np.nan, np.float32)
+    sc = Scratch(16, k, H, F, E)
+    he(x.numpy(), ids.numpy(), w.numpy(), out, sc)
+    ref = experts_ref(x.double(), ids, w, *he.tensors())
+    assert rel_err(torch.from_numpy(out), ref) <= 1e-5
+    # the same call through the C entry point a CUDA host node calls, without Python
+    from cpu_attention import experts_kernels
+
+    out2 = np.full((N, H), np.nan, np.float32)
+    d = he.descriptor(x.numpy(), ids.numpy(), w.numpy(), out2, sc)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(experts_kernels.entry_address())(d.ctypes.data)
+    assert np.array_equal(out, out2)
+
+
+def test_int4_format_round_trip():
+    w = torch.randn(48, 256)
+    codes, scale = quantize_int4(w)
+    assert codes.shape == (48, 128) and codes.dtype == torch.uint8 and scale.shape == (48, 4)
+    err = (dequantize_int4(codes, scale) - w).abs()
+    assert (err <= scale.repeat_interleave(64, 1) / 2 + 1e-6).all()  # half a step at most
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_int4(torch.randn(4, 96))
+
+
+# ------------------------------------------------------------------------------------- planner
+H100 = HardwareProfile.synthetic(80, pcie_gbps=55, dram_gbps=73, host_gib=128, cores=16, hbm_gbps=2900)
+
+
+def test_plan_spreads_experts_over_the_layers_within_the_budget():
+    p = plan(QWEN3_30B_A3B, H100, Budget(8 * 2**30, 100 * 2**30), Workload(4096))
+    m = p.memory
+    assert m.gpu_used <= m.gpu_budget
+    eb = expert_bytes(next(g for g in weight_groups(QWEN3_30B_A3B) if g.kind is Kind.EXPERTS), WDtype.NF4)
+    counts = []
+    for layer in range(48):
+        parts = p.expert_placements(layer)
+        dev, host = (next(x for x in parts if x.on_gpu == on) for on in (True, False))
+        assert dev.mode is Mode.RESIDENT and dev.dtype is WDtype.NF4
+        assert host.mode is Mode.CPU and host.dtype is WDtype.INT4
+        assert sorted(dev.experts + host.experts) == list(range(128))
+        counts.append(len(dev.experts))
+    assert 0 < min(counts) and max(counts) - min(counts) <= 1 and max(counts) < 128
+    # the room left could not hold another expert a layer
+    assert m.gpu_budget - m.gpu_used < 48 * eb + eb
+    assert p.prediction.decode_tok_s > 0 and "CPU experts" in "".join(c.reason for c in p.choices) + p.prediction.bottleneck
+    # all of it on the GPU where it fits, and more room never predicts slower
+    big = plan(QWEN3_30B_A3B, H100, Budget(24 * 2**30, 100 * 2**30), Workload(4096))
+    assert all(x.experts is None and x.on_gpu for x in big.placements if x.kind is Kind.EXPERTS)
+    assert big.prediction.decode_tok_s > p.prediction.decode_tok_s
+    assert Plan.from_json(p.to_json()) == p
+
+
+def test_plan_report_says_how_many_experts_sit_where():
+    from rich.console import Console
+
+    p = plan(QWEN3_30B_A3B, H100, Budget(8 * 2**30, 100 * 2**30), Workload(4096))
+    con = Console(record=True, width=160)
+    render(p, con)
+    text = con.export_text()
+    n = len(p.expert_placements(47)[0].experts)
+    assert f"experts {n}/128 + router" in text and f"experts {128 - n}/128" in text
+
+
+def test_n_cpu_moe_keeps_the_first_layers_experts_on_the_host():
+    from planner import Overrides
+
+    p = plan(QWEN3_30B_A3B, H100, Budget(8 * 2**30, 100 * 2**30), Workload(4096), Overrides(n_cpu_moe=4))
+    for layer in range(48):
+        dev = next(x for x in p.expert_placements(layer) if x.on_gpu)
+        assert (len(dev.experts) == 0) == (layer < 4)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+def _nf4_stack(E, N, K, dev):
+    from gpu_ops.nf4 import dequantize_nf4, quantize_nf4
+
+    ws = [torch.randn(N, K, device=dev) * 0.05 for _ in range(E)]
+    qs = [quantize_nf4(w) for w in ws]
+    deq = [dequantize_nf4(p, a, (N, K)) for p, a in qs]
+    return torch.stack([q[0] for q in qs]), torch.stack([q[1] for q in qs]), deq
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("xdiv", [1, 3])
+def test_gpu_grouped_experts_kernel_matches_dequantized(xdiv):
+    from gpu_ops.nf4_gemv import nf4_experts_gemv
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    E, N, K, R = 5, 768, 2048, 2
+    packed, absmax, deq = _nf4_stack(E, N, K, dev)
+    x = torch.randn(R, K, device=dev).bfloat16()
+    eids = torch.randint(-1, E, (R * xdiv,), dtype=torch.int32, device=dev)
+    eids[0] = -1
+    want = torch.stack([torch.zeros(N, device=dev) if e < 0 else deq[e] @ x[s // xdiv].float()
+                        for s, e in enumerate(eids.tolist())])
+    y = nf4_experts_gemv(x, eids, packed, absmax, (N, K), xdiv)
+    assert y.shape == (R * xdiv, N) and y[0].abs().max() == 0
+    assert rel_err(y.float(), want) <= 1e-2
+    g, u = want.chunk(2, dim=-1)
+    sw = nf4_experts_gemv(x, eids, packed, absmax, (N, K), xdiv, swiglu=True)
+    assert rel_err(sw.float(), torch.nn.functional.silu(g) * u) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_split_moe_layer_in_a_cuda_graph(rows):
+    """The device's experts in the grouped kernels and the host's in a host node on a side stream:
+    eager and captured in a CUDA graph, the same output as the torch reference of both."""
+    from hetero.config import ModelConfig, Arch
+    from offload.moe import DeviceExperts, HostStaging
+
+    torch.manual_seed(rows)
+    dev = torch.device("cuda")
+    E, k, H, F = 12, 4, 512, 256
+    cfg = ModelConfig(arch=Arch.QWEN3_MOE, vocab_size=100, hidden_size=H, intermediate_size=4 * H, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=128, num_experts=E, num_experts_per_tok=k,
+                      moe_intermediate_size=F, norm_topk_prob=True)
+    on_dev, on_host = list(range(0, E, 2)), list(range(1, E, 2))
+    gu_p, gu_a, gu_deq = _nf4_stack(len(on_dev), 2 * F, H, dev)
+    dn_p, dn_a, dn_deq = _nf4_stack(len(on_dev), H, F, dev)
+    dx = DeviceExperts(on_dev, [], (gu_p, gu_a, dn_p, dn_a))
+    he = HostExperts(on_host, H, F, k, threads=4)
+    for j in range(len(on_host)):
+        he.set(j, torch.randn(2 * F, H) * 0.05, torch.randn(H, F) * 0.05)
+    router = (torch.randn(E, H, device=dev) * 0.05).bfloat16()
+    ffn = MoEFeedForward(cfg, router, dx, he, dev, HostStaging(cfg, dev, 16))
+    h = torch.randn(rows, H, device=dev).bfloat16()
+
+    probs = torch.softmax(torch.nn.functional.linear(h, router).float(), -1)
+    w, idx = probs.topk(k, -1)
+    w = w / w.sum(-1, keepdim=True)
+    want = torch.zeros(rows, H, dtype=torch.float64)
+    hidx = torch.tensor([on_host.index(e) if e in on_host else -1 for e in idx.flatten().tolist()]).view(rows, k)
+    want += experts_ref(h.double().cpu(), hidx.int(), w.cpu(), *he.tensors())
+    for n in range(rows):
+        for s in range(k):
+            e = int(idx[n, s])
+            if e in on_dev:
+                j = on_dev.index(e)
+                gg, uu = (gu_deq[j].double() @ h[n].double()).chunk(2)
+                want[n] += float(w[n, s]) * (dn_deq[j].double() @ (torch.nn.functional.silu(gg) * uu)).cpu()
+    eager = ffn(h)
+    assert rel_err(eager.float().cpu(), want) <= 2e-2
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ffn(h)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = ffn(h)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_split_moe_model_tokens(tiny):
+    """A tiny Qwen3-MoE on CUDA with half of each layer's experts on the host (int4, host nodes): its
+    logits near the CPU stand-in's of the same plan, its decode in the whole-step CUDA graph."""
+    folder, ref = tiny("qwen3_moe_64")
+    E = ref.config.num_experts
+    sp = split_plan(forced_plan(folder, weights=WDtype.NF4), E, SPLITS["half"], WDtype.INT4)
+    gpu = hetero.load(folder, device="cuda", plan=sp, tokenizer=False, ctx_size=64)
+    cpu = _run(folder, sp, n=1)[2]
+    assert rel_err(gpu.logits(PROMPTS[0]).cpu(), cpu) <= 3e-2
+    toks = [c.token for c in gpu.generate(PROMPTS[0], max_new_tokens=8, temperature=0.0)]
+    assert len(toks) == 8
+    assert gpu.runner.graph_step is not None and gpu.model.capturable(1)
