@@ -48,7 +48,7 @@ def bound_s(prof: HardwareProfile, nbytes: dict[str, float]) -> float:
 
 
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
-            prefill_target: float, steps: int) -> dict:
+            prefill_target: float, steps: int, trace: Path | None = None) -> dict:
     import hetero
     from hetero.random_weights import random_shape
     from hetero.random_weights import RandomCheckpoint
@@ -89,6 +89,14 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
         times.append(time.perf_counter() - t)
         pos = [p + 1 for p in pos]
     step = statistics.median(times)
+    if trace is not None:  # the GPU kernels of two more steps, by time
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            for _ in range(2):
+                runner.decode(seqs, toks, pos)
+            torch.cuda.synchronize()
+        trace.write_text(p.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     pred = decode_step(cfg, prof, plan.placements, plan.kv, batch, n0 + steps // 2, plan.threads, plan.sub_batches)
     prefill_cost = decode_step(cfg, prof, plan.placements, plan.kv, PROMPT, 0, plan.threads, 1)
     on_gpu = [len(x.experts) if x.experts is not None else cfg.num_experts
@@ -118,13 +126,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps a row")
     ap.add_argument("--only", default="", help="comma-separated row names")
     ap.add_argument("--profile", type=Path, help="a saved HardwareProfile JSON (default: measure now)")
+    ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this row, print it
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
         prof = HardwareProfile.from_json(args.profile.read_text())
         row = next(r for r in ROWS if r[0] == args.one)
-        print("ROW " + json.dumps(run_row(prof, *row, steps=args.steps)), flush=True)
+        trace = args.out / f"{args.one.replace('@', '_')}.trace.txt" if args.trace else None
+        print("ROW " + json.dumps(run_row(prof, *row, steps=args.steps, trace=trace)), flush=True)
         return
     prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
     prof_path = args.out / "profile.json"
@@ -134,8 +144,9 @@ def main() -> None:
     rows = []
     for name in args.only.split(",") if args.only else [r[0] for r in ROWS]:
         cmd = [sys.executable, "-m", "bench.moe", "--one", name, "--profile", str(prof_path), "--out", str(args.out)]
-        r = subprocess.run(cmd + ["--steps", str(args.steps)], capture_output=True, text=True)
-        (args.out / f"{name}.log").write_text(r.stdout + r.stderr)
+        r = subprocess.run(cmd + ["--steps", str(args.steps)] + (["--trace"] if args.trace else []),
+                           capture_output=True, text=True)
+        (args.out / f"{name.replace('@', '_')}.log").write_text(r.stdout + r.stderr)
         found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
         row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-3000:])
         rows.append(row)

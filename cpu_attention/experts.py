@@ -72,6 +72,7 @@ class Scratch:
         self.tok, self.pws = np.zeros(P, np.int64), np.zeros(P, np.int64)
         self.starts, self.gexp = np.zeros(max_experts + 1, np.int64), np.zeros(max(max_experts, 1), np.int64)
         self.act, self.y = np.zeros((P, inter), np.float32), np.zeros((P, hidden), np.float32)
+        self.xsum, self.asum = np.zeros((max_rows, hidden // GROUP), np.float32), np.zeros((P, inter // GROUP), np.float32)
 
 
 class HostExperts:
@@ -109,7 +110,7 @@ class HostExperts:
         resolve_threads(self.threads)
         sc = scratch
         _kernels().run(x, ids, w, self.gu_q, self.gu_s, self.d_q, self.d_s, sc.tok, sc.pws, sc.starts, sc.gexp,
-                       sc.act, sc.y, out)
+                       sc.act, sc.y, out, sc.xsum, sc.asum)
 
     def _check(self, rows: int, scratch: Scratch) -> None:
         if rows > scratch.max_rows or len(self.experts) > scratch.gexp.shape[0]:
@@ -131,7 +132,8 @@ class HostExperts:
                     kn.THREADS_: self.threads}
             arrays = {kn.X_: x, kn.IDS_: ids, kn.W_: w, kn.GUQ_: self.gu_q, kn.GUS_: self.gu_s, kn.DQ_: self.d_q,
                       kn.DS_: self.d_s, kn.TOK_: sc.tok, kn.PWS_: sc.pws, kn.STARTS_: sc.starts,
-                      kn.GEXP_: sc.gexp, kn.ACT_: sc.act, kn.Y_: sc.y, kn.OUT_: out}
+                      kn.GEXP_: sc.gexp, kn.ACT_: sc.act, kn.Y_: sc.y, kn.OUT_: out, kn.XSUM_: sc.xsum,
+                      kn.ASUM_: sc.asum}
             for i, v in vals.items():
                 d[i] = v
             for i, a in arrays.items():

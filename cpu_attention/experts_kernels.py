@@ -27,18 +27,33 @@ GROUP = 64  # weights a scale; a group's 64 codes are 32 bytes: code j in the lo
 
 
 @njit(inline="always", **JIT)
-def _dot(q, s, e, row, x, n):
-    """Σ_i W_e[row, i] · x[n, i] for W_e as 4-bit codes q [E, O, I/2] and scales s [E, O, I/64]."""
+def _dot(q, s, e, row, x, xsum, n):
+    """Σ_i W_e[row, i] · x[n, i] for W_e as 4-bit codes q [E, O, I/2] and scales s [E, O, I/64];
+    xsum [N, I/64]: x's sums over each group (the codes' offset of 8 times them is subtracted once
+    a group). The codes are widened as int32: Numba's default int64 made LLVM convert them with
+    64-bit lanes, at half the speed (measured: 4.2 against 8.7 GB/s a core)."""
     acc = np.float32(0.0)
     for b in range(s.shape[2]):
         part = np.float32(0.0)
         base = 32 * b
-        for j in range(32):  # (c − 8) · x: the codes' products here, the − 8 Σ x of the group below
-            c = q[e, row, base + j]
-            lo, hi = x[n, 2 * base + j], x[n, 2 * base + 32 + j]
-            part += np.float32(c & 15) * lo + np.float32(c >> 4) * hi - np.float32(8.0) * (lo + hi)
-        acc += part * s[e, row, b]
+        for j in range(32):
+            c = np.int32(q[e, row, base + j])
+            lo = np.float32(np.int32(c & np.int32(15)))
+            hi = np.float32(np.int32(c >> np.int32(4)))
+            part += lo * x[n, 2 * base + j] + hi * x[n, 2 * base + 32 + j]
+        acc += (part - np.float32(8.0) * xsum[n, b]) * s[e, row, b]
     return acc
+
+
+@njit(inline="always", **JIT)
+def _group_sums(x, rows, out):
+    """out[n, b] = Σ of x[n]'s b-th group of 64, for its first `rows` rows."""
+    for n in range(rows):
+        for b in range(out.shape[1]):
+            t = np.float32(0.0)
+            for j in range(GROUP):
+                t += x[n, GROUP * b + j]
+            out[n, b] = t
 
 
 @njit(**JIT)
@@ -76,26 +91,28 @@ def group_pairs(ids, E, tok, pw_slot, starts, gexp):
 
 
 @njit(parallel=True, **JIT)
-def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, y, out):
+def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, y, out, xsum, asum):
     F = d_q.shape[2] * 2
     H = out.shape[1]
     K = w.shape[1]
+    P = starts[G]
+    _group_sums(x, x.shape[0], xsum)
     for r in prange(G * F):
         g = r // F
         j = r - g * F
         e = gexp[g]
         for p in range(starts[g], starts[g + 1]):
-            a = _dot(gu_q, gu_s, e, j, x, tok[p])
-            b = _dot(gu_q, gu_s, e, F + j, x, tok[p])
+            a = _dot(gu_q, gu_s, e, j, x, xsum, tok[p])
+            b = _dot(gu_q, gu_s, e, F + j, x, xsum, tok[p])
             act[p, j] = a / (np.float32(1.0) + np.exp(-a)) * b
+    _group_sums(act, P, asum)
     for r in prange(G * H):
         g = r // H
         o = r - g * H
         e = gexp[g]
         for p in range(starts[g], starts[g + 1]):
             sl = pw_slot[p]
-            y[p, o] = _dot(d_q, d_s, e, o, act, p) * w[sl // K, sl - (sl // K) * K]
-    P = starts[G]
+            y[p, o] = _dot(d_q, d_s, e, o, act, asum, p) * w[sl // K, sl - (sl // K) * K]
     for o in prange(H):
         for n in range(out.shape[0]):
             out[n, o] = np.float32(0.0)
@@ -104,11 +121,12 @@ def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, y, 
 
 
 @njit(**JIT)
-def run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pw_slot, starts, gexp, act, y, out):
+def run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pw_slot, starts, gexp, act, y, out, xsum, asum):
     """out [N, H] = Σ over the host's pairs of w · expert(x); see the module docstring. Scratch:
-    tok, pw_slot [≥ N·k] int64, starts [≥ E + 1], gexp [≥ E], act [≥ N·k, F], y [≥ N·k, H] f32."""
+    tok, pw_slot [≥ N·k] int64, starts [≥ E + 1], gexp [≥ E], act [≥ N·k, F], y [≥ N·k, H],
+    xsum [≥ N, H/64], asum [≥ N·k, F/64] f32."""
     P, G = group_pairs(ids, gu_q.shape[0], tok, pw_slot, starts, gexp)
-    _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, y, out)
+    _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, y, out, xsum, asum)
 
 
 @intrinsic
@@ -124,7 +142,8 @@ def _ptr(typingctx, addr, kind):
 
 
 # descriptor fields (int64): the shapes, then the arrays' addresses
-N_, K_, H_, F_, E_, THREADS_, X_, IDS_, W_, GUQ_, GUS_, DQ_, DS_, TOK_, PWS_, STARTS_, GEXP_, ACT_, Y_, OUT_, FIELDS = range(21)
+(N_, K_, H_, F_, E_, THREADS_, X_, IDS_, W_, GUQ_, GUS_, DQ_, DS_, TOK_, PWS_, STARTS_, GEXP_, ACT_, Y_, OUT_, XSUM_,
+ ASUM_, FIELDS) = range(23)
 
 
 @njit(nogil=True, fastmath=JIT["fastmath"])  # not cached: it reads addresses
@@ -146,7 +165,9 @@ def run_descriptor(d):
     act = carray(_ptr(d[ACT_], f32), (N * K, F))
     y = carray(_ptr(d[Y_], f32), (N * K, H))
     out = carray(_ptr(d[OUT_], f32), (N, H))
-    run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, y, out)
+    xsum = carray(_ptr(d[XSUM_], f32), (N, H // GROUP))
+    asum = carray(_ptr(d[ASUM_], f32), (N * K, F // GROUP))
+    run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, y, out, xsum, asum)
 
 
 @cfunc(types.void(types.CPointer(types.int64)), nogil=True)

@@ -222,8 +222,10 @@ def _moe_layer(cfg: ModelConfig, layer: int, router: torch.Tensor, homes: list[H
 
             from cpu_attention._numba import physical_cores
 
+            # one core fewer on CUDA: the main thread waits for the GPU (spinning) meanwhile
+            cores = threads or physical_cores()
             host = HostExperts(on_host, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                               threads or physical_cores())
+                               max(1, cores - (device.type == "cuda")))
             qdev = device if device.type == "cuda" else torch.device("cpu")  # a GPU quantizes faster
             for j, e in enumerate(on_host):
                 x = f"model.layers.{layer}.mlp.experts.{e}."

@@ -267,13 +267,16 @@ def test_gpu_split_moe_layer_in_a_cuda_graph(rows):
 @pytest.mark.gpu
 def test_gpu_split_moe_model_tokens(tiny):
     """A tiny Qwen3-MoE on CUDA with half of each layer's experts on the host (int4, host nodes): its
-    logits near the CPU stand-in's of the same plan, its decode in the whole-step CUDA graph."""
+    logits as near transformers' as the CPU stand-in's of the same plan (bf16 activations: the tiny
+    model's routing differs at a few tokens), its decode in the whole-step CUDA graph."""
     folder, ref = tiny("qwen3_moe_64")
     E = ref.config.num_experts
+    with torch.no_grad():
+        theirs = ref(torch.tensor([PROMPTS[0]])).logits[0].float()
     sp = split_plan(forced_plan(folder, weights=WDtype.NF4), E, SPLITS["half"], WDtype.INT4)
     gpu = hetero.load(folder, device="cuda", plan=sp, tokenizer=False, ctx_size=64)
     cpu = _run(folder, sp, n=1)[2]
-    assert rel_err(gpu.logits(PROMPTS[0]).cpu(), cpu) <= 3e-2
+    assert rel_err(gpu.logits(PROMPTS[0]).cpu(), theirs) <= 1.5 * rel_err(cpu, theirs) + 0.02
     toks = [c.token for c in gpu.generate(PROMPTS[0], max_new_tokens=8, temperature=0.0)]
     assert len(toks) == 8
     assert gpu.runner.graph_step is not None and gpu.model.capturable(1)
