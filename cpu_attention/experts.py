@@ -71,7 +71,7 @@ class Scratch:
         self.max_rows = max_rows
         self.tok, self.pws = np.zeros(P, np.int64), np.zeros(P, np.int64)
         self.starts, self.gexp = np.zeros(max_experts + 1, np.int64), np.zeros(max(max_experts, 1), np.int64)
-        self.act, self.y = np.zeros((P, inter), np.float32), np.zeros((P, hidden), np.float32)
+        self.act = np.zeros((P, inter), np.float32)
         self.xsum, self.asum = np.zeros((max_rows, hidden // GROUP), np.float32), np.zeros((P, inter // GROUP), np.float32)
 
 
@@ -79,13 +79,14 @@ class HostExperts:
     """One layer's experts that the host holds: `experts` (their indices in the layer, ascending)
     stacked in the int4 format."""
 
-    def __init__(self, experts: list[int], hidden: int, inter: int, top_k: int, threads: int):
+    def __init__(self, experts: list[int], hidden: int, inter: int, top_k: int, threads: int, zeros=np.zeros):
+        """zeros(shape, dtype) → the arrays' memory (page-locked where a GPU copies them up)."""
         E = len(experts)
         self.experts, self.H, self.F, self.k, self.threads = list(experts), hidden, inter, top_k, threads
-        self.gu_q = np.zeros((E, 2 * inter, hidden // 2), np.uint8)
-        self.gu_s = np.zeros((E, 2 * inter, hidden // GROUP), np.float32)
-        self.d_q = np.zeros((E, hidden, inter // 2), np.uint8)
-        self.d_s = np.zeros((E, hidden, inter // GROUP), np.float32)
+        self.gu_q = zeros((E, 2 * inter, hidden // 2), np.uint8)
+        self.gu_s = zeros((E, 2 * inter, hidden // GROUP), np.float32)
+        self.d_q = zeros((E, hidden, inter // 2), np.uint8)
+        self.d_s = zeros((E, hidden, inter // GROUP), np.float32)
         self._descriptors: dict[tuple[int, ...], np.ndarray] = {}
 
     @property
@@ -110,7 +111,7 @@ class HostExperts:
         resolve_threads(self.threads)
         sc = scratch
         _kernels().run(x, ids, w, self.gu_q, self.gu_s, self.d_q, self.d_s, sc.tok, sc.pws, sc.starts, sc.gexp,
-                       sc.act, sc.y, out, sc.xsum, sc.asum)
+                       sc.act, out, sc.xsum, sc.asum)
 
     def _check(self, rows: int, scratch: Scratch) -> None:
         if rows > scratch.max_rows or len(self.experts) > scratch.gexp.shape[0]:
@@ -132,7 +133,7 @@ class HostExperts:
                     kn.THREADS_: self.threads}
             arrays = {kn.X_: x, kn.IDS_: ids, kn.W_: w, kn.GUQ_: self.gu_q, kn.GUS_: self.gu_s, kn.DQ_: self.d_q,
                       kn.DS_: self.d_s, kn.TOK_: sc.tok, kn.PWS_: sc.pws, kn.STARTS_: sc.starts,
-                      kn.GEXP_: sc.gexp, kn.ACT_: sc.act, kn.Y_: sc.y, kn.OUT_: out, kn.XSUM_: sc.xsum,
+                      kn.GEXP_: sc.gexp, kn.ACT_: sc.act, kn.OUT_: out, kn.XSUM_: sc.xsum,
                       kn.ASUM_: sc.asum}
             for i, v in vals.items():
                 d[i] = v

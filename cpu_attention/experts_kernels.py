@@ -6,8 +6,7 @@ One call computes every (token, expert) pair whose expert the host holds:
 
     pairs grouped by expert (each expert's weights are read once for all its tokens)
     act[p, j] = silu(x[t_p] · gate_j) · (x[t_p] · up_j)          over (group, row j) in parallel
-    y[p, o]   = w_p · (act[p] · down_o)                            over (group, row o) in parallel
-    out[t, o] = Σ_{p: t_p = t} y[p, o]                             over o in parallel
+    out[t, o] = Σ_{p: t_p = t} w_p · (act[p] · down_o)             over rows o in parallel
 
 `run_descriptor` is the same call behind a C entry point (`entry_address`): the CUDA driver calls
 it from a stream (a host node of the step's graph, `cuLaunchHostFunc`) with a pointer to an int64
@@ -91,7 +90,7 @@ def group_pairs(ids, E, tok, pw_slot, starts, gexp):
 
 
 @njit(parallel=True, **JIT)
-def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, y, out, xsum, asum):
+def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out, xsum, asum):
     F = d_q.shape[2] * 2
     H = out.shape[1]
     K = w.shape[1]
@@ -106,27 +105,23 @@ def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, y, 
             b = _dot(gu_q, gu_s, e, F + j, x, xsum, tok[p])
             act[p, j] = a / (np.float32(1.0) + np.exp(-a)) * b
     _group_sums(act, P, asum)
-    for r in prange(G * H):
-        g = r // H
-        o = r - g * H
-        e = gexp[g]
-        for p in range(starts[g], starts[g + 1]):
-            sl = pw_slot[p]
-            y[p, o] = _dot(d_q, d_s, e, o, act, asum, p) * w[sl // K, sl - (sl // K) * K]
-    for o in prange(H):
+    for o in prange(H):  # each output row owned by one thread: the sum over pairs needs no second pass
         for n in range(out.shape[0]):
             out[n, o] = np.float32(0.0)
-        for p in range(P):
-            out[tok[p], o] += y[p, o]
+        for g in range(G):
+            e = gexp[g]
+            for p in range(starts[g], starts[g + 1]):
+                sl = pw_slot[p]
+                out[tok[p], o] += _dot(d_q, d_s, e, o, act, asum, p) * w[sl // K, sl - (sl // K) * K]
 
 
 @njit(**JIT)
-def run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pw_slot, starts, gexp, act, y, out, xsum, asum):
+def run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pw_slot, starts, gexp, act, out, xsum, asum):
     """out [N, H] = Σ over the host's pairs of w · expert(x); see the module docstring. Scratch:
-    tok, pw_slot [≥ N·k] int64, starts [≥ E + 1], gexp [≥ E], act [≥ N·k, F], y [≥ N·k, H],
-    xsum [≥ N, H/64], asum [≥ N·k, F/64] f32."""
+    tok, pw_slot [≥ N·k] int64, starts [≥ E + 1], gexp [≥ E], act [≥ N·k, F], xsum [≥ N, H/64],
+    asum [≥ N·k, F/64] f32."""
     P, G = group_pairs(ids, gu_q.shape[0], tok, pw_slot, starts, gexp)
-    _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, y, out, xsum, asum)
+    _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out, xsum, asum)
 
 
 @intrinsic
@@ -142,8 +137,8 @@ def _ptr(typingctx, addr, kind):
 
 
 # descriptor fields (int64): the shapes, then the arrays' addresses
-(N_, K_, H_, F_, E_, THREADS_, X_, IDS_, W_, GUQ_, GUS_, DQ_, DS_, TOK_, PWS_, STARTS_, GEXP_, ACT_, Y_, OUT_, XSUM_,
- ASUM_, FIELDS) = range(23)
+(N_, K_, H_, F_, E_, THREADS_, X_, IDS_, W_, GUQ_, GUS_, DQ_, DS_, TOK_, PWS_, STARTS_, GEXP_, ACT_, OUT_, XSUM_, ASUM_,
+ FIELDS) = range(22)
 
 
 @njit(nogil=True, fastmath=JIT["fastmath"])  # not cached: it reads addresses
@@ -163,11 +158,10 @@ def run_descriptor(d):
     starts = carray(_ptr(d[STARTS_], i64), (E + 1,))
     gexp = carray(_ptr(d[GEXP_], i64), (E,))
     act = carray(_ptr(d[ACT_], f32), (N * K, F))
-    y = carray(_ptr(d[Y_], f32), (N * K, H))
     out = carray(_ptr(d[OUT_], f32), (N, H))
     xsum = carray(_ptr(d[XSUM_], f32), (N, H // GROUP))
     asum = carray(_ptr(d[ASUM_], f32), (N * K, F // GROUP))
-    run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, y, out, xsum, asum)
+    run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum)
 
 
 @cfunc(types.void(types.CPointer(types.int64)), nogil=True)

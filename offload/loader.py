@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from hetero.checkpoint import Checkpoint
@@ -190,6 +191,9 @@ def _split_moe(group: Home, homes: list[Home], device: torch.device) -> bool:
     return device.type == "cuda" and all(h.device == device and h.fmt is WeightFormat.NF4 for h in homes)
 
 
+_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}
+
+
 def _moe_layer(cfg: ModelConfig, layer: int, router: torch.Tensor, homes: list[Home], pair, get,
                device: torch.device, staging, threads: int | None):
     """The layer's `MoEFeedForward`: the device's experts (stacked where NF4 on CUDA), the host's (int4,
@@ -224,8 +228,13 @@ def _moe_layer(cfg: ModelConfig, layer: int, router: torch.Tensor, homes: list[H
 
             # one core fewer on CUDA: the main thread waits for the GPU (spinning) meanwhile
             cores = threads or physical_cores()
+            zeros = np.zeros
+            if device.type == "cuda":  # page-locked: a prefill copies them up (offload.moe)
+                from offload import pinned
+
+                zeros = lambda shape, dt: pinned.zeros(shape, _TORCH[np.dtype(dt)]).numpy()  # noqa: E731
             host = HostExperts(on_host, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                               max(1, cores - (device.type == "cuda")))
+                               max(1, cores - (device.type == "cuda")), zeros)
             qdev = device if device.type == "cuda" else torch.device("cpu")  # a GPU quantizes faster
             for j, e in enumerate(on_host):
                 x = f"model.layers.{layer}.mlp.experts.{e}."

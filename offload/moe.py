@@ -13,7 +13,10 @@ the Numba kernel's C entry point, `cuLaunchHostFunc`): no Python runs in between
 syncs, so the step still captures as one CUDA graph (a host node per MoE layer), and the CPU
 computes while the GPU runs its experts. The main stream waits for the side stream only before
 the sum. Many rows (prefill) take the same path, except that the device runs its experts one at
-a time with the 4-bit GEMM kernels. On a CPU stand-in device the host's share is a plain call.
+a time with the 4-bit GEMM kernels, and the host's experts go up instead of being computed by the
+CPU (`_stream_host`): a prefill chunk's tokens share each expert's weights, which the CPU kernel
+would decode again for every token, while a copy reads them once. On a CPU stand-in device the host's
+share is a plain call (and the streamed path the same arithmetic without the copies).
 """
 from __future__ import annotations
 
@@ -73,6 +76,7 @@ class HostStaging:
                 raise RuntimeError("host-resident experts on CUDA need the CUDA driver (libcuda)")
             self.entry = experts_kernels.entry_address()
             self.side = torch.cuda.Stream(device)
+            self.copy = torch.cuda.Stream(device)  # host experts going up for a prefill
             self.down = torch.empty(max_rows * (H + 2 * k), dtype=torch.float32, pin_memory=True)  # h, weights, ids
             self.up = torch.empty(max_rows, H, dtype=torch.float32, pin_memory=True)
 
@@ -84,6 +88,7 @@ class MoEFeedForward:
     # reads its expert's weights, so prefill takes the one-expert-at-a-time GEMMs instead); with up to
     # this many rows nothing is read back to the host: a CUDA graph can hold the layer
     GROUPED_ROWS = 64
+    STREAM_AHEAD = 4  # host experts in flight to the device while it computes an earlier one
 
     def __init__(self, cfg: ModelConfig, router: torch.Tensor, device_experts: DeviceExperts | None,
                  host_experts, device: torch.device, staging: HostStaging | None):
@@ -92,6 +97,7 @@ class MoEFeedForward:
         self.device_experts = device_experts
         # rows a step may have with nothing read back to the host (`Model.capturable`)
         self.graph_rows = self.GROUPED_ROWS if device_experts is None or device_experts.stacked is not None else 0
+        self.stream_rows = self.GROUPED_ROWS + 1  # rows from which the host's int4 experts go up (prefill)
         self.out_features = cfg.hidden_size
         self.norm_topk = cfg.norm_topk_prob
         self.k = k
@@ -107,11 +113,16 @@ class MoEFeedForward:
             raise ValueError("host experts need the staging; on CUDA, in the int4 format")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(F.linear(h.to(self.router.dtype), self.router).float(), dim=-1)  # [N, E]
-        w, idx = probs.topk(self.k, dim=-1)
-        if self.norm_topk:
-            w = w / w.sum(-1, keepdim=True)
-        host = self._queue_host(h, idx, w) if self.host is not None else None
+        logits = F.linear(h.to(self.router.dtype), self.router).float()  # [N, E]
+        top, idx = logits.topk(self.k, dim=-1)  # the softmax's top-k are the logits'
+        if self.norm_topk:  # softmax, then the top k renormalised: the softmax of the top k
+            w = torch.softmax(top, dim=-1)
+        else:
+            w = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+        host = None
+        if self.host is not None:
+            stream = h.shape[0] >= self.stream_rows and hasattr(self.host, "gu_q")
+            host = self._stream_host(h, idx, w) if stream else self._queue_host(h, idx, w)
         out = self._device(h, idx, w) if self.device_experts is not None else None
         if host is not None:
             out = host if out is None else out + host
@@ -131,11 +142,20 @@ class MoEFeedForward:
             act = nf4_experts_gemv(h, slots, gu, gu_a, (2 * Fi, H), xdiv=k, swiglu=True)  # [N·k, F]
             y = nf4_experts_gemv(act, slots, dn, dn_a, (H, Fi), xdiv=1)  # [N·k, H]; zero rows elsewhere
             return (y.view(N, k, H).float() * w[..., None]).sum(1)
+        # many rows (prefill): one expert at a time over its tokens, the slots sorted by expert once
+        # (a single read-back: how many slots each expert has)
+        flat, wflat = local.reshape(-1), w.reshape(-1)
+        order = torch.argsort(flat)
+        counts = torch.bincount(flat + 1, minlength=len(dx.experts) + 1).tolist()  # [−1 (elsewhere), 0, 1, …]
         out = torch.zeros(N, self.cfg.hidden_size, dtype=torch.float32, device=h.device)
-        for j in local[local >= 0].unique().tolist():  # prefill: one expert at a time (reads ids back)
-            tok, slot = (local == j).nonzero(as_tuple=True)
-            gate_up, down = dx.linears[j]
-            out.index_add_(0, tok, _swiglu(gate_up, down, h[tok]).float() * w[tok, slot, None])
+        at = counts[0]
+        for j, c in enumerate(counts[1:]):
+            if c:
+                sel = order[at: at + c]
+                tok = sel // k
+                gate_up, down = dx.linears[j]
+                out.index_add_(0, tok, _swiglu(gate_up, down, h[tok]).float() * wflat[sel, None])
+                at += c
         return out
 
     def _queue_host(self, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -167,3 +187,48 @@ class MoEFeedForward:
             driver().host_func(st.side.cuda_stream, st.entry, d.ctypes.data)
         main.wait_stream(st.side)
         return st.up[:N].to(self.dev, non_blocking=True)
+
+    def _stream_host(self, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The host's experts' weighted sum for many rows, float32 [N, H], computed by the device: the
+        experts the rows route to go up (codes and scales, STREAM_AHEAD ahead on the copy stream),
+        each is dequantized to the activations' dtype and applied to its tokens."""
+        from cpu_attention.experts import dequantize_int4
+
+        he = self.host
+        N, k = idx.shape
+        flat, wflat = self.host_map[idx].reshape(-1), w.reshape(-1)
+        order = torch.argsort(flat)
+        counts = torch.bincount(flat + 1, minlength=len(he.experts) + 1).tolist()  # one read-back
+        used = [j for j, c in enumerate(counts[1:]) if c]
+        first = dict(zip(range(len(he.experts)), np.cumsum(counts)[:-1].tolist()))  # expert j's slots start
+        main = torch.cuda.current_stream(self.dev) if self.cuda else None
+        copies: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
+
+        def fetch(j: int) -> None:
+            arrays = [torch.from_numpy(a[j]) for a in (he.gu_q, he.gu_s, he.d_q, he.d_s)]
+            if not self.cuda:
+                copies[j] = (arrays, None)
+                return
+            with torch.cuda.stream(self.staging.copy):
+                ts = [a.to(self.dev, non_blocking=True) for a in arrays]
+                done = torch.cuda.Event()
+                done.record(self.staging.copy)
+            copies[j] = (ts, done)
+
+        for j in used[: self.STREAM_AHEAD]:
+            fetch(j)
+        out = torch.zeros(N, self.cfg.hidden_size, dtype=torch.float32, device=h.device)
+        for n, j in enumerate(used):
+            if n + self.STREAM_AHEAD < len(used):
+                fetch(used[n + self.STREAM_AHEAD])
+            (gq, gs, dq, ds), done = copies.pop(j)
+            if done is not None:
+                main.wait_event(done)
+                for t in (gq, gs, dq, ds):
+                    t.record_stream(main)
+            sel = order[first[j]: first[j] + counts[j + 1]]
+            tok = sel // k
+            g, u = F.linear(h[tok], dequantize_int4(gq, gs, h.dtype)).chunk(2, dim=-1)
+            y = F.linear((F.silu(g.float()) * u.float()).to(h.dtype), dequantize_int4(dq, ds, h.dtype))
+            out.index_add_(0, tok, y.float() * wflat[sel, None])
+        return out

@@ -224,7 +224,9 @@ def prefill_seconds(
       flops  = 2 · u · Σ active params  +  L · 4 · u · (s + u/2) · q_size      (GEMMs + causal attention)
       gpu    = flops on GPU-computed groups / (MFU · bf16 matmul rate)
       cpu    = CPU-mode groups: min(2·u·params / CPU flop rate, W / PCIe)    (compute there or stream)
-               + split experts' host part: 2·u·its active params / CPU flop rate (computed there)
+      split experts' host part: its experts the chunk routes to go up (h2d) and the GPU computes them
+      (offload/moe.py streams them for chunks of more than 64 rows; a shorter chunk is computed as
+      the CPU's, like a decode step)
       h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
       d2h    = host-tier KV of the chunk / PCIe
       t      = max(gpu, h2d, d2h) + cpu + L · overhead                           (copies double-buffered)
@@ -234,6 +236,7 @@ def prefill_seconds(
     L = cfg.num_layers
     kv_bf16 = kv_bytes_per_token_layer(cfg, KVDtype.BF16, kv.block_size)
     active_gpu = active_cpu = streamed = cpu_bytes = host_experts = 0.0
+    host_parts: list[tuple[Group, Placement]] = []
     for layer, groups in pairs.items():
         for g, pl in groups:
             if g.kind is Kind.EMBED:
@@ -245,6 +248,7 @@ def prefill_seconds(
                 act = act / ubatch  # logits of the chunk's last token only
             if split_experts(pl) and pl.mode is Mode.CPU:
                 host_experts += act
+                host_parts.append((g, pl))
             elif pl.mode is Mode.CPU:
                 active_cpu += act
                 cpu_bytes += pl.nbytes
@@ -258,12 +262,12 @@ def prefill_seconds(
         if all(p.mode is Mode.CPU for p in placements):
             total += (2.0 * u * (active_gpu + active_cpu + host_experts) + attn_flops) / (hw.cpu_gflops * GB)
         else:
-            gpu = (2.0 * u * active_gpu + attn_flops) / (PREFILL_MFU * hw.gpu_tflops * 1e12)
+            gpu = (2.0 * u * (active_gpu + host_experts) + attn_flops) / (PREFILL_MFU * hw.gpu_tflops * 1e12)
             cpu = min(2.0 * u * active_cpu / (hw.cpu_gflops * GB), cpu_bytes / (hw.pcie_h2d_gbps * GB))
-            cpu += 2.0 * u * host_experts / (hw.cpu_gflops * GB)
+            up = sum(read_bytes(g, pl, u) for g, pl in host_parts)
             host_before = max(0, s - kv.gpu_tokens)
             host_chunk = max(0, s + u - max(s, kv.gpu_tokens))
-            h2d = (streamed + L * host_before * kv_bf16) / (hw.pcie_h2d_gbps * GB)
+            h2d = (streamed + up + L * host_before * kv_bf16) / (hw.pcie_h2d_gbps * GB)
             d2h = L * host_chunk * kv_bf16 / (hw.pcie_d2h_gbps * GB)
             total += max(gpu, h2d, d2h) + cpu + L * hw.layer_overhead_s
         s += u

@@ -94,6 +94,18 @@ def test_int4_host_experts_stay_near_transformers(moe):
     assert 1e-4 < err < min(0.3, rel_err(nf4, theirs))
 
 
+def test_streamed_host_experts_give_the_kernels_logits(moe):
+    """Many rows (a prefill chunk) take the host's int4 experts up to the device instead of computing
+    them on the CPU: the same arithmetic, so the same logits as the CPU kernel's."""
+    folder, p, E, _, _, _ = moe
+    e = hetero.load(folder, device="cpu", plan=split_plan(p, E, SPLITS["alternate, by layer"], WDtype.INT4),
+                    tokenizer=False, ctx_size=64)
+    want = e.logits(PROMPTS[0])
+    for lw in e.model.layers:
+        lw.ffn.stream_rows = 1
+    assert rel_err(e.logits(PROMPTS[0]), want) <= 1e-5
+
+
 @pytest.mark.parametrize("N", [1, 3, 9])
 def test_int4_kernel_matches_its_float64_twin(N):
     torch.manual_seed(N)
