@@ -31,15 +31,21 @@ def _kernels():
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [O, I] (any device) → (codes uint8 [O, I/2], scale float32 [O, I/64]) on w's device."""
+    """w [O, I] (any device) → (codes uint8 [O, I/2], scale float32 [O, I/64]) on w's device; a
+    piece of 2^22 weights at a time, so a GPU near its budget needs little room for it."""
     O, I = w.shape
     if I % GROUP:
         raise ValueError(f"int4 experts need rows of a multiple of {GROUP} weights, got {I}")
-    g = w.float().reshape(O, I // GROUP, GROUP)
-    scale = g.abs().amax(-1).clamp_min(1e-30) / 7
-    c = (g / scale[..., None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8)
-    codes = c[..., :32] | (c[..., 32:] << 4)
-    return codes.reshape(O, I // 2), scale
+    codes = torch.empty(O, I // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(O, I // GROUP, dtype=torch.float32, device=w.device)
+    step = max(1, 2**22 // I)
+    for a in range(0, O, step):
+        g = w[a: a + step].to(torch.float32, copy=True).reshape(-1, I // GROUP, GROUP)  # (divided in place)
+        s = g.abs().amax(-1).clamp_min_(1e-30).div_(7)
+        c = g.div_(s[..., None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8)
+        codes[a: a + step] = (c[..., :32] | (c[..., 32:] << 4)).reshape(-1, I // 2)
+        scale[a: a + step] = s
+    return codes, scale
 
 
 def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

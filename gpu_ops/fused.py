@@ -117,9 +117,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_x, NH, D: tl.constexpr, NHP: tl.constexpr,
                  WRITE: tl.constexpr = False, kp=None, vp=None, slots_ptr=None, layer_off=0, s_blk=0, s_head=0,
-                 s_off=0, BS=1, HQ=0, HKV=0, HKVP: tl.constexpr = 1, PDL: tl.constexpr = False):
+                 s_off=0, BS=1, HQ=0, HKV=0, HKVP: tl.constexpr = 1, PDL: tl.constexpr = False,
+                 NORM: tl.constexpr = False, qn_ptr=None, kn_ptr=None, eps=0.0, NQ=0):
     """Rotate-half RoPE of the first NH heads of row x[n] in place (float32 tables [T, D]); with
-    WRITE, heads HQ..NH (k) rotated and the HKV heads after them (v) also go to the KV pools."""
+    WRITE, heads HQ..NH (k) rotated and the HKV heads after them (v) also go to the KV pools.
+    NORM: each head RMS-normed first (Qwen3's q_norm for heads below NQ, k_norm above), as
+    `hetero.model.rms_norm` rounds: the normed value to bf16, times the weight, to bf16 again."""
     row = tl.program_id(0)
     heads = tl.arange(0, NHP)
     half = tl.arange(0, D // 2)
@@ -135,6 +138,14 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_x, NH, D: tl.constexpr
     lo = x_ptr + row * stride_x + heads[:, None] * D + half[None, :]
     x1 = tl.load(lo, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(lo + D // 2, mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        is_q = (heads < NQ)[:, None]
+        w1 = tl.where(is_q, tl.load(qn_ptr + half)[None, :].to(tl.float32), tl.load(kn_ptr + half)[None, :].to(tl.float32))
+        w2 = tl.where(is_q, tl.load(qn_ptr + D // 2 + half)[None, :].to(tl.float32),
+                      tl.load(kn_ptr + D // 2 + half)[None, :].to(tl.float32))
+        x1 = ((x1 * r).to(tl.bfloat16).to(tl.float32) * w1).to(tl.bfloat16).to(tl.float32)
+        x2 = ((x2 * r).to(tl.bfloat16).to(tl.float32) * w2).to(tl.bfloat16).to(tl.float32)
     y1 = (x1 * c1 - x2 * s1).to(tl.bfloat16)  # x·cos + rotate_half(x)·sin
     y2 = (x2 * c2 + x1 * s2).to(tl.bfloat16)
     tl.store(lo, y1, mask=ok)
@@ -153,13 +164,18 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_x, NH, D: tl.constexpr
         tl.store(vp + base + j[:, None] * s_head + d[None, :], v.to(vp.dtype.element_ty), mask=vok)
 
 
-def rope_(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, D: int) -> None:
+def rope_(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, D: int,
+          norms: tuple[torch.Tensor, torch.Tensor, float, int] | None = None) -> None:
     """In place on x [N, ≥ heads·D] bf16 (row-contiguous): the first `heads` heads of each row
-    rotated at pos [N], as `hetero.model.Rope` (cos, sin: its float32 [T, D] tables)."""
+    rotated at pos [N], as `hetero.model.Rope` (cos, sin: its float32 [T, D] tables).
+    norms = (q_norm, k_norm, eps, q heads): each head RMS-normed first (Qwen3), the first q heads
+    with q_norm, the others with k_norm (bf16 [D] weights), as `hetero.model.rms_norm`."""
     N = x.shape[0]
     assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    qn, kn, eps, nq = norms if norms is not None else (None, None, 0.0, 0)
     _rope_kernel[(N,)](x, cos, sin, pos, x.stride(0), heads, D=D, NHP=triton.next_power_of_2(heads),
-                       PDL=pdl.enabled(x.device), num_warps=4, **pdl.launch(x.device))
+                       PDL=pdl.enabled(x.device), NORM=norms is not None, qn_ptr=qn, kn_ptr=kn, eps=eps, NQ=nq,
+                       num_warps=4, **pdl.launch(x.device))
 
 
 @triton.jit

@@ -81,7 +81,7 @@ class ElementwiseOps(Protocol):
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def rope_(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-              D: int) -> None: ...
+              D: int, norms: tuple[torch.Tensor, torch.Tensor, float, int] | None = None) -> None: ...
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor: ...
 
@@ -201,9 +201,11 @@ class Model:
             return self.fused.pre_attention(c, lw, x, pos, cos, sin, kv_out)
         ops = self._gpu_ops(x, lw.attn_norm)
         qkv = lw.qkv((ops or _TorchOps).rms_norm(x, lw.attn_norm, c.rms_norm_eps)).to(self.act_dtype)
-        if ops is not None and lw.q_norm is None and qkv.is_contiguous() and c.head_dim & (c.head_dim - 1) == 0:
-            cos, sin = self.rope.tables(pos)  # RoPE of q and k in one kernel, in place
-            ops.rope_(qkv, pos, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)
+        if ops is not None and qkv.is_contiguous() and c.head_dim & (c.head_dim - 1) == 0 and \
+                (lw.q_norm is None or lw.q_norm.dtype == torch.bfloat16 == lw.k_norm.dtype):
+            cos, sin = self.rope.tables(pos)  # q/k norms (Qwen3) and RoPE of q and k in one kernel, in place
+            norms = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, c.rms_norm_eps, c.num_heads)
+            ops.rope_(qkv, pos, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim, norms)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             N = qkv.shape[0]
             return (q.view(N, c.num_heads, c.head_dim), k.view(N, c.num_kv_heads, c.head_dim),

@@ -525,6 +525,14 @@ def test_gpu_fused_ops_match_their_torch_twins():
     assert rel_err(got[:, : Hq * D].reshape(2, Hq, D), rq) < 4e-3
     assert rel_err(got[:, Hq * D: (Hq + Hkv) * D].reshape(2, Hkv, D), rk) < 4e-3
     assert torch.equal(got[:, (Hq + Hkv) * D:], qkv[:, (Hq + Hkv) * D:])  # v untouched
+    # with Qwen3's q and k norms first, in the same kernel
+    qn, kn = ((1 + 0.1 * torch.randn(D, device="cuda")).bfloat16() for _ in range(2))
+    rq, rk = rope(rms_norm(q, qn, 1e-6), pos), rope(rms_norm(k, kn, 1e-6), pos)
+    got = qkv.clone()
+    fused.rope_(got, pos, cos, sin, Hq + Hkv, D, norms=(qn, kn, 1e-6, Hq))
+    assert rel_err(got[:, : Hq * D].reshape(2, Hq, D), rq) < 1.2e-2  # a bf16 rounding or two either way
+    assert rel_err(got[:, Hq * D: (Hq + Hkv) * D].reshape(2, Hkv, D), rk) < 1.2e-2
+    assert torch.equal(got[:, (Hq + Hkv) * D:], qkv[:, (Hq + Hkv) * D:])
 
     gu = torch.randn(2, 2 * 14336, device="cuda").bfloat16()
     g, u = gu.chunk(2, dim=-1)
