@@ -192,8 +192,6 @@ class MoEFeedForward:
         """The host's experts' weighted sum for many rows, float32 [N, H], computed by the device: the
         experts the rows route to go up (codes and scales, STREAM_AHEAD ahead on the copy stream),
         each is dequantized to the activations' dtype and applied to its tokens."""
-        from cpu_attention.experts import dequantize_int4
-
         he = self.host
         N, k = idx.shape
         flat, wflat = self.host_map[idx].reshape(-1), w.reshape(-1)
@@ -228,7 +226,17 @@ class MoEFeedForward:
                     t.record_stream(main)
             sel = order[first[j]: first[j] + counts[j + 1]]
             tok = sel // k
-            g, u = F.linear(h[tok], dequantize_int4(gq, gs, h.dtype)).chunk(2, dim=-1)
-            y = F.linear((F.silu(g.float()) * u.float()).to(h.dtype), dequantize_int4(dq, ds, h.dtype))
+            g, u = _linear_int4(h[tok], gq, gs).chunk(2, dim=-1)
+            y = _linear_int4((F.silu(g.float()) * u.float()).to(h.dtype), dq, ds)
             out.index_add_(0, tok, y.float() * wflat[sel, None])
         return out
+
+
+def _linear_int4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, piece: int = 2**24) -> torch.Tensor:
+    """x @ Wᵀ for W in the host experts' int4 format, dequantized to x's dtype a piece of rows at a
+    time (a Mixtral expert's gate/up whole would need ~1 GB of temporaries)."""
+    from cpu_attention.experts import dequantize_int4
+
+    rows = max(1, piece // (2 * codes.shape[1]))
+    return torch.cat([F.linear(x, dequantize_int4(codes[a: a + rows], scale[a: a + rows], x.dtype))
+                      for a in range(0, codes.shape[0], rows)], dim=-1)

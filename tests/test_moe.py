@@ -131,6 +131,15 @@ def test_int4_kernel_matches_its_float64_twin(N):
     assert np.array_equal(out, out2)
 
 
+def test_int4_linear_by_pieces_of_rows():
+    from offload.moe import _linear_int4
+
+    codes, scale = quantize_int4(torch.randn(96, 128))
+    x = torch.randn(5, 128)
+    want = x @ dequantize_int4(codes, scale).T
+    assert torch.allclose(_linear_int4(x, codes, scale, piece=2 * 64 * 10), want, atol=1e-5)  # 10 rows a piece
+
+
 def test_int4_format_round_trip():
     w = torch.randn(48, 256)
     codes, scale = quantize_int4(w)
