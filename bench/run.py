@@ -15,6 +15,8 @@ import sys
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "budget": ("decode of the Llama-3-8B shape at a GPU memory budget, the planner's own choice, against the "
                "bytes-over-bandwidth bound", "GPU"),
+    "moe": ("mixture-of-experts decode and prefill (Qwen3-30B-A3B, Mixtral-8x7B shapes) at GPU memory budgets, "
+            "the planner's own choice, against the HBM / DRAM bound", "GPU"),
     "offload_decode": ("decode with the KV on the host (and split), the engine's timers per step, against the "
                        "HBM / DRAM bound", "GPU"),
     "gpu_decode": ("all-GPU decode and prefill with NF4 weights, and each NF4 kernel per linear shape, against "
