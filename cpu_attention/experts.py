@@ -56,15 +56,28 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return (q * scale.to(dtype)[..., None]).reshape(O, -1)
 
 
-def experts_ref(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gu_q, gu_s, d_q, d_s) -> torch.Tensor:
+def quantize_rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [N, I] → x as the integer kernel sees it (`experts_kernels._quantize`): each group of 64
+    rounded to int8 steps of max |x| / 127, in float32 as the kernel computes them; in x's dtype."""
+    g = x.float().reshape(x.shape[0], -1, GROUP)
+    m = g.abs().amax(-1, keepdim=True)
+    s = torch.where(m > 0, m / 127, torch.ones_like(m))
+    return ((g * (1 / s)).round() * s).reshape(x.shape).to(x.dtype)
+
+
+def experts_ref(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gu_q, gu_s, d_q, d_s,
+                quantized: bool = False) -> torch.Tensor:
     """The torch twin: x [N, H], ids [N, k] host expert index or −1, w [N, k] → [N, H] in x's dtype
-    (float32 or float64), from the dequantized weights."""
+    (float32 or float64), from the dequantized weights. quantized: x and the activations rounded to
+    int8 a group first, as the integer kernel does (`quantize_rows_int8`)."""
     out = torch.zeros_like(x)
     dt = x.dtype
+    q = quantize_rows_int8 if quantized else (lambda v: v)
     for n, s in (ids >= 0).nonzero().tolist():
         e = int(ids[n, s])
-        g, u = (x[n] @ dequantize_int4(gu_q[e], gu_s[e], dt).T).chunk(2)
-        out[n] += w[n, s].to(dt) * (dequantize_int4(d_q[e], d_s[e], dt) @ (F.silu(g) * u))
+        g, u = (q(x[n: n + 1])[0] @ dequantize_int4(gu_q[e], gu_s[e], dt).T).chunk(2)
+        act = (F.silu(g) * u)[None]
+        out[n] += w[n, s].to(dt) * (q(act)[0] @ dequantize_int4(d_q[e], d_s[e], dt).T)
     return out
 
 
@@ -79,6 +92,8 @@ class Scratch:
         self.starts, self.gexp = np.zeros(max_experts + 1, np.int64), np.zeros(max(max_experts, 1), np.int64)
         self.act = np.zeros((P, inter), np.float32)
         self.xsum, self.asum = np.zeros((max_rows, hidden // GROUP), np.float32), np.zeros((P, inter // GROUP), np.float32)
+        self.xq, self.aq = np.zeros((max_rows, hidden), np.int8), np.zeros((P, inter), np.int8)
+        self.xcorr, self.acorr = np.zeros((max_rows, hidden // 8), np.int32), np.zeros((P, inter // 8), np.int32)
 
 
 class HostExperts:
@@ -116,8 +131,9 @@ class HostExperts:
 
         resolve_threads(self.threads)
         sc = scratch
-        _kernels().run(x, ids, w, self.gu_q, self.gu_s, self.d_q, self.d_s, sc.tok, sc.pws, sc.starts, sc.gexp,
-                       sc.act, out, sc.xsum, sc.asum)
+        kn = _kernels()
+        kn.run(x, ids, w, self.gu_q, self.gu_s, self.d_q, self.d_s, sc.tok, sc.pws, sc.starts, sc.gexp, sc.act, out,
+               sc.xsum, sc.asum, sc.xq, sc.xcorr, sc.aq, sc.acorr, kn.vnni_shapes(self.H, self.F))
 
     def _check(self, rows: int, scratch: Scratch) -> None:
         if rows > scratch.max_rows or len(self.experts) > scratch.gexp.shape[0]:
@@ -136,11 +152,11 @@ class HostExperts:
             d = np.zeros(kn.FIELDS, np.int64)
             sc = scratch
             vals = {kn.N_: x.shape[0], kn.K_: self.k, kn.H_: self.H, kn.F_: self.F, kn.E_: len(self.experts),
-                    kn.THREADS_: self.threads}
+                    kn.THREADS_: self.threads, kn.VNNI_: int(kn.vnni_shapes(self.H, self.F))}
             arrays = {kn.X_: x, kn.IDS_: ids, kn.W_: w, kn.GUQ_: self.gu_q, kn.GUS_: self.gu_s, kn.DQ_: self.d_q,
                       kn.DS_: self.d_s, kn.TOK_: sc.tok, kn.PWS_: sc.pws, kn.STARTS_: sc.starts,
                       kn.GEXP_: sc.gexp, kn.ACT_: sc.act, kn.OUT_: out, kn.XSUM_: sc.xsum,
-                      kn.ASUM_: sc.asum}
+                      kn.ASUM_: sc.asum, kn.XQ_: sc.xq, kn.XCORR_: sc.xcorr, kn.AQ_: sc.aq, kn.ACORR_: sc.acorr}
             for i, v in vals.items():
                 d[i] = v
             for i, a in arrays.items():

@@ -8,6 +8,10 @@ One call computes every (token, expert) pair whose expert the host holds:
     act[p, j] = silu(x[t_p] · gate_j) · (x[t_p] · up_j)          over (group, row j) in parallel
     out[t, o] = Σ_{p: t_p = t} w_p · (act[p] · down_o)             over rows o in parallel
 
+Where the shapes allow (`vnni_shapes`), x and act are quantized to int8 a group of 64 first and
+each row's dot product is integer vector code (`_simd_q4`: vpdpbusd on AVX-512 VNNI): the float
+path converts every code to float32 and is compute-bound at a third of DRAM's rate on the GPU host.
+
 `run_descriptor` is the same call behind a C entry point (`entry_address`): the CUDA driver calls
 it from a stream (a host node of the step's graph, `cuLaunchHostFunc`) with a pointer to an int64
 descriptor holding the arrays' addresses and shapes, so it runs without Python and without the GIL
@@ -21,6 +25,7 @@ from numba import carray, cfunc, njit, prange, types
 from numba.extending import intrinsic
 
 from cpu_attention._numba import JIT
+from cpu_attention._simd_q4 import SUPPORTED, W_LANES, make_row_dot
 
 GROUP = 64  # weights a scale; a group's 64 codes are 32 bytes: code j in the low nibble of byte j, code 32 + j in the high
 
@@ -42,6 +47,39 @@ def _dot(q, s, e, row, x, xsum, n):
             part += lo * x[n, 2 * base + j] + hi * x[n, 2 * base + 32 + j]
         acc += (part - np.float32(8.0) * xsum[n, b]) * s[e, row, b]
     return acc
+
+
+_row_dot = make_row_dot()
+
+
+def vnni_shapes(hidden: int, inter: int) -> bool:
+    """Whether the integer micro-kernel takes these experts (rows of whole vectors of codes)."""
+    return SUPPORTED and hidden % (8 * W_LANES) == 0 and inter % (8 * W_LANES) == 0
+
+
+@njit(inline="always", **JIT)
+def _quantize(x, n, xq, corr, xsc):
+    """Row n of x [·, I] f32 → int8 per group of 64 (scale max |x| / 127): xq[n] holds the groups'
+    first halves (xlo) then their second halves (xhi), corr[n, 8 g] = −8 Σ of group g's values
+    (the rest of its 8 lanes 0), xsc[n, g] its scale (`_simd_q4`)."""
+    half = x.shape[1] // 2
+    for g in range(x.shape[1] // GROUP):
+        m = np.float32(0.0)
+        for j in range(GROUP):
+            m = max(m, abs(x[n, GROUP * g + j]))
+        s = m / np.float32(127.0) if m > 0 else np.float32(1.0)
+        inv = np.float32(1.0) / s
+        tot = np.int32(0)
+        for j in range(32):
+            a = np.int32(np.round(x[n, GROUP * g + j] * inv))
+            b = np.int32(np.round(x[n, GROUP * g + 32 + j] * inv))
+            xq[n, 32 * g + j] = a
+            xq[n, half + 32 * g + j] = b
+            tot += a + b
+        xsc[n, g] = s
+        corr[n, 8 * g] = np.int32(-8) * tot
+        for j in range(1, 8):
+            corr[n, 8 * g + j] = 0
 
 
 @njit(inline="always", **JIT)
@@ -90,21 +128,42 @@ def group_pairs(ids, E, tok, pw_slot, starts, gexp):
 
 
 @njit(parallel=True, **JIT)
-def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out, xsum, asum):
+def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out, xsum, asum, xq, xcorr, aq, acorr,
+             vnni):
+    """vnni: x and act quantized to int8 and the rows' dot products in integer vector code
+    (`_simd_q4`; xsum and asum then hold the quantization scales); else float32 (`_dot`)."""
     F = d_q.shape[2] * 2
     H = out.shape[1]
     K = w.shape[1]
     P = starts[G]
-    _group_sums(x, x.shape[0], xsum)
+    GH, GF = H // GROUP, F // GROUP
+    nh, nf = H // (8 * W_LANES), F // (8 * W_LANES)  # vectors of codes a row
+    if vnni:
+        for n in range(x.shape[0]):
+            _quantize(x, n, xq, xcorr, xsum)
+    else:
+        _group_sums(x, x.shape[0], xsum)
     for r in prange(G * F):
         g = r // F
         j = r - g * F
         e = gexp[g]
         for p in range(starts[g], starts[g + 1]):
-            a = _dot(gu_q, gu_s, e, j, x, xsum, tok[p])
-            b = _dot(gu_q, gu_s, e, F + j, x, xsum, tok[p])
+            t = tok[p]
+            if vnni:
+                ra, rb = e * 2 * F + j, e * 2 * F + F + j
+                a = _row_dot(gu_q, ra * (H // 2), xq, t * H, t * H + H // 2, xcorr, t * GH * 8, xsum, t * GH, gu_s,
+                             ra * GH, nh)
+                b = _row_dot(gu_q, rb * (H // 2), xq, t * H, t * H + H // 2, xcorr, t * GH * 8, xsum, t * GH, gu_s,
+                             rb * GH, nh)
+            else:
+                a = _dot(gu_q, gu_s, e, j, x, xsum, t)
+                b = _dot(gu_q, gu_s, e, F + j, x, xsum, t)
             act[p, j] = a / (np.float32(1.0) + np.exp(-a)) * b
-    _group_sums(act, P, asum)
+    if vnni:
+        for p in prange(P):
+            _quantize(act, p, aq, acorr, asum)
+    else:
+        _group_sums(act, P, asum)
     for o in prange(H):  # each output row owned by one thread: the sum over pairs needs no second pass
         for n in range(out.shape[0]):
             out[n, o] = np.float32(0.0)
@@ -112,16 +171,25 @@ def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out
             e = gexp[g]
             for p in range(starts[g], starts[g + 1]):
                 sl = pw_slot[p]
-                out[tok[p], o] += _dot(d_q, d_s, e, o, act, asum, p) * w[sl // K, sl - (sl // K) * K]
+                if vnni:
+                    ro = e * H + o
+                    y = _row_dot(d_q, ro * (F // 2), aq, p * F, p * F + F // 2, acorr, p * GF * 8, asum, p * GF, d_s,
+                                 ro * GF, nf)
+                else:
+                    y = _dot(d_q, d_s, e, o, act, asum, p)
+                out[tok[p], o] += y * w[sl // K, sl - (sl // K) * K]
 
 
 @njit(**JIT)
-def run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pw_slot, starts, gexp, act, out, xsum, asum):
+def run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pw_slot, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr,
+        vnni):
     """out [N, H] = Σ over the host's pairs of w · expert(x); see the module docstring. Scratch:
     tok, pw_slot [≥ N·k] int64, starts [≥ E + 1], gexp [≥ E], act [≥ N·k, F], xsum [≥ N, H/64],
-    asum [≥ N·k, F/64] f32."""
+    asum [≥ N·k, F/64] f32, xq [≥ N, H] and aq [≥ N·k, F] int8, xcorr [≥ N, H/8] and
+    acorr [≥ N·k, F/8] int32 (the last four for vnni: `vnni_shapes`)."""
     P, G = group_pairs(ids, gu_q.shape[0], tok, pw_slot, starts, gexp)
-    _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out, xsum, asum)
+    _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out, xsum, asum, xq, xcorr, aq, acorr,
+             vnni)
 
 
 @intrinsic
@@ -138,7 +206,7 @@ def _ptr(typingctx, addr, kind):
 
 # descriptor fields (int64): the shapes, then the arrays' addresses
 (N_, K_, H_, F_, E_, THREADS_, X_, IDS_, W_, GUQ_, GUS_, DQ_, DS_, TOK_, PWS_, STARTS_, GEXP_, ACT_, OUT_, XSUM_, ASUM_,
- FIELDS) = range(22)
+ XQ_, XCORR_, AQ_, ACORR_, VNNI_, FIELDS) = range(27)
 
 
 @njit(nogil=True, fastmath=JIT["fastmath"])  # not cached: it reads addresses
@@ -161,7 +229,13 @@ def run_descriptor(d):
     out = carray(_ptr(d[OUT_], f32), (N, H))
     xsum = carray(_ptr(d[XSUM_], f32), (N, H // GROUP))
     asum = carray(_ptr(d[ASUM_], f32), (N * K, F // GROUP))
-    run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum)
+    i8 = np.int8(0)
+    xq = carray(_ptr(d[XQ_], i8), (N, H))
+    xcorr = carray(_ptr(d[XCORR_], i32), (N, H // 8))
+    aq = carray(_ptr(d[AQ_], i8), (N * K, F))
+    acorr = carray(_ptr(d[ACORR_], i32), (N * K, F // 8))
+    run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr,
+        d[VNNI_] != 0)
 
 
 @cfunc(types.void(types.CPointer(types.int64)), nogil=True)

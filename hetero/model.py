@@ -257,7 +257,7 @@ def feed_forward(c: ModelConfig, lw: LayerWeights, h: torch.Tensor, silu_mul=Non
         return _moe(c, lw, h)
     if silu_mul is not None:
         return lw.down(silu_mul(lw.gate_up(h))).to(h.dtype)
-    return _swiglu(lw.gate_up, lw.down, h)
+    return swiglu(lw.gate_up, lw.down, h)
 
 
 def _moe(c: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
@@ -269,12 +269,12 @@ def _moe(c: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
     for e in idx.unique().tolist():
         tok, slot = (idx == e).nonzero(as_tuple=True)
         gate_up, down = lw.experts[e]
-        y = _swiglu(gate_up, down, h[tok])
+        y = swiglu(gate_up, down, h[tok])
         out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
     return out
 
 
-def _swiglu(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:
+def swiglu(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:
     g, u = gate_up(h).chunk(2, dim=-1)
     return down((F.silu(g.float()) * u.float()).to(h.dtype)).to(h.dtype)
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hetero.config import ModelConfig
-from hetero.model import Linear, _swiglu
+from hetero.model import Linear, swiglu
 
 
 @dataclass
@@ -53,7 +53,7 @@ class TorchHostExperts:
         for j in it[it >= 0].unique().tolist():
             tok, slot = (it == j).nonzero(as_tuple=True)
             gate_up, down = self.linears[j]
-            acc.index_add_(0, tok, _swiglu(gate_up, down, xt[tok]).float() * wt[tok, slot, None])
+            acc.index_add_(0, tok, swiglu(gate_up, down, xt[tok]).float() * wt[tok, slot, None])
         out[:] = acc.numpy()
 
 
@@ -154,7 +154,7 @@ class MoEFeedForward:
                 sel = order[at: at + c]
                 tok = sel // k
                 gate_up, down = dx.linears[j]
-                out.index_add_(0, tok, _swiglu(gate_up, down, h[tok]).float() * wflat[sel, None])
+                out.index_add_(0, tok, swiglu(gate_up, down, h[tok]).float() * wflat[sel, None])
                 at += c
         return out
 

@@ -13,6 +13,8 @@ import torch
 
 from cpu_attention import warm
 from cpu_attention.layout import KVDtype
+from planner.plan import Budget, Choice
+from planner.units import format_size as fs
 
 FORMAT = 10  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3
@@ -223,3 +225,13 @@ def estimate() -> HardwareProfile:
     return replace(prof, created="estimated", host_available_bytes=avail, logical_cpus=logical,
                    notes=("estimated, not measured: `hetero profile` measures this machine",))
 
+
+def default_budget(hw: HardwareProfile) -> tuple[Budget, list[Choice]]:
+    """Free memory minus a margin: GPU max(512 MiB, 5%), host max(2 GiB, 10%)."""
+    gpu_margin = max(512 * 2**20, hw.gpu_total_bytes // 20)
+    host_margin = max(2 * GIB, hw.host_total_bytes // 10)
+    b = Budget(max(0, hw.gpu_free_bytes - gpu_margin), max(0, hw.host_available_bytes - host_margin))
+    ch = [Choice("--cpu-mem", fs(b.host_bytes), f"{fs(hw.host_available_bytes)} available minus a {fs(host_margin)} margin")]
+    if hw.has_gpu:
+        ch.insert(0, Choice("--gpu-mem", fs(b.gpu_bytes), f"{fs(hw.gpu_free_bytes)} free minus a {fs(gpu_margin)} margin"))
+    return b, ch

@@ -10,8 +10,7 @@ from typing import Any
 from cpu_attention.layout import KVDtype
 from hetero.errors import UserError
 from planner.plan import Budget, Device, Mode, Overrides
-from planner.hardware import HardwareProfile
-from planner.search import default_budget
+from planner.hardware import HardwareProfile, default_budget
 from planner.tensors import WDtype
 from planner.units import parse_size
 

@@ -19,26 +19,15 @@ from planner.cost import StepCost, bottleneck, decode_step, prefill_seconds
 from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
-from planner.hardware import KV_BLOCK, HardwareProfile
-from planner.tensors import (Group, Kind, WDtype, cpu_dtype, expert_bytes, kv_bytes_per_token_layer, router_bytes,
-                              weight_groups)
+from planner.hardware import KV_BLOCK, HardwareProfile, default_budget
+from planner.experts import expert_parts, experts_choice, spread_experts
+from planner.tensors import Group, Kind, WDtype, cpu_dtype, kv_bytes_per_token_layer, weight_groups
 from planner.units import format_size as fs
 
 GIB = 1024**3
 BLOCK_SIZE = KV_BLOCK
 _PRIORITY = {Kind.NORMS: 0, Kind.FINAL_NORM: 0, Kind.LM_HEAD: 1, Kind.MLP: 2, Kind.EXPERTS: 2, Kind.ATTN: 3, Kind.EMBED: 4}
 _ATTN_FIRST = {**_PRIORITY, Kind.ATTN: 2, Kind.MLP: 3, Kind.EXPERTS: 3}
-
-
-def default_budget(hw: HardwareProfile) -> tuple[Budget, list[Choice]]:
-    """Free memory minus a margin: GPU max(512 MiB, 5%), host max(2 GiB, 10%)."""
-    gpu_margin = max(512 * 2**20, hw.gpu_total_bytes // 20)
-    host_margin = max(2 * GIB, hw.host_total_bytes // 10)
-    b = Budget(max(0, hw.gpu_free_bytes - gpu_margin), max(0, hw.host_available_bytes - host_margin))
-    ch = [Choice("--cpu-mem", fs(b.host_bytes), f"{fs(hw.host_available_bytes)} available minus a {fs(host_margin)} margin")]
-    if hw.has_gpu:
-        ch.insert(0, Choice("--gpu-mem", fs(b.gpu_bytes), f"{fs(hw.gpu_free_bytes)} free minus a {fs(gpu_margin)} margin"))
-    return b, ch
 
 
 def workspace_bytes(cfg: ModelConfig, wl: Workload) -> int:
@@ -248,10 +237,8 @@ def _fill(
     offload/weights.py) each as large as the largest layer's streamed groups together (the head —
     final norm and lm_head — counting as one layer), so refill with that reserved until stable.
 
-    Experts the CPU computes (4-bit weights, split_ok) are placed one by one: the other groups first, then
-    as many experts as the room left holds, spread evenly over the MoE layers (the first layers
-    take one more where they do not divide), the rest computed by the CPU; the layers below
-    n_cpu_moe keep none on the GPU. Their routers stay on the GPU."""
+    Experts the CPU computes (4-bit weights, split_ok) are placed one by one: the other groups
+    first, then what room is left (`planner.experts.spread_experts`)."""
     split = split_ok and modes[0] is Mode.CPU and weights is WDtype.NF4
     cpu_experts = {i for i, g in enumerate(groups) if g.kind is Kind.EXPERTS and (g.layer < n_cpu_moe or split)}
     staging = 0
@@ -272,51 +259,21 @@ def _fill(
         if need <= staging:
             break
         staging = need
-    gpu_experts = _spread_experts(groups, weights, room, n_cpu_moe) if split else {}
+    gpu_experts = spread_experts(groups, weights, room, n_cpu_moe) if split else {}
     out = []
     for i, g in enumerate(groups):
         if i in gpu_experts:
-            out += _split_experts(g, weights, gpu_experts[i])
+            out += expert_parts(g, weights, gpu_experts[i])
         elif i in on:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CUDA, dt, Mode.RESIDENT, g.nbytes(dt)))
         elif g.kind is Kind.EMBED or _mode(g, modes) is Mode.CPU or i in cpu_experts:  # a lookup stays put
-            dt = g.dtype_for(cpu_dtype(weights, g.kind))
+            dt = g.dtype_for(cpu_dtype(weights))  # a whole group the CPU computes: int8 (offload.host_compute)
             out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.CPU, g.nbytes(dt)))
         else:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CPU, dt, Mode.STREAM, g.nbytes(dt)))
     return tuple(out), staging
-
-
-def _spread_experts(groups: list[Group], weights: WDtype, room: int, n_cpu_moe: int) -> dict[int, int]:
-    """Experts group index → how many of its experts the GPU holds, the room (after the routers)
-    spread evenly over the layers at or past n_cpu_moe."""
-    moe = [i for i, g in enumerate(groups) if g.kind is Kind.EXPERTS]
-    room -= sum(router_bytes(groups[i]) for i in moe)
-    eligible = [i for i in moe if groups[i].layer >= n_cpu_moe]
-    counts = dict.fromkeys(moe, 0)
-    if not eligible or room <= 0:
-        return counts
-    g0 = groups[eligible[0]]
-    E = g0.params // g0.expert_params
-    total = min(room // expert_bytes(g0, weights), E * len(eligible))
-    base, extra = divmod(total, len(eligible))
-    for rank, i in enumerate(eligible):
-        counts[i] = base + (rank < extra)
-    return counts
-
-
-def _split_experts(g: Group, weights: WDtype, n: int) -> list[Placement]:
-    """An experts group with its first n experts on the GPU (with the router), the rest on the host."""
-    E = g.params // g.expert_params
-    if n >= E:
-        return [Placement(g.layer, g.kind, Device.CUDA, weights, Mode.RESIDENT, g.nbytes(weights))]
-    host = cpu_dtype(weights, Kind.EXPERTS)
-    return [Placement(g.layer, g.kind, Device.CUDA, weights, Mode.RESIDENT,
-                      router_bytes(g) + n * expert_bytes(g, weights), tuple(range(n))),
-            Placement(g.layer, g.kind, Device.CPU, host, Mode.CPU, (E - n) * expert_bytes(g, host),
-                      tuple(range(n, E)))]
 
 
 def _mode(g: Group, modes: tuple[Mode, Mode]) -> Mode:
@@ -393,9 +350,7 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
     elif not off:
         out.append(Choice("weights", "all on cuda", f"{fs(best.memory.gpu_weights)} fit the GPU budget"))
     if cfg.is_moe and off:
-        why = "attention weights are read whole each step, experts only as routed" if best.order == "attention first" \
-            else "experts and MLP before attention weights"
-        out.append(Choice("GPU priority", best.order, why + " (the faster prediction)"))
+        out.append(experts_choice(cfg, pl, best.order))
     if not embed.on_gpu:
         out.append(Choice("embedding", "cpu", f"a lookup reads one row a token; its {fs(embed.nbytes)} serve better on "
                           "the GPU as weights or KV"))

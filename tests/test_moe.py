@@ -107,9 +107,12 @@ def test_streamed_host_experts_give_the_kernels_logits(moe):
 
 
 @pytest.mark.parametrize("N", [1, 3, 9])
-def test_int4_kernel_matches_its_float64_twin(N):
+@pytest.mark.parametrize("H, F", [(128, 192), (256, 128)])  # float32 dot products; int8 x and vector integer code
+def test_int4_kernel_matches_its_float64_twin(N, H, F):
+    from cpu_attention.experts_kernels import vnni_shapes
+
     torch.manual_seed(N)
-    H, F, E, k = 128, 192, 5, 3
+    E, k = 5, 3
     he = HostExperts(list(range(E)), H, F, k, threads=2)
     for j in range(E):
         he.set(j, torch.randn(2 * F, H) * 0.05, torch.randn(H, F) * 0.05)
@@ -120,8 +123,12 @@ def test_int4_kernel_matches_its_float64_twin(N):
     out = np.full((N, H), np.nan, np.float32)
     sc = Scratch(16, k, H, F, E)
     he(x.numpy(), ids.numpy(), w.numpy(), out, sc)
-    ref = experts_ref(x.double(), ids, w, *he.tensors())
+    quantized = vnni_shapes(H, F)
+    assert quantized == (H == 256) or F % 128  # (a CPU without 8-lane integer vectors takes the float path)
+    ref = experts_ref(x.double(), ids, w, *he.tensors(), quantized=quantized)
     assert rel_err(torch.from_numpy(out), ref) <= 1e-5
+    if quantized:  # int8 activations: what they cost against the float path
+        assert rel_err(torch.from_numpy(out), experts_ref(x.double(), ids, w, *he.tensors())) <= 3e-2
     # the same call through the C entry point a CUDA host node calls, without Python
     from cpu_attention import experts_kernels
 
@@ -301,3 +308,14 @@ def test_gpu_split_moe_model_tokens(tiny):
     toks = [c.token for c in gpu.generate(PROMPTS[0], max_new_tokens=8, temperature=0.0)]
     assert len(toks) == 8
     assert gpu.runner.graph_step is not None and gpu.model.capturable(1)
+
+
+def test_experts_the_int4_kernel_cannot_take_stay_whole_groups_in_int8(tiny):
+    """Qwen3-MoE with an expert FFN of 48 (not whole groups of 64): no split; --n-cpu-moe's layers go
+    to the CPU as whole groups in the CPU's int8 format, and run."""
+    folder = tiny("qwen3_moe")[0]
+    p = forced_plan(folder, weights=WDtype.NF4, n_cpu_moe=1)
+    parts = p.expert_placements(0)
+    assert len(parts) == 1 and parts[0].experts is None and parts[0].mode is Mode.CPU and parts[0].dtype is WDtype.INT8
+    e = hetero.load(folder, device="cpu", plan=p, tokenizer=False, ctx_size=64)
+    assert len([c.token for c in e.generate(PROMPTS[0], max_new_tokens=3, temperature=0.0)]) == 3
