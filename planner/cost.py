@@ -40,8 +40,15 @@ GENERAL_LOOP_OVERHEAD_S = 200e-6
 GRAPH_LAYER_OVERHEAD_S = 12e-6
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
 # Per MoE layer whose experts are split between the devices: the host function's hand-off (the
-# driver's thread wakes, Numba's threads start) and its return to the stream. Stated.
-HOST_EXPERTS_CALL_S = 30e-6
+# driver's thread wakes, Numba's OpenMP threads wake from sleep for each of the kernel's parallel
+# passes) and its return to the stream. Fitted on the H100 host, 2026-11-27 (bench/moe.py, the
+# Qwen3-30B-A3B shape at 8 and 14 GiB: ~255 µs a layer beyond the model's terms, of which
+# MOE_LAYER_OVERHEAD_S is every MoE layer's); with OMP_WAIT_POLICY=active it measured ~90 µs less.
+HOST_EXPERTS_CALL_S = 200e-6
+# Per MoE layer in the GPU's step: routing (the router GEMV, top-k and its sort, softmax, the index
+# maps) and the weighted sum, small kernels beyond the experts' bytes. Fitted on the same runs
+# (the all-GPU row: 4.6 ms a step against 1.9 without it).
+MOE_LAYER_OVERHEAD_S = 55e-6
 
 
 @dataclass(frozen=True)
@@ -161,10 +168,10 @@ def decode_step(
                 flops = 2.0 * g.active_params * b
                 if split_experts(pl) and pl.mode is Mode.CPU:  # beside the GPU's experts, off the GIL
                     flops *= len(pl.experts) / (g.params // g.expert_params)
-                    c_e += gemv_seconds(rb, flops, hw.cpu_experts_rate, hw.cpu_gflops)
+                    c_e += gemv_seconds(rb, flops, hw.cpu_experts_rate, hw.cpu_gflops) + HOST_EXPERTS_CALL_S
                     nbytes["cpu experts"] += rb
                     if hw.has_gpu:
-                        x_e += 2 * hop_seconds(b * cfg.hidden_size * 4, hw) + HOST_EXPERTS_CALL_S
+                        x_e += 2 * hop_seconds(b * cfg.hidden_size * 4, hw)
                 elif split_experts(pl):
                     g_e += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b), gpu_gflops)
                     nbytes["gpu weights"] += rb
@@ -201,6 +208,8 @@ def decode_step(
         if layer >= 0:  # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
             over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else \
                 hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S
+            if cfg.moe_layers[layer]:
+                over += MOE_LAYER_OVERHEAD_S
         e = max(g_e, c_e + x_e)
         if sub_batches == 1:
             t = max(g_lin + max(g_att, c_att + x_att) + e, p + s_up, d) + c_w + x_w + over
@@ -294,7 +303,8 @@ def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan
         return f"CPU weights: {gb(key)} of {dt} at {hw.cpu_gemv_gbps:.0f} GB/s" + share
     if key == "cpu experts":
         dt = cpu_dtype(gpu_dtype, Kind.EXPERTS).value
-        return f"CPU experts: {gb(key)} of {dt} experts at {hw.cpu_experts_rate:.0f} GB/s" + share
+        return (f"CPU experts: {gb(key)} of {dt} experts at {hw.cpu_experts_rate:.0f} GB/s, and "
+                f"{HOST_EXPERTS_CALL_S * 1e6:.0f} µs a layer to start the CPU's call" + share)
     if key == "pcie weights":
         return f"PCIe weight streaming: {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
     if key == "pcie kv":
