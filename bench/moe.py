@@ -52,7 +52,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     import hetero
     from hetero.random_weights import random_shape
     from hetero.random_weights import RandomCheckpoint
-    from planner.cost import decode_step
+    from planner.cost import decode_step, prefill_seconds
 
     cfg = random_shape(shape)
     torch.cuda.reset_peak_memory_stats()
@@ -108,7 +108,9 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
              f"{kv.gpu_dtype.value} / host {kv.host_tokens} {kv.host_dtype.value}; sub-batches {plan.sub_batches}",
         choices=[f"{c.setting}={c.value}: {c.reason}" for c in plan.choices],
         tok_s=batch / step, predicted_tok_s=batch / pred.seconds, bound_tok_s=batch / bound_s(prof, pred.nbytes),
-        prefill_tok_s=PROMPT / prefill_s, predicted_prefill_tok_s=plan.prediction.prefill_tok_s,
+        prefill_tok_s=PROMPT / prefill_s,
+        predicted_prefill_tok_s=PROMPT / prefill_seconds(cfg, prof, plan.placements, plan.kv, PROMPT, plan.workload.ubatch,
+                                                         plan.threads),
         prefill_bound_tok_s=PROMPT / bound_s(prof, prefill_cost.nbytes),
         bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, step_ms_all=[round(t * 1e3, 2) for t in times],
         terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()}, load_s=load_s,

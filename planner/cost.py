@@ -39,6 +39,13 @@ GENERAL_LOOP_OVERHEAD_S = 200e-6
 # beside the measurement.
 GRAPH_LAYER_OVERHEAD_S = 12e-6
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
+# A prefill chunk's MoE layers run their experts one at a time (offload/moe.py): per expert the
+# chunk routes to, the GPU's 4-bit GEMMs and gathers, and for a host expert also its copy's wait
+# and dequantization. Fitted on the H100 host, 2026-11-27 (bench/moe.py, a 512-token prompt of the
+# Qwen3-30B-A3B shape: 948 tok/s with every expert on the GPU, 549–574 with 72 of 128 a layer on
+# the host).
+PREFILL_EXPERT_S = 85e-6
+PREFILL_HOST_EXPERT_S = 190e-6
 # Per MoE layer whose experts are split between the devices: the host function's hand-off (the
 # driver's thread wakes, Numba's OpenMP threads wake from sleep for each of the kernel's parallel
 # passes) and its return to the stream. Fitted on the H100 host, 2026-11-27 (bench/moe.py, the
@@ -64,13 +71,10 @@ def read_bytes(g: Group, p: Placement, tokens: int) -> float:
     if g.kind is Kind.EMBED:
         return tokens * WDtype.BF16.nbytes(g.active_params)
     if g.kind is Kind.EXPERTS:
-        E = g.params // g.expert_params
-        k = round((g.active_params - g.small_params) / g.expert_params)
         if p.experts is not None:  # a part of a split group: the router goes with the device's part
-            touched = experts_touched(E, k, tokens) * len(p.experts) / E
-            return (router_bytes(g) if p.on_gpu else 0) + touched * expert_bytes(g, p.dtype)
+            return (router_bytes(g) if p.on_gpu else 0) + _touched(g, p, tokens) * expert_bytes(g, p.dtype)
         router = router_bytes(g)
-        return router + experts_touched(E, k, tokens) * (p.nbytes - router) / E
+        return router + _touched(g, p, tokens) * (p.nbytes - router) / (g.params // g.expert_params)
     return p.nbytes
 
 
@@ -236,6 +240,7 @@ def prefill_seconds(
       split experts' host part: its experts the chunk routes to go up (h2d) and the GPU computes them
       (offload/moe.py streams them for chunks of more than 64 rows; a shorter chunk is computed as
       the CPU's, like a decode step)
+      gpu   += experts the chunk routes to · PREFILL_EXPERT_S (PREFILL_HOST_EXPERT_S for a host one)
       h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
       d2h    = host-tier KV of the chunk / PCIe
       t      = max(gpu, h2d, d2h) + cpu + L · overhead                           (copies double-buffered)
@@ -246,6 +251,7 @@ def prefill_seconds(
     kv_bf16 = kv_bytes_per_token_layer(cfg, KVDtype.BF16, kv.block_size)
     active_gpu = active_cpu = streamed = cpu_bytes = host_experts = 0.0
     host_parts: list[tuple[Group, Placement]] = []
+    moe_parts: list[tuple[Group, Placement]] = []
     for layer, groups in pairs.items():
         for g, pl in groups:
             if g.kind is Kind.EMBED:
@@ -255,6 +261,8 @@ def prefill_seconds(
                 act = act * len(pl.experts) / (g.params // g.expert_params)
             if g.kind is Kind.LM_HEAD:
                 act = act / ubatch  # logits of the chunk's last token only
+            if g.kind is Kind.EXPERTS:
+                moe_parts.append((g, pl))
             if split_experts(pl) and pl.mode is Mode.CPU:
                 host_experts += act
                 host_parts.append((g, pl))
@@ -272,6 +280,8 @@ def prefill_seconds(
             total += (2.0 * u * (active_gpu + active_cpu + host_experts) + attn_flops) / (hw.cpu_gflops * GB)
         else:
             gpu = (2.0 * u * (active_gpu + host_experts) + attn_flops) / (PREFILL_MFU * hw.gpu_tflops * 1e12)
+            gpu += sum(_touched(g, pl, u) * (PREFILL_HOST_EXPERT_S if pl.mode is Mode.CPU and split_experts(pl)
+                                               else PREFILL_EXPERT_S) for g, pl in moe_parts)
             cpu = min(2.0 * u * active_cpu / (hw.cpu_gflops * GB), cpu_bytes / (hw.pcie_h2d_gbps * GB))
             up = sum(read_bytes(g, pl, u) for g, pl in host_parts)
             host_before = max(0, s - kv.gpu_tokens)
@@ -281,6 +291,13 @@ def prefill_seconds(
             total += max(gpu, h2d, d2h) + cpu + L * hw.layer_overhead_s
         s += u
     return total
+
+
+def _touched(g: Group, p: Placement, tokens: int) -> float:
+    """Experts of placement p (a whole experts group or a split part) that `tokens` tokens route to."""
+    E = g.params // g.expert_params
+    k = round((g.active_params - g.small_params) / g.expert_params)
+    return experts_touched(E, k, tokens) * (len(p.experts) if p.experts is not None else E) / E
 
 
 def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan, sub_batches: int, threads: int,
