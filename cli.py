@@ -169,9 +169,10 @@ _register_planner()
 
 
 def _register_app() -> None:
-    from hetero.app.commands import bench_cmd, monitor_cmd, serve_cmd
+    from hetero.app.commands import bench_cmd, monitor_cmd, profile_experts_cmd, serve_cmd
 
     app.command("serve")(serve_cmd)
+    app.command("profile-experts")(profile_experts_cmd)
     app.command("monitor")(monitor_cmd)
     app.command("bench")(bench_cmd)
 

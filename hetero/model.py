@@ -54,6 +54,7 @@ class LayerWeights:
     # The whole feed-forward, h [N, H] → [N, H], when it is computed elsewhere (offload.host_compute:
     # by the CPU, from host copies of the weights above); None: this module's math over the fields above.
     ffn: Linear | None = None
+    routed: torch.Tensor | None = None  # MoE: [E] how often each expert was routed to, while counting
 
 
 class FusedLayer(Protocol):
@@ -263,6 +264,8 @@ def feed_forward(c: ModelConfig, lw: LayerWeights, h: torch.Tensor, silu_mul=Non
 def _moe(c: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(F.linear(h.float(), lw.router.float()), dim=-1)  # [N, E]
     w, idx = probs.topk(c.num_experts_per_tok, dim=-1)
+    if lw.routed is not None:
+        lw.routed += torch.bincount(idx.reshape(-1), minlength=c.num_experts).to(lw.routed.device)
     if c.norm_topk_prob:
         w = w / w.sum(-1, keepdim=True)
     out = torch.zeros_like(h)

@@ -21,6 +21,7 @@ share is a plain call (and the streamed path the same arithmetic without the cop
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -98,6 +99,7 @@ class MoEFeedForward:
         # rows a step may have with nothing read back to the host (`Model.capturable`)
         self.graph_rows = self.GROUPED_ROWS if device_experts is None or device_experts.stacked is not None else 0
         self.stream_rows = self.GROUPED_ROWS + 1  # rows from which the host's int4 experts go up (prefill)
+        self.routed: torch.Tensor | None = None  # [E] how often each expert was routed to, while counting
         self.out_features = cfg.hidden_size
         self.norm_topk = cfg.norm_topk_prob
         self.k = k
@@ -115,6 +117,8 @@ class MoEFeedForward:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h.to(self.router.dtype), self.router).float()  # [N, E]
         top, idx = logits.topk(self.k, dim=-1)  # the softmax's top-k are the logits'
+        if self.routed is not None:
+            self.routed += torch.bincount(idx.reshape(-1), minlength=self.cfg.num_experts)
         if self.norm_topk:  # softmax, then the top k renormalised: the softmax of the top k
             w = torch.softmax(top, dim=-1)
         else:
@@ -240,3 +244,17 @@ def _linear_int4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, piec
     rows = max(1, piece // (2 * codes.shape[1]))
     return torch.cat([F.linear(x, dequantize_int4(codes[a: a + rows], scale[a: a + rows], x.dtype))
                       for a in range(0, codes.shape[0], rows)], dim=-1)
+
+
+def count_routing(model) -> Callable[[], dict[int, list[float]]]:
+    """Start counting how often each expert of each MoE layer of `model` is routed to; the returned
+    function reads the counts so far (layer → per expert)."""
+    counters = {}
+    for i, lw in enumerate(model.layers):
+        # the layer's router: in a MoEFeedForward, in the host's copy of a layer the CPU computes
+        # whole (offload.host_compute.HostFFN), or in the layer's own weights
+        owner = lw.ffn if isinstance(lw.ffn, MoEFeedForward) else getattr(lw.ffn, "host", lw)
+        if getattr(owner, "router", None) is not None:
+            owner.routed = torch.zeros(model.cfg.num_experts, dtype=torch.int64, device=owner.router.device)
+            counters[i] = owner
+    return lambda: {i: o.routed.tolist() for i, o in counters.items()}

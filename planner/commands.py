@@ -22,6 +22,7 @@ from planner.options import budget_from, overrides_from
 from planner.plan import Workload
 from planner.profile import HardwareProfile, cache_path, implausible, load_or_measure
 from planner.report import render, to_json
+from planner.experts import routing_for
 from planner.search import plan
 from planner.tensors import total_params
 from planner.units import format_size as fs
@@ -83,7 +84,7 @@ def plan_cmd(
         ov = overrides_from(device=device, weights=weights, kv_dtype=kv_dtype, gpu_kv_dtype=gpu_kv_dtype,
                             threads=threads, sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens,
                             weight_mode=weight_mode, stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe)
-        p = plan(cfg, hw, budget, wl, ov)
+        p = plan(cfg, hw, budget, wl, ov, routing_for(checkpoint["path"], cfg))
     except UserError as e:
         _fail(e)
     notes += [f"the hardware profile looks implausible: {n}; its predictions may be off — run `hetero profile "

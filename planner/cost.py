@@ -171,7 +171,7 @@ def decode_step(
                 rb = read_bytes(g, pl, b)
                 flops = 2.0 * g.active_params * b
                 if split_experts(pl) and pl.mode is Mode.CPU:  # beside the GPU's experts, off the GIL
-                    flops *= len(pl.experts) / (g.params // g.expert_params)
+                    flops *= pl.share if pl.share is not None else len(pl.experts) / (g.params // g.expert_params)
                     c_e += gemv_seconds(rb, flops, hw.cpu_experts_rate, hw.cpu_gflops) + HOST_EXPERTS_CALL_S
                     nbytes["cpu experts"] += rb
                     if hw.has_gpu:
@@ -258,7 +258,7 @@ def prefill_seconds(
                 continue
             act = g.params + g.small_params if g.kind is not Kind.EXPERTS else g.active_params
             if split_experts(pl):
-                act = act * len(pl.experts) / (g.params // g.expert_params)
+                act = act * (pl.share if pl.share is not None else len(pl.experts) / (g.params // g.expert_params))
             if g.kind is Kind.LM_HEAD:
                 act = act / ubatch  # logits of the chunk's last token only
             if g.kind is Kind.EXPERTS:
@@ -297,7 +297,9 @@ def _touched(g: Group, p: Placement, tokens: int) -> float:
     """Experts of placement p (a whole experts group or a split part) that `tokens` tokens route to."""
     E = g.params // g.expert_params
     k = round((g.active_params - g.small_params) / g.expert_params)
-    return experts_touched(E, k, tokens) * (len(p.experts) if p.experts is not None else E) / E
+    if p.experts is None:
+        return experts_touched(E, k, tokens)
+    return experts_touched(E, k, tokens) * (p.share if p.share is not None else len(p.experts) / E)
 
 
 def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan, sub_batches: int, threads: int,

@@ -39,6 +39,9 @@ class Placement:
     # experts groups split between the devices: the experts (indices in the layer) this placement
     # holds; the device's also holds the router. None: the whole group.
     experts: tuple[int, ...] | None = None
+    # of a split layer's routed slots, the share its experts took in the routing statistics
+    # (`planner.experts`); None: as many as its experts are of the layer's (uniform routing)
+    share: float | None = None
 
     @property
     def name(self) -> str:
@@ -202,7 +205,8 @@ class Plan:
             placements=tuple(
                 Placement(p["layer"], Kind(p["kind"]), Device(p["device"]), WDtype(p["dtype"]),
                           Mode(p["mode"]), p["nbytes"],
-                          None if p.get("experts") is None else tuple(p["experts"])) for p in d["placements"]
+                          None if p.get("experts") is None else tuple(p["experts"]), p.get("share"))
+                for p in d["placements"]
             ),
             kv=_load(KVPlan, d["kv"], gpu_dtype=KVDtype, host_dtype=KVDtype),
             workload=_load(Workload, d["workload"]), budget=_load(Budget, d["budget"]),

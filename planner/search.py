@@ -57,7 +57,9 @@ class _Candidate:
 def plan(
     model_cfg: ModelConfig, hardware: HardwareProfile, budget: Budget | None = None,
     workload: Workload | None = None, overrides: Overrides | None = None,
+    routing: dict[int, list[float]] | None = None,
 ) -> Plan:
+    """routing: a MoE model's routing statistics (`planner.experts`), layer → per-expert counts."""
     cfg, hw, ov = model_cfg, hardware, overrides or Overrides()
     choices: list[Choice] = []
     wl = workload or Workload(ctx_size=0)
@@ -103,7 +105,8 @@ def plan(
     gpu_dtypes = [ov.gpu_kv_dtype] if ov.gpu_kv_dtype else (every if device is Device.CUDA else [stand_in])
 
     def run(ov_: Overrides, host_dtype: KVDtype, gpu_dtype: KVDtype) -> _Candidate:
-        return _search(cfg, hw, budget, wl, ov_, device, weights, threads, block, groups, gpu_dtype, host_dtype)
+        return _search(cfg, hw, budget, wl, ov_, device, weights, threads, block, groups, gpu_dtype, host_dtype,
+                       routing)
 
     scored: dict[tuple[KVDtype, KVDtype], _Candidate] = {}
     errors: list[UserError] = []
@@ -152,7 +155,8 @@ def choose_kv_dtypes(scored: dict[tuple[KVDtype, KVDtype], _Candidate], batch: i
     return best, why
 
 
-def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gpu_kv_dtype, host_dtype) -> _Candidate:
+def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gpu_kv_dtype, host_dtype,
+            routing=None) -> _Candidate:
     """The best candidate for one (device tier, host tier) KV dtype pair, or UserError if none fits."""
     if device is Device.CPU:  # everything in host memory; a device tier only as a stand-in, when asked
         pl = tuple(Placement(g.layer, g.kind, Device.CPU, g.dtype_for(weights), Mode.CPU, g.nbytes(g.dtype_for(weights)))
@@ -191,7 +195,7 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     best, err = None, None
     for mode, (order_name, order), embed_gpu, reserve in itertools.product(modes, orders, (True, False), reserves):
         pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv - reserve, order, embed_gpu,
-                            ov.n_cpu_moe, split_ok)
+                            ov.n_cpu_moe, split_ok, routing)
         left = budget.gpu_bytes - work - staging - sum(p.nbytes for p in pl if p.on_gpu)
         if left < 0:
             need = work + staging + sum(p.nbytes for p in pl if p.on_gpu)
@@ -231,14 +235,14 @@ def _fits_host(cfg, hw, budget, wl, block, dtype: KVDtype, weight_bytes: int) ->
 
 def _fill(
     groups: list[Group], weights: WDtype, modes: tuple[Mode, Mode], cap: int, order: dict, embed_gpu: bool,
-    n_cpu_moe: int = 0, split_ok: bool = False,
+    n_cpu_moe: int = 0, split_ok: bool = False, routing: dict[int, list[float]] | None = None,
 ) -> tuple[tuple[Placement, ...], int]:
     """First fit in priority order; streamed weights need two GPU staging slots (double buffering,
     offload/weights.py) each as large as the largest layer's streamed groups together (the head —
     final norm and lm_head — counting as one layer), so refill with that reserved until stable.
 
     Experts the CPU computes (4-bit weights, split_ok) are placed one by one: the other groups
-    first, then what room is left (`planner.experts.spread_experts`)."""
+    first, then what room is left (`planner.experts.spread_experts`), the most routed to first."""
     split = split_ok and modes[0] is Mode.CPU and weights is WDtype.NF4
     cpu_experts = {i for i, g in enumerate(groups) if g.kind is Kind.EXPERTS and (g.layer < n_cpu_moe or split)}
     staging = 0
@@ -263,7 +267,7 @@ def _fill(
     out = []
     for i, g in enumerate(groups):
         if i in gpu_experts:
-            out += expert_parts(g, weights, gpu_experts[i])
+            out += expert_parts(g, weights, gpu_experts[i], (routing or {}).get(g.layer))
         elif i in on:
             dt = g.dtype_for(weights)
             out.append(Placement(g.layer, g.kind, Device.CUDA, dt, Mode.RESIDENT, g.nbytes(dt)))

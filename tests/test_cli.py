@@ -101,3 +101,14 @@ def test_piped_chat_answers_only(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and ">>>" not in r.stdout
+
+
+def test_profile_experts_says_what_is_wrong(folder, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\n")
+    code, out = run("profile-experts", str(folder), "--prompts", str(tmp_path / "missing.txt"))
+    assert code == 2 and "cannot read the prompts" in out
+    _no_traceback(out)
+    code, out = run("profile-experts", "--prompts", str(prompts), "--device", "cpu")  # the demo model
+    assert code == 2 and "not a mixture-of-experts model" in out
+    _no_traceback(out)

@@ -319,3 +319,41 @@ def test_experts_the_int4_kernel_cannot_take_stay_whole_groups_in_int8(tiny):
     assert len(parts) == 1 and parts[0].experts is None and parts[0].mode is Mode.CPU and parts[0].dtype is WDtype.INT8
     e = hetero.load(folder, device="cpu", plan=p, tokenizer=False, ctx_size=64)
     assert len([c.token for c in e.generate(PROMPTS[0], max_new_tokens=3, temperature=0.0)]) == 3
+
+
+# ------------------------------------------------------------------------------ routing statistics
+def test_profile_experts_counts_every_routed_slot(tiny, tmp_path):
+    from hetero.app.routing import profile_experts
+    from planner.experts import load_routing
+
+    folder = tiny("qwen3_moe_64")[0]
+    e = hetero.load(folder, device="cpu", tokenizer=False, ctx_size=64)
+    path, counts, tokens = profile_experts(e, PROMPTS, tmp_path / "r.json")
+    assert tokens == sum(map(len, PROMPTS)) and sorted(counts) == [0, 1, 2]
+    assert all(sum(c) == 2 * tokens and len(c) == 8 for c in counts.values())  # top-2 of 8 a token
+    assert load_routing(path, e.cfg) == {i: [float(x) for x in c] for i, c in counts.items()}
+    # counted the same through split layers (MoEFeedForward: its float path may flip a near tie)
+    sp = split_plan(forced_plan(folder), 8, SPLITS["half"], WDtype.F32)
+    e2 = hetero.load(folder, device="cpu", plan=sp, tokenizer=False, ctx_size=64)
+    split = profile_experts(e2, PROMPTS, tmp_path / "r2.json")[1]
+    assert split[0] == counts[0]
+    assert all(sum(split[i]) == sum(counts[i]) and sum(abs(a - b) for a, b in zip(split[i], counts[i])) <= 4
+               for i in counts)
+    with pytest.raises(hetero.UserError, match="do not match"):
+        load_routing(path, QWEN3_30B_A3B)
+
+
+def test_plan_keeps_the_most_routed_experts_on_the_gpu():
+    torch.manual_seed(0)
+    heat = {i: (torch.rand(128) ** 4 * 1000).tolist() for i in range(48)}  # a few experts take most slots
+    budget, wl = Budget(8 * 2**30, 100 * 2**30), Workload(4096)
+    uniform, hot = plan(QWEN3_30B_A3B, H100, budget, wl), plan(QWEN3_30B_A3B, H100, budget, wl, routing=heat)
+    for layer in range(48):
+        dev = next(x for x in hot.expert_placements(layer) if x.on_gpu)
+        n = len(dev.experts)
+        assert sorted(dev.experts) == sorted(sorted(range(128), key=lambda e: -heat[layer][e])[:n])
+        assert dev.share == pytest.approx(sum(heat[layer][e] for e in dev.experts) / sum(heat[layer]))
+        assert dev.share > n / 128
+    assert hot.prediction.decode_tok_s > 1.2 * uniform.prediction.decode_tok_s
+    assert "most routed" in next(c.reason for c in hot.choices if c.setting == "experts")
+    assert Plan.from_json(hot.to_json()) == hot

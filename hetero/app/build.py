@@ -25,6 +25,7 @@ from planner.options import WEIGHTS, budget_from, overrides_from
 from planner.plan import Device, Plan, Workload
 from planner.profile import load_or_estimate, load_or_measure
 from planner.report import summary_line
+from planner.experts import routing_for
 from planner.search import plan as make_plan
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ def load(
         check_vocab(cfg, len(tok.hf), path)
     defaults = defaults_from_generation_config(path if path.is_dir() else None)
     defaults = defaults.update(**(DEMO_SAMPLING if model is None else {})).update(**sampling)
-    p = _plan(cfg, plan, dev, ctx, parallel, gpu_mem, cpu_mem, weights=weights, kv_dtype=kv_dtype,
+    routing = None if isinstance(model, RandomCheckpoint) else routing_for(path, cfg)
+    p = _plan(cfg, plan, dev, ctx, parallel, gpu_mem, cpu_mem, routing, weights=weights, kv_dtype=kv_dtype,
               gpu_kv_dtype=gpu_kv_dtype, threads=threads, sub_batches=sub_batches, block_size=block_size,
               weight_mode=weight_mode, gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx),
               stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe)
@@ -180,9 +182,10 @@ def _kv_dtype(value: str, flag: str, cfg) -> KVDtype:
     return kv
 
 
-def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_mem, **options) -> Plan:
+def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_mem, routing, **options) -> Plan:
     """The saved plan, exactly, or the planner's for this machine and these options (on the CPU
-    from the cached profile or this host's facts: a CPU start never measures)."""
+    from the cached profile or this host's facts: a CPU start never measures); routing: the
+    model's saved routing statistics (`hetero profile-experts`), if any."""
     if plan is not None and options.get("n_cpu_moe"):
         raise UserError("--n-cpu-moe with --plan: a saved plan places the experts itself; make it with "
                         "`hetero plan --n-cpu-moe N --json`")
@@ -197,7 +200,7 @@ def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_me
     # a conversation that may fill the context: placements compare over the second half of it
     wl = Workload(ctx_size=ctx, batch=parallel, prompt_tokens=max(1, ctx // 2), gen_tokens=max(1, ctx - ctx // 2))
     ov = overrides_from(device=dev.type, **options)
-    return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), wl, ov)
+    return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), wl, ov, routing)
 
 
 def _device(device: str) -> torch.device:

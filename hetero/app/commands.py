@@ -158,3 +158,38 @@ def monitor_cmd(
         _fail(e)
     except KeyboardInterrupt:
         pass
+
+
+def profile_experts_cmd(
+    model_arg: Optional[str] = flags.model_arg(),
+    model: Optional[str] = flags.model(),
+    prompts: str = flags.option(..., "--prompts", metavar="FILE", help="prompts, one a line (plain text)"),
+    out: Optional[str] = flags.option(None, "-o", "--out", metavar="FILE",
+                                      help="where to write the statistics (default: where the planner looks)"),
+    ctx_size: int = flags.ctx_size(),
+    device: str = flags.device(),
+    gpu_mem: Optional[int] = flags.gpu_mem(),
+    threads: Optional[int] = flags.threads(),
+) -> None:
+    """Count how often each expert of a mixture-of-experts model is routed to over prompts; later plans
+    for the model keep the most used experts on the GPU."""
+    from pathlib import Path
+
+    import hetero
+    from hetero.app.routing import profile_experts
+
+    try:
+        try:
+            texts = Path(prompts).read_text().splitlines()
+        except OSError as e:
+            raise UserError(f"cannot read the prompts {prompts}: {e}") from e
+        engine = hetero.load(model or model_arg, ctx_size=ctx_size, device=device, gpu_mem=gpu_mem, threads=threads)
+        path, counts, tokens = profile_experts(engine, texts, Path(out) if out else None)
+    except UserError as e:
+        _fail(e)
+    k = engine.cfg.num_experts_per_tok
+    top = sorted(counts[min(counts)], reverse=True)
+    half = sum(top[: len(top) // 2]) / max(1, sum(top))
+    print(f"{tokens} tokens of {len(texts)} prompts routed to {k} of {engine.cfg.num_experts} experts a layer; "
+          f"in layer {min(counts)} the most used half took {100 * half:.0f}% of the slots")
+    print(f"wrote {path}: `hetero plan` and the engine now keep the most used experts on the GPU")
