@@ -69,6 +69,10 @@ def check_plan_supported(plan: Plan, device: torch.device | None = None) -> None
                             "use nf4 or bf16")
         if p.dtype is WDtype.INT4 and not (p.kind is Kind.EXPERTS and p.mode is Mode.CPU):
             raise UserError(f"plan: {p.name} is int4, the format of experts the CPU computes only: use int8 or nf4")
+        if p.experts is not None and p.mode is Mode.CPU and p.dtype is not WDtype.INT4 and \
+                (device is None or device.type == "cuda"):
+            raise UserError(f"plan: {p.name} has {p.dtype.value} host experts beside a GPU; the CPU computes a split "
+                            "layer's experts beside the GPU in int4: set their dtype to int4")
         if p.experts is not None and p.mode is Mode.STREAM:
             raise UserError(f"plan: {p.name} streams a part of a layer's experts; a split layer's host experts are "
                             "computed by the CPU: set its mode to cpu")

@@ -357,3 +357,18 @@ def test_plan_keeps_the_most_routed_experts_on_the_gpu():
     assert hot.prediction.decode_tok_s > 1.2 * uniform.prediction.decode_tok_s
     assert "most routed" in next(c.reason for c in hot.choices if c.setting == "experts")
     assert Plan.from_json(hot.to_json()) == hot
+
+
+def test_split_plans_the_runtime_cannot_run_are_refused(tiny):
+    from offload.placement import check_plan_supported
+
+    folder = tiny("qwen3_moe_64")[0]
+    p = split_plan(forced_plan(folder, weights=WDtype.NF4), 8, SPLITS["half"], WDtype.INT4)
+    check_plan_supported(p, torch.device("cpu"))
+    with pytest.raises(hetero.UserError, match="int4"):  # float host experts beside a GPU
+        check_plan_supported(split_plan(forced_plan(folder, weights=WDtype.NF4), 8, SPLITS["half"], WDtype.BF16),
+                             torch.device("cuda"))
+    streamed = dataclasses.replace(p, placements=tuple(
+        dataclasses.replace(x, mode=Mode.STREAM) if x.experts is not None and not x.on_gpu else x for x in p.placements))
+    with pytest.raises(hetero.UserError, match="int4, the format of experts the CPU computes"):
+        check_plan_supported(streamed, torch.device("cpu"))
