@@ -196,53 +196,62 @@ _TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}
 
 def _moe_layer(cfg: ModelConfig, layer: int, router: torch.Tensor, homes: list[Home], pair, get,
                device: torch.device, staging, threads: int | None):
-    """The layer's `MoEFeedForward`: the device's experts (stacked where NF4 on CUDA), the host's (int4,
-    quantized from the checkpoint's weights on the device where there is one, or torch linears)."""
-    from gpu_ops.nf4 import NF4Linear
-    from offload.moe import DeviceExperts, MoEFeedForward, TorchHostExperts
+    """The layer's `MoEFeedForward`: the device's experts and the host's, as `homes` says."""
+    from offload.moe import MoEFeedForward, TorchHostExperts
 
     on_dev = [e for e, h in enumerate(homes) if not h.host_computed]
     on_host = [e for e, h in enumerate(homes) if h.host_computed]
-    dx = None
-    if on_dev:
-        linears, stacked = [], None
-        for n, e in enumerate(on_dev):  # NF4 on CUDA: each expert's codes copied into the stacks as made
-            gu, dn = pair(e, homes[e])
-            parts = ((gu, "packed"), (gu, "absmax"), (dn, "packed"), (dn, "absmax"))
-            if device.type == "cuda" and isinstance(gu, NF4Linear) and isinstance(dn, NF4Linear):
-                if stacked is None:
-                    stacked = tuple(torch.empty((len(on_dev),) + getattr(lin, a).shape, dtype=getattr(lin, a).dtype,
-                                                device=device) for lin, a in parts)
-                for t, (lin, a) in zip(stacked, parts):
-                    t[n].copy_(getattr(lin, a))
-                    setattr(lin, a, t[n])  # the linear becomes a view of its stack
-            linears.append((gu, dn))
-        dx = DeviceExperts(on_dev, linears, stacked)
+    dx = _device_experts(on_dev, (pair(e, homes[e]) for e in on_dev), device) if on_dev else None
     host = None
-    if on_host:
-        hfmt = homes[on_host[0]].fmt
-        if hfmt is WeightFormat.INT4:
-            from cpu_attention.experts import HostExperts
-
-            from cpu_attention._numba import physical_cores
-
-            # one core fewer on CUDA: the main thread waits for the GPU (spinning) meanwhile
-            cores = threads or physical_cores()
-            zeros = np.zeros
-            if device.type == "cuda":  # page-locked: a prefill copies them up (offload.moe)
-                from offload import pinned
-
-                zeros = lambda shape, dt: pinned.zeros(shape, _TORCH[np.dtype(dt)]).numpy()  # noqa: E731
-            host = HostExperts(on_host, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                               max(1, cores - (device.type == "cuda")), zeros)
-            qdev = device if device.type == "cuda" else torch.device("cpu")  # a GPU quantizes faster
-            for j, e in enumerate(on_host):
-                x = f"model.layers.{layer}.mlp.experts.{e}."
-                gu = torch.cat([get(x + "gate_proj.weight").to(qdev), get(x + "up_proj.weight").to(qdev)])
-                host.set(j, gu, get(x + "down_proj.weight").to(qdev))
-        else:
-            host = TorchHostExperts(on_host, [pair(e, homes[e]) for e in on_host])
+    if on_host and homes[on_host[0]].fmt is WeightFormat.INT4:
+        host = _int4_experts(cfg, layer, on_host, get, device, threads)
+    elif on_host:
+        host = TorchHostExperts(on_host, [pair(e, homes[e]) for e in on_host])
     return MoEFeedForward(cfg, router.to(device), dx, host, device, staging)
+
+
+def _device_experts(experts: list[int], pairs, device: torch.device):
+    """The device's experts; NF4 on CUDA: also stacked for the grouped kernel, each expert's codes
+    copied into the stacks as it is made (`pairs` yields them one at a time) and its linears made
+    views of them."""
+    from gpu_ops.nf4 import NF4Linear
+    from offload.moe import DeviceExperts
+
+    linears, stacked = [], None
+    for n, (gu, dn) in enumerate(pairs):
+        parts = ((gu, "packed"), (gu, "absmax"), (dn, "packed"), (dn, "absmax"))
+        if device.type == "cuda" and isinstance(gu, NF4Linear) and isinstance(dn, NF4Linear):
+            if stacked is None:
+                stacked = tuple(torch.empty((len(experts),) + getattr(lin, a).shape, dtype=getattr(lin, a).dtype,
+                                            device=device) for lin, a in parts)
+            for t, (lin, a) in zip(stacked, parts):
+                t[n].copy_(getattr(lin, a))
+                setattr(lin, a, t[n])
+        linears.append((gu, dn))
+    return DeviceExperts(experts, linears, stacked)
+
+
+def _int4_experts(cfg: ModelConfig, layer: int, experts: list[int], get, device: torch.device, threads: int | None):
+    """The host's experts in int4 (`cpu_attention.experts`), quantized from the checkpoint's weights
+    on the GPU where there is one; page-locked beside a GPU (a prefill copies them up)."""
+    from cpu_attention._numba import physical_cores
+    from cpu_attention.experts import HostExperts
+
+    cuda = device.type == "cuda"
+    zeros = np.zeros
+    if cuda:
+        from offload import pinned
+
+        zeros = lambda shape, dt: pinned.zeros(shape, _TORCH[np.dtype(dt)]).numpy()  # noqa: E731
+    # one core fewer beside a GPU: the main thread waits for it (spinning) meanwhile
+    host = HostExperts(experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                       max(1, (threads or physical_cores()) - cuda), zeros)
+    qdev = device if cuda else torch.device("cpu")
+    for j, e in enumerate(experts):
+        x = f"model.layers.{layer}.mlp.experts.{e}."
+        gu = torch.cat([get(x + "gate_proj.weight").to(qdev), get(x + "up_proj.weight").to(qdev)])
+        host.set(j, gu, get(x + "down_proj.weight").to(qdev))
+    return host
 
 
 def kernels_for(device: torch.device) -> tuple[FusedLayer | None, ElementwiseOps | None]:
