@@ -24,7 +24,16 @@ def summary_line(p: Plan) -> str:
     if p.device is Device.CPU:
         return (f"on the CPU: {p.weights.value} weights {fs(total)} · KV {format_tokens(kv.host_tokens)} "
                 f"{kv.host_dtype.value} a sequence · {p.threads} threads")
-    return (f"offloaded {p.gpu_layers}/{p.num_layers} layers' weights to GPU "
+    split = [len(x.experts) for x in p.placements if x.experts is not None and x.on_gpu]
+    if split:  # a MoE plan placed expert by expert: the layers whose other weights are all on the GPU
+        off = {x.layer for x in p.placements if x.layer >= 0 and not x.on_gpu and x.experts is None}
+        first = next(x.layer for x in p.placements if x.experts is not None)
+        E = sum(len(x.experts) for x in p.expert_placements(first))
+        layers = (f"{p.num_layers - len(off)}/{p.num_layers} layers ({min(split)}–{max(split)} of their {E} "
+                  "experts each)")
+    else:
+        layers = f"{p.gpu_layers}/{p.num_layers} layers' weights"
+    return (f"offloaded {layers} to GPU "
             f"({fs(m.gpu_weights)} of {fs(total)}) · "
             f"KV {format_tokens(kv.gpu_tokens)} GPU / {format_tokens(kv.host_tokens)} CPU · "
             f"{100 * p.prediction.cpu_share:.0f}%/{100 * p.prediction.gpu_share:.0f}% CPU/GPU")

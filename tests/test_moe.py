@@ -194,6 +194,7 @@ def test_plan_report_says_how_many_experts_sit_where():
     text = con.export_text()
     n = len(p.expert_placements(47)[0].experts)
     assert f"experts {n}/128 + router" in text and f"experts {128 - n}/128" in text
+    assert "offloaded 48/48 layers (55–56 of their 128 experts each) to GPU" in text
 
 
 def test_n_cpu_moe_keeps_the_first_layers_experts_on_the_host():
