@@ -52,6 +52,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     import hetero
     from hetero.random_weights import random_shape
     from hetero.random_weights import RandomCheckpoint
+    from offload.moe import experts_scratch
     from planner.cost import decode_step, prefill_seconds
 
     cfg = random_shape(shape)
@@ -83,12 +84,16 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
         pos = [p + 1 for p in pos]
     torch.cuda.synchronize()
     times = []
+    experts0 = runner.metrics.total.cpu_experts
     for _ in range(steps):
         t = time.perf_counter()
         runner.decode(seqs, toks, pos)
         times.append(time.perf_counter() - t)
         pos = [p + 1 for p in pos]
     step = statistics.median(times)
+    torch.cuda.synchronize()
+    scratch = experts_scratch(runner.model)  # what the last timed step's CPU experts added since it was recorded
+    cpu_experts = (runner.metrics.total.cpu_experts - experts0 + (scratch.take_seconds() if scratch else 0.0)) / steps
     if trace is not None:  # the GPU kernels of two more steps, by time
         from torch.profiler import ProfilerActivity, profile
 
@@ -112,7 +117,8 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
         predicted_prefill_tok_s=PROMPT / prefill_seconds(cfg, prof, plan.placements, plan.kv, PROMPT, plan.workload.ubatch,
                                                          plan.threads),
         prefill_bound_tok_s=PROMPT / bound_s(prof, prefill_cost.nbytes),
-        bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, step_ms_all=[round(t * 1e3, 2) for t in times],
+        bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, cpu_experts_ms=cpu_experts * 1e3,
+        step_ms_all=[round(t * 1e3, 2) for t in times],
         terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()}, load_s=load_s,
         peak_gpu_gib=torch.cuda.max_memory_allocated() / GiB,
         graph=runner.graph_step is not None and getattr(runner.graph_step, "decoder", None) is not None,
@@ -156,14 +162,15 @@ def main() -> None:
     (args.out / "moe.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
     print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · CPU int4 experts "
           f"{prof.cpu_experts_gbps:.1f} GB/s · PCIe h2d {prof.pcie_h2d_gbps:.1f} GB/s · {prof.physical_cores} cores")
-    print(f"{'row':14} {'decode':>7} {'target':>6} {'pred':>7} {'bound':>7} {'prefill':>8} {'target':>6} {'pred':>7} "
-          f"{'bound':>7} {'peak GiB':>9}  plan")
+    print(f"{'row':14} {'decode':>7} {'target':>6} {'pred':>7} {'bound':>7} {'step ms':>7} {'CPU exp':>7} {'prefill':>8} "
+          f"{'target':>6} {'pred':>7} {'bound':>7} {'peak GiB':>9}  plan")
     for r in rows:
         if "error" in r:
             print(f"{r['name']:14} ERROR {r['error'][-400:]}")
             continue
         print(f"{r['name']:14} {r['tok_s']:7.1f} {r['target']:6.0f} {r['predicted_tok_s']:7.1f} {r['bound_tok_s']:7.1f} "
-              f"{r['prefill_tok_s']:8.0f} {r['prefill_target']:6.0f} {r['predicted_prefill_tok_s']:7.0f} "
+              f"{r['step_ms']:7.2f} {r['cpu_experts_ms']:7.2f} {r['prefill_tok_s']:8.0f} {r['prefill_target']:6.0f} "
+              f"{r['predicted_prefill_tok_s']:7.0f} "
               f"{r['prefill_bound_tok_s']:7.0f} {r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2}  {r['plan']}"
               f"{' graph' if r['graph'] else ''}")
 

@@ -14,6 +14,7 @@ point. `Scratch` is what a call needs besides the weights (one serves every laye
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import torch
@@ -28,6 +29,18 @@ def _kernels():
 
     _numba.configure()
     return experts_kernels
+
+
+@functools.cache
+def tsc_hz() -> float:
+    """Time-stamp cycles a second (the C entry point's clock), measured once over 20 ms."""
+    from numba import njit
+
+    cycles = _kernels().cycles
+    read = njit(lambda: cycles())  # noqa: E731
+    c0, t0 = read(), time.perf_counter()
+    time.sleep(0.02)
+    return (read() - c0) / (time.perf_counter() - t0)
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +107,15 @@ class Scratch:
         self.xsum, self.asum = np.zeros((max_rows, hidden // GROUP), np.float32), np.zeros((P, inter // GROUP), np.float32)
         self.xq, self.aq = np.zeros((max_rows, hidden), np.int8), np.zeros((P, inter), np.int8)
         self.xcorr, self.acorr = np.zeros((max_rows, hidden // 8), np.int32), np.zeros((P, inter // 8), np.int32)
+        self.cycles = np.zeros(1, np.int64)  # time-stamp cycles of the calls through the C entry point
+        self.seconds = 0.0  # time of the calls made from Python
+
+    def take_seconds(self) -> float:
+        """The calls' time since the last take (the C entry point's cycles at `tsc_hz`)."""
+        n = int(self.cycles[0])
+        self.cycles[0] -= n
+        t, self.seconds = self.seconds + n / tsc_hz(), 0.0
+        return t
 
 
 class HostExperts:
@@ -132,8 +154,10 @@ class HostExperts:
         resolve_threads(self.threads)
         sc = scratch
         kn = _kernels()
+        t = time.perf_counter()
         kn.run(x, ids, w, self.gu_q, self.gu_s, self.d_q, self.d_s, sc.tok, sc.pws, sc.starts, sc.gexp, sc.act, out,
                sc.xsum, sc.asum, sc.xq, sc.xcorr, sc.aq, sc.acorr, kn.vnni_shapes(self.H, self.F))
+        sc.seconds += time.perf_counter() - t
 
     def _check(self, rows: int, scratch: Scratch) -> None:
         if rows > scratch.max_rows or len(self.experts) > scratch.gexp.shape[0]:
@@ -156,7 +180,8 @@ class HostExperts:
             arrays = {kn.X_: x, kn.IDS_: ids, kn.W_: w, kn.GUQ_: self.gu_q, kn.GUS_: self.gu_s, kn.DQ_: self.d_q,
                       kn.DS_: self.d_s, kn.TOK_: sc.tok, kn.PWS_: sc.pws, kn.STARTS_: sc.starts,
                       kn.GEXP_: sc.gexp, kn.ACT_: sc.act, kn.OUT_: out, kn.XSUM_: sc.xsum,
-                      kn.ASUM_: sc.asum, kn.XQ_: sc.xq, kn.XCORR_: sc.xcorr, kn.AQ_: sc.aq, kn.ACORR_: sc.acorr}
+                      kn.ASUM_: sc.asum, kn.XQ_: sc.xq, kn.XCORR_: sc.xcorr, kn.AQ_: sc.aq, kn.ACORR_: sc.acorr,
+                      kn.CYCLES_: sc.cycles}
             for i, v in vals.items():
                 d[i] = v
             for i, a in arrays.items():

@@ -12,7 +12,8 @@ Where the shapes allow (`vnni_shapes`), x and act are quantized to int8 a group 
 each row's dot product is integer vector code (`_simd_q4`: vpdpbusd on AVX-512 VNNI): the float
 path converts every code to float32 and is compute-bound at a third of DRAM's rate on the GPU host.
 
-`run_descriptor` is the same call behind a C entry point (`entry_address`): the CUDA driver calls
+`run_descriptor` is the same call behind a C entry point, adding its time-stamp cycles to a counter
+the engine's timers read, (`entry_address`): the CUDA driver calls
 it from a stream (a host node of the step's graph, `cuLaunchHostFunc`) with a pointer to an int64
 descriptor holding the arrays' addresses and shapes, so it runs without Python and without the GIL
 while the GPU computes its own experts.
@@ -206,7 +207,19 @@ def _ptr(typingctx, addr, kind):
 
 # descriptor fields (int64): the shapes, then the arrays' addresses
 (N_, K_, H_, F_, E_, THREADS_, X_, IDS_, W_, GUQ_, GUS_, DQ_, DS_, TOK_, PWS_, STARTS_, GEXP_, ACT_, OUT_, XSUM_, ASUM_,
- XQ_, XCORR_, AQ_, ACORR_, VNNI_, FIELDS) = range(27)
+ XQ_, XCORR_, AQ_, ACORR_, VNNI_, CYCLES_, FIELDS) = range(28)
+
+
+@intrinsic
+def cycles(typingctx):
+    """The CPU's time-stamp counter (LLVM's readcyclecounter: rdtsc on x86)."""
+    def codegen(context, builder, signature, args):
+        from llvmlite import ir
+
+        fn = builder.module.declare_intrinsic("llvm.readcyclecounter", fnty=ir.FunctionType(ir.IntType(64), []))
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
 
 
 @njit(nogil=True, fastmath=JIT["fastmath"])  # not cached: it reads addresses
@@ -234,8 +247,11 @@ def run_descriptor(d):
     xcorr = carray(_ptr(d[XCORR_], i32), (N, H // 8))
     aq = carray(_ptr(d[AQ_], i8), (N * K, F))
     acorr = carray(_ptr(d[ACORR_], i32), (N * K, F // 8))
+    spent = carray(_ptr(d[CYCLES_], i64), (1,))  # where the call's time-stamp cycles add up
+    t0 = cycles()
     run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr,
         d[VNNI_] != 0)
+    spent[0] += cycles() - t0
 
 
 @cfunc(types.void(types.CPointer(types.int64)), nogil=True)

@@ -258,3 +258,9 @@ def count_routing(model) -> Callable[[], dict[int, list[float]]]:
             owner.routed = torch.zeros(model.cfg.num_experts, dtype=torch.int64, device=owner.router.device)
             counters[i] = owner
     return lambda: {i: o.routed.tolist() for i, o in counters.items()}
+
+
+def experts_scratch(model):
+    """The host experts' shared scratch of `model` (its clock: `Scratch.take_seconds`), or None."""
+    return next((lw.ffn.staging.scratch for lw in model.layers
+                 if isinstance(lw.ffn, MoEFeedForward) and lw.ffn.staging is not None), None)

@@ -30,6 +30,7 @@ from hetero.model import Model
 from offload import rows
 from offload.graphs import Captured, SegmentGraphs
 from offload.kv_cache import Slots, TieredKVCache
+from offload.moe import experts_scratch
 from offload.prefill import Prefill
 from offload.steps import GraphStep, LeanStep, PipelinedStep
 from offload.stream import KVStreamer
@@ -123,6 +124,7 @@ class Runner(Prefill):
         self.graph_step = GraphStep() if all_device else None
         self.lean_step = LeanStep() if driver_loop and self.segments is not None else None
         self.pipelined_step = PipelinedStep()
+        self._experts = experts_scratch(model)  # the CPU's MoE experts' clock (None: none)
 
     # ================================================================== decode
     @torch.inference_mode()
@@ -357,6 +359,8 @@ class Runner(Prefill):
         return have
 
     def _record(self, st: StepTimes) -> None:
+        if self._experts is not None:
+            st.cpu_experts = self._experts.take_seconds()
         m = self.metrics
         m.add(st)
         m.kv_gpu_tokens, m.kv_host_tokens = self.cache.tier_tokens()

@@ -1,8 +1,9 @@
 """Step timers and counters the engine exposes (and the monitor will draw).
 
 Per decode step: wall time, the GPU segments' time (CUDA events, when detailed timing is on),
-the CPU attention kernels' time (measured in the worker), the time the main thread waited
-for the CPU, transfer time, and bytes moved each way.
+the CPU attention kernels' time (measured in the worker), the CPU's MoE experts' time (their
+kernel's own clock), the time the main thread waited for the CPU, transfer time, and bytes moved
+each way.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ class StepTimes:
     wall: float = 0.0
     gpu: float = 0.0  # GPU segments (projections, MLP, GPU attention), from CUDA events
     cpu_attention: float = 0.0  # host-tier attention kernels, in the worker thread
+    # MoE experts the host computes (offload/moe.py), since the last step was recorded: a step run
+    # as a CUDA graph may still be computing when it is, so a step's time can land in the next
+    cpu_experts: float = 0.0
     wait: float = 0.0  # main thread blocked on the CPU's share
     transfer: float = 0.0  # CUDA events on the copy streams: q/k/v down and (o, lse) up outside the
     # layer graphs, and host KV blocks and weights copied up a layer ahead (these overlap the rest)
@@ -29,7 +33,7 @@ class StepTimes:
     @property
     def idle(self) -> float:
         """Wall time neither device was known busy: wall − max(GPU, CPU) − transfers."""
-        return max(0.0, self.wall - max(self.gpu, self.cpu_attention) - self.transfer)
+        return max(0.0, self.wall - max(self.gpu, self.cpu_attention + self.cpu_experts) - self.transfer)
 
 
 @dataclass
@@ -44,7 +48,8 @@ class Metrics:
 
     def add(self, s: StepTimes) -> None:
         self.last, self.steps = s, self.steps + 1
-        for f in ("wall", "gpu", "cpu_attention", "wait", "transfer", "d2h_bytes", "h2d_bytes", "tokens"):
+        for f in ("wall", "gpu", "cpu_attention", "cpu_experts", "wait", "transfer", "d2h_bytes", "h2d_bytes",
+                  "tokens"):
             setattr(self.total, f, getattr(self.total, f) + getattr(s, f))
 
     @property

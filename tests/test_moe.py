@@ -89,6 +89,7 @@ def test_int4_host_experts_stay_near_transformers(moe):
     sp = split_plan(p, E, SPLITS["half"], WDtype.INT4)
     e, _, logits = _run(folder, sp, n=4)
     assert all(isinstance(lw.ffn.host, HostExperts) for lw in e.model.layers)
+    assert e.runner.metrics.total.cpu_experts > 0  # the engine's timers count the CPU's experts
     err = rel_err(logits, theirs)
     nf4 = _run(folder, forced_plan(folder, weights=WDtype.NF4), n=1)[2]
     assert 1e-4 < err < min(0.3, rel_err(nf4, theirs))
@@ -134,8 +135,10 @@ def test_int4_kernel_matches_its_float64_twin(N, H, F):
 
     out2 = np.full((N, H), np.nan, np.float32)
     d = he.descriptor(x.numpy(), ids.numpy(), w.numpy(), out2, sc)
+    sc.take_seconds()
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(experts_kernels.entry_address())(d.ctypes.data)
     assert np.array_equal(out, out2)
+    assert sc.cycles[0] > 0 and 0 < sc.take_seconds() < 10 and sc.cycles[0] == 0  # its own clock, read once
 
 
 def test_int4_linear_by_pieces_of_rows():

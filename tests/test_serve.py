@@ -263,7 +263,8 @@ def test_metrics_parse_and_carry_the_names(server):
     for n in ["hetero:num_requests_running", "hetero:num_requests_waiting", "hetero:prompt_tokens_total",
               "hetero:generation_tokens_total", "hetero:time_to_first_token_seconds_bucket",
               "hetero:inter_token_latency_seconds_bucket", "hetero:kv_cache_tokens", "hetero:kv_cache_usage_perc",
-              "hetero:transfer_bytes_total", "hetero:cpu_attention_busy_ratio", "hetero:gpu_busy_ratio",
+              "hetero:transfer_bytes_total", "hetero:cpu_attention_busy_ratio", "hetero:cpu_experts_busy_ratio",
+              "hetero:gpu_busy_ratio",
               "hetero:plan_kv_tokens_per_seq", "hetero:plan_info"]:
         assert n in names, n
     assert m[("hetero:generation_tokens_total", ())] >= 3 and m[("hetero:prompt_tokens_total", ())] >= 1

@@ -140,7 +140,7 @@ class EngineLoop:
 
     def _step(self, sched: Scheduler, active: dict[int, Request]) -> None:
         m = self.engine.metrics.total
-        before = (m.cpu_attention, m.gpu, m.h2d_bytes, m.d2h_bytes, sched.stats.prompt_tokens)
+        before = (m.cpu_attention, m.gpu, m.h2d_bytes, m.d2h_bytes, sched.stats.prompt_tokens, m.cpu_experts)
         drafted, accepted = sched.stats.drafted, sched.stats.accepted
         decode = not sched.waiting
         t0 = time.perf_counter()
@@ -163,7 +163,8 @@ class EngineLoop:
         self.live.step(prompt_tokens=sched.stats.prompt_tokens - before[4], generation_tokens=len(out), wall=wall,
                        decode=decode, cpu_attention=m.cpu_attention - before[0], gpu=gpu,
                        h2d=m.h2d_bytes - before[2], d2h=m.d2h_bytes - before[3],
-                       drafted=sched.stats.drafted - drafted, accepted=sched.stats.accepted - accepted)
+                       drafted=sched.stats.drafted - drafted, accepted=sched.stats.accepted - accepted,
+                       cpu_experts=m.cpu_experts - before[5])
         for seq, chunk in out:
             r = active.get(seq.id)
             if r is None:

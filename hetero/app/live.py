@@ -26,6 +26,7 @@ class Second:
     step_s: float = 0.0  # the engine was inside a step
     decode_s: float = 0.0  # of which decode steps
     cpu_attention_s: float = 0.0
+    cpu_experts_s: float = 0.0
     gpu_s: float = 0.0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
@@ -39,6 +40,7 @@ class Totals:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     cpu_attention_s: float = 0.0
+    cpu_experts_s: float = 0.0
     gpu_s: float = 0.0
     step_s: float = 0.0
     draft_tokens: int = 0  # speculative decoding: tokens drafted, and of them kept
@@ -69,7 +71,7 @@ class LiveStats:
         return self.seconds[-1]
 
     def step(self, *, prompt_tokens: int, generation_tokens: int, wall: float, decode: bool, cpu_attention: float,
-             gpu: float, h2d: int, d2h: int, drafted: int = 0, accepted: int = 0) -> None:
+             gpu: float, h2d: int, d2h: int, drafted: int = 0, accepted: int = 0, cpu_experts: float = 0.0) -> None:
         with self._lock:
             s, tot = self._second(time.time()), self.totals
             s.prompt_tokens += prompt_tokens
@@ -77,6 +79,7 @@ class LiveStats:
             s.step_s += wall
             s.decode_s += wall if decode else 0.0
             s.cpu_attention_s += cpu_attention
+            s.cpu_experts_s += cpu_experts
             s.gpu_s += gpu
             s.h2d_bytes += h2d
             s.d2h_bytes += d2h
@@ -84,6 +87,7 @@ class LiveStats:
             tot.generation_tokens += generation_tokens
             tot.step_s += wall
             tot.cpu_attention_s += cpu_attention
+            tot.cpu_experts_s += cpu_experts
             tot.gpu_s += gpu
             tot.h2d_bytes += h2d
             tot.d2h_bytes += d2h
@@ -147,6 +151,7 @@ class LiveStats:
                 "h2d_bytes_s": rate("h2d_bytes", recent, span),
                 "d2h_bytes_s": rate("d2h_bytes", recent, span),
                 "cpu_attention_busy": min(1.0, rate("cpu_attention_s", recent, span)),
+                "cpu_experts_busy": min(1.0, rate("cpu_experts_s", recent, span)),
                 "gpu_busy": min(1.0, rate("gpu_s", recent, span)),
                 "engine_busy": min(1.0, rate("step_s", recent, span)),
                 "draft_acceptance": totals["accepted_tokens"] / totals["draft_tokens"] if totals["draft_tokens"] else 0.0,

@@ -105,6 +105,8 @@ def frame(s: dict, url: str, status: str = "connected") -> RenderableType:
     dev = Table.grid(padding=(0, 2))
     dev.add_row("CPU attention", _bar(r["cpu_attention_busy"], 10), "GPU", _bar(r["gpu_busy"], 10),
                 "engine", _bar(r["engine_busy"], 10))
+    if r.get("cpu_experts_busy"):  # a MoE model with experts on the CPU
+        dev.add_row("CPU experts", _bar(r["cpu_experts_busy"], 10), "", "", "", "")
     dev.add_row("PCIe", f"↑ {_size(r['h2d_bytes_s'])}/s host→device", "", f"↓ {_size(r['d2h_bytes_s'])}/s device→host")
     split = info.get("split", {})
     plan = Text(f"{info.get('plan') or info.get('kv_tiers', '')}\nKV per sequence: {_num(split.get('gpu', 0))} GPU / "

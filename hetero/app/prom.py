@@ -66,6 +66,8 @@ class _LiveCollector:
         yield moved
         yield _gauge("hetero:cpu_attention_busy_ratio", "Fraction of the last 10 s the CPU attention kernels ran.",
                      rates["cpu_attention_busy"])
+        yield _gauge("hetero:cpu_experts_busy_ratio", "Fraction of the last 10 s the CPU's MoE expert kernels ran "
+                     "(0 without experts on the CPU).", rates["cpu_experts_busy"])
         yield _gauge("hetero:gpu_busy_ratio", "Fraction of the last 10 s the GPU was busy (0 without a GPU).",
                      rates["gpu_busy"])
         yield _gauge("hetero:engine_busy_ratio", "Fraction of the last 10 s the engine spent in steps.",
