@@ -126,34 +126,50 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The flags of a benchmark whose rows each run in a fresh process (this one, bench.moe)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--quick", action="store_true", help="a quick profile (less exact rates)")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps a row")
     ap.add_argument("--only", default="", help="comma-separated row names")
     ap.add_argument("--profile", type=Path, help="a saved HardwareProfile JSON (default: measure now)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this row, print it
-    args = ap.parse_args()
+    return ap
+
+
+def run_rows(module: str, args: argparse.Namespace, names: list[str],
+             extra: list[str] = ()) -> tuple[HardwareProfile, list[dict]]:
+    """The profile (--profile, or measured now), made the cached one `hetero.load` plans with in each
+    row's process; then each row as `python3 -m MODULE --one NAME` in a fresh process (its output in
+    OUT/NAME.log), its ROW line parsed (the error's tail where there is none)."""
+    prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
+    prof_path = args.out / "profile.json"
+    prof_path.write_text(prof.to_json())
+    cache_path().parent.mkdir(parents=True, exist_ok=True)
+    cache_path().write_text(prof.to_json())
+    rows = []
+    for name in args.only.split(",") if args.only else names:
+        cmd = [sys.executable, "-m", module, "--one", name, "--profile", str(prof_path), "--out", str(args.out),
+               "--steps", str(args.steps), *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        (args.out / f"{name.replace('@', '_')}.log").write_text(r.stdout + r.stderr)
+        found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+        row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-3000:])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return prof, rows
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0]).parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
         prof = HardwareProfile.from_json(args.profile.read_text())
         row = next(r for r in ROWS if r[0] == args.one)
         print("ROW " + json.dumps(run_row(prof, *row, steps=args.steps)), flush=True)
         return
-    prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
-    prof_path = args.out / "profile.json"
-    prof_path.write_text(prof.to_json())
-    cache_path().parent.mkdir(parents=True, exist_ok=True)
-    cache_path().write_text(prof.to_json())  # what hetero.load plans with in each row's process
-    rows = []
-    for name in args.only.split(",") if args.only else [r[0] for r in ROWS]:
-        cmd = [sys.executable, "-m", "bench.budget", "--one", name, "--profile", str(prof_path), "--out", str(args.out)]
-        r = subprocess.run(cmd + ["--steps", str(args.steps)], capture_output=True, text=True)
-        found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
-        row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-3000:])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    prof, rows = run_rows("bench.budget", args, [r[0] for r in ROWS])
     (args.out / "budget.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
     print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · "
           f"PCIe h2d {prof.pcie_h2d_gbps:.1f} GB/s · {prof.physical_cores} cores")

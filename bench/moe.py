@@ -12,20 +12,17 @@ for the prompt's tokens). Each row runs in a fresh process.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 import torch  # noqa: E402
 
-from bench.budget import fill  # noqa: E402
-from planner.profile import HardwareProfile, cache_path, measure  # noqa: E402
+from bench.budget import arguments, fill, run_rows  # noqa: E402
+from planner.profile import HardwareProfile  # noqa: E402
 from planner.tensors import Kind  # noqa: E402
 
 GiB = 2**30
@@ -128,14 +125,8 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("bench-out"))
-    ap.add_argument("--quick", action="store_true", help="a quick profile (less exact rates)")
-    ap.add_argument("--steps", type=int, default=32, help="timed decode steps a row")
-    ap.add_argument("--only", default="", help="comma-separated row names")
-    ap.add_argument("--profile", type=Path, help="a saved HardwareProfile JSON (default: measure now)")
+    ap = arguments(__doc__.splitlines()[0])
     ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
-    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this row, print it
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
@@ -144,21 +135,7 @@ def main() -> None:
         trace = args.out / f"{args.one.replace('@', '_')}.trace.txt" if args.trace else None
         print("ROW " + json.dumps(run_row(prof, *row, steps=args.steps, trace=trace)), flush=True)
         return
-    prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
-    prof_path = args.out / "profile.json"
-    prof_path.write_text(prof.to_json())
-    cache_path().parent.mkdir(parents=True, exist_ok=True)
-    cache_path().write_text(prof.to_json())  # what hetero.load plans with in each row's process
-    rows = []
-    for name in args.only.split(",") if args.only else [r[0] for r in ROWS]:
-        cmd = [sys.executable, "-m", "bench.moe", "--one", name, "--profile", str(prof_path), "--out", str(args.out)]
-        r = subprocess.run(cmd + ["--steps", str(args.steps)] + (["--trace"] if args.trace else []),
-                           capture_output=True, text=True)
-        (args.out / f"{name.replace('@', '_')}.log").write_text(r.stdout + r.stderr)
-        found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
-        row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-3000:])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    prof, rows = run_rows("bench.moe", args, [r[0] for r in ROWS], ["--trace"] if args.trace else [])
     (args.out / "moe.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
     print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · CPU int4 experts "
           f"{prof.cpu_experts_gbps:.1f} GB/s · PCIe h2d {prof.pcie_h2d_gbps:.1f} GB/s · {prof.physical_cores} cores")
