@@ -49,12 +49,11 @@ class TorchHostExperts:
         self.experts, self.linears = experts, linears
 
     def __call__(self, x: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray, scratch=None) -> None:
-        xt, it, wt = torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w)
+        xt, wt, k = torch.from_numpy(x), torch.from_numpy(w).reshape(-1), ids.shape[1]
         acc = torch.zeros(out.shape, dtype=torch.float32)
-        for j in it[it >= 0].unique().tolist():
-            tok, slot = (it == j).nonzero(as_tuple=True)
+        for j, sel in by_expert(torch.from_numpy(ids).reshape(-1), len(self.experts)):
             gate_up, down = self.linears[j]
-            acc.index_add_(0, tok, swiglu(gate_up, down, xt[tok]).float() * wt[tok, slot, None])
+            acc.index_add_(0, sel // k, swiglu(gate_up, down, xt[sel // k]).float() * wt[sel, None])
         out[:] = acc.numpy()
 
 
@@ -146,20 +145,12 @@ class MoEFeedForward:
             act = nf4_experts_gemv(h, slots, gu, gu_a, (2 * Fi, H), xdiv=k, swiglu=True)  # [N·k, F]
             y = nf4_experts_gemv(act, slots, dn, dn_a, (H, Fi), xdiv=1)  # [N·k, H]; zero rows elsewhere
             return (y.view(N, k, H).float() * w[..., None]).sum(1)
-        # many rows (prefill): one expert at a time over its tokens, the slots sorted by expert once
-        # (a single read-back: how many slots each expert has)
-        flat, wflat = local.reshape(-1), w.reshape(-1)
-        order = torch.argsort(flat)
-        counts = torch.bincount(flat + 1, minlength=len(dx.experts) + 1).tolist()  # [−1 (elsewhere), 0, 1, …]
+        # many rows (prefill): one expert at a time over its tokens
+        wflat = w.reshape(-1)
         out = torch.zeros(N, self.cfg.hidden_size, dtype=torch.float32, device=h.device)
-        at = counts[0]
-        for j, c in enumerate(counts[1:]):
-            if c:
-                sel = order[at: at + c]
-                tok = sel // k
-                gate_up, down = dx.linears[j]
-                out.index_add_(0, tok, swiglu(gate_up, down, h[tok]).float() * wflat[sel, None])
-                at += c
+        for j, sel in by_expert(local.reshape(-1), len(dx.experts)):
+            gate_up, down = dx.linears[j]
+            out.index_add_(0, sel // k, swiglu(gate_up, down, h[sel // k]).float() * wflat[sel, None])
         return out
 
     def _queue_host(self, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -198,11 +189,9 @@ class MoEFeedForward:
         each is dequantized to the activations' dtype and applied to its tokens."""
         he = self.host
         N, k = idx.shape
-        flat, wflat = self.host_map[idx].reshape(-1), w.reshape(-1)
-        order = torch.argsort(flat)
-        counts = torch.bincount(flat + 1, minlength=len(he.experts) + 1).tolist()  # one read-back
-        used = [j for j, c in enumerate(counts[1:]) if c]
-        first = dict(zip(range(len(he.experts)), np.cumsum(counts)[:-1].tolist()))  # expert j's slots start
+        wflat = w.reshape(-1)
+        groups = by_expert(self.host_map[idx].reshape(-1), len(he.experts))
+        used = [j for j, _ in groups]
         main = torch.cuda.current_stream(self.dev) if self.cuda else None
         copies: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
 
@@ -220,7 +209,7 @@ class MoEFeedForward:
         for j in used[: self.STREAM_AHEAD]:
             fetch(j)
         out = torch.zeros(N, self.cfg.hidden_size, dtype=torch.float32, device=h.device)
-        for n, j in enumerate(used):
+        for n, (j, sel) in enumerate(groups):
             if n + self.STREAM_AHEAD < len(used):
                 fetch(used[n + self.STREAM_AHEAD])
             (gq, gs, dq, ds), done = copies.pop(j)
@@ -228,12 +217,24 @@ class MoEFeedForward:
                 main.wait_event(done)
                 for t in (gq, gs, dq, ds):
                     t.record_stream(main)
-            sel = order[first[j]: first[j] + counts[j + 1]]
             tok = sel // k
             g, u = _linear_int4(h[tok], gq, gs).chunk(2, dim=-1)
             y = _linear_int4((F.silu(g.float()) * u.float()).to(h.dtype), dq, ds)
             out.index_add_(0, tok, y.float() * wflat[sel, None])
         return out
+
+
+def by_expert(slots: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor]]:
+    """slots [S] (each slot's expert among n, −1: another device's) → (expert, its slots) for each
+    expert that has any, in expert order, from one read-back (how many slots each has)."""
+    order = torch.argsort(slots)
+    counts = torch.bincount(slots + 1, minlength=n + 1).tolist()  # [−1, 0, 1, …]
+    groups, at = [], counts[0]
+    for j, c in enumerate(counts[1:]):
+        if c:
+            groups.append((j, order[at: at + c]))
+            at += c
+    return groups
 
 
 def _linear_int4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, piece: int = 2**24) -> torch.Tensor:
