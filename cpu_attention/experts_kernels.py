@@ -20,6 +20,8 @@ while the GPU computes its own experts.
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 from numba import carray, cfunc, njit, prange, types
@@ -254,11 +256,18 @@ def run_descriptor(d):
     spent[0] += cycles() - t0
 
 
-@cfunc(types.void(types.CPointer(types.int64)), nogil=True)
-def _entry(p):
-    run_descriptor(carray(p, (FIELDS,)))
+@functools.cache
+def _entry():
+    """The compiled entry point, kept alive here: compiled on first use (it cannot be cached, as it
+    reads addresses), only where experts are computed beside a GPU."""
+
+    @cfunc(types.void(types.CPointer(types.int64)), nogil=True)
+    def entry(p):
+        run_descriptor(carray(p, (FIELDS,)))
+
+    return entry
 
 
 def entry_address() -> int:
     """The C entry point `void f(int64_t *descriptor)` (for cuLaunchHostFunc)."""
-    return _entry.address
+    return _entry().address
