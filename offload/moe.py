@@ -110,7 +110,8 @@ class MoEFeedForward:
             host_map[host_experts.experts] = torch.arange(len(host_experts.experts), dtype=torch.int32)
         self.gpu_map, self.host_map = gpu_map.to(device), host_map.to(device)
         self.cuda = device.type == "cuda"
-        if host_experts is not None and (staging is None or self.cuda and not hasattr(host_experts, "descriptor")):
+        self.int4_host = host_experts is not None and not isinstance(host_experts, TorchHostExperts)
+        if host_experts is not None and (staging is None or self.cuda and not self.int4_host):
             raise ValueError("host experts need the staging; on CUDA, in the int4 format")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
@@ -124,7 +125,7 @@ class MoEFeedForward:
             w = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
         host = None
         if self.host is not None:
-            stream = h.shape[0] >= self.stream_rows and hasattr(self.host, "gu_q")
+            stream = h.shape[0] >= self.stream_rows and self.int4_host
             host = self._stream_host(h, idx, w) if stream else self._queue_host(h, idx, w)
         out = self._device(h, idx, w) if self.device_experts is not None else None
         if host is not None:
