@@ -5,7 +5,7 @@
 
 Two passes. float32: the kernels with float32 dots (dot_f32: DT float32, `_rot_dot` one ieee
 product) against float64 and the twin to 2e-5: the byte addressing of every layout (int8 and
-int4 keys and values, scales, zeros, tails, layers), the rotations, the int4 one-hot scale
+int4 keys and values, scales, zeros, tails, layers), the rotations, the int4 scale
 expansion, masks, empty sequences, splits and their merge. bf16: the path the GPU runs (bf16
 operands, `_rot_dot`'s hi/lo halves) within the gpu tests' bounds; the interpreter multiplies a
 bf16 dot's raw bits and casts ints and float32 to bf16 wrongly (bits, truncation), so this pass
