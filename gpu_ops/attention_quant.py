@@ -7,8 +7,9 @@ the torch twin: gather, dequantize to float32, softmax).
 
 Layouts are `cpu_attention.layout`'s (module doc) and `cpu_attention.int4`'s. Each keeps 4 codes
 of a tile column in a 32-bit word (the VNNI order), so a tile loads as words, contiguous along a
-row (16-byte vector loads, pipelined), and `_unpack_rows` splits them in registers; loaded byte by
-byte, the int8 kernel's loop took 578 instructions a block against 413 (PTX, D 128, BS 32):
+row (16-byte vector loads, pipelined), and `_unpack_rows` splits them in registers. Against byte
+loads, at 1 × 32k and 16 × 8k, block 32 (H100): int8 89 → 69 and 258 → 196 µs, int4 94 → 83 and
+295 → 270 (the int8 loop's PTX: 578 instructions a block against 413):
     int8 keys    [D, BS]    channel d of token t at (d//4)·4BS + 4t + d%4   (4 bytes contiguous)
     int8 values  [BS, D]    token t of channel d at (t//4)·4D + 4d + t%4
     int4 keys    [D/2, BS]  byte row x = (r, j) = (x//4, x%4): low nibble channel 8r + j, high 8r + 4 + j
@@ -21,10 +22,12 @@ Scales go where they cost least: int8 keys' per-token scale multiplies the score
 multiplies the softmax weight. int4 keys are dequantized in registers (code·s + z per element,
 to bf16, as a bf16 pool's keys): (q∘s)·code + q·z per block was tried and took 206 registers
 against 127 (D 128, BS 16, sm_90: the [GP, D/2] float32 products and the q·z reductions).
-int4 values are dequantized in registers. Scales and zeros load as contiguous vectors and are
-reordered in registers to the tile's rows (`_nibble_channels`) or broadcast to its columns
-(`_group_columns`): gathered (and the value groups padded to 16 for a one-hot product), they
-took 72 two-byte loads a block and the loop 859 instructions, against 5 and 643.
+int4 values are dequantized in registers, their per-(token, group) scale and zero expanded to
+the tile's columns by a product with a one-hot [16, D/2] matrix (exact: one nonzero term)
+instead of a gather load per element. Loading scales as contiguous vectors and reordering them
+in registers instead (a [D] → 2 × [D/2] permute for keys, a broadcast to [BS, D/2] for values)
+cut the loop's PTX from 859 instructions to 643 and was slower on the H100: 111-116 µs against
+83 at 1 × 32k (the broadcast's layout conversion goes through shared memory).
 
 Rotation (`cpu_attention.rotation`, R orthonormal): int8 keys are stored as k @ R, so scores
 use q_rot = q @ R, made once per program; int8 and int4 values are stored as v @ R, so the
@@ -225,22 +228,6 @@ def _int8_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tob_ptr, rot_ptr, bt_row_pt
 
 
 @triton.jit
-def _nibble_channels(c, D: tl.constexpr):
-    """A per-channel vector c [D] → its values at the int4 key bytes' low- and high-nibble channels,
-    [D/2] each in byte-row order (row 4r + j: channels 8r + j and 8r + 4 + j)."""
-    c = tl.permute(tl.reshape(c, (D // 8, 2, 4)), (0, 2, 1))  # [r, j, nibble]
-    return tl.split(tl.reshape(c, (D // 2, 2)))
-
-
-@triton.jit
-def _group_columns(g, BS: tl.constexpr, D: tl.constexpr):
-    """A block's per-(token, group of 32 channels) values g [BS·D/32] → [BS, D/2] at the int4 value
-    bytes' columns (column c holds channels of group c // 16)."""
-    g = tl.reshape(g, (BS, D // 32, 1))
-    return tl.reshape(tl.broadcast_to(g, (BS, D // 32, 16)), (BS, D // 2))
-
-
-@triton.jit
 def _int4_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, tob_ptr, rot_ptr, bt_ptr, len_ptr,
     run_ptr, o_ptr, lse_ptr, layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
@@ -279,8 +266,10 @@ def _int4_split(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tob_ptr, ro
     v_words = v_ptr.to(tl.pointer_type(tl.int32))
     k_off = (tl.arange(0, D // 8) * BS)[:, None] + t[None, :]  # [D/8, BS] words: 4 key bytes of a token
     v_off = (tl.arange(0, BS // 4) * (D // 2))[:, None] + x[None, :]  # [BS/4, D/2] words: 4 tokens' bytes
-    ch = tl.arange(0, D)
-    vg = tl.arange(0, BS * (D // 32))  # a block's value groups, token-major
+    gi = tl.arange(0, 16)  # value groups, padded to a dot's minimum K
+    vs_off = (t * (D // 32))[:, None] + gi[None, :]  # [BS, 16]
+    g_ok = (gi < (D // 32))[None, :]
+    onehot = ((x // 16)[None, :] == gi[:, None]).to(DT)  # [16, D/2]: byte column → its group
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, D // 2], tl.float32)  # Σ p · (v @ R) at channels vch
@@ -291,11 +280,15 @@ def _int4_split(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tob_ptr, ro
         blk = tl.load(bt_row_ptr + i).to(tl.int64)
         hb = (layer * NB1 + blk) * Hkv + h
         kb = _unpack_rows(tl.load(k_words + hb * (BS * D // 8) + k_off), D // 8, BS, False)  # [D/2, BS] bytes
-        sc_lo, sc_hi = _nibble_channels(tl.load(ks_ptr + hb * D + ch).to(tl.float32), D)  # per block and channel
-        z_lo, z_hi = _nibble_channels(tl.load(kz_ptr + hb * D + ch).to(tl.float32), D)
+        sc_lo = tl.load(ks_ptr + hb * D + kch).to(tl.float32)  # per block and channel
+        sc_hi = tl.load(ks_ptr + hb * D + kch + 4).to(tl.float32)
+        z_lo = tl.load(kz_ptr + hb * D + kch).to(tl.float32)
+        z_hi = tl.load(kz_ptr + hb * D + kch + 4).to(tl.float32)
         vb = _unpack_rows(tl.load(v_words + hb * (BS * D // 8) + v_off), BS // 4, D // 2, False)  # [BS, D/2]
-        vsc_x = _group_columns(tl.load(vs_ptr + hb * (BS * (D // 32)) + vg).to(tl.float32), BS, D)  # [BS, D/2]
-        vz_x = _group_columns(tl.load(vz_ptr + hb * (BS * (D // 32)) + vg).to(tl.float32), BS, D)
+        vsc = tl.load(vs_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)  # [BS, 16]
+        vzr = tl.load(vz_ptr + hb * (BS * (D // 32)) + vs_off, mask=g_ok, other=0.0).to(DT)
+        vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32: each byte column's group scale
+        vz_x = tl.dot(vzr, onehot)
         tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the tail split
         s = tl.dot(qb_lo, ((kb & 15).to(tl.float32) * sc_lo[:, None] + z_lo[:, None]).to(DT))
         s = (s + tl.dot(qb_hi, ((kb >> 4).to(tl.float32) * sc_hi[:, None] + z_hi[:, None]).to(DT))) * scale
@@ -314,10 +307,10 @@ def _int4_split(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tob_ptr, ro
 
 
 # (warps, pipeline stages[, registers a thread at most]): the fastest of bench/gpu_kv_attention.py's
-# --launch 4x2,4x1,8x2,4x2x128,4x3x128 at 1 × 32k and 16 × 8k, one row and runs of 5, block 32
-# (H100): int8 4x1 89-162 µs against 96-196 for 4x2; int4 capped at 128 registers (four programs
-# an SM) 90-183 µs against 106-195 uncapped
-LAUNCH = {KVDtype.INT8: (4, 1), KVDtype.INT4: (4, 2, 128)}
+# --launch 4x1,4x2,4x2x128 at 1 × 32k and 16 × 8k, one row and runs of 5, block 32 (H100), codes
+# loaded as words: int8 4x2 69-371 µs against 73-386 for 4x1 (with byte loads 4x1 was the faster);
+# int4 capped at 128 registers (four programs an SM) 83-521 µs against 92-570 uncapped
+LAUNCH = {KVDtype.INT8: (4, 2), KVDtype.INT4: (4, 2, 128)}
 
 
 @functools.cache
