@@ -13,11 +13,14 @@ attention's speed does not depend on the values), time decode steps.
 Prints per row the plan (dtype and tokens per tier, streamed tokens, sub-batches), tok/s, the
 planner's prediction, the bound (bytes a step must read over the measured bandwidths: weights
 and device-tier KV over HBM, host KV over DRAM or PCIe, whichever is larger) and the peak GPU
-memory against the budget. Each row runs in a fresh process.
+memory against the budget, and the runner's own clocks a step (GPU, CPU attention, the main
+thread waiting for the CPU; all of them in the JSON: what the prediction's terms are checked
+against). Each row runs in a fresh process.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -31,6 +34,7 @@ import torch  # noqa: E402
 
 from hetero.config import LLAMA3_8B  # noqa: E402
 from planner.profile import HardwareProfile, cache_path, measure  # noqa: E402
+from offload.timers import StepTimes  # noqa: E402
 from planner.tensors import Kind  # noqa: E402
 
 GiB = 2**30
@@ -75,6 +79,15 @@ def bound_s(prof: HardwareProfile, weight_bytes: float, gpu_kv: float, cpu_kv: f
                streamed_kv / (prof.pcie_h2d_gbps * 1e9))
 
 
+def measured_ms(before: StepTimes, after: StepTimes, steps: int) -> dict[str, float]:
+    """The runner's own clocks over the timed steps, ms a step (`offload.timers.StepTimes`): what
+    the prediction's terms are checked against (a whole-step graph records its wall time only)."""
+    per = lambda f: round((getattr(after, f) - getattr(before, f)) / steps * 1e3, 3)  # noqa: E731
+    out = {f: per(f) for f in ("wall", "gpu", "cpu_attention", "cpu_experts", "wait", "transfer")}
+    gone = dataclasses.replace(after, **{f: getattr(after, f) - getattr(before, f) for f in out})
+    return dict(out, idle=round(gone.idle / steps * 1e3, 3))
+
+
 def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int) -> dict:
     """One row through `hetero.load`, as a user gets it: only the model, --gpu-mem, -c and --parallel."""
     import hetero
@@ -94,6 +107,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
         runner.decode(seqs, toks, pos)
         pos = [p + 1 for p in pos]
     torch.cuda.synchronize()
+    before = dataclasses.replace(runner.metrics.total)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -101,6 +115,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
         times.append(time.perf_counter() - t)
         pos = [p + 1 for p in pos]
     step = statistics.median(times)
+    measured = measured_ms(before, runner.metrics.total, steps)
     g_tok, h_tok = cache.tier_tokens()
     streamed = len(runner.streamer.blocks) * cache.block_size if runner.streamer is not None else 0
     gpu_kv = g_tok * cache.gpu.block_nbytes / cache.block_size if cache.gpu is not None else 0.0
@@ -121,6 +136,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
         bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, peak_gpu_gib=peak / GiB,
         within_budget=peak <= gpu_gib * GiB, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
         graph=runner.graph_step is not None and runner.graph_step.decoder is not None, terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()},
+        measured_ms=measured,
     )
     runner.close()
     return out
@@ -173,13 +189,20 @@ def main() -> None:
     (args.out / "budget.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
     print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · "
           f"PCIe h2d {prof.pcie_h2d_gbps:.1f} GB/s · {prof.physical_cores} cores")
-    print(f"{'row':14} {'tok/s':>7} {'target':>6} {'pred':>7} {'bound':>7} {'peak GiB':>8}  plan")
+    print(f"{'row':14} {'tok/s':>7} {'target':>6} {'pred':>7} {'bound':>7} {'peak GiB':>8} "
+          f"{'GPU/CPU attn/wait ms':>20}  plan")
     for r in rows:
         if "error" in r:
             print(f"{r['name']:14} ERROR {r['error'][-300:]}")
             continue
         print(f"{r['name']:14} {r['tok_s']:7.1f} {r['target']:6.0f} {r['predicted_tok_s']:7.1f} {r['bound_tok_s']:7.1f} "
-              f"{r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2} {r['plan']}{' graph' if r['graph'] else ''}")
+              f"{r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2} {clocks(r['measured_ms']):>20}  "
+              f"{r['plan']}{' graph' if r['graph'] else ''}")
+
+
+def clocks(m: dict[str, float]) -> str:
+    """A row's measured GPU, CPU-attention and waiting time a step (ms), as the table prints them."""
+    return f"{m['gpu']:.1f}/{m['cpu_attention']:.1f}/{m['wait']:.1f}"
 
 
 if __name__ == "__main__":
