@@ -79,6 +79,15 @@ def bound_s(prof: HardwareProfile, weight_bytes: float, gpu_kv: float, cpu_kv: f
                streamed_kv / (prof.pcie_h2d_gbps * 1e9))
 
 
+def process_threads() -> int:
+    """This process's threads now. Numba's OpenMP kernels keep a pool of threads for each thread
+    that has run one; from a second pool on, the process holds more threads than cores, and
+    libgomp then lets waiting workers sleep at once instead of spinning (on the 2-core machine,
+    three small parallel regions took 52 µs from a second thread's pool against 5 µs with one
+    pool). A count above the cores plus a dozen is worth a look."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def measured_ms(before: StepTimes, after: StepTimes, steps: int) -> dict[str, float]:
     """The runner's own clocks over the timed steps, ms a step (`offload.timers.StepTimes`): what
     the prediction's terms are checked against (a whole-step graph records its wall time only)."""
@@ -136,7 +145,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
         bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, peak_gpu_gib=peak / GiB,
         within_budget=peak <= gpu_gib * GiB, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
         graph=runner.graph_step is not None and runner.graph_step.decoder is not None, terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()},
-        measured_ms=measured,
+        measured_ms=measured, process_threads=process_threads(),
     )
     runner.close()
     return out
