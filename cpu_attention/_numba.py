@@ -6,13 +6,20 @@ thread-safe (the engine launches kernels from a worker thread while other code m
 too; workqueue aborts on concurrent launches) and has the lowest launch latency, which
 matters at 32 launches a decode step. A `NUMBA_THREADING_LAYER` set by the user wins.
 
-Oversubscription: torch's CPU pool and Numba's pool are separate. In the engine the Numba
-kernels run while the main thread only launches GPU work, so each kernel takes
-`threads` (default: physical cores) and torch's intra-op threads are left alone; when torch
-and Numba compute on the CPU at the same time (the CPU-only path never does: layer math and
-attention alternate), give them disjoint counts, e.g. `threads=physical_cores() - 1`.
-Thread counts are per calling thread in Numba, so each call sets its own and a worker
-thread's setting does not leak into the main thread.
+Oversubscription: in the engine the Numba kernels run while the main thread only launches GPU
+work, so each kernel takes `threads` (default: physical cores) and torch's intra-op threads are
+left alone; when torch and Numba compute on the CPU at the same time (the CPU-only path never
+does: layer math and attention alternate), give them disjoint counts, e.g. `threads=
+physical_cores() - 1`. Thread counts are per calling thread in Numba, so each call sets its own
+and a worker thread's setting does not leak into the main thread.
+
+OpenMP pools: libgomp keeps a pool of threads for every thread that has run a parallel region,
+and where a process holds more of them than CPUs it lets waiting workers sleep almost at once,
+so each region then pays their wake-up. Where torch links the same libgomp as Numba (the 2-core
+machine: one `libgomp.so.1` mapped), torch's parallel CPU ops on the main thread count too:
+three small regions from a worker thread took 5 µs alone, 52 µs with a second Numba pool and
+~190 µs after torch's parallel ops on the main thread (`bench.budget.region_us`, which the
+GPU benchmarks record per row with the process's thread count).
 """
 from __future__ import annotations
 
