@@ -214,3 +214,34 @@ def test_load_reports_progress_layer_by_layer(folder):
     hetero.load(folder, device="cpu", tokenizer=False, progress=lambda done, total: seen.append((done, total)))
     L = 2  # conftest's tiny models
     assert seen == [(i, L + 1) for i in range(1, L + 2)]
+
+
+def test_a_cuda_load_runs_on_a_thread_that_ends_with_it(monkeypatch):
+    """Where CUDA runs the engine, `hetero.load` loads on a thread of its own (OpenMP pools its CPU
+    work makes end with it), with the caller's CUDA device, and returns or raises as if inline; a
+    CPU load stays on the caller's thread."""
+    import threading
+
+    import torch
+
+    from hetero.app import build as build_mod
+    from hetero.errors import UserError
+
+    seen = {}
+
+    def fake_load(model=None, **kw):
+        seen["thread"] = threading.current_thread()
+        if model == "bad":
+            raise UserError("refused")
+        return f"engine of {model}"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("device", d))
+    load = build_mod._on_own_thread_with_cuda(fake_load)
+    assert load("m", device="cuda") == "engine of m"
+    assert seen["thread"] is not threading.current_thread() and seen["device"] == 3
+    assert not seen["thread"].is_alive()
+    with pytest.raises(UserError, match="refused"):
+        load("bad")
+    assert load("m", device="cpu") == "engine of m" and seen["thread"] is threading.current_thread()

@@ -2,7 +2,9 @@
 an engine is assembled."""
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -31,6 +33,42 @@ from planner.search import plan as make_plan
 log = logging.getLogger(__name__)
 
 
+def _on_own_thread_with_cuda(load_fn):
+    """`load_fn` running, where CUDA runs the engine, on a thread of its own that ends with it.
+
+    OpenMP keeps a pool of threads for each thread that has run a parallel region (torch's CPU
+    ops, and the Numba kernels that quantize, measure and warm up), and a process holding more
+    pool threads than CPUs makes libgomp put waiting workers to sleep at once, so every later
+    parallel region pays their wake-up. During decode the CPU's kernels run from the CUDA driver's
+    thread (MoE experts) or the CPU-attention worker; a pool the loading left on the main thread
+    would stay beside theirs (`cpu_attention._numba`: 5 µs for three small regions alone, ~190 µs
+    beside such a pool, on the 2-core machine). The caller's CUDA device is current on the thread;
+    what the loading raises is raised in the caller."""
+
+    @functools.wraps(load_fn)
+    def load(*args, **kwargs):
+        if kwargs.get("device", "auto") == "cpu" or not torch.cuda.is_available():
+            return load_fn(*args, **kwargs)
+        cuda_device, out = torch.cuda.current_device(), {}
+
+        def run() -> None:
+            torch.cuda.set_device(cuda_device)
+            try:
+                out["engine"] = load_fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001  raised again in the caller's thread
+                out["error"] = e
+
+        t = threading.Thread(target=run, name="hetero-load", daemon=True)
+        t.start()
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["engine"]
+
+    return load
+
+
+@_on_own_thread_with_cuda
 def load(
     model: str | Path | RandomCheckpoint | None = None,
     *,
