@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hetero.config import LLAMA3_8B  # noqa: E402
@@ -84,42 +83,9 @@ def process_threads() -> int:
     """This process's threads now. OpenMP keeps a pool of threads for each thread that has run a
     parallel region (Numba's kernels, and torch's CPU ops where torch shares the libgomp); from a
     second pool on, the process holds more threads than cores, and libgomp then lets waiting
-    workers sleep at once instead of spinning. A count above the cores plus a dozen is worth a
-    look; `region_us` measures what it costs."""
+    workers sleep at once instead of spinning (`cpu_attention._numba`). A count above the cores
+    plus a dozen is worth a look."""
     return len(os.listdir("/proc/self/task"))
-
-
-def region_us(reps: int = 200) -> float:
-    """Median µs of three small Numba parallel regions run back to back from a new thread, 300 µs
-    after the last (as the CPU experts' three passes a layer run from the CUDA driver's thread).
-    On the 2-core machine: 5 µs alone in the process; 52 with a second thread's Numba pool, 193
-    after torch's parallel CPU ops on the main thread (one libgomp there)."""
-    import threading
-
-    from numba import njit, prange
-
-    @njit(parallel=True)
-    def touch(a):
-        for i in prange(a.shape[0]):
-            a[i] += 1.0
-
-    a, out = np.zeros(64), []
-
-    def measure() -> None:
-        touch(a)
-        for _ in range(reps):
-            t = time.perf_counter() + 300e-6
-            while time.perf_counter() < t:
-                pass
-            t = time.perf_counter()
-            for _ in range(3):
-                touch(a)
-            out.append(time.perf_counter() - t)
-
-    th = threading.Thread(target=measure)
-    th.start()
-    th.join()
-    return statistics.median(out) * 1e6
 
 
 def measured_ms(before: StepTimes, after: StepTimes, steps: int) -> dict[str, float]:
@@ -179,7 +145,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
         bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, peak_gpu_gib=peak / GiB,
         within_budget=peak <= gpu_gib * GiB, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
         graph=runner.graph_step is not None and runner.graph_step.decoder is not None, terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()},
-        measured_ms=measured, process_threads=process_threads(), region_us=region_us(),
+        measured_ms=measured, process_threads=process_threads(),
     )
     runner.close()
     return out

@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 import torch  # noqa: E402
 
-from bench.budget import arguments, fill, process_threads, region_us, run_rows  # noqa: E402
+from bench.budget import arguments, fill, process_threads, run_rows  # noqa: E402
 from planner.profile import HardwareProfile  # noqa: E402
 from planner.tensors import Kind  # noqa: E402
 
@@ -119,7 +119,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
         terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()}, load_s=load_s,
         peak_gpu_gib=torch.cuda.max_memory_allocated() / GiB,
         graph=runner.graph_step is not None and getattr(runner.graph_step, "decoder", None) is not None,
-        process_threads=process_threads(), region_us=region_us(),
+        process_threads=process_threads(),
     )
     runner.close()
     return out

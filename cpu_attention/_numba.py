@@ -18,8 +18,9 @@ and where a process holds more of them than CPUs it lets waiting workers sleep a
 so each region then pays their wake-up. Where torch links the same libgomp as Numba (the 2-core
 machine: one `libgomp.so.1` mapped), torch's parallel CPU ops on the main thread count too:
 three small regions from a worker thread took 5 µs alone, 52 µs with a second Numba pool and
-~190 µs after torch's parallel ops on the main thread (`bench.budget.region_us`, which the
-GPU benchmarks record per row with the process's thread count).
+~190 µs after torch's parallel ops on the main thread (a measurement of three regions 300 µs
+apart from a new thread). `hetero.load` with CUDA therefore loads on a thread that ends with it,
+and the GPU benchmarks record each row's thread count (`bench.budget.process_threads`).
 """
 from __future__ import annotations
 
