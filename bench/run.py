@@ -34,6 +34,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "token", "CPU or GPU"),
     "speculative": ("speculative decoding at long context (Llama-3-8B shape, the planner's placement): tok/s with "
                     "drafts off, fed-in acceptances and prompt lookup, against (kept + 1) plain steps", "GPU or CPU"),
+    "omp_pools": ("what a second OpenMP pool (Numba's or torch's) costs three small Numba parallel regions, "
+                  "against the regions alone", "CPU"),
     "serve_load": ("a bounded load run against `hetero serve`: requests, errors, server memory", "CPU"),
 }
 
