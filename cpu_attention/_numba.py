@@ -15,12 +15,11 @@ and a worker thread's setting does not leak into the main thread.
 
 OpenMP pools: libgomp keeps a pool of threads for every thread that has run a parallel region,
 and where a process holds more of them than CPUs it lets waiting workers sleep almost at once,
-so each region then pays their wake-up. Where torch links the same libgomp as Numba (the 2-core
-machine: one `libgomp.so.1` mapped), torch's parallel CPU ops on the main thread count too:
-three small regions from a worker thread took 5 µs alone, 52 µs with a second Numba pool and
-~190 µs after torch's parallel ops on the main thread (a measurement of three regions 300 µs
-apart from a new thread). `hetero.load` with CUDA therefore loads on a thread that ends with it,
-and the GPU benchmarks record each row's thread count (`bench.budget.process_threads`).
+so each region then pays their wake-up; torch's parallel CPU ops on the main thread count too.
+Three small regions from a worker thread (`python3 -m bench.omp_pools`, 2-core machine): 7.7 µs
+alone, 172 µs beside a Numba pool of the main thread, 197 µs after torch's parallel ops there.
+`hetero.load` with CUDA therefore loads on a thread that ends with it, and the GPU benchmarks
+record each row's thread count (`bench.budget.process_threads`).
 """
 from __future__ import annotations
 

@@ -41,8 +41,8 @@ def _on_own_thread_with_cuda(load_fn):
     pool threads than CPUs makes libgomp put waiting workers to sleep at once, so every later
     parallel region pays their wake-up. During decode the CPU's kernels run from the CUDA driver's
     thread (MoE experts) or the CPU-attention worker; a pool the loading left on the main thread
-    would stay beside theirs (`cpu_attention._numba`: 5 µs for three small regions alone, ~190 µs
-    beside such a pool, on the 2-core machine). The caller's CUDA device is current on the thread;
+    would stay beside theirs (`python3 -m bench.omp_pools`: three small regions 7.7 µs alone,
+    172-197 µs beside such a pool, on the 2-core machine). The caller's CUDA device is current on the thread;
     what the loading raises is raised in the caller."""
 
     @functools.wraps(load_fn)
