@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
@@ -51,7 +52,21 @@ ROWS = [
 
 
 def fill(cache, seqs: list[int], ctx: int) -> None:
-    """Reserve ctx tokens a sequence; random codes and small scales in both pools."""
+    """Reserve ctx tokens a sequence; random codes and small scales in both pools. On a thread that
+    ends with it, as `hetero.load` loads: torch's parallel CPU ops on the main thread would leave
+    an OpenMP pool there that a user's process does not have (`bench.omp_pools`)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def work() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        _fill(cache, seqs, ctx)
+
+    with ThreadPoolExecutor(max_workers=1) as one:
+        one.submit(work).result()
+
+
+def _fill(cache, seqs: list[int], ctx: int) -> None:
     for s in seqs:
         cache.reserve(s, ctx)
     cache.seal_complete()
