@@ -144,7 +144,8 @@ def draft() -> Any:
 
 def draft_model() -> Any:
     return option(None, "--draft-model", metavar="PATH",
-                  help="speculative decoding with drafts from this small model (same tokenizer; on the CPU)")
+                  help="speculative decoding with drafts from this small model (same tokenizer; on the GPU it plans "
+                       "within a quarter of --gpu-mem, the model with the rest)")
 
 
 # ----------------------------------------------------------------------------- placement

@@ -386,3 +386,34 @@ def test_cuda_drafting_changes_no_token(tiny, kv, gpu_kv, gpu_tokens, sub_batche
     spec.drafter.length = 4  # fixed: what is drafted does not depend on timings
     assert _greedy(spec, REPEATS, n=24) == _greedy(plain, REPEATS, n=24)
     assert spec.last_stats.accepted > 0
+
+
+def test_cuda_draft_model_shares_the_budget_and_changes_no_token(tiny, tmp_path):
+    """--draft-model on the GPU: both engines on CUDA, the model's plan made with what the draft's
+    plan leaves, the allocator within --gpu-mem for both, plain decoding's tokens."""
+    from conftest import make_tiny
+    from offload.build import fence_gpu_memory
+
+    folder = tiny("llama_hd32")[0]
+    make_tiny(tmp_path / "draft", "llama_hd32", seed=1)  # the same shapes and vocabulary, other weights
+    kw = dict(device="cuda", weights="f32", tokenizer=False, parallel=2)
+    plain = hetero.load(folder, **kw)
+    want = _greedy(plain, REPEATS, n=20)
+    del plain
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    budget = torch.cuda.memory_reserved() + 512 * 2**20  # the fence counts what the allocator reserves
+    try:
+        spec = hetero.load(folder, draft_model=tmp_path / "draft", gpu_mem=budget, **kw)
+        small = spec.drafter.e
+        assert small.runner.model.device.type == "cuda" and spec.runner.model.device.type == "cuda"
+        assert spec.plan.budget.gpu_bytes == budget - small.plan.memory.gpu_used
+        spec.drafter.length = 3
+        assert _greedy(spec, REPEATS, n=20) == want
+        assert spec.last_stats.drafted > 0
+        assert torch.cuda.max_memory_reserved() <= budget
+    finally:
+        fence_gpu_memory(torch.cuda.get_device_properties(0).total_memory, torch.device("cuda"))

@@ -374,3 +374,27 @@ def test_device_tails_are_a_sequences_last_two_blocks(tiny, draft, gpu_kv_tokens
     for _ in e.generate(PROMPTS, max_new_tokens=20, temperature=0.0):
         pass
     assert seen and max(seen) >= 1  # tails were there to check
+
+
+def test_a_draft_model_on_the_gpu_plans_within_a_share_and_the_model_within_the_rest():
+    """On the GPU the draft model plans first, within a quarter of the budgets; the model plans with
+    the budgets less what the draft's plan uses, so both together stay within --gpu-mem; a draft
+    that does not fit its share is refused with the reason."""
+    from hetero.app.build import DRAFT_SHARE, draft_share
+    from hetero.config import LLAMA3_8B
+    from hetero.random_weights import SHAPES
+    from planner import Budget, HardwareProfile, Workload, plan
+
+    hw = HardwareProfile.synthetic(24, host_gib=64)
+    whole = Budget(6 * 2**30, 32 * 2**30)
+    ctx, parallel = 32768, 1
+    small, left = draft_share(SHAPES["smollm2-135m"], hw, whole, ctx, parallel)
+    m = small.memory
+    assert small.device.value == "cuda" and 0 < m.gpu_used <= whole.gpu_bytes // DRAFT_SHARE
+    assert left == Budget(whole.gpu_bytes - m.gpu_used, whole.host_bytes - m.host_used)
+    big = plan(LLAMA3_8B, hw, left, Workload(ctx_size=ctx, batch=parallel, prompt_tokens=ctx // 2,
+                                             gen_tokens=ctx - ctx // 2))
+    assert big.memory.gpu_used + m.gpu_used <= whole.gpu_bytes
+    assert big.memory.host_used + m.host_used <= whole.host_bytes
+    with pytest.raises(UserError, match="quarter"):
+        draft_share(LLAMA3_8B, hw, Budget(2 * 2**30, 4 * 2**30), ctx, parallel)

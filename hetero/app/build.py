@@ -6,6 +6,7 @@ import functools
 import logging
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -23,8 +24,9 @@ from cpu_attention.layout import INT4_GROUP, KVDtype
 from offload.build import fence_gpu_memory, load_from_plan, runtime_from_plan
 from offload.loader import Progress
 from offload.placement import FORMATS, check_plan_supported
+from planner.hardware import default_budget
 from planner.options import WEIGHTS, budget_from, overrides_from
-from planner.plan import Device, Plan, Workload
+from planner.plan import Budget, Device, Plan, Workload
 from planner.profile import load_or_estimate, load_or_measure
 from planner.report import summary_line
 from planner.experts import routing_for
@@ -134,6 +136,7 @@ def load(
         path = Path(model) if model else demo_model_path()
         ck = open_checkpoint(path)
     cfg = ck.config
+    draft_ck = _draft_checkpoint(draft_model, cfg) if draft_model is not None else None  # refused before loading
     dev = _device(device)
     kv_dtype, gpu_kv_dtype = (None if d == "auto" else d for d in (kv_dtype, gpu_kv_dtype))
     for value, flag in ((kv_dtype, "--kv-dtype"), (gpu_kv_dtype, "--gpu-kv-dtype")):
@@ -152,44 +155,48 @@ def load(
     defaults = defaults_from_generation_config(path if path.is_dir() else None)
     defaults = defaults.update(**(DEMO_SAMPLING if model is None else {})).update(**sampling)
     routing = None if isinstance(model, RandomCheckpoint) else routing_for(path, cfg)
+    gpu_draft = None  # a draft model on the GPU: planned first, the model plans with what it leaves
+    if draft_model is not None and dev.type == "cuda":
+        if plan is not None:
+            raise UserError("--draft-model with --plan on the GPU: a saved plan holds the whole GPU budget; "
+                            "leave out --plan (the draft model's share is planned beside the model's)")
+        gpu_draft = _plan_gpu_draft(draft_ck, ctx, parallel, gpu_mem, cpu_mem)
+        gpu_mem, cpu_mem = gpu_draft.left.gpu_bytes, gpu_draft.left.host_bytes
     p = _plan(cfg, plan, dev, ctx, parallel, gpu_mem, cpu_mem, routing, weights=weights, kv_dtype=kv_dtype,
               gpu_kv_dtype=gpu_kv_dtype, threads=threads, sub_batches=sub_batches, block_size=block_size,
               weight_mode=weight_mode, gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx),
               stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe)
     if plan is not None and device == "auto" and p.device is Device.CPU:
         dev = torch.device("cpu")  # a saved CPU plan runs on the CPU
-    if draft_model is not None and dev.type != "cpu":
-        raise UserError("--draft-model runs on the CPU for now (the plan does not yet share the GPU budget "
-                        "with a second model): use --device cpu, or --draft ngram")
+    fence = gpu_draft.whole.gpu_bytes if gpu_draft is not None else None  # the process's limit: both engines'
     engine = build(p, ck, device=dev, tokenizer=tok, sampling=defaults, overflow=overflow, draft=draft,
-                   progress=progress)
-    if draft_model is not None:
+                   progress=progress, gpu_fence=fence)
+    if gpu_draft is not None:
+        engine.drafter = ModelDrafter(build(gpu_draft.plan, gpu_draft.checkpoint, device=dev, gpu_fence=fence))
+    elif draft_model is not None:
         left = None  # with --cpu-mem, the draft engine plans within what the model's plan leaves of it
         if cpu_mem:
             left = p.budget.host_bytes - p.memory.host_used
             if left <= 0:
                 raise UserError("--cpu-mem leaves no host memory for the draft model: raise --cpu-mem")
-        small = load(draft_model, device="cpu", ctx_size=ctx, parallel=parallel, threads=threads,
-                     tokenizer=False, cpu_mem=left)
-        if small.cfg.vocab_size != cfg.vocab_size:
-            raise UserError(f"the draft model's vocabulary ({small.cfg.vocab_size} tokens) is not the model's "
-                            f"({cfg.vocab_size}): a draft model must share the tokenizer")
-        engine.drafter = ModelDrafter(small)
+        engine.drafter = ModelDrafter(load(draft_model, device="cpu", ctx_size=ctx, parallel=parallel,
+                                           threads=threads, tokenizer=False, cpu_mem=left))
     return engine
 
 
 def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = None,
           tokenizer: Tokenizer | None = None, sampling: SamplingParams | None = None,
           overflow: Overflow = Overflow.DROP_TURNS, draft: str | None = None,
-          progress: Progress | None = None) -> Engine:
+          progress: Progress | None = None, gpu_fence: int | None = None) -> Engine:
     """The one way an engine is assembled: `plan` carried out exactly (weights where it puts them,
     the KV tiers it sizes, its threads and sub-batches), or refused up front with what to change.
     device: where the plan's GPU work runs (default: the plan's device; the CPU stands in for the
-    GPU when given a GPU plan, for tests); draft: speculative decoding's drafter (`hetero.speculative`)."""
+    GPU when given a GPU plan, for tests); draft: speculative decoding's drafter (`hetero.speculative`);
+    gpu_fence: the process's GPU limit where engines share it (a draft model's), default the plan's budget."""
     dev = device or torch.device(plan.device.value)
     check_plan_supported(plan, dev)
     if dev.type == "cuda":
-        fence_gpu_memory(plan.budget.gpu_bytes, dev)
+        fence_gpu_memory(gpu_fence or plan.budget.gpu_bytes, dev)
     fmt = FORMATS[plan.weights]
     log.info("loading %s: %s weights on %s; %s", checkpoint.path, fmt.value, dev, summary_line(plan))
     model, placed = load_from_plan(checkpoint, plan, dev, progress)
@@ -207,6 +214,52 @@ def build(plan: Plan, checkpoint: Checkpoint, *, device: torch.device | None = N
                     plan=plan, draft=draft)
     engine.overflow = overflow
     return engine
+
+
+DRAFT_SHARE = 4  # a draft model on the GPU plans within a quarter of the budgets; the model plans with the rest
+
+
+def draft_share(cfg, hw, whole: Budget, ctx: int, parallel: int) -> tuple[Plan, Budget]:
+    """The draft model `cfg`'s plan within 1 / DRAFT_SHARE of the budgets `whole`, and what it
+    leaves the model: `whole` less what that plan uses (a small model uses far less than its
+    share: its weights, and its KV on the GPU while it fits)."""
+    share = Budget(whole.gpu_bytes // DRAFT_SHARE, whole.host_bytes // DRAFT_SHARE)
+    try:
+        small = make_plan(cfg, hw, share, _workload(ctx, parallel), overrides_from(device="cuda"))
+    except UserError as e:
+        raise UserError(f"the draft model does not fit a quarter of the budgets ({e})") from None
+    m = small.memory
+    return small, Budget(whole.gpu_bytes - m.gpu_used, whole.host_bytes - m.host_used)
+
+
+class GpuDraft(NamedTuple):
+    """A draft model planned for the GPU beside the model: its plan and checkpoint, the budgets of
+    both together, and what the draft's plan leaves the model."""
+    plan: Plan
+    checkpoint: Checkpoint
+    whole: Budget
+    left: Budget
+
+
+def _plan_gpu_draft(ck: Checkpoint, ctx: int, parallel: int, gpu_mem, cpu_mem) -> GpuDraft:
+    hw = load_or_measure()
+    whole = budget_from(hw, gpu_mem, cpu_mem) or default_budget(hw)[0]
+    small, left = draft_share(ck.config, hw, whole, ctx, parallel)
+    return GpuDraft(small, ck, whole, left)
+
+
+def _draft_checkpoint(draft_model, cfg) -> Checkpoint:
+    """The draft model's checkpoint, refused unless it shares the model's vocabulary."""
+    ck = draft_model if isinstance(draft_model, RandomCheckpoint) else open_checkpoint(Path(draft_model))
+    if ck.config.vocab_size != cfg.vocab_size:
+        raise UserError(f"the draft model's vocabulary ({ck.config.vocab_size} tokens) is not the model's "
+                        f"({cfg.vocab_size}): a draft model must share the tokenizer")
+    return ck
+
+
+def _workload(ctx: int, parallel: int) -> Workload:
+    """A conversation that may fill the context: placements compare over the second half of it."""
+    return Workload(ctx_size=ctx, batch=parallel, prompt_tokens=max(1, ctx // 2), gen_tokens=max(1, ctx - ctx // 2))
 
 
 def _kv_dtype(value: str, flag: str, cfg) -> KVDtype:
@@ -235,10 +288,8 @@ def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_me
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"cannot read the plan {plan}: {e}") from e
     hw = load_or_measure() if dev.type == "cuda" else load_or_estimate()
-    # a conversation that may fill the context: placements compare over the second half of it
-    wl = Workload(ctx_size=ctx, batch=parallel, prompt_tokens=max(1, ctx // 2), gen_tokens=max(1, ctx - ctx // 2))
     ov = overrides_from(device=dev.type, **options)
-    return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), wl, ov, routing)
+    return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), _workload(ctx, parallel), ov, routing)
 
 
 def _device(device: str) -> torch.device:
