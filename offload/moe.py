@@ -8,6 +8,10 @@ Per layer and step (`MoEFeedForward`, the layer's `ffn`):
     device:  meanwhile its own experts for every slot in two grouped kernels (gate/up with
              SiLU·up, down: gpu_ops.nf4_gemv.nf4_experts_gemv) → weighted sum → + the host's
 
+In a decode step the routing after the router's product is one kernel, and the weighted sum with
+the host's share another (gpu_ops.moe_route; `route` and `combine` below are their torch twins,
+which prefill chunks and CPU stand-ins run).
+
 On CUDA the host's share is queued on a side stream as a host function (the CUDA driver calls
 the Numba kernel's C entry point, `cuLaunchHostFunc`): no Python runs in between and nothing
 syncs, so the step still captures as one CUDA graph (a host node per MoE layer), and the CPU
@@ -115,38 +119,43 @@ class MoEFeedForward:
             raise ValueError("host experts need the staging; on CUDA, in the int4 format")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h.to(self.router.dtype), self.router).float()  # [N, E]
-        top, idx = logits.topk(self.k, dim=-1)  # the softmax's top-k are the logits'
+        N = h.shape[0]
+        fused = None
+        if self.cuda and N <= self.GROUPED_ROWS:  # one kernel each for the routing and the sum
+            from gpu_ops import moe_route as fused
+        idx, w, local, ids = (fused.route if fused else route)(h, self.router, self.k, self.norm_topk, self.gpu_map,
+                                                               self.host_map)
         if self.routed is not None:
-            self.routed += torch.bincount(idx.reshape(-1), minlength=self.cfg.num_experts)
-        if self.norm_topk:  # softmax, then the top k renormalised: the softmax of the top k
-            w = torch.softmax(top, dim=-1)
-        else:
-            w = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+            self.routed += torch.bincount(idx.reshape(-1).long(), minlength=self.cfg.num_experts)
         host = None
         if self.host is not None:
-            stream = h.shape[0] >= self.stream_rows and self.int4_host
-            host = self._stream_host(h, idx, w) if stream else self._queue_host(h, idx, w)
-        out = self._device(h, idx, w) if self.device_experts is not None else None
+            stream = N >= self.stream_rows and self.int4_host
+            host = self._stream_host(h, ids, w) if stream else self._queue_host(h, ids, w)
+        dx = self.device_experts
+        if dx is not None and dx.stacked is not None and N <= self.GROUPED_ROWS:
+            y = self._grouped(h, local)
+            return (fused.combine if fused else combine)(y, w, host, h.dtype)
+        out = self._device(h, local, w) if dx is not None else None
         if host is not None:
             out = host if out is None else out + host
         return out.to(h.dtype)
 
-    def _device(self, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The device's experts' weighted sum, float32 [N, H] (slots routed elsewhere add nothing)."""
-        dx = self.device_experts
-        N, k = idx.shape
-        local = self.gpu_map[idx]  # [N, k]
-        if dx.stacked is not None and N <= self.GROUPED_ROWS:
-            from gpu_ops.nf4_gemv import nf4_experts_gemv
+    def _grouped(self, h: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Each slot's output [N·k, H] from the device's experts in two grouped kernels (gate/up with
+        SiLU·up, down); a slot routed elsewhere (local −1) gets a zero row."""
+        from gpu_ops.nf4_gemv import nf4_experts_gemv
 
-            gu, gu_a, dn, dn_a = dx.stacked
-            H, Fi = self.cfg.hidden_size, self.cfg.moe_intermediate_size
-            slots = local.reshape(-1)
-            act = nf4_experts_gemv(h, slots, gu, gu_a, (2 * Fi, H), xdiv=k, swiglu=True)  # [N·k, F]
-            y = nf4_experts_gemv(act, slots, dn, dn_a, (H, Fi), xdiv=1)  # [N·k, H]; zero rows elsewhere
-            return (y.view(N, k, H).float() * w[..., None]).sum(1)
-        # many rows (prefill): one expert at a time over its tokens
+        gu, gu_a, dn, dn_a = self.device_experts.stacked
+        H, Fi = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        slots = local.reshape(-1)
+        act = nf4_experts_gemv(h, slots, gu, gu_a, (2 * Fi, H), xdiv=self.k, swiglu=True)  # [N·k, F]
+        return nf4_experts_gemv(act, slots, dn, dn_a, (H, Fi), xdiv=1)
+
+    def _device(self, h: torch.Tensor, local: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The device's experts' weighted sum for many rows (prefill), float32 [N, H]: one expert at a
+        time over its tokens (local [N, k]: each slot's expert among the device's, −1: elsewhere)."""
+        dx = self.device_experts
+        N, k = local.shape
         wflat = w.reshape(-1)
         out = torch.zeros(N, self.cfg.hidden_size, dtype=torch.float32, device=h.device)
         for j, sel in by_expert(local.reshape(-1), len(dx.experts)):
@@ -154,16 +163,15 @@ class MoEFeedForward:
             out.index_add_(0, sel // k, swiglu(gate_up, down, h[sel // k]).float() * wflat[sel, None])
         return out
 
-    def _queue_host(self, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The host's experts' weighted sum, float32 [N, H] on the device: computed now on a CPU
-        stand-in; on CUDA queued (a host function on the side stream), the main stream waiting for
-        it only where the result is read."""
-        N, k = idx.shape
+    def _queue_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The host's experts' weighted sum, float32 [N, H] on the device (ids [N, k]: each slot's
+        expert among the host's, −1: elsewhere): computed now on a CPU stand-in; on CUDA queued (a
+        host function on the side stream), the main stream waiting for it only where the result is read."""
+        N, k = ids.shape
         H = self.cfg.hidden_size
         st = self.staging
         if N > st.max_rows:
             raise ValueError(f"{N} rows, more than the {st.max_rows} the host experts were sized for")
-        ids = self.host_map[idx]
         if not self.cuda:
             out = np.empty((N, H), np.float32)
             self.host(h.float().contiguous().numpy(), ids.numpy(), w.float().contiguous().numpy(), out, st.scratch)
@@ -184,14 +192,14 @@ class MoEFeedForward:
         main.wait_stream(st.side)
         return st.up[:N].to(self.dev, non_blocking=True)
 
-    def _stream_host(self, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _stream_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The host's experts' weighted sum for many rows, float32 [N, H], computed by the device: the
-        experts the rows route to go up (codes and scales, STREAM_AHEAD ahead on the copy stream),
-        each is dequantized to the activations' dtype and applied to its tokens."""
+        experts the rows route to (ids, as `_queue_host`'s) go up (codes and scales, STREAM_AHEAD ahead
+        on the copy stream), each is dequantized to the activations' dtype and applied to its tokens."""
         he = self.host
-        N, k = idx.shape
+        N, k = ids.shape
         wflat = w.reshape(-1)
-        groups = by_expert(self.host_map[idx].reshape(-1), len(he.experts))
+        groups = by_expert(ids.reshape(-1), len(he.experts))
         used = [j for j, _ in groups]
         main = torch.cuda.current_stream(self.dev) if self.cuda else None
         copies: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
@@ -266,3 +274,23 @@ def experts_scratch(model):
     """The host experts' shared scratch of `model` (its clock: `Scratch.take_seconds`), or None."""
     return next((lw.ffn.staging.scratch for lw in model.layers
                  if isinstance(lw.ffn, MoEFeedForward) and lw.ffn.staging is not None), None)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool, gpu_map: torch.Tensor,
+          host_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing of rows h [N, H] (`gpu_ops.moe_route.route`'s contract, in torch ops) → idx [N, k],
+    w [N, k] float32, the device's and the host's index of each slot's expert [N, k] (−1: not theirs)."""
+    logits = F.linear(h.to(router.dtype), router).float()  # [N, E]
+    top, idx = logits.topk(k, dim=-1)  # the softmax's top-k are the logits'
+    if norm_topk:  # softmax, then the top k renormalised: the softmax of the top k
+        w = torch.softmax(top, dim=-1)
+    else:
+        w = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+    return idx, w, gpu_map[idx], host_map[idx]
+
+
+def combine(y: torch.Tensor, w: torch.Tensor, host: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Σ over a row's k slots of w · y (+ host) [N, H] in dtype (`gpu_ops.moe_route.combine`'s contract)."""
+    N, k = w.shape
+    out = (y.view(N, k, -1).float() * w[..., None]).sum(1)
+    return (out if host is None else out + host).to(dtype)

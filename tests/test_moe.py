@@ -242,6 +242,35 @@ def test_gpu_grouped_experts_kernel_matches_dequantized(xdiv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("E,k,norm", [(128, 8, True), (8, 2, False), (60, 3, True)])
+def test_gpu_routing_and_sum_kernels_match_their_torch_twins(E, k, norm):
+    """gpu_ops.moe_route against offload.moe's route and combine: a top k of the same logits in weight
+    order (bf16 logits tie: which of tied experts is free), the same weights and slot maps; the sum
+    with and without the host's share."""
+    from gpu_ops import moe_route
+    from offload.moe import combine, route
+
+    torch.manual_seed(E)
+    dev = torch.device("cuda")
+    N, H = 5, 2048
+    h = torch.randn(N, H, device=dev).bfloat16()
+    router = (torch.randn(E, H, device=dev) * H**-0.5).bfloat16()
+    gpu_map = torch.randint(-1, 5, (E,), dtype=torch.int32, device=dev)
+    host_map = torch.where(gpu_map < 0, torch.arange(E, device=dev), -1).to(torch.int32)
+    idx, w, gslot, hslot = moe_route.route(h, router, k, norm, gpu_map, host_map)
+    logits = torch.nn.functional.linear(h, router).float()
+    top = logits.gather(1, idx.long())
+    assert bool((top >= logits.topk(k, dim=-1).values[:, -1:]).all()) and bool((top[:, :-1] >= top[:, 1:]).all())
+    want_w = route(h, router, k, norm, gpu_map, host_map)[1]
+    assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6)
+    assert torch.equal(gslot, gpu_map[idx.long()]) and torch.equal(hslot, host_map[idx.long()])
+    y = torch.randn(N * k, H, device=dev).bfloat16()
+    for host in (None, torch.randn(N, H, device=dev)):
+        got, want = moe_route.combine(y, w, host, torch.bfloat16), combine(y, w, host, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and rel_err(got.float(), want.float()) <= 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gpu_split_moe_layer_in_a_cuda_graph(rows):
     """The device's experts in the grouped kernels and the host's in a host node on a side stream:
