@@ -46,7 +46,8 @@ def check(N: int, H: int, E: int, k: int, norm: bool, dtype: torch.dtype, seed: 
         a, b = combine(y, got[1], host, dtype), combine_torch(y, got[1], host, dtype)
         tol = 1e-5 if dtype is torch.float32 else 1e-2
         if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol):
-            bad.append(f"combine{' with host' if host is not None else ''} differs by {(a.float() - b.float()).abs().max():.2e}")
+            what = "combine with host" if host is not None else "combine"
+            bad.append(f"{what} differs by {(a.float() - b.float()).abs().max():.2e}")
     return bad
 
 
