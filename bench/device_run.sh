@@ -19,6 +19,7 @@
 #           context, --gpu-mem SPEC_GPU_MEM (default 6GiB), the planner's own placement: drafts off,
 #           fed-in acceptances 3/4 and 0/4, and ngram (SPEC_DRAFTS)
 # budget:   bench.budget (decode at each --gpu-mem budget, the planner's own choice; BUDGET_ARGS passed through)
+# omp:      bench.omp_pools (what a second OpenMP pool, Numba's or torch's, costs three small Numba regions)
 # moe:      bench.moe (mixture-of-experts decode and prefill at each --gpu-mem budget, the planner's own choice;
 #           MOE_ARGS passed through, e.g. "--only qwen3@8GiB --steps 16")
 set -uo pipefail
@@ -78,6 +79,8 @@ for stage in $STAGES; do
     moe)
       timeout ${MOE_TIMEOUT:-500} python3 -m bench.moe --out "$OUT" ${MOE_ARGS:-} 2>&1 \
         | tee "$OUT/moe_stdout.log" | tail -${MOE_TAIL:-10} ;;
+    omp)
+      timeout 120 python3 -m bench.omp_pools 2>&1 | tee "$OUT/omp_pools.log" | tail -5 ;;
     budget)
       timeout ${BUDGET_TIMEOUT:-420} python3 -m bench.budget --out "$OUT" ${BUDGET_ARGS:-} 2>&1 \
         | tee "$OUT/budget_stdout.log" | tail -${BUDGET_TAIL:-10} ;;
