@@ -152,8 +152,9 @@ class MoEFeedForward:
         return nf4_experts_gemv(act, slots, dn, dn_a, (H, Fi), xdiv=1)
 
     def _device(self, h: torch.Tensor, local: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The device's experts' weighted sum for many rows (prefill), float32 [N, H]: one expert at a
-        time over its tokens (local [N, k]: each slot's expert among the device's, −1: elsewhere)."""
+        """The device's experts' weighted sum, float32 [N, H], one expert at a time over its tokens: for
+        prefill chunks, and experts not stacked for the grouped kernels (local [N, k]: each slot's
+        expert among the device's, −1: elsewhere)."""
         dx = self.device_experts
         N, k = local.shape
         wflat = w.reshape(-1)
