@@ -238,9 +238,10 @@ def test_a_cuda_load_runs_on_a_thread_that_ends_with_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("device", d))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: seen.setdefault("synced", True))
     load = build_mod._on_own_thread_with_cuda(fake_load)
     assert load("m", device="cuda") == "engine of m"
-    assert seen["thread"] is not threading.current_thread() and seen["device"] == 3
+    assert seen["thread"] is not threading.current_thread() and seen["device"] == 3 and seen["synced"]
     assert not seen["thread"].is_alive()
     with pytest.raises(UserError, match="refused"):
         load("bad")

@@ -57,6 +57,7 @@ def _on_own_thread_with_cuda(load_fn):
             torch.cuda.set_device(cuda_device)
             try:
                 out["engine"] = load_fn(*args, **kwargs)
+                torch.cuda.synchronize()  # its copies done whatever stream the caller runs on next
             except BaseException as e:  # noqa: BLE001  raised again in the caller's thread
                 out["error"] = e
 
