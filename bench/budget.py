@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 
 from hetero.config import LLAMA3_8B  # noqa: E402
 from planner.profile import HardwareProfile, cache_path, measure  # noqa: E402
+from offload.build import on_own_thread  # noqa: E402
 from offload.timers import StepTimes  # noqa: E402
 from planner.tensors import Kind  # noqa: E402
 
@@ -55,15 +55,7 @@ def fill(cache, seqs: list[int], ctx: int) -> None:
     """Reserve ctx tokens a sequence; random codes and small scales in both pools. On a thread that
     ends with it, as `hetero.load` loads: torch's parallel CPU ops on the main thread would leave
     an OpenMP pool there that a user's process does not have (`bench.omp_pools`)."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
-
-    def work() -> None:
-        if device is not None:
-            torch.cuda.set_device(device)
-        _fill(cache, seqs, ctx)
-
-    with ThreadPoolExecutor(max_workers=1) as one:
-        one.submit(work).result()
+    on_own_thread(_fill, cache, seqs, ctx, name="bench-fill")
 
 
 def _fill(cache, seqs: list[int], ctx: int) -> None:

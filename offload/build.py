@@ -9,6 +9,7 @@ staging are host memory, and every path but the CUDA streams runs.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -37,6 +38,33 @@ def load_from_plan(ck: Checkpoint, plan: Plan, device: torch.device,
     model = load_model(ck, FORMATS[plan.weights], device, embed_device=embed_dev, homes=weight_homes(plan, device),
                        progress=progress, threads=plan.threads, moe_rows=max(wl.ubatch, wl.batch))
     return model, place_weights(model, plan)
+
+
+def on_own_thread(fn, *args, name: str = "hetero-load", **kwargs):
+    """fn(*args, **kwargs) on a thread of its own that ends with it, so the OpenMP pools its CPU
+    work makes end too (`cpu_attention._numba`: a pool left beside the CPU kernels' thread makes
+    every later parallel region pay its workers' wake-up). Where CUDA runs, the caller's device is
+    current there and its GPU work is done before this returns. → fn's result, or its exception
+    raised here."""
+    cuda = torch.cuda.is_available()
+    device, out = (torch.cuda.current_device() if cuda else None), {}
+
+    def run() -> None:
+        if cuda:
+            torch.cuda.set_device(device)
+        try:
+            out["value"] = fn(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()  # its copies done whatever stream the caller runs on next
+        except BaseException as e:  # noqa: BLE001  raised again in the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def fence_gpu_memory(budget_bytes: int, device: torch.device) -> None:

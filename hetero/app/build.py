@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -21,7 +20,7 @@ from hetero.speculative import ModelDrafter, make_drafter
 from hetero.tokenizer import Tokenizer
 from hetero.validate import check_vocab
 from cpu_attention.layout import INT4_GROUP, KVDtype
-from offload.build import fence_gpu_memory, load_from_plan, runtime_from_plan
+from offload.build import fence_gpu_memory, load_from_plan, on_own_thread, runtime_from_plan
 from offload.loader import Progress
 from offload.placement import FORMATS, check_plan_supported
 from planner.hardware import default_budget
@@ -36,37 +35,18 @@ log = logging.getLogger(__name__)
 
 
 def _on_own_thread_with_cuda(load_fn):
-    """`load_fn` running, where CUDA runs the engine, on a thread of its own that ends with it.
-
-    OpenMP keeps a pool of threads for each thread that has run a parallel region (torch's CPU
-    ops, and the Numba kernels that quantize, measure and warm up), and a process holding more
-    pool threads than CPUs makes libgomp put waiting workers to sleep at once, so every later
-    parallel region pays their wake-up. During decode the CPU's kernels run from the CUDA driver's
-    thread (MoE experts) or the CPU-attention worker; a pool the loading left on the main thread
-    would stay beside theirs (`python3 -m bench.omp_pools`: three small regions 7.7 µs alone,
-    172-197 µs beside such a pool, on the 2-core machine). The caller's CUDA device is current on the thread;
-    what the loading raises is raised in the caller."""
+    """`load_fn` running, where CUDA runs the engine, on a thread of its own that ends with it
+    (`offload.build.on_own_thread`). During decode the CPU's kernels run from the CUDA driver's
+    thread (MoE experts) or the CPU-attention worker; an OpenMP pool the loading (torch's CPU ops,
+    the Numba kernels that quantize, measure and warm up) left on the main thread would stay beside
+    theirs (`python3 -m bench.omp_pools`: three small regions 7.7 µs alone, 172-197 µs beside such
+    a pool, on the 2-core machine)."""
 
     @functools.wraps(load_fn)
     def load(*args, **kwargs):
         if kwargs.get("device", "auto") == "cpu" or not torch.cuda.is_available():
             return load_fn(*args, **kwargs)
-        cuda_device, out = torch.cuda.current_device(), {}
-
-        def run() -> None:
-            torch.cuda.set_device(cuda_device)
-            try:
-                out["engine"] = load_fn(*args, **kwargs)
-                torch.cuda.synchronize()  # its copies done whatever stream the caller runs on next
-            except BaseException as e:  # noqa: BLE001  raised again in the caller's thread
-                out["error"] = e
-
-        t = threading.Thread(target=run, name="hetero-load", daemon=True)
-        t.start()
-        t.join()
-        if "error" in out:
-            raise out["error"]
-        return out["engine"]
+        return on_own_thread(load_fn, *args, **kwargs)
 
     return load
 
