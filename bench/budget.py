@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 import torch  # noqa: E402
@@ -170,11 +171,18 @@ def arguments(description: str) -> argparse.ArgumentParser:
     return ap
 
 
-def run_rows(module: str, args: argparse.Namespace, names: list[str],
-             extra: list[str] = ()) -> tuple[HardwareProfile, list[dict]]:
-    """The profile (--profile, or measured now), made the cached one `hetero.load` plans with in each
-    row's process; then each row as `python3 -m MODULE --one NAME` in a fresh process (its output in
-    OUT/NAME.log), its ROW line parsed (the error's tail where there is none)."""
+def run_rows(module: str, args: argparse.Namespace, table: list[tuple], run_one: Callable[..., dict],
+             extra: list[str] = ()) -> tuple[HardwareProfile, list[dict]] | None:
+    """As a row's process (--one NAME): run_one(profile, *NAME's entry of `table`), printed as its ROW
+    line → None. Otherwise the profile (--profile, or measured now), made the cached one `hetero.load`
+    plans with in each row's process; then each row as `python3 -m MODULE --one NAME` in a fresh
+    process (its output in OUT/NAME.log), its ROW line parsed (the error's tail where there is none);
+    all of them written to OUT/<module's name>.json → (profile, rows)."""
+    if args.one:
+        prof = HardwareProfile.from_json(args.profile.read_text())
+        print("ROW " + json.dumps(run_one(prof, *next(r for r in table if r[0] == args.one))), flush=True)
+        return None
+    names = [r[0] for r in table]
     prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
     prof_path = args.out / "profile.json"
     prof_path.write_text(prof.to_json())
@@ -190,19 +198,18 @@ def run_rows(module: str, args: argparse.Namespace, names: list[str],
         row = json.loads(found[0]) if found else dict(name=name, error=(r.stderr or r.stdout)[-3000:])
         rows.append(row)
         print(json.dumps(row), flush=True)
+    out = args.out / f"{module.rsplit('.', 1)[-1]}.json"
+    out.write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
     return prof, rows
 
 
 def main() -> None:
     args = arguments(__doc__.splitlines()[0]).parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.one:
-        prof = HardwareProfile.from_json(args.profile.read_text())
-        row = next(r for r in ROWS if r[0] == args.one)
-        print("ROW " + json.dumps(run_row(prof, *row, steps=args.steps)), flush=True)
+    done = run_rows("bench.budget", args, ROWS, lambda prof, *row: run_row(prof, *row, steps=args.steps))
+    if done is None:
         return
-    prof, rows = run_rows("bench.budget", args, [r[0] for r in ROWS])
-    (args.out / "budget.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
+    prof, rows = done
     print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · "
           f"PCIe h2d {prof.pcie_h2d_gbps:.1f} GB/s · {prof.physical_cores} cores")
     print(f"{'row':14} {'tok/s':>7} {'target':>6} {'pred':>7} {'bound':>7} {'peak GiB':>8} "

@@ -12,7 +12,6 @@ for the prompt's tokens). Each row runs in a fresh process.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -130,14 +129,14 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.one:
-        prof = HardwareProfile.from_json(args.profile.read_text())
-        row = next(r for r in ROWS if r[0] == args.one)
-        trace = args.out / f"{args.one.replace('@', '_')}.trace.txt" if args.trace else None
-        print("ROW " + json.dumps(run_row(prof, *row, steps=args.steps, trace=trace)), flush=True)
+    def one(prof, name, *row):
+        trace = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
+        return run_row(prof, name, *row, steps=args.steps, trace=trace)
+
+    done = run_rows("bench.moe", args, ROWS, one, ["--trace"] if args.trace else [])
+    if done is None:
         return
-    prof, rows = run_rows("bench.moe", args, [r[0] for r in ROWS], ["--trace"] if args.trace else [])
-    (args.out / "moe.json").write_text(json.dumps(dict(profile=prof.to_dict(), rows=rows), indent=1))
+    prof, rows = done
     print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · CPU int4 experts "
           f"{prof.cpu_experts_gbps:.1f} GB/s · PCIe h2d {prof.pcie_h2d_gbps:.1f} GB/s · {prof.physical_cores} cores")
     print(f"{'row':14} {'decode':>7} {'target':>6} {'pred':>7} {'bound':>7} {'step ms':>7} {'CPU exp':>7} {'prefill':>8} "
