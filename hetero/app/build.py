@@ -26,7 +26,7 @@ from offload.placement import FORMATS, check_plan_supported
 from planner.hardware import default_budget
 from planner.options import WEIGHTS, budget_from, overrides_from
 from planner.plan import Budget, Device, Plan, Workload
-from planner.profile import load_or_estimate, load_or_measure
+from planner.profile import HardwareProfile, load_or_estimate, load_or_measure
 from planner.report import summary_line
 from planner.experts import routing_for
 from planner.search import plan as make_plan
@@ -96,8 +96,9 @@ def load(
     drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows the context
     (`hetero.context`); draft: ngram|off, speculative decoding's drafts (ngram: prompt lookup over
     the sequence's own tokens; hetero/speculative.py); draft_model: a small model with the same
-    vocabulary that drafts instead (its own engine, on the CPU); progress(done, total): called as the weights are converted, layer by layer
-    (the CLI draws a bar with it); sampling: default sampling parameters (temperature, top_k, top_p, min_p,
+    vocabulary that drafts instead (its own engine on the model's device; on the GPU it plans
+    within a quarter of the budgets, `draft_share`); progress(done, total): called as the weights
+    are converted, layer by layer (the CLI draws a bar with it); sampling: default sampling parameters (temperature, top_k, top_p, min_p,
     repeat_penalty, seed, max_new_tokens). With device cpu and a plan for the GPU, the plan runs
     with the CPU standing in for the GPU (slow for 4-bit weights, meant for tests).
     """
@@ -146,7 +147,7 @@ def load(
     p = _plan(cfg, plan, dev, ctx, parallel, gpu_mem, cpu_mem, routing, weights=weights, kv_dtype=kv_dtype,
               gpu_kv_dtype=gpu_kv_dtype, threads=threads, sub_batches=sub_batches, block_size=block_size,
               weight_mode=weight_mode, gpu_kv_tokens=None if gpu_kv_tokens is None else min(gpu_kv_tokens, ctx),
-              stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe)
+              stream_tokens=stream_tokens, n_cpu_moe=n_cpu_moe, hw=gpu_draft.hw if gpu_draft is not None else None)
     if plan is not None and device == "auto" and p.device is Device.CPU:
         dev = torch.device("cpu")  # a saved CPU plan runs on the CPU
     fence = gpu_draft.whole.gpu_bytes if gpu_draft is not None else None  # the process's limit: both engines'
@@ -215,18 +216,19 @@ def draft_share(cfg, hw, whole: Budget, ctx: int, parallel: int) -> tuple[Plan, 
 
 class GpuDraft(NamedTuple):
     """A draft model planned for the GPU beside the model: its plan and checkpoint, the budgets of
-    both together, and what the draft's plan leaves the model."""
+    both together, what the draft's plan leaves the model, and the profile both plan with."""
     plan: Plan
     checkpoint: Checkpoint
     whole: Budget
     left: Budget
+    hw: HardwareProfile
 
 
 def _plan_gpu_draft(ck: Checkpoint, ctx: int, parallel: int, gpu_mem, cpu_mem) -> GpuDraft:
     hw = load_or_measure()
     whole = budget_from(hw, gpu_mem, cpu_mem) or default_budget(hw)[0]
     small, left = draft_share(ck.config, hw, whole, ctx, parallel)
-    return GpuDraft(small, ck, whole, left)
+    return GpuDraft(small, ck, whole, left, hw)
 
 
 def _draft_checkpoint(draft_model, cfg) -> Checkpoint:
@@ -254,10 +256,12 @@ def _kv_dtype(value: str, flag: str, cfg) -> KVDtype:
     return kv
 
 
-def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_mem, routing, **options) -> Plan:
+def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_mem, routing,
+          hw: HardwareProfile | None = None, **options) -> Plan:
     """The saved plan, exactly, or the planner's for this machine and these options (on the CPU
     from the cached profile or this host's facts: a CPU start never measures); routing: the
-    model's saved routing statistics (`hetero profile-experts`), if any."""
+    model's saved routing statistics (`hetero profile-experts`), if any; hw: the profile, where
+    the caller has read it already."""
     if plan is not None and options.get("n_cpu_moe"):
         raise UserError("--n-cpu-moe with --plan: a saved plan places the experts itself; make it with "
                         "`hetero plan --n-cpu-moe N --json`")
@@ -268,7 +272,7 @@ def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_me
             return Plan.from_json(Path(plan).read_text())
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"cannot read the plan {plan}: {e}") from e
-    hw = load_or_measure() if dev.type == "cuda" else load_or_estimate()
+    hw = hw or (load_or_measure() if dev.type == "cuda" else load_or_estimate())
     ov = overrides_from(device=dev.type, **options)
     return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), _workload(ctx, parallel), ov, routing)
 
