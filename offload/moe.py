@@ -72,6 +72,11 @@ class HostStaging:
         self.max_rows = max_rows
         self.scratch = Scratch(max_rows, k, H, cfg.moe_intermediate_size, cfg.num_experts)
         self.cuda = device.type == "cuda"
+        self.kernels = None  # gpu_ops.moe_route on CUDA: the decode steps' routing and sum
+        if self.cuda:
+            from gpu_ops import moe_route
+
+            self.kernels = moe_route
         if self.cuda:
             from cpu_attention import experts_kernels
             from offload.driver import driver
@@ -114,15 +119,18 @@ class MoEFeedForward:
             host_map[host_experts.experts] = torch.arange(len(host_experts.experts), dtype=torch.int32)
         self.gpu_map, self.host_map = gpu_map.to(device), host_map.to(device)
         self.cuda = device.type == "cuda"
+        self.kernels = None  # gpu_ops.moe_route on CUDA: the decode steps' routing and sum
+        if self.cuda:
+            from gpu_ops import moe_route
+
+            self.kernels = moe_route
         self.int4_host = host_experts is not None and not isinstance(host_experts, TorchHostExperts)
         if host_experts is not None and (staging is None or self.cuda and not self.int4_host):
             raise ValueError("host experts need the staging; on CUDA, in the int4 format")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         N = h.shape[0]
-        fused = None
-        if self.cuda and N <= self.GROUPED_ROWS:  # one kernel each for the routing and the sum
-            from gpu_ops import moe_route as fused
+        fused = self.kernels if N <= self.GROUPED_ROWS else None  # one kernel each for the routing and the sum
         idx, w, local, ids = (fused.route if fused else route)(h, self.router, self.k, self.norm_topk, self.gpu_map,
                                                                self.host_map)
         if self.routed is not None:
