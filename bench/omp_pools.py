@@ -7,11 +7,13 @@ from the CUDA driver's thread), µs a layer, in three fresh processes:
 - alone: the worker thread's pool is the process's only one (the bound);
 - beside a Numba pool: the main thread ran a Numba parallel region first;
 - beside torch: the main thread ran torch's parallel CPU ops first (where torch links the same
-  libgomp as Numba, their pools count together; the libgomps each process maps are printed).
+  libgomp as Numba, their pools count together; the libgomps each process maps are printed);
+- beside torch, pool freed: the same, then the main thread freed its pool
+  (cpu_attention._numba.release_pool, as the engine does where its kernels move to another thread).
 
 libgomp keeps a pool of threads for each thread that has run a parallel region; where a process
 holds more pool threads than CPUs it lets waiting workers sleep almost at once, and each region
-then pays their wake-up. Imports only numpy, numba and torch.
+then pays their wake-up. Imports numpy, numba and torch (and cpu_attention._numba for the last case).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import sys
 import threading
 import time
 
-CASES = ("alone", "beside a Numba pool", "beside torch")
+CASES = ("alone", "beside a Numba pool", "beside torch", "beside torch, pool freed")
 
 
 def measure(case: str, reps: int) -> dict:
@@ -39,12 +41,16 @@ def measure(case: str, reps: int) -> dict:
     a = np.zeros(64)
     if case == "beside a Numba pool":
         touch(a)
-    elif case == "beside torch":
+    elif case.startswith("beside torch"):
         import torch
 
         x = torch.randn(4_000_000)
         for _ in range(5):
             x.exp().sum()
+        if case.endswith("freed"):
+            from cpu_attention._numba import release_pool
+
+            release_pool()
     times: list[float] = []
 
     def worker() -> None:

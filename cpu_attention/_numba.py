@@ -18,11 +18,15 @@ and where a process holds more of them than CPUs it lets waiting workers sleep a
 so each region then pays their wake-up; torch's parallel CPU ops on the main thread count too.
 Three small regions from a worker thread (`python3 -m bench.omp_pools`, 2-core machine): 7.7 µs
 alone, 172 µs beside a Numba pool of the main thread, 197 µs after torch's parallel ops there.
-`hetero.load` with CUDA therefore loads on a thread that ends with it, and the GPU benchmarks
-record each row's thread count (`bench.budget.process_threads`).
+`hetero.load` with CUDA therefore loads on a thread that ends with it, the runner frees a
+thread's pool when another thread takes over the CPU's kernels (`release_pool`,
+`offload.worker.CpuWorker.kernels_on`), and the GPU benchmarks record each row's thread count
+(`bench.budget.process_threads`). Numba's omp layer runs on whichever libgomp the process loaded
+first (torch's, where torch is imported first), so both libraries' pools count together.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import threading
@@ -89,6 +93,18 @@ def _prefer_512_bit_vectors() -> None:
 # so only the reassociation/contraction flags are enabled (no 'nnan'/'ninf').
 FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 JIT = dict(nogil=True, cache=True, fastmath=FASTMATH)
+
+
+def release_pool() -> bool:
+    """Free the calling thread's OpenMP pool (libgomp's `omp_pause_resource_all`: its workers
+    exit), so that it no longer counts beside the pool of the thread that runs the kernels next;
+    a later parallel region on this thread builds a new one (~1 ms). → whether libgomp was loaded
+    and freed it (nothing to do otherwise: no pool was ever made)."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    return gomp.omp_pause_resource_all(1) == 0  # omp_pause_soft
 
 
 @functools.cache  # reads /sys; called once per kernel call otherwise
@@ -230,6 +246,19 @@ def arrive(typingctx, counter, i):
     def codegen(context, builder, signature, args):
         one = context.get_constant(types.int64, 1)
         return builder.atomic_rmw("add", _flat_ptr(context, builder, signature, args), one, "acq_rel")
+
+    return types.int64(counter, i), codegen
+
+
+@intrinsic
+def depart(typingctx, counter, i):
+    """counter[i]-- atomically (int64, C-contiguous), acquire and release ordered; returns the value before."""
+    if not _indexable(counter, types.int64, i):
+        return None
+
+    def codegen(context, builder, signature, args):
+        one = context.get_constant(types.int64, 1)
+        return builder.atomic_rmw("sub", _flat_ptr(context, builder, signature, args), one, "acq_rel")
 
     return types.int64(counter, i), codegen
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from offload.worker import MAIN
+
 PREFILL_CHUNK = 2048  # tokens per projection/MLP pass and per attention query block in prefill
 PREFILL_PIECE = 8192  # tokens of a prompt prefilled layer by layer before the next piece starts
 PRIOR_PIECE = 4096  # tokens of a quantized device tier dequantized at once for a prefill's prior KV
@@ -25,6 +27,7 @@ class Prefill:
 
         Pieces of PREFILL_PIECE tokens bound the activations a long prompt needs on the device;
         each piece runs layer by layer and attends to everything cached before it."""
+        self.worker.kernels_on(MAIN)
         outs = [self._prefill_piece(seq, tokens[: s + PREFILL_PIECE], s, all_logits)
                 for s in range(start, len(tokens), PREFILL_PIECE)]
         return torch.cat(outs) if all_logits else outs[-1]

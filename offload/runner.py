@@ -35,7 +35,7 @@ from offload.prefill import Prefill
 from offload.steps import GraphStep, LeanStep, PipelinedStep
 from offload.stream import KVStreamer
 from offload.timers import GpuSpans, Metrics, StepTimes, now
-from offload.worker import CpuWorker, Job
+from offload.worker import ELSEWHERE, MAIN, WORKER, CpuWorker, Job
 
 if TYPE_CHECKING:
     from offload.placement import PlacedWeights
@@ -141,6 +141,7 @@ class Runner(Prefill):
             st.h2d_bytes += moved_in * self.cache.gpu.nbytes // (self.cache.gpu.num_blocks + 1)
         slots = rows.reserve(self.cache, seqs)
         if self.graph_step is not None and self.graph_step.takes(self, seqs, slots):
+            self._kernels_on([])
             logits = self.graph_step.run(self, seqs, tokens, positions, slots)  # everything on the GPU: one graph
             st.wall = now() - t0
             self._record(st)
@@ -148,6 +149,7 @@ class Runner(Prefill):
         parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
         for p in parts:
             p.inline = len(parts) == 1
+        self._kernels_on(parts)
         moved = self._weight_bytes()
         if self.streamer is not None:
             self.streamer.idle()
@@ -171,6 +173,13 @@ class Runner(Prefill):
         st.wall = now() - t0
         self._record(st)
         return logits
+
+    def _kernels_on(self, parts: list[Part]) -> None:
+        """The thread of this step's CPU kernels, one OpenMP pool live (offload/worker.py): the main one for an
+        inline share or CPU-computed weights, the worker for two sub-batches', the driver's for host experts."""
+        host = [p for p in parts if p.host_tables is not None]
+        main = self.host_compute is not None or any(p.inline for p in host)
+        self.worker.kernels_on(MAIN if main else WORKER if host else ELSEWHERE if self._experts is not None else None)
 
     def _split(self, seqs: list[int]) -> list[tuple[int, int]]:
         n = self.sub_batches

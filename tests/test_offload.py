@@ -264,3 +264,50 @@ def test_swap_in_keeps_the_plans_host_blocks(folder):
     assert c.swap_in_free_room() == 1 and c.seqs[0].swapped == 0
     assert c.seqs[0].gpu.num_tokens == 8 and c.seqs[0].host.num_tokens == 12  # the plan's split again
     assert c.swap_in_free_room() == 0
+
+
+def test_the_worker_keeps_one_openmp_pool_live_where_the_kernels_move():
+    """A thread's pool counts beside the kernel thread's and makes its regions wake sleeping workers
+    (cpu_attention._numba): the worker frees the pool of the thread the kernels leave."""
+    import os
+
+    import numba
+    import numpy as np
+
+    from cpu_attention import _numba
+    from offload.worker import ELSEWHERE, MAIN, WORKER, CpuWorker
+
+    _numba.configure()
+
+    @numba.njit(parallel=True, cache=False)
+    def touch(a):
+        for i in numba.prange(a.shape[0]):
+            a[i] += 1.0
+
+    def region():
+        numba.set_num_threads(2)
+        touch(np.zeros(64))
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one Numba thread: no pool")
+    region()
+    if numba.threading_layer() != "omp":
+        pytest.skip("not the OpenMP threading layer")
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    w = CpuWorker()
+    try:
+        w.kernels_on(WORKER)  # frees the main thread's pool
+        base = threads()
+        w.submit(region).wait()
+        assert threads() == base + 2  # the worker thread and its pool's second thread
+        w.kernels_on(WORKER)
+        assert threads() == base + 2  # staying put frees nothing
+        w.kernels_on(MAIN)
+        assert threads() == base + 1
+        region()
+        assert threads() == base + 2
+        w.kernels_on(ELSEWHERE)
+        assert threads() == base + 1
+        assert not _numba.release_pool() or threads() == base + 1  # nothing left to free here
+    finally:
+        w.close()
