@@ -108,6 +108,7 @@ class Scratch:
         self.xq, self.aq = np.zeros((max_rows, hidden), np.int8), np.zeros((P, inter), np.int8)
         self.xcorr, self.acorr = np.zeros((max_rows, hidden // 8), np.int32), np.zeros((P, inter // 8), np.int32)
         self.cycles = np.zeros(1, np.int64)  # time-stamp cycles of the calls through the C entry point
+        self.pool = None  # an experts_pool.ExpertsPool: the C entry point's calls run on it
         self.seconds = 0.0  # time of the calls made from Python
 
     def take_seconds(self) -> float:
@@ -166,7 +167,8 @@ class HostExperts:
 
     def descriptor(self, x: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray, scratch: Scratch) -> np.ndarray:
         """The int64 descriptor of the call `self(x, ids, w, out, scratch)` for the C entry point
-        (`experts_kernels.entry_address`); the arrays must outlive every use of it (pinned buffers
+        (`experts_pool.ExpertsPool.entry_address` where the scratch has a pool, else
+        `experts_kernels.entry_address`); the arrays must outlive every use of it (pinned buffers
         a captured graph keeps using), so it is kept here, one per set of buffers and rows."""
         self._check(x.shape[0], scratch)
         kn = _kernels()
@@ -182,6 +184,7 @@ class HostExperts:
                       kn.GEXP_: sc.gexp, kn.ACT_: sc.act, kn.OUT_: out, kn.XSUM_: sc.xsum,
                       kn.ASUM_: sc.asum, kn.XQ_: sc.xq, kn.XCORR_: sc.xcorr, kn.AQ_: sc.aq, kn.ACORR_: sc.acorr,
                       kn.CYCLES_: sc.cycles}
+            d[kn.POOL_] = sc.pool.address if sc.pool is not None else 0
             for i, v in vals.items():
                 d[i] = v
             for i, a in arrays.items():

@@ -130,57 +130,87 @@ def group_pairs(ids, E, tok, pw_slot, starts, gexp):
     return P, G
 
 
-@njit(parallel=True, **JIT)
-def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out, xsum, asum, xq, xcorr, aq, acorr,
-             vnni):
-    """vnni: x and act quantized to int8 and the rows' dot products in integer vector code
-    (`_simd_q4`; xsum and asum then hold the quantization scales); else float32 (`_dot`)."""
-    F = d_q.shape[2] * 2
+@njit(inline="always", **JIT)
+def act_row(r, x, tok, starts, gexp, gu_q, gu_s, act, xsum, xq, xcorr, vnni):
+    """Pass 1 for row r of the groups' gate/up rows (group r // F, row j = r % F): for each of the
+    group's pairs p, act[p, j] = silu(x[t_p] · gate_j) · (x[t_p] · up_j)."""
+    F = act.shape[1]
+    H = x.shape[1]
+    GH, nh = H // GROUP, H // (8 * W_LANES)
+    g = r // F
+    j = r - g * F
+    e = gexp[g]
+    for p in range(starts[g], starts[g + 1]):
+        t = tok[p]
+        if vnni:
+            ra, rb = e * 2 * F + j, e * 2 * F + F + j
+            a = _row_dot(gu_q, ra * (H // 2), xq, t * H, t * H + H // 2, xcorr, t * GH * 8, xsum, t * GH, gu_s,
+                         ra * GH, nh)
+            b = _row_dot(gu_q, rb * (H // 2), xq, t * H, t * H + H // 2, xcorr, t * GH * 8, xsum, t * GH, gu_s,
+                         rb * GH, nh)
+        else:
+            a = _dot(gu_q, gu_s, e, j, x, xsum, t)
+            b = _dot(gu_q, gu_s, e, F + j, x, xsum, t)
+        act[p, j] = a / (np.float32(1.0) + np.exp(-a)) * b
+
+
+@njit(inline="always", **JIT)
+def act_prep(p, act, asum, aq, acorr, vnni):
+    """Pass 2 for pair p: its act row quantized (vnni) or its group sums (`_quantize`, `_group_sums`)."""
+    if vnni:
+        _quantize(act, p, aq, acorr, asum)
+    else:
+        for b in range(asum.shape[1]):
+            t = np.float32(0.0)
+            for j in range(GROUP):
+                t += act[p, GROUP * b + j]
+            asum[p, b] = t
+
+
+@njit(inline="always", **JIT)
+def out_row(o, w, tok, pw_slot, starts, gexp, G, d_q, d_s, act, out, asum, aq, acorr, vnni):
+    """Pass 3 for output row o: out[n, o] = Σ over the pairs p of token n of w_p · (act[p] · down_o)."""
+    F = act.shape[1]
     H = out.shape[1]
     K = w.shape[1]
-    P = starts[G]
-    GH, GF = H // GROUP, F // GROUP
-    nh, nf = H // (8 * W_LANES), F // (8 * W_LANES)  # vectors of codes a row
+    GF, nf = F // GROUP, F // (8 * W_LANES)
+    for n in range(out.shape[0]):
+        out[n, o] = np.float32(0.0)
+    for g in range(G):
+        e = gexp[g]
+        for p in range(starts[g], starts[g + 1]):
+            sl = pw_slot[p]
+            if vnni:
+                ro = e * H + o
+                y = _row_dot(d_q, ro * (F // 2), aq, p * F, p * F + F // 2, acorr, p * GF * 8, asum, p * GF, d_s,
+                             ro * GF, nf)
+            else:
+                y = _dot(d_q, d_s, e, o, act, asum, p)
+            out[tok[p], o] += y * w[sl // K, sl - (sl // K) * K]
+
+
+@njit(inline="always", **JIT)
+def prepare_x(x, xsum, xq, xcorr, vnni):
+    """Before pass 1: x's rows quantized (vnni) or their group sums."""
     if vnni:
         for n in range(x.shape[0]):
             _quantize(x, n, xq, xcorr, xsum)
     else:
         _group_sums(x, x.shape[0], xsum)
-    for r in prange(G * F):
-        g = r // F
-        j = r - g * F
-        e = gexp[g]
-        for p in range(starts[g], starts[g + 1]):
-            t = tok[p]
-            if vnni:
-                ra, rb = e * 2 * F + j, e * 2 * F + F + j
-                a = _row_dot(gu_q, ra * (H // 2), xq, t * H, t * H + H // 2, xcorr, t * GH * 8, xsum, t * GH, gu_s,
-                             ra * GH, nh)
-                b = _row_dot(gu_q, rb * (H // 2), xq, t * H, t * H + H // 2, xcorr, t * GH * 8, xsum, t * GH, gu_s,
-                             rb * GH, nh)
-            else:
-                a = _dot(gu_q, gu_s, e, j, x, xsum, t)
-                b = _dot(gu_q, gu_s, e, F + j, x, xsum, t)
-            act[p, j] = a / (np.float32(1.0) + np.exp(-a)) * b
-    if vnni:
-        for p in prange(P):
-            _quantize(act, p, aq, acorr, asum)
-    else:
-        _group_sums(act, P, asum)
-    for o in prange(H):  # each output row owned by one thread: the sum over pairs needs no second pass
-        for n in range(out.shape[0]):
-            out[n, o] = np.float32(0.0)
-        for g in range(G):
-            e = gexp[g]
-            for p in range(starts[g], starts[g + 1]):
-                sl = pw_slot[p]
-                if vnni:
-                    ro = e * H + o
-                    y = _row_dot(d_q, ro * (F // 2), aq, p * F, p * F + F // 2, acorr, p * GF * 8, asum, p * GF, d_s,
-                                 ro * GF, nf)
-                else:
-                    y = _dot(d_q, d_s, e, o, act, asum, p)
-                out[tok[p], o] += y * w[sl // K, sl - (sl // K) * K]
+
+
+@njit(parallel=True, **JIT)
+def _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out, xsum, asum, xq, xcorr, aq, acorr,
+             vnni):
+    """vnni: x and act quantized to int8 and the rows' dot products in integer vector code
+    (`_simd_q4`; xsum and asum then hold the quantization scales); else float32 (`_dot`)."""
+    prepare_x(x, xsum, xq, xcorr, vnni)
+    for r in prange(G * act.shape[1]):
+        act_row(r, x, tok, starts, gexp, gu_q, gu_s, act, xsum, xq, xcorr, vnni)
+    for p in prange(starts[G]):
+        act_prep(p, act, asum, aq, acorr, vnni)
+    for o in prange(out.shape[1]):  # each output row owned by one thread: the sum over pairs needs no second pass
+        out_row(o, w, tok, pw_slot, starts, gexp, G, d_q, d_s, act, out, asum, aq, acorr, vnni)
 
 
 @njit(**JIT)
@@ -209,7 +239,7 @@ def _ptr(typingctx, addr, kind):
 
 # descriptor fields (int64): the shapes, then the arrays' addresses
 (N_, K_, H_, F_, E_, THREADS_, X_, IDS_, W_, GUQ_, GUS_, DQ_, DS_, TOK_, PWS_, STARTS_, GEXP_, ACT_, OUT_, XSUM_, ASUM_,
- XQ_, XCORR_, AQ_, ACORR_, VNNI_, CYCLES_, FIELDS) = range(28)
+ XQ_, XCORR_, AQ_, ACORR_, VNNI_, CYCLES_, POOL_, FIELDS) = range(29)
 
 
 @intrinsic
@@ -224,32 +254,37 @@ def cycles(typingctx):
     return types.int64(), codegen
 
 
+@njit(inline="always", nogil=True, fastmath=JIT["fastmath"])
+def views(d):
+    """The arrays a descriptor d (int64 [FIELDS]) names, in `run`'s order from x to acorr."""
+    N, K, H, F, E = d[N_], d[K_], d[H_], d[F_], d[E_]
+    f32, i32, i64, u8, i8 = np.float32(0), np.int32(0), np.int64(0), np.uint8(0), np.int8(0)
+    return (carray(_ptr(d[X_], f32), (N, H)),
+            carray(_ptr(d[IDS_], i32), (N, K)),
+            carray(_ptr(d[W_], f32), (N, K)),
+            carray(_ptr(d[GUQ_], u8), (E, 2 * F, H // 2)),
+            carray(_ptr(d[GUS_], f32), (E, 2 * F, H // GROUP)),
+            carray(_ptr(d[DQ_], u8), (E, H, F // 2)),
+            carray(_ptr(d[DS_], f32), (E, H, F // GROUP)),
+            carray(_ptr(d[TOK_], i64), (N * K,)),
+            carray(_ptr(d[PWS_], i64), (N * K,)),
+            carray(_ptr(d[STARTS_], i64), (E + 1,)),
+            carray(_ptr(d[GEXP_], i64), (E,)),
+            carray(_ptr(d[ACT_], f32), (N * K, F)),
+            carray(_ptr(d[OUT_], f32), (N, H)),
+            carray(_ptr(d[XSUM_], f32), (N, H // GROUP)),
+            carray(_ptr(d[ASUM_], f32), (N * K, F // GROUP)),
+            carray(_ptr(d[XQ_], i8), (N, H)),
+            carray(_ptr(d[XCORR_], i32), (N, H // 8)),
+            carray(_ptr(d[AQ_], i8), (N * K, F)),
+            carray(_ptr(d[ACORR_], i32), (N * K, F // 8)))
+
+
 @njit(nogil=True, fastmath=JIT["fastmath"])  # not cached: it reads addresses
 def run_descriptor(d):
-    N, K, H, F, E = d[N_], d[K_], d[H_], d[F_], d[E_]
     numba.set_num_threads(d[THREADS_])
-    f32, i32, i64, u8 = np.float32(0), np.int32(0), np.int64(0), np.uint8(0)
-    x = carray(_ptr(d[X_], f32), (N, H))
-    ids = carray(_ptr(d[IDS_], i32), (N, K))
-    w = carray(_ptr(d[W_], f32), (N, K))
-    gu_q = carray(_ptr(d[GUQ_], u8), (E, 2 * F, H // 2))
-    gu_s = carray(_ptr(d[GUS_], f32), (E, 2 * F, H // GROUP))
-    d_q = carray(_ptr(d[DQ_], u8), (E, H, F // 2))
-    d_s = carray(_ptr(d[DS_], f32), (E, H, F // GROUP))
-    tok = carray(_ptr(d[TOK_], i64), (N * K,))
-    pws = carray(_ptr(d[PWS_], i64), (N * K,))
-    starts = carray(_ptr(d[STARTS_], i64), (E + 1,))
-    gexp = carray(_ptr(d[GEXP_], i64), (E,))
-    act = carray(_ptr(d[ACT_], f32), (N * K, F))
-    out = carray(_ptr(d[OUT_], f32), (N, H))
-    xsum = carray(_ptr(d[XSUM_], f32), (N, H // GROUP))
-    asum = carray(_ptr(d[ASUM_], f32), (N * K, F // GROUP))
-    i8 = np.int8(0)
-    xq = carray(_ptr(d[XQ_], i8), (N, H))
-    xcorr = carray(_ptr(d[XCORR_], i32), (N, H // 8))
-    aq = carray(_ptr(d[AQ_], i8), (N * K, F))
-    acorr = carray(_ptr(d[ACORR_], i32), (N * K, F // 8))
-    spent = carray(_ptr(d[CYCLES_], i64), (1,))  # where the call's time-stamp cycles add up
+    x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr = views(d)
+    spent = carray(_ptr(d[CYCLES_], np.int64(0)), (1,))  # where the call's time-stamp cycles add up
     t0 = cycles()
     run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr,
         d[VNNI_] != 0)

@@ -63,27 +63,27 @@ class TorchHostExperts:
 
 class HostStaging:
     """What every MoE layer's host share uses, one at a time: the Numba scratch and, on CUDA, the
-    side stream and the pinned buffers a row goes down and comes up in."""
+    threads that compute it, the side stream and the pinned buffers a row goes down and comes up in."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, max_rows: int):
+    def __init__(self, cfg: ModelConfig, device: torch.device, max_rows: int, threads: int | None = None):
+        """threads: the CPU threads the host experts' calls take (None: the physical cores, one left
+        to the thread launching the GPU's work)."""
         from cpu_attention.experts import Scratch
 
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         self.max_rows = max_rows
         self.scratch = Scratch(max_rows, k, H, cfg.moe_intermediate_size, cfg.num_experts)
         self.cuda = device.type == "cuda"
-        self.kernels = None  # gpu_ops.moe_route on CUDA: the decode steps' routing and sum
         if self.cuda:
-            from gpu_ops import moe_route
-
-            self.kernels = moe_route
-        if self.cuda:
-            from cpu_attention import experts_kernels
+            from cpu_attention._numba import physical_cores
+            from cpu_attention.experts_pool import ExpertsPool
             from offload.driver import driver
 
             if driver() is None:
                 raise RuntimeError("host-resident experts on CUDA need the CUDA driver (libcuda)")
-            self.entry = experts_kernels.entry_address()
+            # the driver's thread runs each call on a pool of spinning threads, not OpenMP's (experts_pool)
+            self.scratch.pool = ExpertsPool(threads or max(1, physical_cores() - 1))
+            self.entry = ExpertsPool.entry_address()
             self.side = torch.cuda.Stream(device)
             self.copy = torch.cuda.Stream(device)  # host experts going up for a prefill
             self.down = torch.empty(max_rows * (H + 2 * k), dtype=torch.float32, pin_memory=True)  # h, weights, ids

@@ -4,6 +4,8 @@ processes while the GPU is measured). `planner.profile.measure` calls `measure` 
 """
 from __future__ import annotations
 
+import ctypes
+
 import datetime as _dt
 import platform
 import time
@@ -114,10 +116,12 @@ def _measure_host(cores: int, quick: bool) -> dict[str, float]:
 
 def _measure_cpu_experts(quick: bool) -> float:
     """One token through 8 int4 experts of Qwen3-30B-A3B's shape (hidden 2048, expert FFN 768) with
-    hetero's CPU expert kernel, cycling over layers' worth of experts past the last-level cache;
-    0.0 if the kernel is missing."""
+    hetero's CPU expert kernel as the engine calls it beside a GPU (its C entry point, on its pool of
+    threads: cpu_attention.experts_pool), cycling over layers' worth of experts past the last-level
+    cache; 0.0 if the kernel is missing."""
     try:
         from cpu_attention.experts import HostExperts, Scratch
+        from cpu_attention.experts_pool import ExpertsPool
     except ImportError:
         return 0.0
     H, Fi, k = 2048, 768, 8
@@ -130,15 +134,21 @@ def _measure_cpu_experts(quick: bool) -> float:
         he.gu_s.fill(0.01)
         he.d_s.fill(0.01)
     sc = Scratch(1, k, H, Fi, k)
+    sc.pool = ExpertsPool(threads)
     x, ids, w = np.ones((1, H), np.float32), np.arange(k, dtype=np.int32)[None], np.ones((1, k), np.float32)
     out = np.empty((1, H), np.float32)
-    sets[0](x, ids, w, out, sc)  # compiles (or loads) the kernel
+    call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(ExpertsPool.entry_address())
+    descriptors = [he.descriptor(x, ids, w, out, sc).ctypes.data for he in sets]
+    try:
+        call(descriptors[0])  # compiles the kernel
 
-    def all_layers() -> None:
-        for he in sets:
-            he(x, ids, w, out, sc)
+        def all_layers() -> None:
+            for d in descriptors:
+                call(d)
 
-    return layers * sets[0].nbytes / _best(all_layers, reps=2 if quick else 3) / 1e9
+        return layers * sets[0].nbytes / _best(all_layers, reps=2 if quick else 3) / 1e9
+    finally:
+        sc.pool.close()
 
 
 def _measure_dram(quick: bool) -> float:

@@ -7,6 +7,7 @@ experts in one place; the int4 kernel must match its float64 twin.
 """
 import ctypes
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -139,6 +140,40 @@ def test_int4_kernel_matches_its_float64_twin(N, H, F):
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(experts_kernels.entry_address())(d.ctypes.data)
     assert np.array_equal(out, out2)
     assert sc.cycles[0] > 0 and 0 < sc.take_seconds() < 10 and sc.cycles[0] == 0  # its own clock, read once
+
+
+@pytest.mark.parametrize("H, F", [(128, 192), (256, 128)])
+def test_experts_pool_gives_the_kernels_result_call_after_call(H, F):
+    """The C entry point on a pool of spinning threads (a CUDA host node's call): the OpenMP kernel's
+    result to the bit, for changing rows and routes in the same buffers, none routed to the host
+    included, and the workers gone once closed."""
+    from cpu_attention.experts_pool import ExpertsPool
+
+    torch.manual_seed(H)
+    E, k, N = 6, 3, 9
+    he = HostExperts(list(range(E)), H, F, k, threads=2)
+    for j in range(E):
+        he.set(j, torch.randn(2 * F, H) * 0.05, torch.randn(H, F) * 0.05)
+    x, ids, w = np.zeros((N, H), np.float32), np.zeros((N, k), np.int32), np.zeros((N, k), np.float32)
+    out, want = np.zeros((N, H), np.float32), np.zeros((N, H), np.float32)
+    sc, pooled = Scratch(N, k, H, F, E), Scratch(N, k, H, F, E)
+    pool = ExpertsPool(3)
+    pooled.pool = pool
+    call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(ExpertsPool.entry_address())
+    try:
+        for n in range(30):
+            x[:] = np.random.default_rng(n).standard_normal((N, H))
+            ids[:] = torch.randint(-1, E, (N, k), dtype=torch.int32).numpy() if n % 10 else -1
+            w[:] = np.random.default_rng(n).random((N, k))
+            out.fill(np.nan)
+            call(he.descriptor(x, ids, w, out, pooled).ctypes.data)
+            he(x, ids, w, want, sc)
+            assert np.array_equal(out, want), n
+            assert n % 10 or not out.any()
+        assert pooled.take_seconds() > 0
+    finally:
+        pool.close()
+    assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("hetero-experts"))
 
 
 def test_int4_linear_by_pieces_of_rows():

@@ -1,0 +1,192 @@
+"""The host experts' call on a pool of threads of its own, which wait for calls by spinning: one
+hand-off a call, instead of OpenMP's fork and join at each of the kernel's three passes.
+
+Why: the CUDA driver's thread runs a decode step's host experts once a layer, ~0.1–0.4 ms of
+work each. Under OpenMP each of the three passes forks and joins; where libgomp sees more pool
+threads than CPUs (another thread's pool, torch's included: cpu_attention._numba) its workers
+sleep at once and every pass pays their wake-up: ~110–200 µs a layer measured on the GPU host
+(bench.moe), against ~20 µs for three passes of a pool alone (bench.omp_pools). These threads are
+outside OpenMP, so no other pool slows them, and between passes they wait on counters.
+
+A call, from the caller's thread (the driver's):
+
+    caller:  pairs grouped by expert, x prepared (`experts_kernels.prepare_x`), the counters zeroed,
+             the descriptor's address published, the call opened (GEN odd)
+    all:     pass 1: gate/up rows, a CHUNK claimed at a time from a counter → act
+             pass 2, once pass 1's rows are all done: act rows prepared (quantized or summed)
+             pass 3, once pass 2's are: output rows, a CHUNK at a time → out
+    caller:  once pass 3's rows are all done: the call closed (GEN even), and returned once no
+             worker is still inside it (`_serve`)
+
+Between calls a worker spins (x86 `pause`) for SPIN_S, then gives its core away at each look
+(sched_yield) until IDLE_S, then naps NAP_US at a time: a decode step's next layer finds it
+spinning, an idle engine costs no CPU, and a call after a pause waits up to one nap.
+
+The control block `ctl` (int64) keeps each counter on a cache line of its own (LINE apart).
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import threading
+
+import numpy as np
+from numba import carray, cfunc, njit, types
+from numba.extending import intrinsic
+
+from cpu_attention import experts_kernels as kn
+from cpu_attention._numba import arrive, depart, load_acquire
+
+LINE = 8  # int64s a cache line
+(GEN, DESC, STOP, GROUPS, ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3, ACTIVE, SPIN, IDLE, CTL) = (LINE * i for i in range(14))
+CHUNK = 8  # rows a claim takes in passes 1 and 3
+SPIN_S, IDLE_S, NAP_US = 300e-6, 5e-3, 100
+
+_libc = ctypes.CDLL(None)
+_yield = _libc.sched_yield
+_yield.argtypes, _yield.restype = [], ctypes.c_int
+_nap = _libc.usleep
+_nap.argtypes, _nap.restype = [ctypes.c_uint], ctypes.c_int
+
+
+@intrinsic
+def _pause(typingctx):
+    """A spin-wait hint to the core (x86 `pause`; nothing elsewhere)."""
+    def codegen(context, builder, signature, args):
+        import platform
+
+        from llvmlite import ir
+
+        if platform.machine() in ("x86_64", "AMD64"):
+            fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@njit(inline="always", nogil=True)
+def _wait_for(ctl, i, n):
+    while load_acquire(ctl, i) < n:
+        _pause()
+
+
+@njit(nogil=True, fastmath=kn.JIT["fastmath"])
+def _share(ctl, d):
+    """Whatever is left of the call d's three passes, claimed a CHUNK of rows at a time; a pass
+    starts once every row of the one before is done (counted in rows, not threads: a thread that
+    comes late finds the work taken and holds nobody up)."""
+    x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr = kn.views(d)
+    vnni = d[kn.VNNI_] != 0
+    G = ctl[GROUPS]
+    rows, P, H = G * act.shape[1], starts[G], out.shape[1]
+    chunks1, chunks3 = (rows + CHUNK - 1) // CHUNK, (H + CHUNK - 1) // CHUNK
+    c = arrive(ctl, ROWS1)
+    while c < chunks1:
+        for r in range(c * CHUNK, min(c * CHUNK + CHUNK, rows)):
+            kn.act_row(r, x, tok, starts, gexp, gu_q, gu_s, act, xsum, xq, xcorr, vnni)
+        arrive(ctl, DONE1)
+        c = arrive(ctl, ROWS1)
+    _wait_for(ctl, DONE1, chunks1)
+    p = arrive(ctl, PAIRS2)
+    while p < P:
+        kn.act_prep(p, act, asum, aq, acorr, vnni)
+        arrive(ctl, DONE2)
+        p = arrive(ctl, PAIRS2)
+    _wait_for(ctl, DONE2, P)
+    c = arrive(ctl, ROWS3)
+    while c < chunks3:
+        for o in range(c * CHUNK, min(c * CHUNK + CHUNK, H)):
+            kn.out_row(o, w, tok, pws, starts, gexp, G, d_q, d_s, act, out, asum, aq, acorr, vnni)
+        arrive(ctl, DONE3)
+        c = arrive(ctl, ROWS3)
+    return chunks3
+
+
+@njit(nogil=True)
+def _serve(ctl):
+    """A worker's life. GEN is odd while a call is open: the worker joins (ACTIVE + 1, then GEN
+    checked again: both are locked read-modify-writes, full fences on x86), takes what is left,
+    and leaves (ACTIVE − 1); the caller closes the call and waits for ACTIVE 0 before it resets the
+    counters for the next, so no worker reads a counter or descriptor of a call it did not join."""
+    served = load_acquire(ctl, GEN)
+    last = kn.cycles()
+    while True:
+        g = load_acquire(ctl, GEN)
+        if load_acquire(ctl, STOP) != 0:
+            return
+        if g % 2 == 1 and g != served:
+            served = g
+            arrive(ctl, ACTIVE)
+            if load_acquire(ctl, GEN) == g:
+                _share(ctl, carray(kn._ptr(ctl[DESC], np.int64(0)), (kn.FIELDS,)))
+            depart(ctl, ACTIVE)
+            last = kn.cycles()
+            continue
+        idle = kn.cycles() - last
+        if idle < ctl[SPIN]:
+            _pause()
+        elif idle < ctl[IDLE]:
+            _yield()
+        else:
+            _nap(NAP_US)
+
+
+@njit(nogil=True, fastmath=kn.JIT["fastmath"])  # not cached: it reads addresses
+def run_pooled(d):
+    """The call d (an `experts_kernels` descriptor naming its pool, POOL_) on the pool; returns when done."""
+    ctl = carray(kn._ptr(d[kn.POOL_], np.int64(0)), (CTL,))
+    spent = carray(kn._ptr(d[kn.CYCLES_], np.int64(0)), (1,))
+    t0 = kn.cycles()
+    x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr = kn.views(d)
+    P, G = kn.group_pairs(ids, gu_q.shape[0], tok, pws, starts, gexp)
+    kn.prepare_x(x, xsum, xq, xcorr, d[kn.VNNI_] != 0)
+    for c in (ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3):
+        ctl[c] = 0
+    ctl[GROUPS] = G
+    ctl[DESC] = d.ctypes.data
+    arrive(ctl, GEN)  # open (odd), publishing the above: the workers read GEN with acquire order
+    chunks3 = _share(ctl, d)
+    _wait_for(ctl, DONE3, chunks3)
+    arrive(ctl, GEN)  # closed (even)
+    while load_acquire(ctl, ACTIVE) != 0:
+        _pause()
+    spent[0] += kn.cycles() - t0
+
+
+@cfunc(types.void(types.CPointer(types.int64)), nogil=True)
+def _entry(p):
+    run_pooled(carray(p, (kn.FIELDS,)))
+
+
+class ExpertsPool:
+    """A call's `threads` threads: the caller and threads − 1 workers; `address` goes in a
+    descriptor's POOL_."""
+
+    def __init__(self, threads: int):
+        from cpu_attention.experts import tsc_hz
+
+        self.threads = max(1, int(threads))
+        self.ctl = np.zeros(CTL, np.int64)
+        hz = tsc_hz()
+        self.ctl[SPIN], self.ctl[IDLE] = int(SPIN_S * hz), int(IDLE_S * hz)
+        self.address = self.ctl.ctypes.data
+        self._workers = [threading.Thread(target=_serve, args=(self.ctl,), name=f"hetero-experts-{me}", daemon=True)
+                         for me in range(1, self.threads)]
+        for t in self._workers:
+            t.start()
+        atexit.register(self.close)
+
+    @staticmethod
+    def entry_address() -> int:
+        """The C entry point `void f(int64_t *descriptor)` that runs a call on its pool (cuLaunchHostFunc)."""
+        return _entry.address
+
+    def close(self) -> None:
+        """Stop the workers (they finish a call in progress first)."""
+        if self._workers:
+            self.ctl[STOP] = 1  # seen at a worker's next look (after its nap at most)
+            for t in self._workers:
+                t.join()
+            self._workers = []
+
