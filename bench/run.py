@@ -36,6 +36,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                     "drafts off, fed-in acceptances and prompt lookup, against (kept + 1) plain steps", "GPU or CPU"),
     "omp_pools": ("what a second OpenMP pool (Numba's or torch's) costs three small Numba parallel regions, "
                   "against the regions alone", "CPU"),
+    "experts_pool": ("the host experts' call through its C entry point: OpenMP's kernel against the experts' own "
+                     "pool of spinning threads, µs a call against the DRAM read rate", "CPU"),
     "serve_load": ("a bounded load run against `hetero serve`: requests, errors, server memory", "CPU"),
 }
 

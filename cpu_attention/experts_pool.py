@@ -27,8 +27,9 @@ The control block `ctl` (int64) keeps each counter on a cache line of its own (L
 from __future__ import annotations
 
 import atexit
-import ctypes
+import functools
 import threading
+import time
 
 import numpy as np
 from numba import carray, cfunc, njit, types
@@ -38,15 +39,40 @@ from cpu_attention import experts_kernels as kn
 from cpu_attention._numba import arrive, depart, load_acquire
 
 LINE = 8  # int64s a cache line
-(GEN, DESC, STOP, GROUPS, ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3, ACTIVE, SPIN, IDLE, CTL) = (LINE * i for i in range(14))
+(GEN, DESC, STOP, GROUPS, ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3, ACTIVE, READY, SPIN, IDLE, CTL) = (
+    LINE * i for i in range(15))
 CHUNK = 8  # rows a claim takes in passes 1 and 3
 SPIN_S, IDLE_S, NAP_US = 300e-6, 5e-3, 100
 
-_libc = ctypes.CDLL(None)
-_yield = _libc.sched_yield
-_yield.argtypes, _yield.restype = [], ctypes.c_int
-_nap = _libc.usleep
-_nap.argtypes, _nap.restype = [ctypes.c_uint], ctypes.c_int
+def _libc(builder, name: str, args: list):
+    """Call libc's `int name(...)` on 32-bit int args, declared by name (so the code caches: no
+    function address is baked in)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32] * len(args)), name)
+    builder.call(fn, [builder.trunc(a, i32) for a in args])
+
+
+@intrinsic
+def _yield(typingctx):
+    """Give the core to another runnable thread, if any (sched_yield)."""
+    def codegen(context, builder, signature, args):
+        _libc(builder, "sched_yield", [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def _nap(typingctx, us):
+    """Sleep at least `us` µs (usleep)."""
+    def codegen(context, builder, signature, args):
+        _libc(builder, "usleep", [args[0]])
+        return context.get_dummy_value()
+
+    return types.void(types.int64), codegen
 
 
 @intrinsic
@@ -71,7 +97,7 @@ def _wait_for(ctl, i, n):
         _pause()
 
 
-@njit(nogil=True, fastmath=kn.JIT["fastmath"])
+@njit(**kn.JIT)
 def _share(ctl, d):
     """Whatever is left of the call d's three passes, claimed a CHUNK of rows at a time; a pass
     starts once every row of the one before is done (counted in rows, not threads: a thread that
@@ -103,13 +129,14 @@ def _share(ctl, d):
     return chunks3
 
 
-@njit(nogil=True)
+@njit(**kn.JIT)
 def _serve(ctl):
     """A worker's life. GEN is odd while a call is open: the worker joins (ACTIVE + 1, then GEN
     checked again: both are locked read-modify-writes, full fences on x86), takes what is left,
     and leaves (ACTIVE − 1); the caller closes the call and waits for ACTIVE 0 before it resets the
     counters for the next, so no worker reads a counter or descriptor of a call it did not join."""
     served = load_acquire(ctl, GEN)
+    arrive(ctl, READY)
     last = kn.cycles()
     while True:
         g = load_acquire(ctl, GEN)
@@ -129,10 +156,10 @@ def _serve(ctl):
         elif idle < ctl[IDLE]:
             _yield()
         else:
-            _nap(NAP_US)
+            _nap(np.int64(NAP_US))
 
 
-@njit(nogil=True, fastmath=kn.JIT["fastmath"])  # not cached: it reads addresses
+@njit(**kn.JIT)
 def run_pooled(d):
     """The call d (an `experts_kernels` descriptor naming its pool, POOL_) on the pool; returns when done."""
     ctl = carray(kn._ptr(d[kn.POOL_], np.int64(0)), (CTL,))
@@ -154,33 +181,45 @@ def run_pooled(d):
     spent[0] += kn.cycles() - t0
 
 
-@cfunc(types.void(types.CPointer(types.int64)), nogil=True)
-def _entry(p):
-    run_pooled(carray(p, (kn.FIELDS,)))
+@functools.cache
+def _entry():
+    """The compiled C entry point, kept alive here (compiled on first use: beside a GPU only)."""
+
+    @cfunc(types.void(types.CPointer(types.int64)), nogil=True)
+    def entry(p):
+        run_pooled(carray(p, (kn.FIELDS,)))
+
+    return entry
 
 
 class ExpertsPool:
-    """A call's `threads` threads: the caller and threads − 1 workers; `address` goes in a
-    descriptor's POOL_."""
+    """A call's threads: the caller and `threads` − 2 workers, a core left to the CUDA driver's
+    other threads (the thread launching the GPU's work, spinning while it waits for the device, has
+    the core `threads` already leaves): a spinning worker that loses its core holds up every pass
+    it has rows of. `address` goes in a descriptor's POOL_."""
 
     def __init__(self, threads: int):
         from cpu_attention.experts import tsc_hz
 
-        self.threads = max(1, int(threads))
+        self.threads = max(1, int(threads) - 1)
         self.ctl = np.zeros(CTL, np.int64)
         hz = tsc_hz()
         self.ctl[SPIN], self.ctl[IDLE] = int(SPIN_S * hz), int(IDLE_S * hz)
         self.address = self.ctl.ctypes.data
+        _entry()  # compiled (or loaded from the cache) here, with _serve: not by the workers, under the GIL
+        _serve.compile((types.Array(types.int64, 1, "C"),))
         self._workers = [threading.Thread(target=_serve, args=(self.ctl,), name=f"hetero-experts-{me}", daemon=True)
                          for me in range(1, self.threads)]
         for t in self._workers:
             t.start()
         atexit.register(self.close)
+        while self.ctl[READY] < len(self._workers):  # every worker waiting for calls: each joins the first
+            time.sleep(1e-4)
 
     @staticmethod
     def entry_address() -> int:
         """The C entry point `void f(int64_t *descriptor)` that runs a call on its pool (cuLaunchHostFunc)."""
-        return _entry.address
+        return _entry().address
 
     def close(self) -> None:
         """Stop the workers (they finish a call in progress first)."""

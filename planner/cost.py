@@ -47,15 +47,15 @@ PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM
 PREFILL_EXPERT_S = 85e-6
 PREFILL_HOST_EXPERT_S = 190e-6
 # Per MoE layer whose experts are split between the devices: the host function's hand-off (the
-# driver's thread wakes, Numba's OpenMP threads wake from sleep for each of the kernel's parallel
-# passes) and its return to the stream. Fitted on the H100 host, 2026-11-27 (bench/moe.py, the
-# Qwen3-30B-A3B shape at 8 and 14 GiB: ~255 µs a layer beyond the model's terms, of which
-# MOE_LAYER_OVERHEAD_S is every MoE layer's); with OMP_WAIT_POLICY=active it measured ~90 µs less.
-HOST_EXPERTS_CALL_S = 200e-6
-# Per MoE layer in the GPU's step: routing (the router GEMV, top-k and its sort, softmax, the index
-# maps) and the weighted sum, small kernels beyond the experts' bytes. Fitted on the same runs
-# (the all-GPU row: 4.6 ms a step against 1.9 without it).
-MOE_LAYER_OVERHEAD_S = 55e-6
+# driver's thread wakes, the experts' pool of spinning threads joins: cpu_attention.experts_pool)
+# and its return to the stream. Fitted on the H100 host, 2026-11-27 (bench/moe.py, the
+# Qwen3-30B-A3B shape at 8 and 14 GiB: 16.3 and 10.7 ms a step, both ~88 µs a layer beyond the
+# model's other terms; under OpenMP's fork and join it was ~200).
+HOST_EXPERTS_CALL_S = 88e-6
+# Per MoE layer in the GPU's step: routing (the router GEMV, then one kernel: gpu_ops.moe_route)
+# and the weighted sum, small kernels beyond the experts' bytes. Fitted on the all-GPU row of the
+# same shape (3.6 ms a step).
+MOE_LAYER_OVERHEAD_S = 35e-6
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,79 @@
+"""The host experts' call through its C entry point, OpenMP's kernel against the experts' own pool
+of spinning threads (cpu_attention.experts_pool), µs a call:
+
+    python3 -m bench.experts_pool [--threads N] [--order omp,pool]
+
+Four int4 experts of the Qwen3-30B-A3B shape (hidden 2048, expert FFN 768: 10.6 MB a call), one
+token, cycling over 8 layers' worth (past the caches), 200 calls 100 µs apart from a thread of
+its own, as the CUDA driver's thread makes them, after torch's parallel CPU ops on the main
+thread (the engine's prefill leaves its pool there). Bound: the DRAM read rate (printed GB/s).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import threading
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=0, help="threads a call takes (default: physical cores − 1)")
+    ap.add_argument("--order", default="omp,pool")
+    args = ap.parse_args()
+    import torch
+
+    from cpu_attention import experts_kernels as kn
+    from cpu_attention._numba import configure, physical_cores
+    from cpu_attention.experts import HostExperts, Scratch
+    from cpu_attention.experts_pool import ExpertsPool
+
+    configure()
+    H, F, k, E = 2048, 768, 8, 8
+    threads = args.threads or max(1, physical_cores() - 1)
+    sets = [HostExperts(list(range(E)), H, F, k, threads=threads) for _ in range(8)]
+    for he in sets:  # the values do not change the time
+        he.gu_q.fill(0x5A)
+        he.d_q.fill(0xA5)
+        he.gu_s.fill(0.01)
+        he.d_s.fill(0.01)
+    x, w, out = np.ones((1, H), np.float32), np.ones((1, k), np.float32), np.empty((1, H), np.float32)
+    ids = np.full((1, k), -1, np.int32)
+    ids[0, :4] = [0, 1, 2, 3]
+    t = torch.randn(4_000_000)
+    for _ in range(3):
+        t.exp().sum()
+    nbytes = 4 * sets[0].nbytes / E
+    for mode in args.order.split(","):
+        sc = Scratch(1, k, H, F, E)
+        if mode == "pool":
+            sc.pool = ExpertsPool(threads)
+        entry = ExpertsPool.entry_address() if mode == "pool" else kn.entry_address()
+        call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(entry)
+        ds = [he.descriptor(x, ids, w, out, sc).ctypes.data for he in sets]
+        times: list[float] = []
+
+        def calls() -> None:
+            call(ds[0])
+            for r in range(200):
+                end = time.perf_counter() + 100e-6
+                while time.perf_counter() < end:
+                    pass
+                t0 = time.perf_counter()
+                call(ds[r % len(ds)])
+                times.append(time.perf_counter() - t0)
+
+        th = threading.Thread(target=calls)
+        th.start()
+        th.join()
+        if sc.pool is not None:
+            sc.pool.close()
+        us = statistics.median(times) * 1e6
+        print(f"{mode:5} {threads} threads: {us:7.1f} µs a call, {nbytes / us / 1e3:6.1f} GB/s ({nbytes / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
