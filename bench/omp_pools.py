@@ -1,6 +1,6 @@
 """What a second OpenMP pool costs the host kernels: three small Numba parallel regions, run back to
-back from a worker thread 300 µs after the last (as the CPU experts' three passes a layer run
-from the CUDA driver's thread), µs a layer, in three fresh processes:
+back from a worker thread 300 µs after the last (as the CPU experts' three passes a layer ran
+from the CUDA driver's thread under OpenMP), µs a layer, in fresh processes:
 
     python3 -m bench.omp_pools [--reps 300]
 

@@ -13,7 +13,8 @@ the host's share another (gpu_ops.moe_route; `route` and `combine` below are the
 which prefill chunks and CPU stand-ins run).
 
 On CUDA the host's share is queued on a side stream as a host function (the CUDA driver calls
-the Numba kernel's C entry point, `cuLaunchHostFunc`): no Python runs in between and nothing
+the Numba kernel's C entry point, `cuLaunchHostFunc`, which runs it on the experts' own pool of
+threads, cpu_attention.experts_pool): no Python runs in between and nothing
 syncs, so the step still captures as one CUDA graph (a host node per MoE layer), and the CPU
 computes while the GPU runs its experts. The main stream waits for the side stream only before
 the sum. Many rows (prefill) take the same path, except that the device runs its experts one at
@@ -66,8 +67,8 @@ class HostStaging:
     threads that compute it, the side stream and the pinned buffers a row goes down and comes up in."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, max_rows: int, threads: int | None = None):
-        """threads: the CPU threads the host experts' calls take (None: the physical cores, one left
-        to the thread launching the GPU's work)."""
+        """threads: the engine's CPU threads (None: the physical cores); on CUDA one is left to the
+        thread launching the GPU's work, and the experts' pool takes the rest (experts_pool)."""
         from cpu_attention.experts import Scratch
 
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
@@ -82,7 +83,7 @@ class HostStaging:
             if driver() is None:
                 raise RuntimeError("host-resident experts on CUDA need the CUDA driver (libcuda)")
             # the driver's thread runs each call on a pool of spinning threads, not OpenMP's (experts_pool)
-            self.scratch.pool = ExpertsPool(threads or max(1, physical_cores() - 1))
+            self.scratch.pool = ExpertsPool(max(1, (threads or physical_cores()) - 1))
             self.entry = ExpertsPool.entry_address()
             self.side = torch.cuda.Stream(device)
             self.copy = torch.cuda.Stream(device)  # host experts going up for a prefill

@@ -176,7 +176,7 @@ class Runner(Prefill):
 
     def _kernels_on(self, parts: list[Part]) -> None:
         """The thread of this step's CPU kernels, one OpenMP pool live (offload/worker.py): the main one for an
-        inline share or CPU-computed weights, the worker for two sub-batches', the driver's for host experts."""
+        inline share or CPU-computed weights, the worker for two sub-batches', neither for host experts alone."""
         host = [p for p in parts if p.host_tables is not None]
         main = self.host_compute is not None or any(p.inline for p in host)
         self.worker.kernels_on(MAIN if main else WORKER if host else ELSEWHERE if self._experts is not None else None)

@@ -28,8 +28,8 @@ class CpuWorker:
 
     def kernels_on(self, where: str | None) -> None:
         """The CPU's parallel work runs on `where` from now on: MAIN (the caller's thread: a prefill,
-        a step's inline share), WORKER, or ELSEWHERE (a thread of another owner: the CUDA driver's,
-        which runs host experts). The OpenMP pools of the threads that ran it before are freed, so
+        a step's inline share), WORKER, or ELSEWHERE (threads outside OpenMP: the host experts'
+        pool, cpu_attention.experts_pool). The OpenMP pools of the threads that ran it before are freed, so
         that only the new one's counts (cpu_attention._numba.release_pool); a switch costs the
         new pool's start (~1 ms), and staying put nothing; None: no CPU work, nothing changes."""
         if self._pool is None or where is None or where == self._kernels_on:
