@@ -17,8 +17,9 @@ the Numba kernel's C entry point, `cuLaunchHostFunc`, which runs it on the exper
 threads, cpu_attention.experts_pool): no Python runs in between and nothing
 syncs, so the step still captures as one CUDA graph (a host node per MoE layer), and the CPU
 computes while the GPU runs its experts. The main stream waits for the side stream only before
-the sum. Many rows (prefill) take the same path, except that the device runs its experts one at
-a time with the 4-bit GEMM kernels, and the host's experts go up instead of being computed by the
+the sum. Many rows (prefill) take the same path, except that the device's experts run as one
+grouped GEMM over the chunk's slots sorted by expert (gpu_ops.moe_prefill; one expert at a time
+where they are not stacked NF4), and the host's experts go up instead of being computed by the
 CPU (`_stream_host`): a prefill chunk's tokens share each expert's weights, which the CPU kernel
 would decode again for every token, while a copy reads them once. On a CPU stand-in device the host's
 share is a plain call (and the streamed path the same arithmetic without the copies).
@@ -141,8 +142,8 @@ class MoEFeedForward:
             stream = N >= self.stream_rows and self.int4_host
             host = self._stream_host(h, ids, w) if stream else self._queue_host(h, ids, w)
         dx = self.device_experts
-        if dx is not None and dx.stacked is not None and N <= self.GROUPED_ROWS:
-            y = self._grouped(h, local)
+        if dx is not None and dx.stacked is not None:  # NF4 on CUDA: every expert in two launches
+            y = self._grouped(h, local) if N <= self.GROUPED_ROWS else self._grouped_many(h, local)
             return (fused.combine if fused else combine)(y, w, host, h.dtype)
         out = self._device(h, local, w) if dx is not None else None
         if host is not None:
@@ -159,6 +160,19 @@ class MoEFeedForward:
         slots = local.reshape(-1)
         act = nf4_experts_gemv(h, slots, gu, gu_a, (2 * Fi, H), xdiv=self.k, swiglu=True)  # [N·k, F]
         return nf4_experts_gemv(act, slots, dn, dn_a, (H, Fi), xdiv=1)
+
+    def _grouped_many(self, h: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """`_grouped` for many rows (a prefill chunk): the slots sorted by expert into blocks, each
+        block's expert's codes read once for its rows (gpu_ops.moe_prefill)."""
+        from gpu_ops.moe_prefill import block_rows, grouped_nf4, sort_slots
+
+        gu, gu_a, dn, dn_a = self.device_experts.stacked
+        H, Fi, E = self.cfg.hidden_size, self.cfg.moe_intermediate_size, len(self.device_experts.experts)
+        P = local.numel()
+        bm = block_rows(P, E)
+        slots, blocks = sort_slots(local, E, bm)
+        act = grouped_nf4(h, slots, blocks, bm, gu, gu_a, (2 * Fi, H), xdiv=self.k, rows=P, swiglu=True)  # [N·k, F]
+        return grouped_nf4(act, slots, blocks, bm, dn, dn_a, (H, Fi), xdiv=1, rows=P, zero=True)
 
     def _device(self, h: torch.Tensor, local: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The device's experts' weighted sum, float32 [N, H], one expert at a time over its tokens: for
