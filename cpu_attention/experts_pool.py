@@ -19,8 +19,10 @@ A call, from the caller's thread (the driver's):
              worker is still inside it (`_serve`)
 
 Between calls a worker spins (x86 `pause`) for SPIN_S, then gives its core away at each look
-(sched_yield) until IDLE_S, then naps NAP_US at a time: a decode step's next layer finds it
-spinning, an idle engine costs no CPU, and a call after a pause waits up to one nap.
+(sched_yield) until IDLE_S, then naps NAP_US at a time until DOZE_S, then DOZE_US at a time: a
+decode step's next layer finds it spinning, a pause between steps costs a nap at most, and an
+idle engine's workers wake ~500 times a second (a call after a long pause starts on the caller
+and the workers that are awake; the others join within DOZE_US).
 
 The control block `ctl` (int64) keeps each counter on a cache line of its own (LINE apart).
 """
@@ -39,10 +41,10 @@ from cpu_attention import experts_kernels as kn
 from cpu_attention._numba import arrive, depart, load_acquire
 
 LINE = 8  # int64s a cache line
-(GEN, DESC, STOP, GROUPS, ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3, ACTIVE, READY, SPIN, IDLE, CTL) = (
-    LINE * i for i in range(15))
+(GEN, DESC, STOP, GROUPS, ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3, ACTIVE, READY, SPIN, IDLE, DOZE, CTL) = (
+    LINE * i for i in range(16))
 CHUNK = 8  # rows a claim takes in passes 1 and 3
-SPIN_S, IDLE_S, NAP_US = 300e-6, 5e-3, 100
+SPIN_S, IDLE_S, NAP_US, DOZE_S, DOZE_US = 300e-6, 5e-3, 100, 50e-3, 2000
 
 def _libc(builder, name: str, args: list):
     """Call libc's `int name(...)` on 32-bit int args, declared by name (so the code caches: no
@@ -156,7 +158,7 @@ def _serve(ctl):
         elif idle < ctl[IDLE]:
             _yield()
         else:
-            _nap(np.int64(NAP_US))
+            _nap(np.int64(NAP_US if idle < ctl[DOZE] else DOZE_US))
 
 
 @njit(**kn.JIT)
@@ -204,7 +206,7 @@ class ExpertsPool:
         self.threads = max(1, int(threads) - 1)
         self.ctl = np.zeros(CTL, np.int64)
         hz = tsc_hz()
-        self.ctl[SPIN], self.ctl[IDLE] = int(SPIN_S * hz), int(IDLE_S * hz)
+        self.ctl[SPIN], self.ctl[IDLE], self.ctl[DOZE] = int(SPIN_S * hz), int(IDLE_S * hz), int(DOZE_S * hz)
         self.address = self.ctl.ctypes.data
         _entry()  # compiled (or loaded from the cache) here, with _serve: not by the workers, under the GIL
         _serve.compile((types.Array(types.int64, 1, "C"),))

@@ -8,6 +8,7 @@ experts in one place; the int4 kernel must match its float64 twin.
 import ctypes
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -171,6 +172,10 @@ def test_experts_pool_gives_the_kernels_result_call_after_call(H, F):
             assert np.array_equal(out, want), n
             assert n % 10 or not out.any()
         assert pooled.take_seconds() > 0
+        time.sleep(0.1)  # past the workers' spinning and yielding: they nap
+        cpu = time.process_time()
+        time.sleep(0.3)
+        assert time.process_time() - cpu < 0.05  # an idle pool holds no core (two spinning: ~0.6 s)
     finally:
         pool.close()
     assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("hetero-experts"))
