@@ -8,7 +8,8 @@ sleep at once and every pass pays their wake-up: ~110–200 µs a layer measured
 (bench.moe), against ~20 µs for three passes of a pool alone (bench.omp_pools). These threads are
 outside OpenMP, so no other pool slows them, and between passes they wait on counters.
 
-A call, from the caller's thread (the driver's):
+A call, from the caller's thread (the CUDA driver's, through the C entry point of a host function;
+or, where a GPU stream signals calls in memory, a thread of the pool's own: `serve_flags`):
 
     caller:  pairs grouped by expert, x prepared (`experts_kernels.prepare_x`), the counters zeroed,
              the descriptor's address published, the call opened (GEN odd)
@@ -41,8 +42,8 @@ from cpu_attention import experts_kernels as kn
 from cpu_attention._numba import arrive, depart, load_acquire
 
 LINE = 8  # int64s a cache line
-(GEN, DESC, STOP, GROUPS, ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3, ACTIVE, READY, SPIN, IDLE, DOZE, CTL) = (
-    LINE * i for i in range(16))
+(GEN, DESC, STOP, GROUPS, ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3, ACTIVE, READY, SPIN, IDLE, DOZE, CALLS,
+ CTL) = (LINE * i for i in range(17))
 CHUNK = 8  # rows a claim takes in passes 1 and 3
 SPIN_S, IDLE_S, NAP_US, DOZE_S, DOZE_US = 300e-6, 5e-3, 100, 50e-3, 2000
 
@@ -152,13 +153,40 @@ def _serve(ctl):
             depart(ctl, ACTIVE)
             last = kn.cycles()
             continue
-        idle = kn.cycles() - last
-        if idle < ctl[SPIN]:
-            _pause()
-        elif idle < ctl[IDLE]:
-            _yield()
+        _wait_a_little(ctl, kn.cycles() - last)
+
+
+@njit(inline="always", nogil=True)
+def _wait_a_little(ctl, idle):
+    """One look's wait, by how long (cycles) there has been nothing to do (module doc)."""
+    if idle < ctl[SPIN]:
+        _pause()
+    elif idle < ctl[IDLE]:
+        _yield()
+    else:
+        _nap(np.int64(NAP_US if idle < ctl[DOZE] else DOZE_US))
+
+
+@njit(**kn.JIT)
+def _dispatch(ctl, go, done, table):
+    """The caller's thread for calls the GPU signals in memory: call i is run (its descriptor at
+    table[i]; 0: nothing to run, a round trip alone) when a stream sets go[i], which this clears
+    first; done[i] is set once it has run, and the stream waiting for it clears it again."""
+    arrive(ctl, READY)
+    last = kn.cycles()
+    while load_acquire(ctl, STOP) == 0:
+        busy = False
+        for i in range(load_acquire(ctl, CALLS)):
+            if load_acquire(go, i) != 0:
+                depart(go, i)
+                if table[i] != 0:
+                    run_pooled(carray(kn._ptr(table[i], np.int64(0)), (kn.FIELDS,)))
+                arrive(done, i)
+                busy = True
+        if busy:
+            last = kn.cycles()
         else:
-            _nap(np.int64(NAP_US if idle < ctl[DOZE] else DOZE_US))
+            _wait_a_little(ctl, kn.cycles() - last)
 
 
 @njit(**kn.JIT)
@@ -218,13 +246,40 @@ class ExpertsPool:
         while self.ctl[READY] < len(self._workers):  # every worker waiting for calls: each joins the first
             time.sleep(1e-4)
 
+    def serve_flags(self, go: np.ndarray, done: np.ndarray, table: np.ndarray) -> None:
+        """Start a thread that runs calls signalled in memory (`_dispatch`), the calls' caller: go,
+        done int64 [n] (page-locked, so that a GPU stream writes go and waits for done: a stream's
+        memory operations, offload.driver), table int64 [n] the calls' descriptor addresses,
+        `register` filling it. Instead of a host function, whose hand-off waits for the CUDA
+        driver's thread to wake and then for the stream to learn that it returned."""
+        self._flags = (go, done, table)
+        self.calls = 0
+        _dispatch.compile((types.Array(types.int64, 1, "C"),) * 4)
+        t = threading.Thread(target=_dispatch, args=(self.ctl, go, done, table), name="hetero-experts-calls",
+                             daemon=True)
+        t.start()
+        self._workers.append(t)
+        while self.ctl[READY] < len(self._workers):
+            time.sleep(1e-4)
+
+    def register(self, descriptor: int) -> int:
+        """A call's index in the flags (`serve_flags`) for the descriptor at that address (0: none)."""
+        go, done, table = self._flags
+        if self.calls == table.shape[0]:
+            raise RuntimeError(f"more than {table.shape[0]} distinct host-expert calls")
+        i = self.calls
+        table[i] = descriptor
+        self.calls += 1
+        self.ctl[CALLS] = self.calls  # after the entry (x86 keeps the two stores in order)
+        return i
+
     @staticmethod
     def entry_address() -> int:
         """The C entry point `void f(int64_t *descriptor)` that runs a call on its pool (cuLaunchHostFunc)."""
         return _entry().address
 
     def close(self) -> None:
-        """Stop the workers (they finish a call in progress first)."""
+        """Stop the workers and the flags' thread (they finish a call in progress first)."""
         if self._workers:
             self.ctl[STOP] = 1  # seen at a worker's next look (after its nap at most)
             for t in self._workers:

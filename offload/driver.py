@@ -30,6 +30,9 @@ class Driver:
         self._wait = fn("cuStreamWaitEvent", p, p, ctypes.c_uint)
         self._memcpy = fn("cuMemcpyHtoDAsync_v2", u64, p, size, p)
         self._host_func = fn("cuLaunchHostFunc", p, p, p)
+        # stream memory operations (the _v2 entry points: enabled on every platform since CUDA 11.7)
+        self._write_value = fn("cuStreamWriteValue32_v2", p, u64, ctypes.c_uint32, ctypes.c_uint)
+        self._wait_value = fn("cuStreamWaitValue32_v2", p, u64, ctypes.c_uint32, ctypes.c_uint)
 
     @staticmethod
     def _check(err: int, what: str) -> None:
@@ -60,6 +63,16 @@ class Driver:
         calls it once the stream's earlier work is done, and the stream's later work waits for it.
         Captured into a CUDA graph, it is a host node. fn must not call CUDA."""
         self._check(self._host_func(stream, fn, data), "cuLaunchHostFunc")
+
+    def write_value(self, stream: int, addr: int, value: int) -> None:
+        """Queue a store of the 32-bit value at addr (pinned host memory, whose device address is its
+        host address) once the stream's earlier work is done. Captured, a memory-operation node."""
+        self._check(self._write_value(stream, addr, value, 0), "cuStreamWriteValue32")
+
+    def wait_value(self, stream: int, addr: int, value: int) -> None:
+        """Make the stream's later work wait until the 32-bit word at addr equals value (the GPU polls
+        it; the host does not wait). Captured, a memory-operation node."""
+        self._check(self._wait_value(stream, addr, value, 1), "cuStreamWaitValue32")  # CU_STREAM_WAIT_VALUE_EQ
 
 
 @functools.cache

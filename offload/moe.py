@@ -12,10 +12,12 @@ In a decode step the routing after the router's product is one kernel, and the w
 the host's share another (gpu_ops.moe_route; `route` and `combine` below are their torch twins,
 which prefill chunks and CPU stand-ins run).
 
-On CUDA the host's share is queued on a side stream as a host function (the CUDA driver calls
-the Numba kernel's C entry point, `cuLaunchHostFunc`, which runs it on the experts' own pool of
-threads, cpu_attention.experts_pool): no Python runs in between and nothing
-syncs, so the step still captures as one CUDA graph (a host node per MoE layer), and the CPU
+On CUDA the host's share is queued on a side stream and run by the experts' own pool of threads
+(cpu_attention.experts_pool): signalled in memory where the driver's stream memory operations
+work (the stream sets a flag the pool's thread polls, then waits for the flag it sets back:
+`HostStaging.queue`), else as a host function (the CUDA driver's thread calls the Numba
+kernel's C entry point, `cuLaunchHostFunc`). No Python runs in between and nothing syncs, so the
+step still captures as one CUDA graph (memory-operation or host nodes per MoE layer), and the CPU
 computes while the GPU runs its experts. The main stream waits for the side stream only before
 the sum. Many rows (prefill) take the same path, except that the device's experts run as one
 grouped GEMM over the chunk's slots sorted by expert (gpu_ops.moe_prefill; one expert at a time
@@ -26,6 +28,7 @@ share is a plain call (and the streamed path the same arithmetic without the cop
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,7 +93,67 @@ class HostStaging:
             self.copy = torch.cuda.Stream(device)  # host experts going up for a prefill
             self.down = torch.empty(max_rows * (H + 2 * k), dtype=torch.float32, pin_memory=True)  # h, weights, ids
             self.up = torch.empty(max_rows, H, dtype=torch.float32, pin_memory=True)
+            # calls signalled in memory where the driver's stream memory operations work, else host functions
+            self.go, self.done = (torch.zeros(self.MAX_CALLS, dtype=torch.int64, pin_memory=True) for _ in "gd")
+            self.scratch.pool.serve_flags(self.go.numpy(), self.done.numpy(), np.zeros(self.MAX_CALLS, np.int64))
+            self.calls: dict[int, int] = {}  # descriptor address → its index in the flags
+            self.signals = self._signals_work()
 
+    MAX_CALLS = 4096  # distinct (layer, rows) calls a model's host experts may be signalled for
+
+    def queue(self, descriptor: np.ndarray) -> None:
+        """Queue the host experts' call `descriptor` on the current stream, the stream's later work
+        waiting for it: signalled in memory (go set, done awaited and cleared: the pool's flags'
+        thread runs it, experts_pool.serve_flags), or as a host function (the driver's thread runs it)."""
+        from offload.driver import driver
+
+        stream = torch.cuda.current_stream().cuda_stream
+        if not self.signals:
+            driver().host_func(stream, self.entry, descriptor.ctypes.data)
+            return
+        i = self.calls.get(descriptor.ctypes.data)
+        if i is None:
+            i = self.calls[descriptor.ctypes.data] = self.scratch.pool.register(descriptor.ctypes.data)
+        self._signal(stream, i)
+
+    def _signal(self, stream: int, i: int) -> None:
+        from offload.driver import driver
+
+        go, done = self.go.data_ptr() + 8 * i, self.done.data_ptr() + 8 * i  # pinned: device address = host's
+        driver().write_value(stream, go, 1)
+        driver().wait_value(stream, done, 1)
+        driver().write_value(stream, done, 0)
+
+    def _signals_work(self, timeout_s: float = 2.0) -> bool:
+        """Whether a round trip through the flags completes, eagerly and replayed from a CUDA graph
+        (stream memory operations may be missing, or refused in a capture); a stuck one is released
+        and host functions carry the calls instead."""
+        bare = self.scratch.pool.register(0)
+        try:
+            with torch.cuda.stream(self.side):
+                self._signal(self.side.cuda_stream, bare)
+            if not self._completes(self.side, bare, timeout_s):
+                return False
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.side):
+                self._signal(self.side.cuda_stream, bare)
+            graph.replay()
+            return self._completes(torch.cuda.current_stream(), bare, timeout_s)
+        except Exception:  # noqa: BLE001  an error from the driver or the capture: not on this machine
+            return False
+
+    def _completes(self, stream: torch.cuda.Stream, call: int, timeout_s: float) -> bool:
+        """Whether the stream's work is done within timeout_s; if not, call's wait is released."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        end = time.monotonic() + timeout_s
+        while not ev.query():
+            if time.monotonic() > end:
+                self.done[call] = 1
+                ev.synchronize()
+                return False
+            time.sleep(1e-4)
+        return True
 
 class MoEFeedForward:
     """h [N, H] → the layer's routed experts' weighted sum [N, H] (the residual not added)."""
@@ -189,8 +252,8 @@ class MoEFeedForward:
 
     def _queue_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The host's experts' weighted sum, float32 [N, H] on the device (ids [N, k]: each slot's
-        expert among the host's, −1: elsewhere): computed now on a CPU stand-in; on CUDA queued (a
-        host function on the side stream), the main stream waiting for it only where the result is read."""
+        expert among the host's, −1: elsewhere): computed now on a CPU stand-in; on CUDA queued on the
+        side stream (`HostStaging.queue`), the main stream waiting for it only where the result is read."""
         N, k = ids.shape
         H = self.cfg.hidden_size
         st = self.staging
@@ -200,8 +263,6 @@ class MoEFeedForward:
             out = np.empty((N, H), np.float32)
             self.host(h.float().contiguous().numpy(), ids.numpy(), w.float().contiguous().numpy(), out, st.scratch)
             return torch.from_numpy(out)
-        from offload.driver import driver
-
         main = torch.cuda.current_stream(self.dev)
         row = torch.cat([h.float().reshape(-1), w.float().reshape(-1), ids.view(torch.float32).reshape(-1)])
         st.side.wait_stream(main)
@@ -210,9 +271,8 @@ class MoEFeedForward:
             st.down[:n].copy_(row, non_blocking=True)
             row.record_stream(st.side)
             down = st.down.numpy()
-            d = self.host.descriptor(down[: N * H].reshape(N, H), down[N * (H + k): n].view(np.int32).reshape(N, k),
-                                     down[N * H: N * (H + k)].reshape(N, k), st.up.numpy()[:N], st.scratch)
-            driver().host_func(st.side.cuda_stream, st.entry, d.ctypes.data)
+            st.queue(self.host.descriptor(down[: N * H].reshape(N, H), down[N * (H + k): n].view(np.int32).reshape(N, k),
+                                          down[N * H: N * (H + k)].reshape(N, k), st.up.numpy()[:N], st.scratch))
         main.wait_stream(st.side)
         return st.up[:N].to(self.dev, non_blocking=True)
 

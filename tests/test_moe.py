@@ -181,6 +181,46 @@ def test_experts_pool_gives_the_kernels_result_call_after_call(H, F):
     assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("hetero-experts"))
 
 
+def test_experts_pool_runs_calls_signalled_in_memory():
+    """The flags' thread (as a GPU stream drives it: go[i] set, wait for done[i], clear it): each
+    registered call runs when signalled, a call of no descriptor is a bare round trip, and the
+    results are the OpenMP kernel's."""
+    from cpu_attention.experts_pool import ExpertsPool
+
+    torch.manual_seed(3)
+    E, k, N, H, F = 4, 2, 3, 128, 64
+    he = HostExperts(list(range(E)), H, F, k, threads=2)
+    for j in range(E):
+        he.set(j, torch.randn(2 * F, H) * 0.05, torch.randn(H, F) * 0.05)
+    pool = ExpertsPool(3)
+    go, done, table = np.zeros(8, np.int64), np.zeros(8, np.int64), np.zeros(8, np.int64)
+    sc, pooled = Scratch(N, k, H, F, E), Scratch(N, k, H, F, E)
+    pooled.pool = pool
+    try:
+        pool.serve_flags(go, done, table)
+        bare = pool.register(0)
+        bufs = [(np.random.default_rng(n).standard_normal((N, H)).astype(np.float32),
+                 np.random.default_rng(n).integers(-1, E, (N, k)).astype(np.int32),
+                 np.random.default_rng(n).random((N, k)).astype(np.float32), np.zeros((N, H), np.float32))
+                for n in range(2)]
+        calls = [pool.register(he.descriptor(*b, pooled).ctypes.data) for b in bufs]
+        for rep in range(20):
+            for i in [bare, *calls]:
+                go[i] = 1
+                end = time.monotonic() + 10
+                while done[i] == 0:
+                    assert time.monotonic() < end, f"call {i} never done"
+                assert go[i] == 0
+                done[i] = 0
+        for x, ids, w, out in bufs:
+            want = np.zeros_like(out)
+            he(x, ids, w, want, sc)
+            assert np.array_equal(out, want)
+    finally:
+        pool.close()
+    assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("hetero-experts"))
+
+
 def test_int4_linear_by_pieces_of_rows():
     from offload.moe import _linear_int4
 
@@ -350,23 +390,26 @@ def test_gpu_split_moe_layer_in_a_cuda_graph(rows):
                 j = on_dev.index(e)
                 gg, uu = (gu_deq[j].double() @ h[n].double()).chunk(2)
                 want[n] += float(w[n, s]) * (dn_deq[j].double() @ (torch.nn.functional.silu(gg) * uu)).cpu()
-    eager = ffn(h)
-    assert rel_err(eager.float().cpu(), want) <= 2e-2
-    if rows > ffn.GROUPED_ROWS:
-        return
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ffn(h)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        out = ffn(h)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+    assert ffn.staging.signals, "the stream's memory operations did not complete a round trip"
+    for signals in (True, False):  # calls signalled in memory, then as host functions
+        ffn.staging.signals = signals
+        eager = ffn(h)
+        assert rel_err(eager.float().cpu(), want) <= 2e-2
+        if rows > ffn.GROUPED_ROWS:
+            continue
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ffn(h)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out = ffn(h)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
 
 
 @pytest.mark.gpu
