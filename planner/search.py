@@ -32,10 +32,12 @@ _ATTN_FIRST = {**_PRIORITY, Kind.ATTN: 2, Kind.MLP: 3, Kind.EXPERTS: 3}
 
 def workspace_bytes(cfg: ModelConfig, wl: Workload) -> int:
     """GPU memory besides weights and KV: a prefill chunk's activations (bf16: residual, norm,
-    q, k, v, attention out, gate, up), the largest dequantized matrix of a 4-bit prefill GEMM,
-    and the logits (f32) of a decode step."""
+    q, k, v, attention out, gate, up; for MoE also each routed slot's expert output, which the
+    grouped GEMM writes before the weighted sum: gpu_ops.moe_prefill), the largest dequantized
+    matrix of a 4-bit prefill GEMM, and the logits (f32) of a decode step."""
     inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * cfg.num_experts_per_tok)
-    acts = wl.ubatch * (4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 2 * inter) * 2
+    slots = cfg.num_experts_per_tok * cfg.hidden_size if cfg.num_experts else 0
+    acts = wl.ubatch * (4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 2 * inter + slots) * 2
     dequant = 2 * cfg.hidden_size * max(cfg.intermediate_size, cfg.q_size, cfg.moe_intermediate_size)
     logits = max(wl.batch, 1) * cfg.vocab_size * 4
     return acts + dequant + logits + 256 * 2**20  # + allocator slack, CUDA graphs' pools
