@@ -4,7 +4,7 @@ grouped NF4 GEMM over every expert at once, instead of one expert's GEMMs at a t
     sort_slots:  the chunk's slots (token n, choice s: flat n·k + s) grouped by the device expert
                  they route to, each expert's run padded to whole blocks of BLOCK_M rows, and each
                  block's expert; slots routed elsewhere (−1) in no block
-    grouped_nf4: per (block, tile of output columns) program: the block's expert's codes read once
+    grouped_gemm: per (block, tile of output columns) program: the block's expert's codes read once
                  for its rows (x gathered by slot), dequantized in registers (as gpu_ops.nf4_triton),
                  two tensor-core dots a group of 64; gate/up with SiLU·up fused (W = [gate; up]);
                  each row stored at its slot
@@ -24,18 +24,24 @@ from gpu_ops.nf4_triton import _pair_table
 
 
 @triton.jit
-def _tile(w_e, a_e, rows, n_ok, k, K, lut_ptr, xe, xo, DOT_F32: tl.constexpr):
-    """Σ over one group of 64 columns of x · W[rows]ᵀ, scaled: [BM, BN] float32."""
-    offs_j = tl.arange(0, 32)  # byte j of a group holds elements 2j (high nibble) and 2j + 1
+def _tile(w_e, a_e, rows, n_ok, k, K, lut_ptr, xe, xo, INT4: tl.constexpr, DOT_F32: tl.constexpr):
+    """Σ over one group of 64 columns of x · W[rows]ᵀ, scaled: [BM, BN] float32. A group's byte j
+    holds the weights that xe[:, j] and xo[:, j] multiply: NF4, elements 2j (high nibble) and 2j + 1
+    (the table's bf16 values); int4, elements j (low nibble) and 32 + j, as code − 8."""
+    offs_j = tl.arange(0, 32)
     wb = tl.load(w_e + rows[None, :].to(tl.int64) * (K // 2) + (k // 2 + offs_j[:, None]), mask=n_ok[None, :],
                  other=0)  # [32, BN] uint8
-    pair = tl.load(lut_ptr + wb.to(tl.int32))
-    w_hi = (pair & -65536).to(tl.float32, bitcast=True)
-    w_lo = (pair << 16).to(tl.float32, bitcast=True)
-    if DOT_F32:  # exact products: for checks (Triton's CPU interpreter mishandles bf16 dots)
-        part = tl.dot(xe.to(tl.float32), w_hi) + tl.dot(xo.to(tl.float32), w_lo)
+    if INT4:
+        w_even = ((wb & 15).to(tl.int32) - 8).to(tl.float32)
+        w_odd = ((wb >> 4).to(tl.int32) - 8).to(tl.float32)
     else:
-        part = tl.dot(xe, w_hi.to(tl.bfloat16)) + tl.dot(xo, w_lo.to(tl.bfloat16))
+        pair = tl.load(lut_ptr + wb.to(tl.int32))
+        w_even = (pair & -65536).to(tl.float32, bitcast=True)
+        w_odd = (pair << 16).to(tl.float32, bitcast=True)
+    if DOT_F32:  # exact products: for checks (Triton's CPU interpreter mishandles bf16 dots)
+        part = tl.dot(xe.to(tl.float32), w_even) + tl.dot(xo.to(tl.float32), w_odd)
+    else:
+        part = tl.dot(xe, w_even.to(tl.bfloat16)) + tl.dot(xo, w_odd.to(tl.bfloat16))
     sc = tl.load(a_e + rows.to(tl.int64) * (K // 64) + k // 64, mask=n_ok, other=0.0)
     return part * sc[None, :]
 
@@ -44,7 +50,7 @@ def _tile(w_e, a_e, rows, n_ok, k, K, lut_ptr, xe, xo, DOT_F32: tl.constexpr):
 def _grouped_kernel(x_ptr, slots_ptr, block_expert_ptr, w_ptr, absmax_ptr, lut_ptr, y_ptr,
                     K, NO, stride_x, expert_bytes, expert_groups,
                     XDIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
-                    DOT_F32: tl.constexpr):
+                    INT4: tl.constexpr, DOT_F32: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
@@ -54,16 +60,19 @@ def _grouped_kernel(x_ptr, slots_ptr, block_expert_ptr, w_ptr, absmax_ptr, lut_p
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < NO
         offs_j = tl.arange(0, 32)
+        # the columns the group's bytes pair with (`_tile`): int4 its two halves, NF4 even and odd
+        even = offs_j if INT4 else 2 * offs_j
+        odd = offs_j + 32 if INT4 else 2 * offs_j + 1
         w_e = w_ptr + e.to(tl.int64) * expert_bytes
         a_e = absmax_ptr + e.to(tl.int64) * expert_groups
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, K, 64):
-            xe = tl.load(x_rows + (k + 2 * offs_j[None, :]), mask=m_ok[:, None], other=0.0)  # [BM, 32]
-            xo = tl.load(x_rows + (k + 1 + 2 * offs_j[None, :]), mask=m_ok[:, None], other=0.0)
-            acc += _tile(w_e, a_e, offs_n, n_ok, k, K, lut_ptr, xe, xo, DOT_F32)
+            xe = tl.load(x_rows + (k + even[None, :]), mask=m_ok[:, None], other=0.0)  # [BM, 32]
+            xo = tl.load(x_rows + (k + odd[None, :]), mask=m_ok[:, None], other=0.0)
+            acc += _tile(w_e, a_e, offs_n, n_ok, k, K, lut_ptr, xe, xo, INT4, DOT_F32)
             if SWIGLU:
-                up += _tile(w_e, a_e, offs_n + NO, n_ok, k, K, lut_ptr, xe, xo, DOT_F32)
+                up += _tile(w_e, a_e, offs_n + NO, n_ok, k, K, lut_ptr, xe, xo, INT4, DOT_F32)
         if SWIGLU:
             acc = acc / (1.0 + tl.exp(-acc)) * up
         out = y_ptr + slot.to(tl.int64)[:, None] * NO + offs_n[None, :]
@@ -99,25 +108,28 @@ def sort_slots(local: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor
     return slots[:-1], torch.where(blk < experts, blk, -1).to(torch.int32)
 
 
-def grouped_nf4(x: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor, bm: int, packed: torch.Tensor,
+def grouped_gemm(x: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor, bm: int, packed: torch.Tensor,
                 absmax: torch.Tensor, shape: tuple[int, int], xdiv: int, rows: int, swiglu: bool = False,
-                zero: bool = False, dot_f32: bool = False) -> torch.Tensor:
+                zero: bool = False, dot_f32: bool = False, int4: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """y [rows, N] (N/2 for swiglu) bf16 (float32 where dot_f32): y[s] = W_e · x[s // xdiv] for each
     slot s of a block of expert e (`sort_slots`), W_e [N, K] the e-th of the NF4 stack (packed
-    [E, N·K/2], absmax [E, N·K/64]); other rows zero where `zero`, else left unwritten."""
+    [E, N·K/2], absmax [E, N·K/64]; int4: the host experts' format, codes [E, N, K/2] and scales
+    [E, N, K/64], cpu_attention.experts); other rows zero where `zero`, else left unwritten (or
+    those of `out`, which takes y where given)."""
     N, K = shape
     if K % 64:
-        raise ValueError(f"grouped_nf4 needs K divisible by 64, got W {shape}")
+        raise ValueError(f"grouped_gemm needs K divisible by 64, got W {shape}")
     NO = N // 2 if swiglu else N
     x = x.to(torch.float32 if dot_f32 else torch.bfloat16)
     if x.stride(-1) != 1:
         x = x.contiguous()
     dtype = torch.float32 if dot_f32 else torch.bfloat16
-    y = (torch.zeros if zero else torch.empty)((rows, NO), dtype=dtype, device=x.device)
+    y = out if out is not None else (torch.zeros if zero else torch.empty)((rows, NO), dtype=dtype, device=x.device)
     BN = 64
     grid = (triton.cdiv(NO, BN), block_expert.numel())
     _grouped_kernel[grid](x, slots, block_expert, packed, absmax, _pair_table(x.device), y,
                           K, NO, x.stride(0), N * K // 2, N * K // 64,
-                          XDIV=xdiv, BLOCK_M=bm, BLOCK_N=BN, SWIGLU=swiglu, DOT_F32=dot_f32,
+                          XDIV=xdiv, BLOCK_M=bm, BLOCK_N=BN, SWIGLU=swiglu, INT4=int4, DOT_F32=dot_f32,
                           num_warps=8, num_stages=3)  # 4 warps spill at 32–64 rows with SiLU·up (ptxas, sm_90)
     return y

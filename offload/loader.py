@@ -143,7 +143,7 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
             lw.router = vec(ex, m + "gate.weight", None if split else torch.float32)
             if split:
                 if not staging and any(h.host_computed for h in ehomes):
-                    from offload.moe import HostStaging
+                    from offload.moe_host import HostStaging
 
                     staging.append(HostStaging(cfg, device, moe_rows, threads))
                 lw.ffn = _moe_layer(cfg, i, lw.router, ehomes, pair, get, device, staging[0] if staging else None,

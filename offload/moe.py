@@ -22,13 +22,13 @@ computes while the GPU runs its experts. The main stream waits for the side stre
 the sum. Many rows (prefill) take the same path, except that the device's experts run as one
 grouped GEMM over the chunk's slots sorted by expert (gpu_ops.moe_prefill; one expert at a time
 where they are not stacked NF4), and the host's experts go up instead of being computed by the
-CPU (`_stream_host`): a prefill chunk's tokens share each expert's weights, which the CPU kernel
-would decode again for every token, while a copy reads them once. On a CPU stand-in device the host's
-share is a plain call (and the streamed path the same arithmetic without the copies).
+CPU (`_upload_host`: the layer's whole int4 stacks in pieces, applied by the same grouped GEMM):
+a prefill chunk's tokens share each expert's weights, which the CPU kernel would decode again
+for every token, while a copy reads them once. On a CPU stand-in device the host's share is a
+plain call (and the uploaded path the same arithmetic, expert by expert: `_stream_host`).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from hetero.config import ModelConfig
 from hetero.model import Linear, swiglu
+from offload.moe_host import HostStaging
 
 
 @dataclass
@@ -66,103 +67,14 @@ class TorchHostExperts:
         out[:] = acc.numpy()
 
 
-class HostStaging:
-    """What every MoE layer's host share uses, one at a time: the Numba scratch and, on CUDA, the
-    threads that compute it, the side stream and the pinned buffers a row goes down and comes up in."""
-
-    def __init__(self, cfg: ModelConfig, device: torch.device, max_rows: int, threads: int | None = None):
-        """threads: the engine's CPU threads (None: the physical cores); on CUDA one is left to the
-        thread launching the GPU's work, and the experts' pool takes the rest (experts_pool)."""
-        from cpu_attention.experts import Scratch
-
-        H, k = cfg.hidden_size, cfg.num_experts_per_tok
-        self.max_rows = max_rows
-        self.scratch = Scratch(max_rows, k, H, cfg.moe_intermediate_size, cfg.num_experts)
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            from cpu_attention._numba import physical_cores
-            from cpu_attention.experts_pool import ExpertsPool
-            from offload.driver import driver
-
-            if driver() is None:
-                raise RuntimeError("host-resident experts on CUDA need the CUDA driver (libcuda)")
-            # the driver's thread runs each call on a pool of spinning threads, not OpenMP's (experts_pool)
-            self.scratch.pool = ExpertsPool(max(1, (threads or physical_cores()) - 1))
-            self.entry = ExpertsPool.entry_address()
-            self.side = torch.cuda.Stream(device)
-            self.copy = torch.cuda.Stream(device)  # host experts going up for a prefill
-            self.down = torch.empty(max_rows * (H + 2 * k), dtype=torch.float32, pin_memory=True)  # h, weights, ids
-            self.up = torch.empty(max_rows, H, dtype=torch.float32, pin_memory=True)
-            # calls signalled in memory where the driver's stream memory operations work, else host functions
-            self.go, self.done = (torch.zeros(self.MAX_CALLS, dtype=torch.int64, pin_memory=True) for _ in "gd")
-            self.scratch.pool.serve_flags(self.go.numpy(), self.done.numpy(), np.zeros(self.MAX_CALLS, np.int64))
-            self.calls: dict[int, int] = {}  # descriptor address → its index in the flags
-            self.signals = self._signals_work()
-
-    MAX_CALLS = 4096  # distinct (layer, rows) calls a model's host experts may be signalled for
-
-    def queue(self, descriptor: np.ndarray) -> None:
-        """Queue the host experts' call `descriptor` on the current stream, the stream's later work
-        waiting for it: signalled in memory (go set, done awaited and cleared: the pool's flags'
-        thread runs it, experts_pool.serve_flags), or as a host function (the driver's thread runs it)."""
-        from offload.driver import driver
-
-        stream = torch.cuda.current_stream().cuda_stream
-        if not self.signals:
-            driver().host_func(stream, self.entry, descriptor.ctypes.data)
-            return
-        i = self.calls.get(descriptor.ctypes.data)
-        if i is None:
-            i = self.calls[descriptor.ctypes.data] = self.scratch.pool.register(descriptor.ctypes.data)
-        self._signal(stream, i)
-
-    def _signal(self, stream: int, i: int) -> None:
-        from offload.driver import driver
-
-        go, done = self.go.data_ptr() + 8 * i, self.done.data_ptr() + 8 * i  # pinned: device address = host's
-        driver().write_value(stream, go, 1)
-        driver().wait_value(stream, done, 1)
-        driver().write_value(stream, done, 0)
-
-    def _signals_work(self, timeout_s: float = 2.0) -> bool:
-        """Whether a round trip through the flags completes, eagerly and replayed from a CUDA graph
-        (stream memory operations may be missing, or refused in a capture); a stuck one is released
-        and host functions carry the calls instead."""
-        bare = self.scratch.pool.register(0)
-        try:
-            with torch.cuda.stream(self.side):
-                self._signal(self.side.cuda_stream, bare)
-            if not self._completes(self.side, bare, timeout_s):
-                return False
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.side):
-                self._signal(self.side.cuda_stream, bare)
-            graph.replay()
-            return self._completes(torch.cuda.current_stream(), bare, timeout_s)
-        except Exception:  # noqa: BLE001  an error from the driver or the capture: not on this machine
-            return False
-
-    def _completes(self, stream: torch.cuda.Stream, call: int, timeout_s: float) -> bool:
-        """Whether the stream's work is done within timeout_s; if not, call's wait is released."""
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        end = time.monotonic() + timeout_s
-        while not ev.query():
-            if time.monotonic() > end:
-                self.done[call] = 1
-                ev.synchronize()
-                return False
-            time.sleep(1e-4)
-        return True
-
 class MoEFeedForward:
     """h [N, H] → the layer's routed experts' weighted sum [N, H] (the residual not added)."""
 
-    # rows up to which the device's experts run in the grouped kernels (a slot a program: each slot
-    # reads its expert's weights, so prefill takes the one-expert-at-a-time GEMMs instead); with up to
-    # this many rows nothing is read back to the host: a CUDA graph can hold the layer
+    # rows up to which the device's experts run in the grouped GEMV kernels (a slot a program: each
+    # slot reads its expert's weights; more rows take the grouped GEMM, gpu_ops.moe_prefill), and the
+    # host's are computed by the CPU; with up to this many rows nothing is read back to the host: a
+    # CUDA graph can hold the layer
     GROUPED_ROWS = 64
-    STREAM_AHEAD = 4  # host experts in flight to the device while it computes an earlier one
 
     def __init__(self, cfg: ModelConfig, router: torch.Tensor, device_experts: DeviceExperts | None,
                  host_experts, device: torch.device, staging: HostStaging | None):
@@ -202,8 +114,10 @@ class MoEFeedForward:
             self.routed += torch.bincount(idx.reshape(-1).long(), minlength=self.cfg.num_experts)
         host = None
         if self.host is not None:
-            stream = N >= self.stream_rows and self.int4_host
-            host = self._stream_host(h, ids, w) if stream else self._queue_host(h, ids, w)
+            if N < self.stream_rows or not self.int4_host:
+                host = self._queue_host(h, ids, w)
+            else:  # a prefill chunk: its tokens share each expert's weights
+                host = (self._upload_host if self.cuda else self._stream_host)(h, ids, w)
         dx = self.device_experts
         if dx is not None and dx.stacked is not None:  # NF4 on CUDA: every expert in two launches
             y = self._grouped(h, local) if N <= self.GROUPED_ROWS else self._grouped_many(h, local)
@@ -227,15 +141,15 @@ class MoEFeedForward:
     def _grouped_many(self, h: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """`_grouped` for many rows (a prefill chunk): the slots sorted by expert into blocks, each
         block's expert's codes read once for its rows (gpu_ops.moe_prefill)."""
-        from gpu_ops.moe_prefill import block_rows, grouped_nf4, sort_slots
+        from gpu_ops.moe_prefill import block_rows, grouped_gemm, sort_slots
 
         gu, gu_a, dn, dn_a = self.device_experts.stacked
         H, Fi, E = self.cfg.hidden_size, self.cfg.moe_intermediate_size, len(self.device_experts.experts)
         P = local.numel()
         bm = block_rows(P, E)
         slots, blocks = sort_slots(local, E, bm)
-        act = grouped_nf4(h, slots, blocks, bm, gu, gu_a, (2 * Fi, H), xdiv=self.k, rows=P, swiglu=True)  # [N·k, F]
-        return grouped_nf4(act, slots, blocks, bm, dn, dn_a, (H, Fi), xdiv=1, rows=P, zero=True)
+        act = grouped_gemm(h, slots, blocks, bm, gu, gu_a, (2 * Fi, H), xdiv=self.k, rows=P, swiglu=True)  # [N·k, F]
+        return grouped_gemm(act, slots, blocks, bm, dn, dn_a, (H, Fi), xdiv=1, rows=P, zero=True)
 
     def _device(self, h: torch.Tensor, local: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The device's experts' weighted sum, float32 [N, H], one expert at a time over its tokens: for
@@ -276,46 +190,59 @@ class MoEFeedForward:
         main.wait_stream(st.side)
         return st.up[:N].to(self.dev, non_blocking=True)
 
+    def _upload_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The host's experts' weighted sum for many rows on CUDA, float32 [N, H] (ids as
+        `_queue_host`'s), computed by the device: the layer's host experts go up whole (a chunk of
+        65 or more tokens routes to nearly all of them), a piece (planner.search.moe_host_piece_bytes)
+        at a time, the next piece's copy in flight while the device applies this one's to the slots
+        routed to them in the grouped int4 GEMM (gpu_ops.moe_prefill)."""
+        from gpu_ops.moe_prefill import block_rows, grouped_gemm, sort_slots
+        from planner.search import moe_host_piece_bytes
+
+        he, copy = self.host, self.staging.copy
+        E, H, Fi = len(he.experts), self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        N, k = ids.shape
+        per = max(1, moe_host_piece_bytes(self.cfg) * E // he.nbytes)
+        pieces = [(a, min(a + per, E)) for a in range(0, E, per)]
+        main = torch.cuda.current_stream(self.dev)
+
+        def fetch(a: int, b: int):
+            with torch.cuda.stream(copy):
+                ts = [torch.from_numpy(arr[a:b]).to(self.dev, non_blocking=True) for arr in (he.gu_q, he.gu_s, he.d_q, he.d_s)]
+                done = torch.cuda.Event()
+                done.record(copy)
+            return ts, done
+
+        y = torch.zeros(N * k, H, dtype=torch.bfloat16, device=self.dev)
+        flat = ids.reshape(-1)
+        bm = block_rows(N * k, E)
+        ahead = fetch(*pieces[0])
+        for n, (a, b) in enumerate(pieces):
+            (gq, gs, dq, ds), done = ahead
+            if n + 1 < len(pieces):
+                ahead = fetch(*pieces[n + 1])
+            main.wait_event(done)
+            for t in (gq, gs, dq, ds):
+                t.record_stream(main)
+            slots, blocks = sort_slots(torch.where((flat >= a) & (flat < b), flat - a, -1), b - a, bm)
+            act = grouped_gemm(h, slots, blocks, bm, gq, gs, (2 * Fi, H), xdiv=k, rows=N * k, swiglu=True, int4=True)
+            grouped_gemm(act, slots, blocks, bm, dq, ds, (H, Fi), xdiv=1, rows=N * k, int4=True, out=y)
+        return combine(y, w, None, torch.float32)
+
     def _stream_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The host's experts' weighted sum for many rows, float32 [N, H], computed by the device: the
-        experts the rows route to (ids, as `_queue_host`'s) go up (codes and scales, STREAM_AHEAD ahead
-        on the copy stream), each is dequantized to the activations' dtype and applied to its tokens."""
+        """`_upload_host`'s arithmetic on a CPU stand-in, float32 [N, H]: each routed host expert
+        dequantized to the activations' dtype and applied to its tokens (ids as `_queue_host`'s)."""
         he = self.host
         N, k = ids.shape
         wflat = w.reshape(-1)
-        groups = by_expert(ids.reshape(-1), len(he.experts))
-        used = [j for j, _ in groups]
-        main = torch.cuda.current_stream(self.dev) if self.cuda else None
-        copies: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
-
-        def fetch(j: int) -> None:
-            arrays = [torch.from_numpy(a[j]) for a in (he.gu_q, he.gu_s, he.d_q, he.d_s)]
-            if not self.cuda:
-                copies[j] = (arrays, None)
-                return
-            with torch.cuda.stream(self.staging.copy):
-                ts = [a.to(self.dev, non_blocking=True) for a in arrays]
-                done = torch.cuda.Event()
-                done.record(self.staging.copy)
-            copies[j] = (ts, done)
-
-        for j in used[: self.STREAM_AHEAD]:
-            fetch(j)
         out = torch.zeros(N, self.cfg.hidden_size, dtype=torch.float32, device=h.device)
-        for n, (j, sel) in enumerate(groups):
-            if n + self.STREAM_AHEAD < len(used):
-                fetch(used[n + self.STREAM_AHEAD])
-            (gq, gs, dq, ds), done = copies.pop(j)
-            if done is not None:
-                main.wait_event(done)
-                for t in (gq, gs, dq, ds):
-                    t.record_stream(main)
+        for j, sel in by_expert(ids.reshape(-1), len(he.experts)):
+            gq, gs, dq, ds = (torch.from_numpy(a[j]) for a in (he.gu_q, he.gu_s, he.d_q, he.d_s))
             tok = sel // k
             g, u = _linear_int4(h[tok], gq, gs).chunk(2, dim=-1)
             y = _linear_int4((F.silu(g.float()) * u.float()).to(h.dtype), dq, ds)
             out.index_add_(0, tok, y.float() * wflat[sel, None])
         return out
-
 
 def by_expert(slots: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor]]:
     """slots [S] (each slot's expert among n, −1: another device's) → (expert, its slots) for each

@@ -1,5 +1,5 @@
 """gpu_ops.moe_prefill under Triton's CPU interpreter (no GPU): the slots' sort into per-expert
-blocks, and the grouped NF4 GEMM (plain and with SiLU·up) against the dequantized weights applied
+blocks, and the grouped GEMM over NF4 and int4 stacks (plain and with SiLU·up) against the dequantized weights applied
 slot by slot, for routings with experts of no slot, of one, of several blocks, and slots routed
 elsewhere.
 
@@ -17,15 +17,21 @@ import sys
 import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-from gpu_ops.moe_prefill import block_rows, grouped_nf4, sort_slots  # noqa: E402
+from gpu_ops.moe_prefill import block_rows, grouped_gemm, sort_slots  # noqa: E402
 from gpu_ops.nf4 import quantize_nf4  # noqa: E402
 from gpu_ops.nf4_code import BLOCK, NF4_CODE  # noqa: E402
 
 
-def stack(E: int, N: int, K: int, g: torch.Generator):
-    """E random NF4 matrices [N, K] stacked, and each as float64 with its codes' bf16 values (the
-    kernel's table holds those)."""
+def stack(E: int, N: int, K: int, g: torch.Generator, int4: bool = False):
+    """E random NF4 (or int4: cpu_attention.experts) matrices [N, K] stacked, and each as float64
+    (NF4: with its codes' bf16 values, which the kernel's table holds)."""
     ws = [torch.randn(N, K, generator=g) * 0.05 for _ in range(E)]
+    if int4:
+        from cpu_attention.experts import dequantize_int4, quantize_int4
+
+        q = [quantize_int4(w) for w in ws]
+        return (torch.stack([c for c, _ in q]), torch.stack([s for _, s in q]),
+                [dequantize_int4(c, s, torch.float64) for c, s in q])
     q = [quantize_nf4(w) for w in ws]
     packed, absmax = torch.stack([p for p, _ in q]), torch.stack([a for _, a in q])
     code = NF4_CODE.to(torch.bfloat16).double()
@@ -34,7 +40,7 @@ def stack(E: int, N: int, K: int, g: torch.Generator):
     return packed, absmax, dense
 
 
-def check(T: int, k: int, E: int, H: int, F: int, bm: int | None, seed: int) -> list[str]:
+def check(T: int, k: int, E: int, H: int, F: int, bm: int | None, seed: int, int4: bool) -> list[str]:
     g = torch.Generator().manual_seed(seed)
     local = torch.randint(-1, E, (T, k), generator=g, dtype=torch.int32)
     if T > 3:
@@ -57,11 +63,12 @@ def check(T: int, k: int, E: int, H: int, F: int, bm: int | None, seed: int) -> 
     want_seen = (flat >= 0).long()
     if not torch.equal(seen, want_seen):
         bad.append("a device slot is in no block, or in two")
-    gu_p, gu_a, gu_w = stack(E, 2 * F, H, g)
-    dn_p, dn_a, dn_w = stack(E, H, F, g)
+    gu_p, gu_a, gu_w = stack(E, 2 * F, H, g, int4)
+    dn_p, dn_a, dn_w = stack(E, H, F, g, int4)
     x = torch.randn(T, H, generator=g)
-    act = grouped_nf4(x, slots, blocks, bm, gu_p, gu_a, (2 * F, H), xdiv=k, rows=T * k, swiglu=True, dot_f32=True)
-    y = grouped_nf4(act, slots, blocks, bm, dn_p, dn_a, (H, F), xdiv=1, rows=T * k, zero=True, dot_f32=True)
+    act = grouped_gemm(x, slots, blocks, bm, gu_p, gu_a, (2 * F, H), xdiv=k, rows=T * k, swiglu=True, dot_f32=True,
+                       int4=int4)
+    y = grouped_gemm(act, slots, blocks, bm, dn_p, dn_a, (H, F), xdiv=1, rows=T * k, zero=True, dot_f32=True, int4=int4)
     for s in range(T * k):
         e = int(flat[s])
         if e < 0:
@@ -83,10 +90,12 @@ def main() -> None:
              (1, 1, 4, 64, 64, None, 3), (40, 8, 16, 256, 64, 64, 4)]
     failed = 0
     for c in cases:
-        bad = check(*c)
-        print(("ok  " if not bad else "FAIL") + f" T={c[0]} k={c[1]} E={c[2]} H={c[3]} F={c[4]} bm={c[5]}", *bad[:3])
-        failed += bool(bad)
-    print(f"{len(cases) - failed}/{len(cases)} passed")
+        for int4 in (False, True):
+            bad = check(*c, int4)
+            print(("ok  " if not bad else "FAIL") + f" {'int4' if int4 else 'nf4 '} T={c[0]} k={c[1]} E={c[2]} H={c[3]} "
+                  f"F={c[4]} bm={c[5]}", *bad[:3])
+            failed += bool(bad)
+    print(f"{2 * len(cases) - failed}/{2 * len(cases)} passed")
     sys.exit(1 if failed else 0)
 
 

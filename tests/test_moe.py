@@ -360,7 +360,8 @@ def test_gpu_split_moe_layer_in_a_cuda_graph(rows):
     (a prefill chunk): the grouped GEMM over the slots sorted by expert, the host's experts copied
     up, eagerly."""
     from hetero.config import ModelConfig, Arch
-    from offload.moe import DeviceExperts, HostStaging
+    from offload.moe import DeviceExperts
+    from offload.moe_host import HostStaging
 
     torch.manual_seed(rows)
     dev = torch.device("cuda")
