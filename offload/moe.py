@@ -193,11 +193,11 @@ class MoEFeedForward:
     def _upload_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The host's experts' weighted sum for many rows on CUDA, float32 [N, H] (ids as
         `_queue_host`'s), computed by the device: the layer's host experts go up whole (a chunk of
-        65 or more tokens routes to nearly all of them), a piece (planner.search.moe_host_piece_bytes)
+        65 or more tokens routes to nearly all of them), a piece (planner.workspace.moe_host_piece_bytes)
         at a time, the next piece's copy in flight while the device applies this one's to the slots
         routed to them in the grouped int4 GEMM (gpu_ops.moe_prefill)."""
         from gpu_ops.moe_prefill import block_rows, grouped_gemm, sort_slots
-        from planner.search import moe_host_piece_bytes
+        from planner.workspace import moe_host_piece_bytes
 
         he, copy = self.host, self.staging.copy
         E, H, Fi = len(he.experts), self.cfg.hidden_size, self.cfg.moe_intermediate_size

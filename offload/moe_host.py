@@ -18,6 +18,8 @@ class HostStaging:
     """What every MoE layer's host share uses, one at a time: the Numba scratch and, on CUDA, the
     threads that compute it, the side stream and the pinned buffers a row goes down and comes up in."""
 
+    MAX_CALLS = 4096  # distinct (layer, rows) calls a model's host experts may be signalled for
+
     def __init__(self, cfg: ModelConfig, device: torch.device, max_rows: int, threads: int | None = None):
         """threads: the engine's CPU threads (None: the physical cores); on CUDA one is left to the
         thread launching the GPU's work, and the experts' pool takes the rest (experts_pool)."""
@@ -32,9 +34,10 @@ class HostStaging:
             from cpu_attention.experts_pool import ExpertsPool
             from offload.driver import driver
 
-            if driver() is None:
+            self.driver = driver()
+            if self.driver is None:
                 raise RuntimeError("host-resident experts on CUDA need the CUDA driver (libcuda)")
-            # the driver's thread runs each call on a pool of spinning threads, not OpenMP's (experts_pool)
+            # each call runs on a pool of spinning threads, not OpenMP's (experts_pool)
             self.scratch.pool = ExpertsPool(max(1, (threads or physical_cores()) - 1))
             self.entry = ExpertsPool.entry_address()
             self.side = torch.cuda.Stream(device)
@@ -47,30 +50,24 @@ class HostStaging:
             self.calls: dict[int, int] = {}  # descriptor address → its index in the flags
             self.signals = self._signals_work()
 
-    MAX_CALLS = 4096  # distinct (layer, rows) calls a model's host experts may be signalled for
-
     def queue(self, descriptor: np.ndarray) -> None:
         """Queue the host experts' call `descriptor` on the current stream, the stream's later work
         waiting for it: signalled in memory (go set, done awaited and cleared: the pool's flags'
         thread runs it, experts_pool.serve_flags), or as a host function (the driver's thread runs it)."""
-        from offload.driver import driver
-
-        stream = torch.cuda.current_stream().cuda_stream
+        stream, address = torch.cuda.current_stream().cuda_stream, descriptor.ctypes.data
         if not self.signals:
-            driver().host_func(stream, self.entry, descriptor.ctypes.data)
+            self.driver.host_func(stream, self.entry, address)
             return
-        i = self.calls.get(descriptor.ctypes.data)
+        i = self.calls.get(address)
         if i is None:
-            i = self.calls[descriptor.ctypes.data] = self.scratch.pool.register(descriptor.ctypes.data)
+            i = self.calls[address] = self.scratch.pool.register(address)
         self._signal(stream, i)
 
     def _signal(self, stream: int, i: int) -> None:
-        from offload.driver import driver
-
         go, done = self.go.data_ptr() + 8 * i, self.done.data_ptr() + 8 * i  # pinned: device address = host's
-        driver().write_value(stream, go, 1)
-        driver().wait_value(stream, done, 1)
-        driver().write_value(stream, done, 0)
+        self.driver.write_value(stream, go, 1)
+        self.driver.wait_value(stream, done, 1)
+        self.driver.write_value(stream, done, 0)
 
     def _signals_work(self, timeout_s: float = 2.0) -> bool:
         """Whether a round trip through the flags completes, eagerly and replayed from a CUDA graph

@@ -292,7 +292,7 @@ def test_cuda_streamed_weights_keep_the_budget(tiny):
 
     from offload.build import fence_gpu_memory
     from planner import Budget, Overrides, Workload, load_or_measure, plan
-    from planner.search import workspace_bytes
+    from planner.workspace import workspace_bytes
     from hetero.checkpoint import open_checkpoint
     from hetero.errors import UserError
 
