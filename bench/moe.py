@@ -43,6 +43,13 @@ def bound_s(prof: HardwareProfile, nbytes: dict[str, float]) -> float:
                (nbytes["cpu experts"] + nbytes["cpu weights"] + nbytes["cpu attention"]) / (prof.dram_read_gbps * 1e9))
 
 
+def _host_calls(model) -> str:
+    """How the host experts' calls reach the CPU: "memory" (stream memory operations), "host
+    functions", or "none" (no host experts)."""
+    staging = next((lw.ffn.staging for lw in model.layers if getattr(lw.ffn, "staging", None) is not None), None)
+    return "none" if staging is None else "memory" if staging.signals else "host functions"
+
+
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
             prefill_target: float, steps: int, trace: Path | None = None) -> dict:
     import hetero
@@ -119,6 +126,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
         peak_gpu_gib=torch.cuda.max_memory_allocated() / GiB,
         graph=runner.graph_step is not None and getattr(runner.graph_step, "decoder", None) is not None,
         process_threads=process_threads(),
+        host_calls=_host_calls(runner.model),
     )
     runner.close()
     return out
@@ -149,7 +157,7 @@ def main() -> None:
               f"{r['step_ms']:7.2f} {r['cpu_experts_ms']:7.2f} {r['prefill_tok_s']:8.0f} {r['prefill_target']:6.0f} "
               f"{r['predicted_prefill_tok_s']:7.0f} "
               f"{r['prefill_bound_tok_s']:7.0f} {r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2}  {r['plan']}"
-              f"{' graph' if r['graph'] else ''}")
+              f"{' graph' if r['graph'] else ''}; host calls {r.get('host_calls', '?')}")
 
 
 if __name__ == "__main__":
