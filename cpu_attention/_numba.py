@@ -235,32 +235,29 @@ def claim(typingctx, counter):
     return types.int64(counter), codegen
 
 
-@intrinsic
-def arrive(typingctx, counter, i):
-    """counter[i]++ atomically (int64, C-contiguous), returning the value before: of the threads that
-    arrive at one counter, exactly one sees n - 1 as the n-th. Acquire and release ordered, so that
-    thread also sees every store the others made before they arrived (their partial results)."""
-    if not _indexable(counter, types.int64, i):
-        return None
+def _make_rmw(op: str, doc: str):
+    """An intrinsic f(counter, i): counter[i] changed by one atomically (`op`: LLVM's "add" or
+    "sub"; int64, C-contiguous), acquire and release ordered, returning the value before."""
 
-    def codegen(context, builder, signature, args):
-        one = context.get_constant(types.int64, 1)
-        return builder.atomic_rmw("add", _flat_ptr(context, builder, signature, args), one, "acq_rel")
+    def f(typingctx, counter, i):
+        if not _indexable(counter, types.int64, i):
+            return None
 
-    return types.int64(counter, i), codegen
+        def codegen(context, builder, signature, args):
+            one = context.get_constant(types.int64, 1)
+            return builder.atomic_rmw(op, _flat_ptr(context, builder, signature, args), one, "acq_rel")
+
+        return types.int64(counter, i), codegen
+
+    f.__doc__ = doc
+    return intrinsic(f)
 
 
-@intrinsic
-def depart(typingctx, counter, i):
-    """counter[i]-- atomically (int64, C-contiguous), acquire and release ordered; returns the value before."""
-    if not _indexable(counter, types.int64, i):
-        return None
-
-    def codegen(context, builder, signature, args):
-        one = context.get_constant(types.int64, 1)
-        return builder.atomic_rmw("sub", _flat_ptr(context, builder, signature, args), one, "acq_rel")
-
-    return types.int64(counter, i), codegen
+arrive = _make_rmw("add", """counter[i]++ atomically (int64, C-contiguous), returning the value before: of the threads
+    that arrive at one counter, exactly one sees n - 1 as the n-th. Acquire and release ordered, so that thread
+    also sees every store the others made before they arrived (their partial results).""")
+depart = _make_rmw("sub", "counter[i]-- atomically (int64, C-contiguous), acquire and release ordered; returns the "
+                          "value before.")
 
 
 @intrinsic
