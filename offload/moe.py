@@ -112,16 +112,21 @@ class MoEFeedForward:
                                                                self.host_map)
         if self.routed is not None:
             self.routed += torch.bincount(idx.reshape(-1).long(), minlength=self.cfg.num_experts)
-        host = None
+        host = y = None  # the host's weighted sum [N, H]; each slot's output [N·k, H] (a prefill's, both devices')
         if self.host is not None:
             if N < self.stream_rows or not self.int4_host:
                 host = self._queue_host(h, ids, w)
-            else:  # a prefill chunk: its tokens share each expert's weights
-                host = (self._upload_host if self.cuda else self._stream_host)(h, ids, w)
+            elif self.cuda:  # a prefill chunk: its tokens share each expert's weights
+                y = self._upload_host(h, ids, torch.zeros(N * self.k, self.out_features, dtype=torch.bfloat16,
+                                                          device=self.dev))
+            else:
+                host = self._stream_host(h, ids, w)
         dx = self.device_experts
         if dx is not None and dx.stacked is not None:  # NF4 on CUDA: every expert in two launches
-            y = self._grouped(h, local) if N <= self.GROUPED_ROWS else self._grouped_many(h, local)
+            y = self._grouped(h, local) if N <= self.GROUPED_ROWS else self._grouped_many(h, local, y)
             return (fused.combine if fused else combine)(y, w, host, h.dtype)
+        if y is not None:
+            host = combine(y, w, None, torch.float32)
         out = self._device(h, local, w) if dx is not None else None
         if host is not None:
             out = host if out is None else out + host
@@ -138,9 +143,10 @@ class MoEFeedForward:
         act = nf4_experts_gemv(h, slots, gu, gu_a, (2 * Fi, H), xdiv=self.k, swiglu=True)  # [N·k, F]
         return nf4_experts_gemv(act, slots, dn, dn_a, (H, Fi), xdiv=1)
 
-    def _grouped_many(self, h: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _grouped_many(self, h: torch.Tensor, local: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
         """`_grouped` for many rows (a prefill chunk): the slots sorted by expert into blocks, each
-        block's expert's codes read once for its rows (gpu_ops.moe_prefill)."""
+        block's expert's codes read once for its rows (gpu_ops.moe_prefill); written into y where
+        given (the host's slots' rows already there: `_upload_host`)."""
         from gpu_ops.moe_prefill import block_rows, grouped_gemm, sort_slots
 
         gu, gu_a, dn, dn_a = self.device_experts.stacked
@@ -149,7 +155,7 @@ class MoEFeedForward:
         bm = block_rows(P, E)
         slots, blocks = sort_slots(local, E, bm)
         act = grouped_gemm(h, slots, blocks, bm, gu, gu_a, (2 * Fi, H), xdiv=self.k, rows=P, swiglu=True)  # [N·k, F]
-        return grouped_gemm(act, slots, blocks, bm, dn, dn_a, (H, Fi), xdiv=1, rows=P, zero=True)
+        return grouped_gemm(act, slots, blocks, bm, dn, dn_a, (H, Fi), xdiv=1, rows=P, zero=True, out=y)
 
     def _device(self, h: torch.Tensor, local: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The device's experts' weighted sum, float32 [N, H], one expert at a time over its tokens: for
@@ -190,9 +196,10 @@ class MoEFeedForward:
         main.wait_stream(st.side)
         return st.up[:N].to(self.dev, non_blocking=True)
 
-    def _upload_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The host's experts' weighted sum for many rows on CUDA, float32 [N, H] (ids as
-        `_queue_host`'s), computed by the device: the layer's host experts go up whole (a chunk of
+    def _upload_host(self, h: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The host's experts for many rows on CUDA, computed by the device into the rows of y [N·k, H]
+        of the slots routed to them (ids as `_queue_host`'s; y's other rows untouched), returned: the
+        layer's host experts go up whole (a chunk of
         65 or more tokens routes to nearly all of them), a piece (planner.workspace.moe_host_piece_bytes)
         at a time, the next piece's copy in flight while the device applies this one's to the slots
         routed to them in the grouped int4 GEMM (gpu_ops.moe_prefill)."""
@@ -213,7 +220,6 @@ class MoEFeedForward:
                 done.record(copy)
             return ts, done
 
-        y = torch.zeros(N * k, H, dtype=torch.bfloat16, device=self.dev)
         flat = ids.reshape(-1)
         bm = block_rows(N * k, E)
         ahead = fetch(*pieces[0])
@@ -227,7 +233,7 @@ class MoEFeedForward:
             slots, blocks = sort_slots(torch.where((flat >= a) & (flat < b), flat - a, -1), b - a, bm)
             act = grouped_gemm(h, slots, blocks, bm, gq, gs, (2 * Fi, H), xdiv=k, rows=N * k, swiglu=True, int4=True)
             grouped_gemm(act, slots, blocks, bm, dq, ds, (H, Fi), xdiv=1, rows=N * k, int4=True, out=y)
-        return combine(y, w, None, torch.float32)
+        return y
 
     def _stream_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """`_upload_host`'s arithmetic on a CPU stand-in, float32 [N, H]: each routed host expert
