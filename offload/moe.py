@@ -29,6 +29,7 @@ plain call (and the uploaded path the same arithmetic, expert by expert: `_strea
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -112,7 +113,8 @@ class MoEFeedForward:
                                                                self.host_map)
         if self.routed is not None:
             self.routed += torch.bincount(idx.reshape(-1).long(), minlength=self.cfg.num_experts)
-        host = y = None  # the host's weighted sum [N, H]; each slot's output [N·k, H] (a prefill's, both devices')
+        host = lambda: None  # noqa: E731  the host's weighted sum [N, H], once its work is done
+        y = None  # each slot's output [N·k, H] (a prefill's, both devices')
         if self.host is not None:
             if N < self.stream_rows or not self.int4_host:
                 host = self._queue_host(h, ids, w)
@@ -120,16 +122,15 @@ class MoEFeedForward:
                 y = self._upload_host(h, ids, torch.zeros(N * self.k, self.out_features, dtype=torch.bfloat16,
                                                           device=self.dev))
             else:
-                host = self._stream_host(h, ids, w)
+                host = functools.partial(self._stream_host, h, ids, w)
         dx = self.device_experts
         if dx is not None and dx.stacked is not None:  # NF4 on CUDA: every expert in two launches
             y = self._grouped(h, local) if N <= self.GROUPED_ROWS else self._grouped_many(h, local, y)
-            return (fused.combine if fused else combine)(y, w, host, h.dtype)
-        if y is not None:
-            host = combine(y, w, None, torch.float32)
-        out = self._device(h, local, w) if dx is not None else None
-        if host is not None:
-            out = host if out is None else out + host
+            return (fused.combine if fused else combine)(y, w, host(), h.dtype)
+        out = combine(y, w, None, torch.float32) if y is not None else None
+        for part in (self._device(h, local, w) if dx is not None else None, host()):
+            if part is not None:
+                out = part if out is None else out + part
         return out.to(h.dtype)
 
     def _grouped(self, h: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -170,10 +171,11 @@ class MoEFeedForward:
             out.index_add_(0, sel // k, swiglu(gate_up, down, h[sel // k]).float() * wflat[sel, None])
         return out
 
-    def _queue_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _queue_host(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The host's experts' weighted sum, float32 [N, H] on the device (ids [N, k]: each slot's
-        expert among the host's, −1: elsewhere): computed now on a CPU stand-in; on CUDA queued on the
-        side stream (`HostStaging.queue`), the main stream waiting for it only where the result is read."""
+        expert among the host's, −1: elsewhere), as a function returning it: computed now on a CPU
+        stand-in; on CUDA queued on the side stream (`HostStaging.queue`), the main stream waiting
+        for it when the function is called (after the device's experts are queued: they overlap)."""
         N, k = ids.shape
         H = self.cfg.hidden_size
         st = self.staging
@@ -182,7 +184,7 @@ class MoEFeedForward:
         if not self.cuda:
             out = np.empty((N, H), np.float32)
             self.host(h.float().contiguous().numpy(), ids.numpy(), w.float().contiguous().numpy(), out, st.scratch)
-            return torch.from_numpy(out)
+            return lambda: torch.from_numpy(out)
         main = torch.cuda.current_stream(self.dev)
         row = torch.cat([h.float().reshape(-1), w.float().reshape(-1), ids.view(torch.float32).reshape(-1)])
         st.side.wait_stream(main)
@@ -193,8 +195,12 @@ class MoEFeedForward:
             down = st.down.numpy()
             st.queue(self.host.descriptor(down[: N * H].reshape(N, H), down[N * (H + k): n].view(np.int32).reshape(N, k),
                                           down[N * H: N * (H + k)].reshape(N, k), st.up.numpy()[:N], st.scratch))
-        main.wait_stream(st.side)
-        return st.up[:N].to(self.dev, non_blocking=True)
+
+        def result() -> torch.Tensor:
+            main.wait_stream(st.side)
+            return st.up[:N].to(self.dev, non_blocking=True)
+
+        return result
 
     def _upload_host(self, h: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The host's experts for many rows on CUDA, computed by the device into the rows of y [N·k, H]
