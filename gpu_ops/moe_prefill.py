@@ -4,10 +4,11 @@ grouped NF4 GEMM over every expert at once, instead of one expert's GEMMs at a t
     sort_slots:  the chunk's slots (token n, choice s: flat n·k + s) grouped by the device expert
                  they route to, each expert's run padded to whole blocks of BLOCK_M rows, and each
                  block's expert; slots routed elsewhere (−1) in no block
-    grouped_gemm: per (block, tile of output columns) program: the block's expert's codes read once
-                 for its rows (x gathered by slot), dequantized in registers (as gpu_ops.nf4_triton),
-                 two tensor-core dots a group of 64; gate/up with SiLU·up fused (W = [gate; up]);
-                 each row stored at its slot
+    grouped_gemm: per (block, tile of output features) program: the block's expert's codes read
+                 once for its rows (x gathered by slot), a word at a time, decoded and scaled in
+                 registers as gpu_ops.nf4_mma does (NF4 by PRMT; the host's int4 by shifts), one
+                 tensor-core dot a step; gate/up with SiLU·up fused (W = [gate; up]); each row
+                 stored at its slot
 
 A layer's experts then cost their bytes once (a 512-token chunk of Qwen3-30B-A3B routes ~32 rows
 to each of 128 experts), where one expert at a time paid ~85 µs of launches and gathers each
@@ -20,63 +21,109 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_ops.nf4_triton import _pair_table
+from gpu_ops.nf4_gemv import Decode, _book, _decode_gather
+from gpu_ops.nf4_mma import _decode_tile, _join8, _load_scales, _mma, _tile, _tile_mask
 
 
 @triton.jit
-def _tile(w_e, a_e, rows, n_ok, k, K, lut_ptr, xe, xo, INT4: tl.constexpr, DOT_F32: tl.constexpr):
-    """Σ over one group of 64 columns of x · W[rows]ᵀ, scaled: [BM, BN] float32. A group's byte j
-    holds the weights that xe[:, j] and xo[:, j] multiply: NF4, elements 2j (high nibble) and 2j + 1
-    (the table's bf16 values); int4, elements j (low nibble) and 32 + j, as code − 8."""
-    offs_j = tl.arange(0, 32)
-    wb = tl.load(w_e + rows[None, :].to(tl.int64) * (K // 2) + (k // 2 + offs_j[:, None]), mask=n_ok[None, :],
-                 other=0)  # [32, BN] uint8
+def _decode_int4(q, s, DOT_F32: tl.constexpr):
+    """The host's int4 words q [BN, W] → [BN, 8W] (code − 8) · s in bf16 (float32 where DOT_F32),
+    s [BN, W] each word's group scale; a word's 8 columns in the order `_columns` gives their K positions."""
+    e0 = ((q & 15) - 8).to(tl.float32) * s
+    e1 = (((q >> 8) & 15) - 8).to(tl.float32) * s
+    e2 = (((q >> 16) & 15) - 8).to(tl.float32) * s
+    e3 = (((q >> 24) & 15) - 8).to(tl.float32) * s
+    e4 = (((q >> 4) & 15) - 8).to(tl.float32) * s
+    e5 = (((q >> 12) & 15) - 8).to(tl.float32) * s
+    e6 = (((q >> 20) & 15) - 8).to(tl.float32) * s
+    e7 = (((q >> 28) & 15) - 8).to(tl.float32) * s
+    w = _join8(e0, e1, e2, e3, e4, e5, e6, e7)
+    if not DOT_F32:
+        w = w.to(tl.bfloat16)
+    return w
+
+
+@triton.jit
+def _decode_nf4_f32(q, s, book_ptr):
+    """NF4 words → [BN, 8W] float32 code · absmax, unrounded: the exact check's decoder (no PTX)."""
+    f0, f1, f2, f3, f4, f5, f6, f7 = _decode_gather(q, book_ptr)
+    return _join8(f0 * s, f1 * s, f2 * s, f3 * s, f4 * s, f5 * s, f6 * s, f7 * s)
+
+
+@triton.jit
+def _columns(c, INT4: tl.constexpr):
+    """The K position (from the step's start) of decoded column c: NF4 in K order; int4 byte b of a
+    group holds elements b (low nibble) and 32 + b (high), so column 8w + j (word w, `_decode_int4`'s
+    element j) is element 4·(w % 8) + j % 4 + 32·(j // 4) of group w // 8."""
     if INT4:
-        w_even = ((wb & 15).to(tl.int32) - 8).to(tl.float32)
-        w_odd = ((wb >> 4).to(tl.int32) - 8).to(tl.float32)
-    else:
-        pair = tl.load(lut_ptr + wb.to(tl.int32))
-        w_even = (pair & -65536).to(tl.float32, bitcast=True)
-        w_odd = (pair << 16).to(tl.float32, bitcast=True)
-    if DOT_F32:  # exact products: for checks (Triton's CPU interpreter mishandles bf16 dots)
-        part = tl.dot(xe.to(tl.float32), w_even) + tl.dot(xo.to(tl.float32), w_odd)
-    else:
-        part = tl.dot(xe, w_even.to(tl.bfloat16)) + tl.dot(xo, w_odd.to(tl.bfloat16))
-    sc = tl.load(a_e + rows.to(tl.int64) * (K // 64) + k // 64, mask=n_ok, other=0.0)
-    return part * sc[None, :]
+        w, j = c // 8, c % 8
+        c = 64 * (w // 8) + 4 * (w % 8) + j % 4 + 32 * (j // 4)
+    return c
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, slots_ptr, block_expert_ptr, w_ptr, absmax_ptr, lut_ptr, y_ptr,
-                    K, NO, stride_x, expert_bytes, expert_groups,
-                    XDIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
-                    INT4: tl.constexpr, DOT_F32: tl.constexpr):
+def _step(rows_ptr, ab_ptr, k, words, xk, acc, t0, t1, t2, t3, t4, t5, t6, t7, book_ptr,
+          INT4: tl.constexpr, DECODE: tl.constexpr, DOT_F32: tl.constexpr, SWAP: tl.constexpr):
+    """acc + one BLOCK_K step of the expert's rows (their words at rows_ptr [BN, 1], scales at ab_ptr)
+    against xk: the codes decoded and scaled in registers (as gpu_ops.nf4_mma), one tensor-core dot."""
+    q = tl.load(rows_ptr + (k // 8 + words)[None, :])  # [BN, W] int32
+    s = _load_scales(ab_ptr, k, words, 0, DECODE)
+    if INT4:
+        w = _decode_int4(q, s, DOT_F32)
+    elif DOT_F32:
+        w = _decode_nf4_f32(q, s, book_ptr)
+    else:
+        w = _decode_tile(q, s, t0, t1, t2, t3, t4, t5, t6, t7, book_ptr, DECODE, True)
+    return _mma(w, xk, acc, s, 0, DOT_F32, SWAP)
+
+
+@triton.jit
+def _grouped_kernel(x_ptr, slots_ptr, block_expert_ptr, w32_ptr, absmax_ptr, book_ptr, y_ptr,
+                    K, NO, stride_x, expert_words, expert_groups,
+                    XDIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SWIGLU: tl.constexpr, INT4: tl.constexpr, DECODE: tl.constexpr, DOT_F32: tl.constexpr,
+                    SWAP: tl.constexpr):
+    """One (tile of BLOCK_N output features, block of BLOCK_M slots) program: y[slot] = W_e · x[slot // XDIV]
+    for the block's expert e (SWIGLU: silu(gate) · up, W_e = [gate; up], NO features each)."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
+        W: tl.constexpr = BLOCK_K // 8  # int32 words a row a step
         slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], −1: padding
         m_ok = slot >= 0
-        x_rows = x_ptr + tl.where(m_ok, slot // XDIV, 0).to(tl.int64)[:, None] * stride_x
+        x_off = tl.where(m_ok, slot // XDIV, 0).to(tl.int64) * stride_x
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < NO
-        offs_j = tl.arange(0, 32)
-        # the columns the group's bytes pair with (`_tile`): int4 its two halves, NF4 even and odd
-        even = offs_j if INT4 else 2 * offs_j
-        odd = offs_j + 32 if INT4 else 2 * offs_j + 1
-        w_e = w_ptr + e.to(tl.int64) * expert_bytes
+        rows = tl.minimum(offs_n, NO - 1).to(tl.int64)  # out-of-range features re-read row NO − 1, dropped
+        words = tl.arange(0, W)
+        w_e = w32_ptr + e.to(tl.int64) * expert_words
         a_e = absmax_ptr + e.to(tl.int64) * expert_groups
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, K, 64):
-            xe = tl.load(x_rows + (k + even[None, :]), mask=m_ok[:, None], other=0.0)  # [BM, 32]
-            xo = tl.load(x_rows + (k + odd[None, :]), mask=m_ok[:, None], other=0.0)
-            acc += _tile(w_e, a_e, offs_n, n_ok, k, K, lut_ptr, xe, xo, INT4, DOT_F32)
+        kk = tl.arange(0, BLOCK_K)
+        x_tile = x_ptr + _tile(_columns(kk, INT4), x_off, SWAP)  # xᵀ [BK, BM] (SWAP) or x [BM, BK], step 0
+        x_ok = _tile_mask(kk < BLOCK_K, m_ok, SWAP)
+        # the PRMT tables (unused by GATHER and int4), loaded so that they stay in registers
+        tab = book_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 16
+        t0, t1, t2, t3 = tl.load(tab), tl.load(tab + 1), tl.load(tab + 2), tl.load(tab + 3)
+        t4, t5, t6, t7 = tl.load(tab + 4), tl.load(tab + 5), tl.load(tab + 6), tl.load(tab + 7)
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros_like(acc)
+        for k in range(0, K, BLOCK_K):
+            xk = tl.load(x_tile + k, mask=x_ok, other=0.0)
+            acc = _step(w_e + rows[:, None] * (K // 8), a_e + rows[:, None] * (K // 64), k, words, xk, acc,
+                        t0, t1, t2, t3, t4, t5, t6, t7, book_ptr, INT4, DECODE, DOT_F32, SWAP)
             if SWIGLU:
-                up += _tile(w_e, a_e, offs_n + NO, n_ok, k, K, lut_ptr, xe, xo, INT4, DOT_F32)
+                up = _step(w_e + (rows + NO)[:, None] * (K // 8), a_e + (rows + NO)[:, None] * (K // 64), k, words,
+                           xk, up, t0, t1, t2, t3, t4, t5, t6, t7, book_ptr, INT4, DECODE, DOT_F32, SWAP)
         if SWIGLU:
             acc = acc / (1.0 + tl.exp(-acc)) * up
-        out = y_ptr + slot.to(tl.int64)[:, None] * NO + offs_n[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        ok = _tile_mask(offs_n < NO, m_ok, SWAP)
+        out = y_ptr + _tile(offs_n, slot.to(tl.int64) * NO, SWAP)
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+CONFIG = (64, 128, 4, 3, True)  # BLOCK_N, BLOCK_K, warps, stages, swap (gpu_ops.nf4_mma.MmaConfig)
 
 
 def block_rows(slots: int, experts: int) -> int:
@@ -111,12 +158,14 @@ def sort_slots(local: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor
 def grouped_gemm(x: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor, bm: int, packed: torch.Tensor,
                 absmax: torch.Tensor, shape: tuple[int, int], xdiv: int, rows: int, swiglu: bool = False,
                 zero: bool = False, dot_f32: bool = False, int4: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, config: tuple[int, int, int, int, bool] | None = None) -> torch.Tensor:
     """y [rows, N] (N/2 for swiglu) bf16 (float32 where dot_f32): y[s] = W_e · x[s // xdiv] for each
     slot s of a block of expert e (`sort_slots`), W_e [N, K] the e-th of the NF4 stack (packed
     [E, N·K/2], absmax [E, N·K/64]; int4: the host experts' format, codes [E, N, K/2] and scales
     [E, N, K/64], cpu_attention.experts); other rows zero where `zero`, else left unwritten (or
-    those of `out`, which takes y where given)."""
+    those of `out`, which takes y where given). config: (BLOCK_N, BLOCK_K, warps, stages, swap), else
+    CONFIG. dot_f32 (exact, for checks under Triton's CPU interpreter): the weights decoded to
+    float32, unrounded, the code book gathered (no inline PTX)."""
     N, K = shape
     if K % 64:
         raise ValueError(f"grouped_gemm needs K divisible by 64, got W {shape}")
@@ -126,10 +175,12 @@ def grouped_gemm(x: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tenso
         x = x.contiguous()
     dtype = torch.float32 if dot_f32 else torch.bfloat16
     y = out if out is not None else (torch.zeros if zero else torch.empty)((rows, NO), dtype=dtype, device=x.device)
-    BN = 64
+    BN, BK, warps, stages, swap = config or CONFIG
+    BK = min(BK, K & -K)  # a power of two dividing K
     grid = (triton.cdiv(NO, BN), block_expert.numel())
-    _grouped_kernel[grid](x, slots, block_expert, packed, absmax, _pair_table(x.device), y,
-                          K, NO, x.stride(0), N * K // 2, N * K // 64,
-                          XDIV=xdiv, BLOCK_M=bm, BLOCK_N=BN, SWIGLU=swiglu, INT4=int4, DOT_F32=dot_f32,
-                          num_warps=8, num_stages=3)  # 4 warps spill at 32–64 rows with SiLU·up (ptxas, sm_90)
+    _grouped_kernel[grid](x, slots, block_expert, packed.view(torch.int32), absmax, _book(x.device), y,
+                          K, NO, x.stride(0), N * K // 8, N * K // 64,
+                          XDIV=xdiv, BLOCK_M=bm, BLOCK_N=BN, BLOCK_K=BK, SWIGLU=swiglu, INT4=int4,
+                          DECODE=int(Decode.GATHER if dot_f32 else Decode.PRMT), DOT_F32=dot_f32, SWAP=swap,
+                          num_warps=warps, num_stages=stages)
     return y

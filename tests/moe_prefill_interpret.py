@@ -23,8 +23,7 @@ from gpu_ops.nf4_code import BLOCK, NF4_CODE  # noqa: E402
 
 
 def stack(E: int, N: int, K: int, g: torch.Generator, int4: bool = False):
-    """E random NF4 (or int4: cpu_attention.experts) matrices [N, K] stacked, and each as float64
-    (NF4: with its codes' bf16 values, which the kernel's table holds)."""
+    """E random NF4 (or int4: cpu_attention.experts) matrices [N, K] stacked, and each as float64."""
     ws = [torch.randn(N, K, generator=g) * 0.05 for _ in range(E)]
     if int4:
         from cpu_attention.experts import dequantize_int4, quantize_int4
@@ -34,9 +33,8 @@ def stack(E: int, N: int, K: int, g: torch.Generator, int4: bool = False):
                 [dequantize_int4(c, s, torch.float64) for c, s in q])
     q = [quantize_nf4(w) for w in ws]
     packed, absmax = torch.stack([p for p, _ in q]), torch.stack([a for _, a in q])
-    code = NF4_CODE.to(torch.bfloat16).double()
-    dense = [(code[torch.stack([p >> 4, p & 15], -1).view(-1).long()] * a.double().repeat_interleave(BLOCK)).view(N, K)
-             for p, a in q]
+    dense = [(NF4_CODE.double()[torch.stack([p >> 4, p & 15], -1).view(-1).long()] * a.double().repeat_interleave(BLOCK))
+             .view(N, K) for p, a in q]
     return packed, absmax, dense
 
 
