@@ -50,6 +50,19 @@ def _host_calls(model) -> str:
     return "none" if staging is None else "memory" if staging.signals else "host functions"
 
 
+def _trace(work, path: Path) -> None:
+    """The GPU kernels and CPU ops of work(), by GPU time, with its wall time, written to path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t = time.perf_counter()
+        work()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + p.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+
+
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
             prefill_target: float, steps: int, trace: Path | None = None) -> dict:
     import hetero
@@ -77,6 +90,9 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
         pre.append(time.perf_counter() - t)
         cache.free(0)
     prefill_s = min(pre[1:])
+    if trace is not None:  # the GPU kernels of one more prefill, by time
+        _trace(lambda: runner.prefill(0, ids, 0), trace.with_suffix(".prefill.txt"))
+        cache.free(0)
     # decode at the context's end
     seqs = list(range(batch))
     n0 = CTX - steps - 8
@@ -98,13 +114,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     scratch = experts_scratch(runner.model)  # what the last timed step's CPU experts added since it was recorded
     cpu_experts = (runner.metrics.total.cpu_experts - experts0 + (scratch.take_seconds() if scratch else 0.0)) / steps
     if trace is not None:  # the GPU kernels of two more steps, by time
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            for _ in range(2):
-                runner.decode(seqs, toks, pos)
-            torch.cuda.synchronize()
-        trace.write_text(p.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+        _trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace)
     pred = decode_step(cfg, prof, plan.placements, plan.kv, batch, n0 + steps // 2, plan.threads, plan.sub_batches)
     prefill_cost = decode_step(cfg, prof, plan.placements, plan.kv, PROMPT, 0, plan.threads, 1)
     on_gpu = [len(x.experts) if x.experts is not None else cfg.num_experts
