@@ -39,19 +39,25 @@ GENERAL_LOOP_OVERHEAD_S = 200e-6
 # beside the measurement.
 GRAPH_LAYER_OVERHEAD_S = 12e-6
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
-# A prefill chunk's MoE layers run their experts one at a time (offload/moe.py): per expert the
-# chunk routes to, the GPU's 4-bit GEMMs and gathers, and for a host expert also its copy's wait
-# and dequantization. Fitted on the H100 host, 2026-11-27 (bench/moe.py, a 512-token prompt of the
-# Qwen3-30B-A3B shape: 948 tok/s with every expert on the GPU, 549–574 with 72 of 128 a layer on
-# the host).
-PREFILL_EXPERT_S = 85e-6
-PREFILL_HOST_EXPERT_S = 190e-6
-# Per MoE layer whose experts are split between the devices: the host function's hand-off (the
-# driver's thread wakes, the experts' pool of spinning threads joins: cpu_attention.experts_pool)
-# and its return to the stream. Fitted on the H100 host, 2026-11-27 (bench/moe.py, the
-# Qwen3-30B-A3B shape at 8 and 14 GiB: 16.3 and 10.7 ms a step, both ~88 µs a layer beyond the
-# model's other terms; under OpenMP's fork and join it was ~200).
-HOST_EXPERTS_CALL_S = 88e-6
+# A prefill chunk's MoE layers run their experts in grouped 4-bit GEMMs (gpu_ops.moe_prefill): per
+# expert the chunk routes to, its share of the two launches, the device's NF4 (524 µs for 128
+# experts of ~32 rows) and a host int4 expert applied after its copy up (229 µs for 24), measured
+# by bench/moe_grouped.py on the H100 host, 2026-11-28, for the Qwen3-30B-A3B shape.
+PREFILL_EXPERT_S = 4.1e-6
+PREFILL_HOST_EXPERT_S = 9.5e-6
+# Per MoE layer and prefill chunk, what the GEMMs' bytes and FLOPs leave out: the layer's torch work
+# (projections through bitsandbytes, routing and the slots' sort in torch ops, the attention), whose
+# launches the GPU waits for, and which the host experts' copies do not overlap (a layer's first
+# piece goes up when the layer reaches it). Fitted on the H100 host, 2026-11-28 (bench/moe.py, a
+# 512-token prompt of the Qwen3-30B-A3B shape with every expert on the GPU: 117.5 ms, 38.6 without it).
+PREFILL_MOE_LAYER_S = 1.64e-3
+# Per MoE layer whose experts are split between the devices: the call's hand-off (the side stream
+# sets a flag in memory, a thread of the experts' pool polls it, the pool of spinning threads joins:
+# cpu_attention.experts_pool; the stream waits for the flag set back) and the result's copy up.
+# Fitted on the H100 host, 2026-11-28 (bench/moe.py, the Qwen3-30B-A3B shape at 8 and 14 GiB on
+# four machines: 38–70 µs a layer beyond the model's other terms; as host functions it was ~88,
+# under OpenMP's fork and join ~200).
+HOST_EXPERTS_CALL_S = 45e-6
 # Per MoE layer in the GPU's step: routing (the router GEMV, then one kernel: gpu_ops.moe_route)
 # and the weighted sum, small kernels beyond the experts' bytes. Fitted on the all-GPU row of the
 # same shape (3.6 ms a step).
@@ -241,9 +247,10 @@ def prefill_seconds(
       (offload/moe.py streams them for chunks of more than 64 rows; a shorter chunk is computed as
       the CPU's, like a decode step)
       gpu   += experts the chunk routes to · PREFILL_EXPERT_S (PREFILL_HOST_EXPERT_S for a host one)
+      moe    = MoE layers · PREFILL_MOE_LAYER_S                                  (not overlapped)
       h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
       d2h    = host-tier KV of the chunk / PCIe
-      t      = max(gpu, h2d, d2h) + cpu + L · overhead                           (copies double-buffered)
+      t      = max(gpu, h2d, d2h) + cpu + moe + L · overhead                     (copies double-buffered)
     Without a GPU: t = all flops / CPU flop rate.
     """
     pairs = _pairs(cfg, placements)
@@ -252,6 +259,7 @@ def prefill_seconds(
     active_gpu = active_cpu = streamed = cpu_bytes = host_experts = 0.0
     host_parts: list[tuple[Group, Placement]] = []
     moe_parts: list[tuple[Group, Placement]] = []
+    moe_layers = sum(any(g.kind is Kind.EXPERTS for g, _ in groups) for groups in pairs.values())
     for layer, groups in pairs.items():
         for g, pl in groups:
             if g.kind is Kind.EMBED:
@@ -288,7 +296,8 @@ def prefill_seconds(
             host_chunk = max(0, s + u - max(s, kv.gpu_tokens))
             h2d = (streamed + up + L * host_before * kv_bf16) / (hw.pcie_h2d_gbps * GB)
             d2h = L * host_chunk * kv_bf16 / (hw.pcie_d2h_gbps * GB)
-            total += max(gpu, h2d, d2h) + cpu + L * hw.layer_overhead_s
+            moe = moe_layers * PREFILL_MOE_LAYER_S
+            total += max(gpu, h2d, d2h) + cpu + moe + L * hw.layer_overhead_s
         s += u
     return total
 
