@@ -4,7 +4,8 @@ of spinning threads (cpu_attention.experts_pool), µs a call:
     python3 -m bench.experts_pool [--threads N] [--order omp,pool]
 
 Four int4 experts of the Qwen3-30B-A3B shape (hidden 2048, expert FFN 768: 10.6 MB a call), one
-token, cycling over 8 layers' worth (past the caches), 200 calls 100 µs apart from a thread of
+token, cycling over 64 layers' worth (680 MB: past the GPU host's 300 MiB L3; 8 layers' worth stayed
+in it and read ~100 GB/s), 200 calls 100 µs apart from a thread of
 its own, as the CUDA driver's thread makes them, after torch's parallel CPU ops on the main
 thread (the engine's prefill leaves its pool there). Bound: the DRAM read rate (printed GB/s).
 """
@@ -32,9 +33,9 @@ def main() -> None:
     from cpu_attention.experts_pool import ExpertsPool
 
     configure()
-    H, F, k, E = 2048, 768, 8, 8
+    H, F, k, E, L = 2048, 768, 8, 4, 64
     threads = args.threads or max(1, physical_cores() - 1)
-    sets = [HostExperts(list(range(E)), H, F, k, threads=threads) for _ in range(8)]
+    sets = [HostExperts(list(range(E)), H, F, k, threads=threads) for _ in range(L)]
     for he in sets:  # the values do not change the time
         he.gu_q.fill(0x5A)
         he.d_q.fill(0xA5)
@@ -46,7 +47,7 @@ def main() -> None:
     t = torch.randn(4_000_000)
     for _ in range(3):
         t.exp().sum()
-    nbytes = 4 * sets[0].nbytes / E
+    nbytes = sets[0].nbytes
     for mode in args.order.split(","):
         sc = Scratch(1, k, H, F, E)
         if mode == "pool":

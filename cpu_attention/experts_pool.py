@@ -7,7 +7,9 @@ threads than CPUs (another thread's pool, torch's included: cpu_attention._numba
 sleep at once and every pass pays their wake-up: ~110–200 µs a layer measured on the GPU host
 (bench.moe), against ~20 µs for three passes of a pool alone (bench.omp_pools). These threads are
 outside OpenMP, so no other pool slows them, and between passes they wait on counters: a call of
-10.6 MB took 95–108 µs against OpenMP's 183–214 on the GPU host (bench.experts_pool), DRAM's rate.
+10.6 MB took 95–108 µs against OpenMP's 183–214 on the GPU host with the weights mostly in its
+300 MiB L3; past it (13.3 MB calls over 810 MiB, 15 threads) 177–192 µs, 69–75 GB/s, where one
+thread streams ~8 GB/s and 15 ~70–95 (bench.experts_pool).
 
 A call, from the caller's thread (the CUDA driver's, through the C entry point of a host function;
 or, where a GPU stream signals calls in memory, a thread of the pool's own: `serve_flags`):
