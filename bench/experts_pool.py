@@ -1,19 +1,26 @@
 """The host experts' call through its C entry point, OpenMP's kernel against the experts' own pool
 of spinning threads (cpu_attention.experts_pool), µs a call:
 
-    python3 -m bench.experts_pool [--threads N] [--order omp,pool]
+    python3 -m bench.experts_pool [--threads N] [--order omp,pool] [--chunks 8,32] [--dram]
 
 Four int4 experts of the Qwen3-30B-A3B shape (hidden 2048, expert FFN 768: 10.6 MB a call), one
 token, cycling over 64 layers' worth (680 MB: past the GPU host's 300 MiB L3; 8 layers' worth stayed
 in it and read ~100 GB/s), 200 calls 100 µs apart from a thread of
 its own, as the CUDA driver's thread makes them, after torch's parallel CPU ops on the main
-thread (the engine's prefill leaves its pool there). Bound: the DRAM read rate (printed GB/s).
+thread (the engine's prefill leaves its pool there). Bound: the DRAM read rate (printed GB/s;
+--dram measures it past the L3: torch's sum, and a Numba streaming sum at 1..all threads).
+--chunks times the pool at each number of rows a claim takes (experts_pool.CHUNK), each in a
+process of its own with an empty Numba cache (CHUNK is compiled in).
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -24,7 +31,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=0, help="threads a call takes (default: physical cores − 1)")
     ap.add_argument("--order", default="omp,pool")
+    ap.add_argument("--chunks", default="", help="comma-separated rows a claim (the pool only), a process each")
+    ap.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--dram", action="store_true", help="first the DRAM read rate past the L3, by threads")
     args = ap.parse_args()
+    if args.dram:
+        _dram()
+    if args.chunks:
+        for c in args.chunks.split(","):
+            env = dict(os.environ, NUMBA_CACHE_DIR=tempfile.mkdtemp())
+            subprocess.run([sys.executable, "-m", "bench.experts_pool", "--order", "pool", "--chunk", c,
+                            "--threads", str(args.threads)], env=env, check=True)
+        return
+    if args.chunk:
+        import cpu_attention.experts_pool as ep
+
+        ep.CHUNK = args.chunk  # before the pool's kernels compile
     import torch
 
     from cpu_attention import experts_kernels as kn
@@ -73,7 +95,47 @@ def main() -> None:
         if sc.pool is not None:
             sc.pool.close()
         us = statistics.median(times) * 1e6
-        print(f"{mode:5} {threads} threads: {us:7.1f} µs a call, {nbytes / us / 1e3:6.1f} GB/s ({nbytes / 1e6:.1f} MB)")
+        tag = f"{mode} (CHUNK {args.chunk})" if args.chunk else mode
+        print(f"{tag:5} {threads} threads: {us:7.1f} µs a call, {nbytes / us / 1e3:6.1f} GB/s ({nbytes / 1e6:.1f} MB)")
+
+
+def _dram() -> None:
+    """GB/s of reading 2 GiB: torch's sum (all threads), and a Numba loop at 1..all physical cores."""
+    import torch
+    from numba import njit, prange, set_num_threads
+
+    from cpu_attention._numba import physical_cores
+
+    a = torch.ones(2**29)
+    best = min(_seconds(lambda: a.sum()) for _ in range(5))
+    print(f"DRAM read, torch.sum of 2 GiB, {torch.get_num_threads()} threads: {a.numel() * 4 / best / 1e9:.1f} GB/s")
+    b = np.ones(2**28, np.int64)
+
+    @njit(parallel=True)
+    def total(b, T):
+        n = b.shape[0] // T
+        acc = np.zeros(T, np.int64)
+        for t in prange(T):
+            x = 0
+            for i in range(t * n, t * n + n):
+                x += b[i]
+            acc[t] = x
+        return acc.sum()
+
+    import numba
+
+    cores = min(physical_cores(), numba.config.NUMBA_NUM_THREADS)
+    for T in sorted(t for t in {1, 2, 4, 8, cores - 1, cores} if 1 <= t <= cores):
+        set_num_threads(T)
+        total(b, T)
+        best = min(_seconds(lambda: total(b, T)) for _ in range(3))
+        print(f"DRAM read, a Numba sum of 2 GiB, {T:2d} threads: {b.nbytes / best / 1e9:.1f} GB/s")
+
+
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 if __name__ == "__main__":
