@@ -97,7 +97,7 @@ def _causal_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     """q [T, Hq, D] are the last T of the keys' positions: key j is visible to query t iff
     j ≤ (n_keys − T) + t (earlier tokens all, new ones causally). k, v [Hkv, n, D] → [T, Hq, D]."""
     T, n = q.shape[0], k.shape[1]
-    # the mask as a lower-right causal bias, which SDPA runs in its flash kernel (a tensor mask: the math path)
+    # the mask as a lower-right causal bias, which SDPA can run in its flash kernel (a tensor mask: the math path)
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=causal_lower_right(T, n),
                                        scale=scale, enable_gqa=q.shape[1] != k.shape[0])
     return o[0].transpose(0, 1)
