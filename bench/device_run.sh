@@ -20,6 +20,7 @@
 #           fed-in acceptances 3/4 and 0/4, and ngram (SPEC_DRAFTS)
 # budget:   bench.budget (decode at each --gpu-mem budget, the planner's own choice; BUDGET_ARGS passed through)
 # grouped:  bench.moe_grouped (the MoE prefill's grouped 4-bit GEMM on Qwen3-30B-A3B's shapes; GROUPED_ARGS="--sweep")
+# dramshare: bench.dram_share (the CPU's expert kernel and the GPU's reads of pinned memory, alone and at once)
 # omp:      bench.omp_pools (what a second OpenMP pool, Numba's or torch's, costs three small Numba regions)
 # moe:      bench.moe (mixture-of-experts decode and prefill at each --gpu-mem budget, the planner's own choice;
 #           MOE_ARGS passed through, e.g. "--only qwen3@8GiB --steps 16")
@@ -82,6 +83,8 @@ for stage in $STAGES; do
         | tee "$OUT/moe_stdout.log" | tail -${MOE_TAIL:-10} ;;
     grouped)
       timeout ${GROUPED_TIMEOUT:-300} python3 -m bench.moe_grouped ${GROUPED_ARGS:-} 2>&1 | tee "$OUT/moe_grouped.log" | tail -${GROUPED_TAIL:-50} ;;
+    dramshare)
+      timeout ${DRAMSHARE_TIMEOUT:-200} python3 -m bench.dram_share 2>&1 | tee "$OUT/dram_share.log" | tail -8 ;;
     omp)
       timeout 120 python3 -m bench.omp_pools 2>&1 | tee "$OUT/omp_pools.log" | tail -5 ;;
     budget)
