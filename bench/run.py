@@ -37,8 +37,13 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "omp_pools": ("what a second OpenMP pool (Numba's or torch's) costs three small Numba parallel regions, "
                   "against the regions alone", "CPU"),
     "experts_pool": ("the host experts' call through its C entry point: OpenMP's kernel against the experts' own "
-                     "pool of spinning threads, µs a call against the DRAM read rate", "CPU"),
+                     "pool of spinning threads, µs a call against the DRAM read rate (--chunks: the pool's claim "
+                     "size, --dram: the rate by threads)", "CPU"),
     "serve_load": ("a bounded load run against `hetero serve`: requests, errors, server memory", "CPU"),
+    "moe_grouped": ("the MoE prefill's grouped 4-bit GEMM on Qwen3-30B-A3B's shapes, µs a call against the HBM / "
+                    "tensor-core bound, and a sweep of its launch configurations", "GPU"),
+    "dram_share": ("the CPU's expert kernel and the GPU's reads of page-locked memory, alone and at once, against "
+                   "the DRAM read rate", "GPU"),
 }
 
 
