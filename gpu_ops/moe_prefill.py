@@ -12,8 +12,9 @@ grouped NF4 GEMM over every expert at once, instead of one expert's GEMMs at a t
 
 A layer's experts then cost their bytes once (a 512-token chunk of Qwen3-30B-A3B routes ~32 rows
 to each of 128 experts), where one expert at a time paid ~85 µs of launches and gathers each
-(bench/RESULTS.md, MoE prefill). Nothing is read back to the host: the grid is sized for the
-most blocks any routing needs (ceil(P / BLOCK_M) + E), and the blocks past the last run exit.
+(bench/RESULTS.md, MoE prefill). The block count is not read back to the host: the grid is sized
+for the most blocks any routing needs (ceil(P / BLOCK_M) + E), and the blocks past the last run
+exit.
 """
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def block_rows(slots: int, experts: int) -> int:
 def sort_slots(local: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """local [N, k] (each slot's device expert, −1: elsewhere) → (slots [B·bm] int32: each block's
     slots in order, −1 padding; block_expert [B] int32, −1 past the last run), B = ceil(N·k / bm) +
-    experts. Torch ops on the device only: nothing syncs."""
+    experts. Torch ops on the device; torch's bincount reads its input's range back to the host
+    (a sync a call)."""
     key = local.reshape(-1).long()
     P, dev = key.numel(), key.device
     key = torch.where(key < 0, experts, key)  # elsewhere: sorted last, in no run
