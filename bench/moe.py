@@ -60,7 +60,8 @@ def _trace(work, path: Path) -> None:
         work()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + p.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    table = p.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + table)
 
 
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
