@@ -35,25 +35,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.dram_share needs a CUDA device")
     from cpu_attention._numba import configure, physical_cores
-    from cpu_attention.experts import HostExperts, Scratch
+    from cpu_attention.experts import Scratch, timing_layers
     from cpu_attention.experts_pool import ExpertsPool
+    from bench.experts_pool import torch_sum_gbps
     from gpu_ops.host_read import read_pinned
 
     configure()
-    a = torch.ones(2**29)
-    t = time.perf_counter()
-    for _ in range(3):
-        a.sum()
-    print(f"DRAM read (torch.sum of 2 GiB): {3 * a.numel() * 4 / (time.perf_counter() - t) / 1e9:.1f} GB/s")
-    del a
+    print(f"DRAM read (torch.sum of 2 GiB): {torch_sum_gbps():.1f} GB/s")
     H, F, k, E, L = 2048, 768, 8, 5, 64
     threads = args.threads or max(1, physical_cores() - 1)
-    sets = [HostExperts(list(range(E)), H, F, k, threads=threads) for _ in range(L)]
-    for he in sets:  # the values do not change the time
-        he.gu_q.fill(0x5A)
-        he.d_q.fill(0xA5)
-        he.gu_s.fill(0.01)
-        he.d_s.fill(0.01)
+    sets = timing_layers(L, E, H, F, k, threads)
     x, w, out = np.ones((1, H), np.float32), np.ones((1, k), np.float32), np.empty((1, H), np.float32)
     ids = np.full((1, k), -1, np.int32)
     ids[0, :E] = range(E)

@@ -51,18 +51,13 @@ def main() -> None:
 
     from cpu_attention import experts_kernels as kn
     from cpu_attention._numba import configure, physical_cores
-    from cpu_attention.experts import HostExperts, Scratch
+    from cpu_attention.experts import Scratch, timing_layers
     from cpu_attention.experts_pool import ExpertsPool
 
     configure()
     H, F, k, E, L = 2048, 768, 8, 4, 64
     threads = args.threads or max(1, physical_cores() - 1)
-    sets = [HostExperts(list(range(E)), H, F, k, threads=threads) for _ in range(L)]
-    for he in sets:  # the values do not change the time
-        he.gu_q.fill(0x5A)
-        he.d_q.fill(0xA5)
-        he.gu_s.fill(0.01)
-        he.d_s.fill(0.01)
+    sets = timing_layers(L, E, H, F, k, threads)
     x, w, out = np.ones((1, H), np.float32), np.ones((1, k), np.float32), np.empty((1, H), np.float32)
     ids = np.full((1, k), -1, np.int32)
     ids[0, :4] = [0, 1, 2, 3]
@@ -99,6 +94,14 @@ def main() -> None:
         print(f"{tag:5} {threads} threads: {us:7.1f} µs a call, {nbytes / us / 1e3:6.1f} GB/s ({nbytes / 1e6:.1f} MB)")
 
 
+def torch_sum_gbps() -> float:
+    """GB/s of torch's sum of 2 GiB over all its threads: the DRAM read rate past the last-level cache."""
+    import torch
+
+    a = torch.ones(2**29)
+    return a.numel() * 4 / min(_seconds(lambda: a.sum()) for _ in range(5)) / 1e9
+
+
 def _dram() -> None:
     """GB/s of reading 2 GiB: torch's sum (all threads), and a Numba loop at 1..all physical cores."""
     import torch
@@ -106,9 +109,7 @@ def _dram() -> None:
 
     from cpu_attention._numba import physical_cores
 
-    a = torch.ones(2**29)
-    best = min(_seconds(lambda: a.sum()) for _ in range(5))
-    print(f"DRAM read, torch.sum of 2 GiB, {torch.get_num_threads()} threads: {a.numel() * 4 / best / 1e9:.1f} GB/s")
+    print(f"DRAM read, torch.sum of 2 GiB, {torch.get_num_threads()} threads: {torch_sum_gbps():.1f} GB/s")
     b = np.ones(2**28, np.int64)
 
     @njit(parallel=True)

@@ -14,31 +14,6 @@ import argparse
 import torch
 
 
-def _time(fn, reps: int = 20) -> float:
-    """Median seconds of fn() by CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def _rates() -> tuple[float, float]:
-    """(HBM read bytes/s from a 1 GiB copy, counted read + write; bf16 tensor-core FLOP/s of an 8192² product)."""
-    a = torch.empty(2**29, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    hbm = 2 * a.numel() * 2 / _time(lambda: b.copy_(a), 5)
-    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    flops = 2 * 8192**3 / _time(lambda: m @ m, 5)
-    return hbm, flops
-
-
 def _case(name: str, tokens: int, experts: int, of: int, N: int, K: int, xdiv: int, swiglu: bool, int4: bool):
     """The arguments of one grouped_gemm call: `experts` of the layer's `of` in the stack, the
     prompt's slots routed uniformly over all `of` (the rest elsewhere)."""
@@ -71,9 +46,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time a grid of launch configurations")
     ap.add_argument("--tokens", type=int, default=512)
     args = ap.parse_args()
+    from bench.gpu_decode import cuda_ms, hbm_gbps, matmul_tflops
     from gpu_ops.moe_prefill import CONFIG, grouped_gemm
 
-    hbm, tflops = _rates()
+    hbm, tflops = hbm_gbps() * 1e9, matmul_tflops() * 1e12
     print(f"HBM read {hbm / 1e9:.0f} GB/s · bf16 tensor cores {tflops / 1e12:.0f} TFLOP/s · {args.tokens} tokens")
     T = args.tokens
     cases = [_case("gate/up NF4, 128 experts", T, 128, 128, 1536, 2048, 8, True, False),
@@ -91,7 +67,7 @@ def main() -> None:
         res = []
         for cfg in grid:
             try:
-                s = _time(lambda: grouped_gemm(*a, **kw, config=cfg))
+                s = cuda_ms(lambda: grouped_gemm(*a, **kw, config=cfg), warmup=1) / 1e3
             except Exception as e:  # noqa: BLE001  a configuration the GPU cannot run (shared memory)
                 print(f"{name:28} {str(cfg):>24} failed: {type(e).__name__}")
                 continue

@@ -120,19 +120,14 @@ def _measure_cpu_experts(quick: bool) -> float:
     threads: cpu_attention.experts_pool), cycling over layers' worth of experts past the last-level
     cache; 0.0 if the kernel is missing."""
     try:
-        from cpu_attention.experts import HostExperts, Scratch
+        from cpu_attention.experts import Scratch, timing_layers
         from cpu_attention.experts_pool import ExpertsPool
     except ImportError:
         return 0.0
     H, Fi, k = 2048, 768, 8
     layers = 2 if quick else 24  # 24 × 8 experts × 2.65 MB: 500 MB
     threads = max(1, physical_cores()[0] - 1)  # as the engine runs them beside a GPU (offload/loader.py)
-    sets = [HostExperts(list(range(k)), H, Fi, k, threads=threads) for _ in range(layers)]
-    for he in sets:  # the values do not change the time
-        he.gu_q.fill(0x5A)
-        he.d_q.fill(0xA5)
-        he.gu_s.fill(0.01)
-        he.d_s.fill(0.01)
+    sets = timing_layers(layers, k, H, Fi, k, threads)
     sc = Scratch(1, k, H, Fi, k)
     sc.pool = ExpertsPool(threads)
     x, ids, w = np.ones((1, H), np.float32), np.arange(k, dtype=np.int32)[None], np.ones((1, k), np.float32)
