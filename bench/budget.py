@@ -105,7 +105,22 @@ def measured_ms(before: StepTimes, after: StepTimes, steps: int) -> dict[str, fl
     return dict(out, idle=round(gone.idle / steps * 1e3, 3))
 
 
-def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int) -> dict:
+def trace(work, path: Path) -> None:
+    """The GPU kernels and CPU ops of work(), by GPU time, with its wall time, written to path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t = time.perf_counter()
+        work()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    table = p.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + table)
+
+
+def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int,
+            trace_to: Path | None = None) -> dict:
     """One row through `hetero.load`, as a user gets it: only the model, --gpu-mem, -c and --parallel."""
     import hetero
     from bench.offload_decode import model_bytes
@@ -133,6 +148,8 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
         pos = [p + 1 for p in pos]
     step = statistics.median(times)
     measured = measured_ms(before, runner.metrics.total, steps)
+    if trace_to is not None:  # the GPU kernels of two more steps, by time
+        trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace_to)
     g_tok, h_tok = cache.tier_tokens()
     streamed = len(runner.streamer.blocks) * cache.block_size if runner.streamer is not None else 0
     gpu_kv = g_tok * cache.gpu.block_nbytes / cache.block_size if cache.gpu is not None else 0.0
@@ -150,7 +167,8 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
              f"{'GPU' if plan.placement(-1, Kind.EMBED).on_gpu else 'CPU'}",
         choices=[f"{c.setting}={c.value}: {c.reason}" for c in plan.choices],
         tok_s=batch / step, predicted_tok_s=batch / pred.seconds, bound_tok_s=batch / b,
-        bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, peak_gpu_gib=peak / GiB,
+        bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, step_ms_all=[round(t * 1e3, 2) for t in times],
+        peak_gpu_gib=peak / GiB,
         within_budget=peak <= gpu_gib * GiB, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
         graph=runner.graph_step is not None and runner.graph_step.decoder is not None, terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()},
         measured_ms=measured, process_threads=process_threads(),
@@ -204,9 +222,16 @@ def run_rows(module: str, args: argparse.Namespace, table: list[tuple], run_one:
 
 
 def main() -> None:
-    args = arguments(__doc__.splitlines()[0]).parse_args()
+    ap = arguments(__doc__.splitlines()[0])
+    ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
+    args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    done = run_rows("bench.budget", args, ROWS, lambda prof, *row: run_row(prof, *row, steps=args.steps))
+
+    def one(prof, name, *row):
+        to = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
+        return run_row(prof, name, *row, steps=args.steps, trace_to=to)
+
+    done = run_rows("bench.budget", args, ROWS, one, ["--trace"] if args.trace else [])
     if done is None:
         return
     prof, rows = done

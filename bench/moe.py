@@ -20,7 +20,7 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 import torch  # noqa: E402
 
-from bench.budget import arguments, fill, process_threads, run_rows  # noqa: E402
+from bench.budget import arguments, fill, process_threads, run_rows, trace  # noqa: E402
 from planner.profile import HardwareProfile  # noqa: E402
 from planner.tensors import Kind  # noqa: E402
 
@@ -50,22 +50,8 @@ def _host_calls(model) -> str:
     return "none" if staging is None else "memory" if staging.signals else "host functions"
 
 
-def _trace(work, path: Path) -> None:
-    """The GPU kernels and CPU ops of work(), by GPU time, with its wall time, written to path."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        t = time.perf_counter()
-        work()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    table = p.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + table)
-
-
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
-            prefill_target: float, steps: int, trace: Path | None = None) -> dict:
+            prefill_target: float, steps: int, trace_to: Path | None = None) -> dict:
     import hetero
     from hetero.random_weights import random_shape
     from hetero.random_weights import RandomCheckpoint
@@ -91,8 +77,8 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
         pre.append(time.perf_counter() - t)
         cache.free(0)
     prefill_s = min(pre[1:])
-    if trace is not None:  # the GPU kernels of one more prefill, by time
-        _trace(lambda: runner.prefill(0, ids, 0), trace.with_suffix(".prefill.txt"))
+    if trace_to is not None:  # the GPU kernels of one more prefill, by time
+        trace(lambda: runner.prefill(0, ids, 0), trace_to.with_suffix(".prefill.txt"))
         cache.free(0)
     # decode at the context's end
     seqs = list(range(batch))
@@ -114,8 +100,8 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     torch.cuda.synchronize()
     scratch = experts_scratch(runner.model)  # what the last timed step's CPU experts added since it was recorded
     cpu_experts = (runner.metrics.total.cpu_experts - experts0 + (scratch.take_seconds() if scratch else 0.0)) / steps
-    if trace is not None:  # the GPU kernels of two more steps, by time
-        _trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace)
+    if trace_to is not None:  # the GPU kernels of two more steps, by time
+        trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace_to)
     pred = decode_step(cfg, prof, plan.placements, plan.kv, batch, n0 + steps // 2, plan.threads, plan.sub_batches)
     prefill_cost = decode_step(cfg, prof, plan.placements, plan.kv, PROMPT, 0, plan.threads, 1)
     on_gpu = [len(x.experts) if x.experts is not None else cfg.num_experts
@@ -149,8 +135,8 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     def one(prof, name, *row):
-        trace = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
-        return run_row(prof, name, *row, steps=args.steps, trace=trace)
+        to = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
+        return run_row(prof, name, *row, steps=args.steps, trace_to=to)
 
     done = run_rows("bench.moe", args, ROWS, one, ["--trace"] if args.trace else [])
     if done is None:

@@ -27,14 +27,15 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 import torch  # noqa: E402
 
-from bench.budget import fill  # noqa: E402
+from bench.budget import fill, trace  # noqa: E402
 from hetero.app.bench import parse_draft  # noqa: E402
 from hetero.app.scheduler import Scheduler  # noqa: E402
 from planner.units import parse_size  # noqa: E402
 
 
-def run(engine, mode: str, n0: int, steps: int, prompt: list[int]) -> dict:
-    """`steps` tokens decoded after a context of n0 random-code tokens → tok/s, acceptance, tokens."""
+def run(engine, mode: str, n0: int, steps: int, prompt: list[int], trace_to: Path | None = None) -> dict:
+    """`steps` tokens decoded after a context of n0 random-code tokens → tok/s, acceptance, tokens;
+    with trace_to, the decode's GPU kernels and CPU ops written there (`bench.budget.trace`)."""
     engine.drafter = parse_draft(mode, engine.cfg.vocab_size)
     sched = Scheduler(engine)
     s = engine.sequence(prompt, ignore_eos=True, max_new_tokens=steps + 1, temperature=0.0)
@@ -43,9 +44,13 @@ def run(engine, mode: str, n0: int, steps: int, prompt: list[int]) -> dict:
     sched.running.append(s)  # the prompt is "prefilled": the next step decodes
     if engine.runner.cuda:
         torch.cuda.synchronize()
+
+    def decode() -> None:
+        while not sched.idle:
+            sched.step()
+
     t = time.perf_counter()
-    while not sched.idle:
-        sched.step()
+    trace(decode, trace_to) if trace_to is not None else decode()
     if engine.runner.cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t
@@ -106,6 +111,7 @@ def main() -> None:
     ap.add_argument("--drafts", default="off,3/4,0/4,ngram")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--trace", type=Path, help="write each mode's GPU kernels and CPU ops of one more run to TRACE.MODE.txt")
     ap.add_argument("--demo", action="store_true", help="the demo model with real drafts (TASKS), CPU")
     ap.add_argument("--ngram", default="3:1", help="with --demo: prompt lookup's n-gram sizes max:min, comma-separated")
     a = ap.parse_args()
@@ -145,6 +151,9 @@ def main() -> None:
         print(f"{mode:8} {best['tok_s']:8.1f} {ratio:>9} {best['acceptance']:6.0%} {bound:>8}")
     if a.out:
         a.out.write_text(json.dumps(results, indent=2))
+    if a.trace:
+        for mode in modes:
+            run(engine, mode, n0, a.steps, prompt, trace_to=a.trace.with_suffix(f".{mode.replace('/', 'of')}.txt"))
 
 
 if __name__ == "__main__":
