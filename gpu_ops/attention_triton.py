@@ -5,7 +5,7 @@ then reads it again (about 4x the bytes); at batch 32 × 2k context that is most
 
 One program per (sequence, kv head, split): its G = Hq / Hkv query heads (padded to 16 rows for
 the tensor cores) walk the sequence's blocks of that split with an online softmax. Splits over
-the sequence keep the GPU busy at small batch; their partial (out, lse) are merged in torch.
+the sequence keep the GPU busy at small batch; their partial (out, lse) are merged by a second kernel.
 Shapes are static (max blocks per sequence), so a CUDA graph can hold it.
 
 Runs (a speculative step's rows: `RunRows`): R consecutive batch rows of one sequence at
@@ -102,9 +102,12 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, S, BH, SP: tl.constexpr, D: tl.constexpr,
-                         CH: tl.constexpr, PDL: tl.constexpr = False):
-    """out[r] = Σ_s e^{lse[s, r] - L} o[s, r], L = log Σ_s e^{lse[s, r]}, for row r = (b, hq)."""
+                         DB: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False):
+    """out[r, d] = Σ_s e^{lse[s, r] - L} o[s, r, d], L = log Σ_s e^{lse[s, r]}, for row r = (b, hq) and
+    the DB columns d of this program's slice. Each program computes L itself (SP loads); the sum over
+    splits is kept as a [CH, DB] tile and reduced once at the end, so a chunk's loads wait on nothing."""
     r = tl.program_id(0)
+    j = tl.program_id(1)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -115,16 +118,17 @@ def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, S, BH, SP: tl.con
     tot = tl.sum(tl.exp(lse - m_safe), 0)
     big = tl.where(tot == 0.0, float("-inf"), m_safe + tl.log(tl.where(tot == 0.0, 1.0, tot)))
     big_safe = tl.where(tot == 0.0, 0.0, big)
-    d = tl.arange(0, D)
+    d = j * DB + tl.arange(0, DB)
     c = tl.arange(0, CH)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([CH, DB], tl.float32)
     for s0 in range(0, S, CH):
         ok = s0 + c < S
         w = tl.exp(tl.load(lse_ptr + (s0 + c) * BH + r, mask=ok, other=float("-inf")) - big_safe)
         o = tl.load(o_ptr + ((s0 + c) * BH + r)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-    tl.store(out_ptr + r * D + d, acc.to(out_ptr.dtype.element_ty))
-    tl.store(out_lse_ptr + r, big)
+        acc += w[:, None] * o
+    tl.store(out_ptr + r * D + d, tl.sum(acc, 0).to(out_ptr.dtype.element_ty))
+    if j == 0:
+        tl.store(out_lse_ptr + r, big)
 
 
 def split_outputs(B: int, Hq: int, Hkv: int, D: int, MB: int, device: torch.device, out_dtype: torch.dtype,
@@ -143,6 +147,14 @@ def split_outputs(B: int, Hq: int, Hkv: int, D: int, MB: int, device: torch.devi
     return S, -(-MB // S), o, lse
 
 
+# The merge's program: DB columns of one (sequence, query head) row, CH splits a load. One program a
+# row (all D columns, 16 splits a load, a cross-thread sum each load) took 29 µs a layer at 1 × 8k
+# bf16 (64 splits) and 39 at 1 × 32k int4 (133), more than the attention kernel itself (15 / 68 µs):
+# 32 programs, each a chain of dependent loads and reductions (H200, torch.profiler in bench.budget).
+MERGE_COLUMNS = 16
+MERGE_SPLITS = 64
+
+
 def merge_splits(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The splits' partials o [S, B, Hq, D], lse [S, B, Hq] → (out [B, Hq, D] out_dtype, lse [B, Hq]);
     one split is already the answer."""
@@ -151,8 +163,10 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype) -> 
         return o[0], lse[0]
     out = torch.empty((B, Hq, D), dtype=out_dtype, device=o.device)
     total = torch.empty((B, Hq), dtype=torch.float32, device=o.device)  # -inf where every split was empty
-    _merge_splits_kernel[(B * Hq,)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, CH=16,
-                                    PDL=pdl.enabled(o.device), num_warps=4, **pdl.launch(o.device))
+    DB = min(D, MERGE_COLUMNS)
+    _merge_splits_kernel[(B * Hq, D // DB)](o, lse, out, total, S, B * Hq, SP=triton.next_power_of_2(S), D=D, DB=DB,
+                                            CH=MERGE_SPLITS, PDL=pdl.enabled(o.device), num_warps=2,
+                                            **pdl.launch(o.device))
     return out, total
 
 
