@@ -60,6 +60,20 @@ def run(engine, mode: str, n0: int, steps: int, prompt: list[int], trace_to: Pat
                 drafted=st.drafted, kept=st.accepted, acceptance=st.acceptance)
 
 
+def host_profile(work, path: Path) -> None:
+    """The Python functions of work() by their own time, then by their time with callees, to path."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(work)
+    text = io.StringIO()
+    for key in ("tottime", "cumtime"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
+    path.write_text(text.getvalue())
+
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 TASKS = {  # name → (context, question): one whose answer repeats its context, one whose answer is new text
     "quote": ("{doc}", "Copy the first paragraph of the section 'One decode step' above, word for word."),
@@ -112,6 +126,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--trace", type=Path, help="write each mode's GPU kernels and CPU ops of one more run to TRACE.MODE.txt")
+    ap.add_argument("--cprofile", type=Path, help="write the host's Python time of one more run of each mode (cProfile) there")
     ap.add_argument("--demo", action="store_true", help="the demo model with real drafts (TASKS), CPU")
     ap.add_argument("--ngram", default="3:1", help="with --demo: prompt lookup's n-gram sizes max:min, comma-separated")
     a = ap.parse_args()
@@ -151,6 +166,8 @@ def main() -> None:
         print(f"{mode:8} {best['tok_s']:8.1f} {ratio:>9} {best['acceptance']:6.0%} {bound:>8}")
     if a.out:
         a.out.write_text(json.dumps(results, indent=2))
+    if a.cprofile:
+        host_profile(lambda: [run(engine, m, n0, a.steps, prompt) for m in modes], a.cprofile)
     if a.trace:
         for mode in modes:
             run(engine, mode, n0, a.steps, prompt, trace_to=a.trace.with_suffix(f".{mode.replace('/', 'of')}.txt"))

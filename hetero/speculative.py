@@ -91,10 +91,12 @@ class FedAcceptance:
     `hetero bench --draft 3/4`): every step drafts `length` tokens and its verification keeps the
     first `kept` of them whatever the model's logits say, then adds the model's own token, as a
     step whose drafts the model agreed with `kept` times would. The step's work is the real one
-    (the rows, their KV, the rollback of the rest); the text is not the model's."""
+    (the rows, their KV, the rollback of the rest); the text is not the model's. `length` None
+    ("0/auto"): the engine's adaptive draft length chooses each step's drafts, as for a real
+    drafter, and `kept` of them at most are kept ("0/auto": a drafter that is never right)."""
 
-    def __init__(self, kept: int, length: int, vocab_size: int):
-        if not 0 <= kept <= length or length < 1:
+    def __init__(self, kept: int, length: int | None, vocab_size: int):
+        if kept < 0 or (length is not None and not (kept <= length and length >= 1)):
             raise UserError(f"draft {kept}/{length}: need 0 ≤ kept ≤ drafted and drafted ≥ 1")
         self.kept, self.length, self.vocab = kept, length, vocab_size
 

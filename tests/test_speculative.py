@@ -159,6 +159,23 @@ def test_drafting_changes_no_token_and_no_kv(tiny, kw):
     assert drafted > kept > 0  # drafts were kept and drafts were rolled back
 
 
+def test_a_drafter_never_right_changes_no_token_and_drafts_less(tiny):
+    """`--draft 0/auto`: drafts of the adaptive length, none kept: the plain tokens, and after the
+    first misses the engine drafts only its probes."""
+    from hetero.app.bench import parse_draft
+
+    folder = tiny("llama")[0]
+    plain, spec = _engine(folder, kv_dtype="bf16"), _engine(folder, kv_dtype="bf16")
+    spec.drafter = parse_draft("0/auto", spec.cfg.vocab_size)
+    assert spec.drafter.length is None
+    want, _ = _run(plain, PROMPTS[0], n=48)
+    got, stats = _run(spec, PROMPTS[0], n=48)
+    assert got.generated == want.generated
+    assert stats.accepted == 0 < stats.drafted < 47 // 2  # it drafted, and most steps drafted nothing
+    with pytest.raises(UserError):
+        parse_draft("5/4", spec.cfg.vocab_size)
+
+
 @pytest.mark.parametrize("step_rows", [8, None])  # None: no cap on a step's rows (as on CUDA)
 def test_batched_drafting_matches_plain_batches(tiny, step_rows):
     folder = tiny("llama")[0]

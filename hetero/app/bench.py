@@ -104,13 +104,14 @@ def run_bench(load: Callable[..., Engine], spec: BenchSpec, on_row: Callable[[Be
 
 
 def parse_draft(text: str, vocab_size: int):
-    """A `--draft` value → the engine's drafter: off → None, ngram, or "A/K" (fed-in acceptance)."""
+    """A `--draft` value → the engine's drafter: off → None, ngram, or "A/K" (fed-in acceptance; K
+    "auto": the engine's adaptive draft length, at most A kept)."""
     if "/" in text:
+        kept, length = text.split("/", 1)
         try:
-            kept, length = (int(x) for x in text.split("/"))
+            return FedAcceptance(int(kept), None if length == "auto" else int(length), vocab_size)
         except ValueError:
-            raise UserError(f"--draft {text!r}: give off, ngram or KEPT/DRAFTED (e.g. 3/4)") from None
-        return FedAcceptance(kept, length, vocab_size)
+            raise UserError(f"--draft {text!r}: give off, ngram or KEPT/DRAFTED (e.g. 3/4, 0/auto)") from None
     return make_drafter(text)
 
 

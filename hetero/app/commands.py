@@ -92,7 +92,8 @@ def bench_cmd(
     kv_dtype: Optional[str] = flags.option(None, "--kv-dtype",
                                            help="host KV precision(s), comma-separated: bf16,int8,int4 (default: the planner's)"),
     draft: str = flags.option("off", "--draft", help="speculative decoding, comma-separated: off, ngram, or KEPT/DRAFTED "
-                                                       "(e.g. 3/4: an acceptance fed in, for random weights)"),
+                                                       "(e.g. 3/4: an acceptance fed in, for random weights; 0/auto: drafts of the adaptive "
+                                                       "length, none kept)"),
     output: str = flags.choice_opt("md", "-o", "--output", values=("md", "json", "csv"), help="table format"),
     threads: Optional[int] = flags.threads(),
     weights: str = flags.weights(),
