@@ -29,6 +29,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                       "read rate", "CPU"),
     "cpu_decode": ("CPU-only decode of the demo model: tok/s, weight and KV GB/s against the DRAM read rate",
                    "CPU"),
+    "sampling": ("what choosing a token costs the host at 49k-152k vocabularies, and the demo model's chat with "
+                 "the chat's default sampling against the same chat greedy", "CPU"),
     "kv_accuracy": ("quantized host KV on the demo model: argmax agreement with bf16 KV and perplexity", "CPU"),
     "startup": ("where `hetero chat`'s start-up time goes: imports, tokenizer, plan, weights, KV cache, first "
                 "token", "CPU or GPU"),

@@ -85,12 +85,17 @@ class Sampler:
         self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
-        """logits [V] float32 → the next token id."""
+        """logits [V] float32, on any device → the next token id. Only what the choice needs comes
+        to the host: the argmax when greedy; with top-k on (and no repetition penalty), the k
+        candidates, drawn from as `distribution` weighs them; otherwise the whole row."""
         if self.greedy:  # the argmax itself, no distribution built (nor a copy, without a penalty)
-            return int(torch.argmax(self._penalized(logits, history) if self._penalizes(history) else logits))
+            return int(torch.argmax(self._penalized(logits, history) if self.penalizes(history) else logits))
+        if self.p.top_k > 0 and not self.penalizes(history):
+            probs, ids = self._candidates(logits)
+            return int(ids[torch.multinomial(probs, 1, generator=self.gen)])
         return self.draw(self.distribution(logits, history))
 
-    def _penalizes(self, history: list[int]) -> bool:
+    def penalizes(self, history: list[int]) -> bool:
         return self.p.repeat_penalty != 1.0 and bool(history)
 
     @property
@@ -98,41 +103,88 @@ class Sampler:
         return self.p.temperature == 0
 
     def _penalized(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """A float32 copy of logits with the repetition penalty applied to the tokens in history."""
+        """A float32 copy on the host of logits with the repetition penalty applied to the tokens in history."""
         p = self.p
-        logits = logits.float().clone()
-        if self._penalizes(history):
+        logits = logits.float().cpu().clone()
+        if self.penalizes(history):
             ids = torch.tensor(sorted(set(history)), dtype=torch.long)
             v = logits[ids]
             logits[ids] = torch.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
         return logits
 
     def distribution(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """logits [V] → the probabilities the next token is drawn from [V] float32 (after the
-        repetition penalty, temperature, top-k, min-p and top-p; one-hot at the argmax when greedy)."""
+        """logits [V] → the probabilities the next token is drawn from [V] float32 on the host (after
+        the repetition penalty, temperature, top-k, min-p and top-p; one-hot at the argmax when greedy)."""
         p = self.p
         logits = self._penalized(logits, history)
         if p.temperature == 0:
             return torch.nn.functional.one_hot(torch.argmax(logits), logits.numel()).float()
-        logits = logits / p.temperature
         if p.top_k > 0:
-            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-            logits[logits < kth] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
+            probs, ids = self._candidates(logits)
+            return torch.zeros(logits.numel()).index_copy_(0, ids, probs)
+        return self._cut(torch.softmax(logits / p.temperature, dim=-1), ranked=False)
+
+    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k: logits [V] (any device) → (probabilities [k] float32, token ids [k]) on the host,
+        likeliest first. The k largest logits alone: a softmax over them is the whole row's with
+        the rest at −inf, and the host sorts k numbers for top-p instead of V (a 128k vocabulary:
+        6.9 → ~0.4 ms a token on two cores)."""
+        vals, ids = torch.topk(logits, min(self.p.top_k, logits.numel()))
+        probs = torch.softmax(vals.float().cpu() / self.p.temperature, dim=-1)
+        return self._cut(probs, ranked=True), ids.cpu()
+
+    def _cut(self, probs: torch.Tensor, ranked: bool) -> torch.Tensor:
+        """min-p and top-p on probabilities (`ranked`: already in descending order), renormalized."""
+        p = self.p
         if p.min_p > 0:
             probs[probs < p.min_p * probs.max()] = 0
         if p.top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
+            sp, si = (probs, None) if ranked else _nucleus_candidates(probs, p.top_p)
             drop = sp.cumsum(0) - sp > p.top_p  # keep the smallest prefix whose mass reaches top_p
-            probs[si[drop]] = 0
+            if si is None:
+                probs[drop] = 0
+            else:
+                kept = si[~drop]
+                probs = torch.zeros_like(probs).index_copy_(0, kept, probs[kept])
         return probs / probs.sum()
 
     def draw(self, probs: torch.Tensor) -> int:
-        """A token from probabilities [V] (the argmax when greedy: no random number is used)."""
+        """A token from probabilities [V] (the argmax when greedy: no random number is used): the
+        first whose cumulative probability exceeds one uniform draw (V exponential draws, as
+        torch.multinomial takes them, cost 1-2 ms a token at a 128k vocabulary)."""
         if self.greedy:
             return int(torch.argmax(probs))
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+        c = probs.cumsum(0)
+        i = int(torch.searchsorted(c, torch.rand(1, generator=self.gen) * c[-1], right=True))
+        return i if i < len(c) and probs[i] > 0 else int(torch.nonzero(probs)[-1])  # rounding at the very end
 
     def uniform(self) -> float:
         """A number in [0, 1) from this sampler's generator (speculative acceptance)."""
         return float(torch.rand(1, generator=self.gen))
+
+
+def _nucleus_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The likeliest tokens, in descending order (probabilities, ids), enough of them to hold
+    top_p of the mass: the largest 64, 256, ... until they do, instead of sorting the whole
+    vocabulary (14 ms a token at 128k on two cores)."""
+    m = 64
+    while True:
+        sp, si = torch.topk(probs, min(m, probs.numel()))
+        if float(sp.sum()) >= top_p or m >= probs.numel():
+            return sp, si
+        m *= 4
+
+
+def sample_rows(samplers: list[Sampler], logits: torch.Tensor, histories: list[list[int]]) -> list[int]:
+    """One token for each row of logits [B, V] (any device): the rows whose sampler takes the
+    argmax alone (greedy, no penalty) by one argmax over them, B ids copied to the host; each other
+    row through its sampler, which copies only what its choice needs."""
+    argmax = [i for i, (s, h) in enumerate(zip(samplers, histories)) if s.greedy and not s.penalizes(h)]
+    toks = [0] * len(samplers)
+    if argmax:
+        rows = logits if len(argmax) == len(samplers) else logits[argmax]
+        for i, t in zip(argmax, torch.argmax(rows, dim=-1).tolist()):
+            toks[i] = t
+    for i in sorted(set(range(len(samplers))) - set(argmax)):
+        toks[i] = samplers[i](logits[i], histories[i])
+    return toks

@@ -127,6 +127,12 @@ def accept(sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: l
     the sequence's tokens before the drafts (for the repetition penalty); draft_probs [k, V]: the
     distributions the drafts were drawn from (None: deterministic drafts)."""
     out: list[int] = []
+    if sampler.greedy and sampler.p.repeat_penalty == 1.0:  # one argmax over the rows, on their device
+        out = []
+        for i, tok in enumerate(torch.argmax(logits[: len(drafts) + 1], dim=-1).tolist()):
+            out.append(tok)
+            if i == len(drafts) or tok != drafts[i]:
+                return out
     if sampler.greedy:  # p one-hot at the argmax: a draft is kept where it is the argmax, no distribution built
         for i in range(len(drafts) + 1):
             tok = sampler(logits[i], history + out if out else history)

@@ -37,3 +37,46 @@ def test_bad_parameters_raise_user_errors():
         SamplingParams(top_p=0)
     with pytest.raises(UserError, match="unknown sampling parameter"):
         SamplingParams().update(temprature=1.0)
+
+
+def _reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The sampling rules over the whole vocabulary, in float64: temperature, top-k, softmax,
+    min-p, top-p (the smallest likeliest prefix whose mass reaches it), renormalized."""
+    x = logits.double() / p.temperature
+    if p.top_k:
+        x[x < torch.topk(x, min(p.top_k, len(x))).values[-1]] = float("-inf")
+    probs = torch.softmax(x, -1)
+    if p.min_p:
+        probs[probs < p.min_p * probs.max()] = 0
+    if p.top_p < 1:
+        sp, si = torch.sort(probs, descending=True)
+        probs[si[sp.cumsum(0) - sp > p.top_p]] = 0
+    return probs / probs.sum()
+
+
+CASES = [
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # the chat's defaults
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.7, min_p=0.1),
+    SamplingParams(temperature=1.3, top_k=7),
+    SamplingParams(temperature=1.0),
+]
+
+
+@pytest.mark.parametrize("p", CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_distribution_is_the_rules_over_the_whole_vocabulary(p):
+    """Top-k from the k largest logits, top-p from the likeliest few hundred: the same
+    probabilities as the rules applied to every token."""
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 4
+    got = Sampler(p).distribution(logits, [])
+    assert torch.allclose(got.double(), _reference(logits, p), atol=2e-6)
+
+
+@pytest.mark.parametrize("p", CASES[:2] + CASES[-1:], ids=["chat", "top_p", "temperature"])
+def test_draws_follow_the_distribution(p):
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(1)) * 1.5
+    want, n = _reference(logits, p).float(), 4000
+    s = Sampler(p.update(seed=3))
+    counts = torch.bincount(torch.tensor([s(logits, []) for _ in range(n)]), minlength=12).float()
+    tol = 4 * (want * (1 - want) / n).sqrt() + 1e-3  # four standard errors a token
+    assert torch.all((counts / n - want).abs() <= tol), (counts / n, want)

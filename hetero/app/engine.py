@@ -219,9 +219,6 @@ class Engine:
         k = rows.draft_room(self.cache, s.id, k)
         return self.drafter.propose(s.id, s.tokens, k) if k > 0 else []
 
-    def _sample(self, s: Sequence, logits: torch.Tensor) -> Chunk:
-        return self._emit(s, s.sampler(logits, s.tokens))
-
     def _emit(self, s: Sequence, tok: int) -> Chunk:
         """`tok` is the sequence's next token: append it, see whether the sequence ends, its text."""
         s.tokens.append(tok)

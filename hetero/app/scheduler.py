@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hetero.app.metrics import RequestStats
-from hetero.sampling import Sampler, SamplingParams
+from hetero.sampling import Sampler, SamplingParams, sample_rows
 from hetero.speculative import MAX_DRAFT, DraftLength
 from hetero.tokenizer import StreamDecoder
 from offload import rows
@@ -94,10 +94,11 @@ class Scheduler:
         else:
             batch, logits = list(self.running), e._decode(self.running)
             stats.add_decode(len(batch), time.perf_counter() - t0)
-        logits = logits.cpu()  # sampling runs on the host (seeded generator, small vectors)
+        # postprocess: the host draws (seeded generators), from what each row's choice needs of the logits
+        toks = sample_rows([s.sampler for s in batch], logits, [s.tokens for s in batch])
         out = []
-        for s, row in zip(batch, logits):  # postprocess
-            out.append((s, e._sample(s, row)))
+        for s, tok in zip(batch, toks):
+            out.append((s, e._emit(s, tok)))
             self._settle(s)
         return out
 
@@ -117,7 +118,9 @@ class Scheduler:
             seqs += [s.id] * len(run)
             tokens += run
             positions += range(len(s.tokens) - 1, len(s.tokens) - 1 + len(run))
-        logits = e.runner.decode(seqs, tokens, positions).cpu()
+        logits = e.runner.decode(seqs, tokens, positions)
+        if not all(s.sampler.greedy for s in batch):  # sampled verification weighs whole rows: one copy
+            logits = logits.cpu()
         wall = time.perf_counter() - t0
         if all(len(s.generated) > 2 for s in batch):  # a sequence's first steps run slow (caches, first calls)
             e.draft_cost.add(len(seqs) / len(batch), wall)
