@@ -170,12 +170,16 @@ class DraftLength:
     prior: float = 0.6  # the acceptance rate until drafts have been verified
     memory: float = 0.8  # the rate is an exponential average: the weight of the past a step
     probe_every: int = 16  # not drafting teaches nothing: after this many steps without, one token is drafted
+    max_probe_every: int = 128  # ... and after each probe that keeps nothing twice as many, up to this
     rate: float = -1.0
     _idle: int = 0
+    _wait: int = 0  # steps without drafts before the next probe
+    _probing: bool = False
 
     def __post_init__(self) -> None:
         if self.rate < 0:
             self.rate = self.prior
+        self._wait = self.probe_every
 
     def choose(self, cost: float) -> int:
         a = min(self.rate, 0.999)
@@ -188,13 +192,16 @@ class DraftLength:
             self._idle = 0
             return best_k
         self._idle += 1
-        if self._idle >= self.probe_every:  # a probe: the rate and the row's cost are measured again
-            self._idle = 0
+        if self._idle >= self._wait:  # a probe: the rate and the row's cost are measured again
+            self._idle, self._probing = 0, True
             return 1
         return 0
 
     def update(self, drafted: int, kept: int) -> None:
         """A verification kept `kept` of `drafted` tokens: kept successes in min(kept + 1, drafted) trials."""
+        if self._probing and drafted:  # a drafter that stays wrong is probed ever more rarely
+            self._probing = False
+            self._wait = min(2 * self._wait, self.max_probe_every) if kept == 0 else self.probe_every
         if drafted:
             trials = min(kept + 1, drafted)
             self.rate = self.memory * self.rate + (1 - self.memory) * kept / trials

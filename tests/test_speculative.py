@@ -117,6 +117,16 @@ def test_draft_length_follows_the_acceptance_rate_and_the_cost():
     for _ in range(30):
         d.update(drafted=4, kept=0)
     assert d.choose(cost=0.05) <= 1
+    # nothing kept: probes of one token, ever rarer up to max_probe_every; a kept one brings them back
+    d, probes = DraftLength(rate=0.0), []
+    for step in range(600):
+        k = d.choose(cost=0.3)
+        if k:
+            probes.append(step)
+        d.update(drafted=k, kept=int(step > 400) * k)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [32, 64, 128, 128]  # the first probe came after 16 steps
+    assert probes[0] == 15 and gaps[-1] < 128 and d.rate > 0
     c = RowCost()
     assert c.relative == c.prior  # nothing measured yet
     for r, t in [(1, 1.0), (3, 1.2), (5, 9.0), (5, 1.4), (1, 1.0), (1, 7.0), (2, 1.1)]:  # two slow steps
