@@ -148,9 +148,10 @@ def split_outputs(B: int, Hq: int, Hkv: int, D: int, MB: int, device: torch.devi
 
 
 # The merge's program: DB columns of one (sequence, query head) row, CH splits a load. One program a
-# row (all D columns, 16 splits a load, a cross-thread sum each load) took 29 µs a layer at 1 × 8k
-# bf16 (64 splits) and 39 at 1 × 32k int4 (133), more than the attention kernel itself (15 / 68 µs):
-# 32 programs, each a chain of dependent loads and reductions (H200, torch.profiler in bench.budget).
+# row (all D columns, 16 splits a load, a cross-thread sum each load) showed 29 µs a layer at 1 × 8k
+# bf16 (64 splits) and 39 at 1 × 32k int4 (133) in torch.profiler (H200, bench.budget --trace),
+# against 15 / 68 µs for the attention kernel: 32 programs, each a chain of dependent loads and
+# reductions. Those times include waiting for the attention (the merge starts early under PDL).
 MERGE_COLUMNS = 16
 MERGE_SPLITS = 64
 
