@@ -80,3 +80,18 @@ def test_draws_follow_the_distribution(p):
     counts = torch.bincount(torch.tensor([s(logits, []) for _ in range(n)]), minlength=12).float()
     tol = 4 * (want * (1 - want) / n).sqrt() + 1e-3  # four standard errors a token
     assert torch.all((counts / n - want).abs() <= tol), (counts / n, want)
+
+
+def test_a_batch_draws_what_each_row_would_alone():
+    """sample_rows (one argmax for the greedy rows, one top-k for the top-k rows) gives each row the
+    token its own sampler gives it, with the same seeds."""
+    from hetero.sampling import sample_rows
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(2)) * 3
+    params = [SamplingParams(), CASES[0], SamplingParams(temperature=0, repeat_penalty=1.5), CASES[3],
+              CASES[1], SamplingParams(temperature=0.9, top_k=500)]  # top-k above the vocabulary
+    histories = [[], [5], [int(logits[2].argmax())], [], [7, 8], []]
+    for seed in range(20):
+        rows = [Sampler(p.update(seed=seed)) for p in params]
+        alone = [Sampler(p.update(seed=seed))(logits[i], histories[i]) for i, p in enumerate(params)]
+        assert sample_rows(rows, logits, histories) == alone
