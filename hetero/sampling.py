@@ -142,7 +142,7 @@ class Sampler:
         p = self.p
         if p.min_p > 0:
             probs[probs < p.min_p * probs.max()] = 0
-        if p.top_p < 1.0:
+        if p.top_p < 1.0 and float(probs.sum()) > p.top_p:  # (min-p may have left less mass than top-p)
             sp, si = (probs, None) if ranked else _nucleus_candidates(probs, p.top_p)
             drop = sp.cumsum(0) - sp > p.top_p  # keep the smallest prefix whose mass reaches top_p
             if si is None:

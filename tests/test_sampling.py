@@ -58,6 +58,7 @@ CASES = [
     SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # the chat's defaults
     SamplingParams(temperature=1.0, top_p=0.9),
     SamplingParams(temperature=0.7, min_p=0.1),
+    SamplingParams(temperature=1.0, min_p=0.2, top_p=0.9),  # min-p may leave less mass than top-p
     SamplingParams(temperature=1.3, top_k=7),
     SamplingParams(temperature=1.0),
 ]
@@ -88,7 +89,7 @@ def test_a_batch_draws_what_each_row_would_alone():
     from hetero.sampling import sample_rows
 
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(2)) * 3
-    params = [SamplingParams(), CASES[0], SamplingParams(temperature=0, repeat_penalty=1.5), CASES[3],
+    params = [SamplingParams(), CASES[0], SamplingParams(temperature=0, repeat_penalty=1.5), CASES[4],
               CASES[1], SamplingParams(temperature=0.9, top_k=500)]  # top-k above the vocabulary
     histories = [[], [5], [int(logits[2].argmax())], [], [7, 8], []]
     for seed in range(20):
