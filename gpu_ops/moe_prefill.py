@@ -136,14 +136,14 @@ def block_rows(slots: int, experts: int) -> int:
 def sort_slots(local: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """local [N, k] (each slot's device expert, −1: elsewhere) → (slots [B·bm] int32: each block's
     slots in order, −1 padding; block_expert [B] int32, −1 past the last run), B = ceil(N·k / bm) +
-    experts. Torch ops on the device; torch's bincount reads its input's range back to the host
-    (a sync a call)."""
+    experts. Torch ops on the device, none of them a sync: the counts are a scatter-add into
+    experts + 1 bins (torch.bincount reads its input's range back to the host first)."""
     key = local.reshape(-1).long()
     P, dev = key.numel(), key.device
     key = torch.where(key < 0, experts, key)  # elsewhere: sorted last, in no run
     order = torch.argsort(key, stable=True)
     sk = key[order]
-    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    counts = torch.zeros(experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))[:experts]
     padded = (counts + bm - 1) // bm * bm
     pad_end = torch.cumsum(padded, 0)
     e = sk.clamp(max=experts - 1)
