@@ -128,7 +128,6 @@ def accept(sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: l
     distributions the drafts were drawn from (None: deterministic drafts)."""
     out: list[int] = []
     if sampler.greedy and sampler.p.repeat_penalty == 1.0:  # one argmax over the rows, on their device
-        out = []
         for i, tok in enumerate(torch.argmax(logits[: len(drafts) + 1], dim=-1).tolist()):
             out.append(tok)
             if i == len(drafts) or tok != drafts[i]:
