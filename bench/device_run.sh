@@ -17,7 +17,7 @@
 #           `python3 -m bench.startup --tokenizer-only .dbg/tok.gguf`), twice: cold caches, then warm
 # spec:     bench.speculative: speculative decoding on the Llama-3-8B shape at each SPEC_DEPTH (default 32768)
 #           context, --gpu-mem SPEC_GPU_MEM (default 6GiB), the planner's own placement: drafts off,
-#           fed-in acceptances 3/4 and 0/4, and ngram (SPEC_DRAFTS; SPEC_ARGS passed through, e.g. "--trace $OUT/spec")
+#           fed-in acceptances 3/4 and 0/auto (drafts of the adaptive length, none kept), and ngram (SPEC_DRAFTS; SPEC_ARGS passed through, e.g. "--trace $OUT/spec")
 # budget:   bench.budget (decode at each --gpu-mem budget, the planner's own choice; BUDGET_ARGS passed through)
 # grouped:  bench.moe_grouped (the MoE prefill's grouped 4-bit GEMM on Qwen3-30B-A3B's shapes; GROUPED_ARGS="--sweep")
 # dramshare: bench.dram_share (the CPU's expert kernel and the GPU's reads of pinned memory, alone and at once)
@@ -75,7 +75,7 @@ for stage in $STAGES; do
     spec)
       for depth in ${SPEC_DEPTH:-32768}; do
         timeout ${SPEC_TIMEOUT:-300} python3 -m bench.speculative --ctx $depth --gpu-mem ${SPEC_GPU_MEM:-6GiB} \
-          --steps ${SPEC_STEPS:-48} --drafts ${SPEC_DRAFTS:-off,3/4,0/4,ngram} --out "$OUT/speculative_$depth.json" ${SPEC_ARGS:-} 2>&1 \
+          --steps ${SPEC_STEPS:-128} --drafts ${SPEC_DRAFTS:-off,3/4,0/auto,ngram} --out "$OUT/speculative_$depth.json" ${SPEC_ARGS:-} 2>&1 \
           | tee "$OUT/speculative_$depth.log" | tail -8
       done ;;
     moe)

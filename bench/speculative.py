@@ -1,6 +1,6 @@
 """Speculative decoding at long context, as a user gets it: the planner's own placement.
 
-    python3 -m bench.speculative [--ctx 32768] [--gpu-mem 6GiB] [--steps 48] [--drafts off,3/4,0/4,ngram]
+    python3 -m bench.speculative [--ctx 32768] [--gpu-mem 6GiB] [--steps 128] [--drafts off,3/4,0/auto,ngram]
     python3 -m bench.speculative --shape smollm2-135m --device cpu --ctx 2048   # a quick check anywhere
     python3 -m bench.speculative --demo      # the demo model, real drafts: a quoting task and free chat
     python3 -m bench.speculative --demo --ngram 3:1,4:1,2:1,3:2   # prompt lookup's n-gram sizes (max:min)
@@ -12,8 +12,9 @@ context with random codes (attention's speed does not depend on the values, and 
 engine's scheduler, as `hetero chat --draft` runs them. Random weights draft nothing useful, so
 the acceptance is fed in: "A/K" drafts K tokens a step and its verification keeps A of them
 (`hetero.speculative.FedAcceptance`: the rows, their KV and the rollback are the real work);
-"ngram" is the real prompt-lookup drafter, which over random tokens finds little: what drafting
-costs when nothing is kept. Prints tok/s per mode with the plain run's figure and, for A/K, the
+"0/auto" drafts as many as the engine's adaptive length chooses and keeps none: what drafting
+costs when nothing is kept; "ngram" is the real prompt-lookup drafter, which over random tokens
+finds little to draft. Prints tok/s per mode with the plain run's figure and, for A/K, the
 bound: A + 1 tokens a step at a plain step's cost.
 """
 from __future__ import annotations
@@ -121,8 +122,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--gpu-mem", default="6GiB")
-    ap.add_argument("--steps", type=int, default=48, help="tokens generated a run")
-    ap.add_argument("--drafts", default="off,3/4,0/4,ngram")
+    ap.add_argument("--steps", type=int, default=128, help="tokens generated a run")
+    ap.add_argument("--drafts", default="off,3/4,0/auto,ngram")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--trace", type=Path, help="write each mode's GPU kernels and CPU ops of one more run to TRACE.MODE.txt")
