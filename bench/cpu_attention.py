@@ -19,7 +19,8 @@ compute from memory: each kernel's ns per (token, kv head) on one thread with th
 cache, its all-thread rate with the KV in cache, and a plain read of the same K/V bytes in
 the kernel's order (the access pattern's own bound); and each kernel's error against its
 float64 twin (this host's vector code may be one the tests never ran). `--int8-sweep` also
-times int8 at other tile and prefetch settings. Imports only torch, numpy, numba, cpu_attention
+times int8 at other tile and prefetch settings; `--runs 1,4,8` a speculative step's run of rows of
+one sequence (the KV before the run read once for all of them), against one row and row by row. Imports only torch, numpy, numba, cpu_attention
 and `bench.kv_pools`. Reports; asserts nothing.
 """
 from __future__ import annotations
@@ -146,11 +147,12 @@ def in_cache(dtype: KVDtype, hs: Heads, threads: int, n: int, gen) -> tuple[floa
     return t * threads / (n * hs.kv) * 1e9, n * pool.bytes_per_token / t / 1e9
 
 
-def _engine_call(pool: HostKVPool, tables, sl: torch.Tensor, q: torch.Tensor, scale: float, threads: int):
+def _engine_call(pool: HostKVPool, tables, sl: torch.Tensor, q: torch.Tensor, scale: float, threads: int,
+                 runs: bool = True):
     """call(i): the kernel over block table tables[i % len(tables)] as the engine calls it per layer,
     `DecodeWork.run` into reused buffers, the step's work split made beforehand (`decode_attention`
-    remakes it every call: ~20-50 us of Python)."""
-    works = [DecodeWork(pool, t, sl, threads) for t in tables]
+    remakes it every call: ~20-50 us of Python); runs False: a run of rows attended row by row."""
+    works = [DecodeWork(pool, t, sl, threads, runs=runs) for t in tables]
     qn = q.numpy()
     on, ln, scaled = np.empty(qn.shape, np.float32), np.empty(qn.shape[:2], np.float32), np.empty_like(qn)
     return lambda i: works[i % len(works)].run(pool, 0, qn, scale, on, ln, scaled)
@@ -217,6 +219,26 @@ def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: 
     return res
 
 
+def bench_run(dtype: KVDtype, hs: Heads, n: int, k: int, threads: int, reps: int, gen) -> dict:
+    """A speculative step's verification on the host tier: a run of k rows of one sequence whose
+    last row sees n tokens (row r sees n − k + 1 + r), timed as the engine attends it (the KV
+    before the run read once for all k rows, `cpu_attention.decode_run`) and row by row."""
+    nb = -(-n // hs.block)
+    copies = copies_past_l3(dtype, hs.kv, hs.block, hs.d, n, least=COPIES)
+    pool = HostKVPool(1, copies * nb, hs.kv, hs.block, hs.d, dtype)
+    fill(pool, gen)
+    tables = torch.randperm(copies * nb, generator=gen).int().reshape(copies, 1, nb).expand(copies, k, nb).contiguous()
+    sl = torch.arange(n - k + 1, n + 1)
+    q = torch.randn(k, hs.q, hs.d, generator=gen)
+    out = {"dtype": dtype.value, "tokens": n, "rows": k, "bytes_per_call": n * pool.bytes_per_token}
+    for name, runs in (("run", True), ("row_by_row", False)):
+        call = _engine_call(pool, tables, sl, q, hs.d**-0.5, threads, runs=runs)
+        call(0)
+        out[f"{name}_ms"] = 1e3 * float(np.median([_timed(lambda i=i: call(i + 1)) for i in range(reps)]))
+    out["GBps"] = out["bytes_per_call"] / out["run_ms"] / 1e6  # the KV counted once
+    return out
+
+
 JIT_PROBE = """
 import time, torch
 t0 = time.perf_counter()
@@ -266,6 +288,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--shapes", nargs="*", default=SHAPES, help="BATCHxTOKENS runs to time (none: diagnostics only)")
     ap.add_argument("--dtypes", default="bf16,int8,int4", help="comma-separated KV dtypes to measure")
+    ap.add_argument("--runs", default="", help="also time runs of these row counts (a speculative step's "
+                    "verification, e.g. 1,4,8) over the first shape's tokens, each dtype")
     ap.add_argument("--int8-sweep", default="", help="also time int8 at these TILE:AHEAD pairs, comma-separated: tile "
                     "tokens and blocks prefetched ahead (the engine's: decode_int8.INT8_TILE, PREFETCH_BLOCKS)")
     args = ap.parse_args()
@@ -313,6 +337,11 @@ def main() -> None:
         f"{dram:.1f} GB/s")
     for r in rows:
         r["ratio_vs_dram"] = r["GBps"] / dram
+    runs = []
+    for k in [int(x) for x in args.runs.split(",") if x]:
+        for dt in dtypes:
+            runs.append(bench_run(dt, hs, shapes[0][1], k, threads, args.reps, gen))
+            log(json.dumps(runs[-1]))
     engine = int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS
     for pair in [x for x in args.int8_sweep.split(",") if x]:
         int8_mod.INT8_TILE, int8_mod.PREFETCH_BLOCKS = map(int, pair.split(":"))
@@ -335,13 +364,21 @@ def main() -> None:
         log(f"{r['batch']:>4}x{r['tokens']:<5} {r['dtype']:>5} {r['ms_median']:7.2f} {r['GBps']:6.1f} "
             f"{dram:6.1f} {r['ratio_vs_dram']:6.2f}  pattern read {r['pattern_read_GBps']:.1f} "
             f"(all heads {r['pattern_read_all_heads_GBps']:.1f}){extra}")
+    if runs:
+        log("")
+        log(f"runs of rows over {shapes[0][1]} tokens (a speculative step's verification; GB/s counts the KV once)")
+        log(f"{'dtype':>5} {'rows':>4} {'ms':>7} {'GB/s':>6} {'x 1 row':>7} {'row by row ms':>14}")
+        one = {r["dtype"]: r["run_ms"] for r in runs if r["rows"] == 1}
+        for r in runs:
+            log(f"{r['dtype']:>5} {r['rows']:>4} {r['run_ms']:7.2f} {r['GBps']:6.1f} "
+                f"{r['run_ms'] / one.get(r['dtype'], r['run_ms']):7.2f} {r['row_by_row_ms']:14.2f}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cpu_attention.log").write_text("\n".join(LOG) + "\n")
         (args.out / "cpu_attention.json").write_text(json.dumps(
             {"threads": threads, "heads": vars(hs), "dram_read_GBps": dram, "torch_read_GBps": torch_read,
              "dram_read_start_end_GBps": [dram_start, dram_end], "jit_first": first, "jit_second": second,
-             "threading_layer": _layer(), "write_s": writes, "diagnostics": diag, "rows": rows}, indent=1))
+             "threading_layer": _layer(), "write_s": writes, "diagnostics": diag, "rows": rows, "runs": runs}, indent=1))
 
 
 def torch_read_gbps(nbytes: int, threads: int) -> float:
