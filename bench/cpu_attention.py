@@ -43,13 +43,12 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.kv_pools import copies_past_l3, fill  # noqa: E402
+from bench.kv_pools import copies_past_l3, fill, pattern_read_gbps, timed as _timed  # noqa: E402
 from cpu_attention import dram_read_gbps  # noqa: E402
 from cpu_attention import (DecodeWork, HostKVPool, KVDtype, decode_attention, decode_attention_ref,  # noqa: E402
                            physical_cores)
 from cpu_attention import decode_int8 as int8_mod  # noqa: E402  (its tile and prefetch settings, read per call)
 from cpu_attention import configure  # noqa: E402
-from cpu_attention.decode import chunk_tokens  # noqa: E402
 
 SHAPES = ["1x32768", "16x4096"]
 COPIES = 4  # disjoint block sets cycled through: at least this many, and past the L3 (`kv_pools`)
@@ -69,69 +68,6 @@ class Heads:
 def log(msg: str = "") -> None:
     print(msg, flush=True)
     LOG.append(msg)
-
-
-@numba.njit(parallel=True, nogil=True)
-def _pattern_read(k, v, bt, items, BS):
-    """Sum K and V words [NB, Hkv, BS, W] (uint64) item by item, block by block, as the kernels walk them."""
-    tot = np.zeros(items.shape[0], np.uint64)
-    for it in numba.prange(items.shape[0]):
-        b, h, t0, t1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-        acc = np.uint64(0)
-        t = t0
-        while t < t1:
-            blk, off = bt[b, t // BS], t % BS
-            n = min(BS - off, t1 - t)
-            for j in range(n):
-                kr, vr = k[blk, h, off + j], v[blk, h, off + j]
-                for w in range(kr.shape[0]):
-                    acc += kr[w] ^ vr[w]
-            t += n
-        tot[it] = acc
-    return tot.sum()
-
-
-@numba.njit(parallel=True, nogil=True)
-def _pattern_read_all_heads(k, v, bt, seq_lens, chunk, BS):
-    """The same read with one item per (sequence, token range) over all kv heads: each block's
-    heads are adjacent, so the runs are Hkv times longer."""
-    B = seq_lens.shape[0]
-    per = (seq_lens.max() + chunk - 1) // chunk
-    tot = np.zeros(B * per, np.uint64)
-    for it in numba.prange(B * per):
-        b, c = it // per, it % per
-        t, t1 = c * chunk, min((c + 1) * chunk, seq_lens[b])
-        acc = np.uint64(0)
-        while t < t1:
-            blk, off = bt[b, t // BS], t % BS
-            n = min(BS - off, t1 - t)
-            for h in range(k.shape[1]):
-                for j in range(n):
-                    kr, vr = k[blk, h, off + j], v[blk, h, off + j]
-                    for w in range(kr.shape[0]):
-                        acc += kr[w] ^ vr[w]
-            t += n
-        tot[it] = acc
-    return tot.sum()
-
-
-def pattern_read_gbps(pool: HostKVPool, bt: torch.Tensor, sl: torch.Tensor, threads: int, reps: int) -> float:
-    """GB/s of a plain read of the K/V data (no scales) in the decode kernels' item order."""
-    numba.set_num_threads(threads)
-    NB, H, BS = pool.num_blocks, pool.num_kv_heads, pool.block_size
-    # a (block, head)'s bytes are contiguous in every dtype's layout: read them as BS rows of words
-    k = pool.k[0].reshape(NB, H, -1).view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
-    v = pool.v[0].reshape(NB, H, -1).view(torch.uint8).numpy().view(np.uint64).reshape(NB, H, BS, -1)
-    sln = sl.numpy().astype(np.int64)
-    items = DecodeWork(pool, bt, sl, threads).items  # the kernels' work items: (b, h, t0, t1)
-    btn = bt.numpy()
-    _pattern_read(k, v, btn, items, BS)
-    t = float(np.median([_timed(lambda: _pattern_read(k, v, btn, items, BS)) for _ in range(reps)]))
-    chunk = chunk_tokens(sln, 1, BS, threads)
-    _pattern_read_all_heads(k, v, btn, sln, chunk, BS)
-    t2 = float(np.median([_timed(lambda: _pattern_read_all_heads(k, v, btn, sln, chunk, BS)) for _ in range(reps)]))
-    nbytes = 2 * int(sln.sum()) * H * k.shape[3] * 8
-    return nbytes / t / 1e9, nbytes / t2 / 1e9
 
 
 def in_cache(dtype: KVDtype, hs: Heads, threads: int, n: int, gen) -> tuple[float, float]:
@@ -178,12 +114,6 @@ def kernel_error(dtype: KVDtype, hs: Heads, threads: int, gen) -> tuple[float, f
     out, lse = decode_attention(pool, 0, q, bt, sl, scale, threads=threads)
     ro, rl = decode_attention_ref(pool, 0, q, bt, sl, scale, dtype=torch.float64)
     return float((out.double() - ro).norm() / ro.norm()), float((lse.double() - rl).abs().max())
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: int, gen) -> dict:
