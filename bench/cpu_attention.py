@@ -43,7 +43,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.kv_pools import copies_past_l3, fill, pattern_read_gbps, timed as _timed  # noqa: E402
+from bench.kv_pools import copies_past_l3, fill, pattern_read_gbps, timed  # noqa: E402
 from cpu_attention import dram_read_gbps  # noqa: E402
 from cpu_attention import (DecodeWork, HostKVPool, KVDtype, decode_attention, decode_attention_ref,  # noqa: E402
                            physical_cores)
@@ -79,7 +79,7 @@ def in_cache(dtype: KVDtype, hs: Heads, threads: int, n: int, gen) -> tuple[floa
     q, sl = torch.randn(1, hs.q, hs.d, generator=gen), torch.tensor([n])
     call = _engine_call(pool, [bt], sl, q, hs.d**-0.5, threads)
     call(0)
-    t = min(_timed(lambda: call(0)) for _ in range(20))
+    t = min(timed(lambda: call(0)) for _ in range(20))
     return t * threads / (n * hs.kv) * 1e9, n * pool.bytes_per_token / t / 1e9
 
 
@@ -128,14 +128,14 @@ def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: 
     bytes_read = B * n * pool.bytes_per_token
     call = _engine_call(pool, perm, sl, q, scale, threads)
     call(0)
-    ts = [_timed(lambda: call(i + 1)) for i in range(reps)]
+    ts = [timed(lambda: call(i + 1)) for i in range(reps)]
     res = {"dtype": dtype.value, "batch": B, "tokens": n, "bytes_per_call": bytes_read, "copies": copies,
            "ms_median": 1e3 * float(np.median(ts)), "ms_best": 1e3 * min(ts),
            "GBps": bytes_read / float(np.median(ts)) / 1e9}
     res["pattern_read_GBps"], res["pattern_read_all_heads_GBps"] = pattern_read_gbps(pool, perm[0], sl, threads, 5)
     if dtype is KVDtype.BF16:
         torch.set_num_threads(threads)
-        t_ref = min(_timed(lambda: decode_attention_ref(pool, 0, q, perm[1], sl, scale)) for _ in range(2))
+        t_ref = min(timed(lambda: decode_attention_ref(pool, 0, q, perm[1], sl, scale)) for _ in range(2))
         res["torch_ref_GBps"] = bytes_read / t_ref / 1e9
         # torch's own CPU attention over contiguous bf16 KV
         k = torch.randn(B, hs.kv, n, hs.d, generator=gen).to(torch.bfloat16)
@@ -143,7 +143,7 @@ def bench_kernel(dtype: KVDtype, hs: Heads, B: int, n: int, threads: int, reps: 
         qb = q.to(torch.bfloat16)[:, :, None]
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qb, k, v, enable_gqa=True)  # noqa: E731
         sdpa()
-        t_sdpa = float(np.median([_timed(sdpa) for _ in range(5)]))
+        t_sdpa = float(np.median([timed(sdpa) for _ in range(5)]))
         res["torch_sdpa_GBps"] = 2 * k.numel() * 2 / t_sdpa / 1e9
         del k, v
     return res
@@ -164,7 +164,7 @@ def bench_run(dtype: KVDtype, hs: Heads, n: int, k: int, threads: int, reps: int
     for name, runs in (("run", True), ("row_by_row", False)):
         call = _engine_call(pool, tables, sl, q, hs.d**-0.5, threads, runs=runs)
         call(0)
-        out[f"{name}_ms"] = 1e3 * float(np.median([_timed(lambda i=i: call(i + 1)) for i in range(reps)]))
+        out[f"{name}_ms"] = 1e3 * float(np.median([timed(lambda i=i: call(i + 1)) for i in range(reps)]))
     out["GBps"] = out["bytes_per_call"] / out["run_ms"] / 1e6  # the KV counted once
     return out
 
@@ -203,7 +203,7 @@ def write_cost(dtype: KVDtype, hs: Heads) -> float:
     for s in slots[:20]:
         pool.write(0, s, k, v)
     n = max(200, 4 * hs.block)
-    t = _timed(lambda: [pool.write(0, slots[i % len(slots)], k, v) for i in range(n)])
+    t = timed(lambda: [pool.write(0, slots[i % len(slots)], k, v) for i in range(n)])
     return t / n
 
 

@@ -44,8 +44,8 @@ def chat_tok_s(engine, params: SamplingParams, tokens: int, reps: int) -> float:
     msgs = [{"role": "user", "content": "Write a story about a lighthouse keeper who finds a message in a bottle."}]
     rates = []
     for _ in range(reps + 1):  # the first warms the kernels
-        for _ in engine.chat(msgs, max_new_tokens=tokens, **{k: getattr(params, k) for k in
-                                                                ("temperature", "top_k", "top_p", "min_p")}):
+        for _ in engine.chat(msgs, max_new_tokens=tokens, temperature=params.temperature, top_k=params.top_k,
+                             top_p=params.top_p, min_p=params.min_p):
             pass
         rates.append(engine.last_stats.gen_tps)
         engine.reset_chat()

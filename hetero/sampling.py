@@ -185,9 +185,9 @@ def sample_rows(samplers: list[Sampler], logits: torch.Tensor, histories: list[l
     over them; the rows drawn from their top-k (no penalty) from one `torch.topk` of the largest k
     among them; each other row through its sampler."""
     B, V = logits.shape
-    free = [not s.penalizes(h) for s, h in zip(samplers, histories)]
-    argmax = [i for i in range(B) if free[i] and samplers[i].greedy]
-    top = [i for i in range(B) if free[i] and not samplers[i].greedy and samplers[i].p.top_k > 0]
+    argmax, top, rest = [], [], []
+    for i, (s, h) in enumerate(zip(samplers, histories)):
+        (rest if s.penalizes(h) else argmax if s.greedy else top if s.p.top_k > 0 else rest).append(i)
     toks = [0] * B
     if argmax:
         rows = logits if len(argmax) == B else logits[argmax]
@@ -199,6 +199,6 @@ def sample_rows(samplers: list[Sampler], logits: torch.Tensor, histories: list[l
         for j, i in enumerate(top):
             k = min(V, samplers[i].p.top_k)
             toks[i] = samplers[i].pick(vals[j, :k], ids[j, :k])
-    for i in sorted(set(range(B)) - set(argmax) - set(top)):
+    for i in rest:
         toks[i] = samplers[i](logits[i], histories[i])
     return toks
