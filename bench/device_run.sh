@@ -9,6 +9,8 @@
 # attn:     bench.cpu_attention for bf16 and int8 (ATTN_DTYPES; ATTN_JIT=1: with the first-call JIT times;
 #           ATTN_ARGS passed through, e.g. "--threads 8 --int8-sweep 64:2,128:4")
 # gpudecode: bench.gpu_decode (all-GPU decode and prefill, per-linear NF4 kernels; GPUDECODE_ARGS="--only b1")
+# gemv:     bench.nf4_gemv (NF4 GEMV at decode shapes: bitsandbytes, Triton, the tensor-core kernel; GEMV_ARGS
+#           passed through, default "--rows 1,2,5,8 --sweep --step")
 # mma:      bench.nf4_mma (the W4A16 tensor-core kernel's sweep at 4-64 rows vs bitsandbytes; MMA_ARGS passed through)
 # kvattn:   bench.gpu_kv_attention (paged decode attention over bf16 / int8 / int4 device blocks, GB/s vs HBM;
 #           KVATTN_ARGS passed through, e.g. "--rows 1,4,8 --launch 4x2,8x2")
@@ -61,6 +63,9 @@ for stage in $STAGES; do
     gpudecode)
       timeout ${GPUDECODE_TIMEOUT:-300} python3 -m bench.gpu_decode --out "$OUT" --budget-s 150 ${GPUDECODE_ARGS:-} 2>&1 \
         | tee "$OUT/gpu_decode_stdout.log" | grep -v "^20..-" | tail -${GPUDECODE_TAIL:-32} ;;
+    gemv)
+      timeout ${GEMV_TIMEOUT:-300} python3 -m bench.nf4_gemv --out "$OUT/gemv" ${GEMV_ARGS:---rows 1,2,5,8 --sweep --step} 2>&1 \
+        | tee "$OUT/gemv_stdout.log" | grep -v "^20..-" | tail -${GEMV_TAIL:-40} ;;
     mma)
       timeout ${MMA_TIMEOUT:-330} python3 -m bench.nf4_mma --out "$OUT" ${MMA_ARGS:-} 2>&1 \
         | tee "$OUT/nf4_mma_stdout.log" | grep -v "^20..-" | tail -${MMA_TAIL:-75} ;;

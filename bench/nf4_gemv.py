@@ -3,11 +3,12 @@
     python3 -m bench.nf4_gemv --out DIR [--rows 1,2,4,8] [--sweep] [--step]
 
 First a correctness pass (odd shapes, 1/3/8 rows, split-K and not), then per Llama-3-8B linear
-shape and row count: bitsandbytes, the Triton one-row kernel (`gpu_ops.nf4_triton`) and
-`gpu_ops.nf4_gemv` (with --sweep several tile shapes at 1 row), µs a call inside a CUDA graph
-with copies rotated so that L2 does not serve them, and GB/s of NF4 bytes (+ x and y). --step adds the graphed
-batch-1 decode step of the whole model: bitsandbytes vs nf4_gemv with this run's best tiles.
-Full JSON and log under DIR; a short table last.
+shape and row count: bitsandbytes, the Triton one-row kernel (`gpu_ops.nf4_triton`), the Triton
+GEMV `gpu_ops.nf4_gemv` (with --sweep several tile shapes at 1 row) and the tensor-core GEMV
+`gpu_ops.nf4_tc` (with --sweep several block shapes), µs a call inside a CUDA graph with copies
+rotated so that L2 does not serve them, and GB/s of NF4 bytes (+ x and y). --step adds the
+graphed batch-1 decode step of the whole model: bitsandbytes, the Triton GEMV with this run's
+best tiles, and the tensor-core GEMV. Full JSON and log under DIR; a short table last.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu_decode import build_model, decode_case, graph_ms, hbm_gbps, linears, set_kernel
+from gpu_ops import nf4_tc
 from gpu_ops.attention import AttnKernel
 from gpu_ops.nf4 import Nf4Kernel, dequantize_nf4, nf4_linear
 from gpu_ops.nf4_gemv import Decode, gemv_config, nf4_gemv
@@ -36,6 +38,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 SWEEP = [(4, 128, 8, 1), (2, 128, 4, 1), (8, 128, 8, 1), (4, 64, 4, 1), (8, 64, 8, 1), (4, 64, 4, 7), (4, 32, 4, 1),
          (16, 16, 4, 1), (8, 16, 2, 1)]
 SWEEP_WIDE = [(4, 128, 8, 1), (8, 64, 8, 1), (16, 16, 4, 1)]
+TC_SWEEP = [nf4_tc.TcConfig(1, 8, 1), nf4_tc.TcConfig(1, 8, 2), nf4_tc.TcConfig(1, 4, 2), nf4_tc.TcConfig(2, 4, 2),
+            nf4_tc.TcConfig(4, 2, 2), nf4_tc.TcConfig(8, 1, 2), nf4_tc.TcConfig(2, 2, 4), nf4_tc.TcConfig(1, 8, 4)]
 
 
 def check(decodes: list[Decode]) -> list[dict]:
@@ -49,12 +53,15 @@ def check(decodes: list[Decode]) -> list[dict]:
         for m in (1, 3, 8):
             x = torch.randn(m, k, device=DEV).bfloat16()
             ref = x.double() @ ref_w.T
-            for d in decodes:
-                y = nf4_gemv(x, lin.packed, lin.absmax, (n, k), d, cfg)
+            runs = [(d.name, lambda d=d: nf4_gemv(x, lin.packed, lin.absmax, (n, k), d, cfg or gemv_config(n, k, 132)))
+                    for d in decodes]
+            runs.append(("TC", lambda: nf4_tc.nf4_tc_gemv(x, lin.packed, lin.absmax, (n, k))))
+            for name, fn in runs:
+                y = fn()
                 torch.cuda.synchronize()
                 err = float((y.double() - ref).norm() / ref.norm())
                 ok = y.shape == (m, n) and bool(torch.isfinite(y).all()) and err < 1e-2
-                out.append({"N": n, "K": k, "rows": m, "decode": d.name, "config": cfg or gemv_config(n, k, 132),
+                out.append({"N": n, "K": k, "rows": m, "decode": name, "config": cfg or gemv_config(n, k, 132),
                             "rel_err": err, "ok": ok})
                 log.info("check %s", json.dumps(out[-1]))
     return out
@@ -84,11 +91,22 @@ def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=l
             for d in decodes:
                 for cfg in configs:
                     key = f"{d.name.lower()}_{'default' if cfg is None else '%dx%dw%ds%d' % cfg}_us"
+                    cfg = cfg or gemv_config(n, k, 132)  # a config keeps nf4_gemv on its Triton kernel
                     try:
                         row[key] = _time(lambda c: nf4_gemv(x, c.packed, c.absmax, (n, k), d, cfg), copies)
                     except Exception as e:  # noqa: BLE001  a benchmark reports what failed and goes on
                         log.warning("%s %s rows %d %s failed: %r", name, d.name, m, cfg, e)
-            ours = {kk: v for kk, v in row.items() if kk.endswith("_us") and kk.split("_")[0] in ("prmt", "gather")}
+            for tc in [None] + (TC_SWEEP if sweep else []):
+                key = "tc_default_us" if tc is None else f"tc_{tc.wr}x{tc.wk}u{tc.u}_us"
+                try:
+                    row[key] = _time(lambda c: nf4_tc.nf4_tc_gemv(x, c.packed, c.absmax, (n, k), config=tc), copies)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("%s tc rows %d %s failed: %r", name, m, tc, e)
+            tri = {kk: v for kk, v in row.items() if kk.endswith("_us") and kk.split("_")[0] in ("prmt", "gather")}
+            if tri:
+                row["triton_best"] = min(tri, key=tri.get)
+                row["triton_us"] = tri[row["triton_best"]]
+            ours = {kk: v for kk, v in row.items() if kk.endswith("_us") and kk.split("_")[0] in ("prmt", "gather", "tc")}
             if ours:
                 row["best"] = min(ours, key=ours.get)
                 row["best_us"] = ours[row["best"]]
@@ -104,8 +122,8 @@ def best_configs(rows: list[dict]) -> dict[tuple[int, int], tuple[int, int, int,
     """(N, K) → the fastest nf4_gemv tile config measured at 1 row (None: the default)."""
     out = {}
     for r in rows:
-        if r["rows"] == 1 and "best" in r:
-            tag = r["best"].split("_")[1]
+        if r["rows"] == 1 and "triton_best" in r:
+            tag = r["triton_best"].split("_")[1]
             out[(r["N"], r["K"])] = None if tag == "default" else tuple(int(v) for v in re.findall(r"\d+", tag))
     return out
 
@@ -114,15 +132,17 @@ def step_cases(hbm: float, configs: dict) -> list[dict]:
     """Graphed batch-1 decode of the whole model (ctx 128): bitsandbytes vs nf4_gemv linears, the
     latter with each shape's best tile config of this run."""
     model = build_model(LLAMA3_8B)
-    for lin in linears(model):
-        lin.gemv_config = configs.get(lin.shape)
     out = []
-    for kern in (Nf4Kernel.BNB, Nf4Kernel.GEMV):
+    for kern, tc in ((Nf4Kernel.BNB, False), (Nf4Kernel.GEMV, False), (Nf4Kernel.GEMV, True)):
         set_kernel(model, kern)
+        nf4_tc.use(tc)
+        for lin in linears(model):  # Triton with this run's best tiles, or the tensor-core kernel's defaults
+            lin.gemv_config = None if tc else configs.get(lin.shape) or gemv_config(*lin.shape, 132)
         c = decode_case(model, 1, 128, 32, AttnKernel.AUTO, hbm, graphs=True)
-        c["linear"] = kern.value
+        c["linear"] = "tc" if tc else kern.value
         out.append(c)
         log.info("decode %s", json.dumps(c))
+    nf4_tc.use(True)
     return out
 
 
@@ -157,12 +177,13 @@ def main() -> None:
           f"max rel err {max([c['rel_err'] for c in res['check']], default=0):.2e}")
     for c in bad:
         print("  FAILED", c)
-    print(f"{'linear':8} {'rows':>4} {'bound':>6} {'bnb µs':>7} {'old µs':>7} {'ours µs':>8} {'bnb GB/s':>8} "
-          f"{'ours GB/s':>9}  best")
+    print(f"{'linear':8} {'rows':>4} {'bound':>6} {'bnb µs':>7} {'triton':>7} {'tc µs':>7} {'best µs':>8} "
+          f"{'triton GB/s':>11} {'best GB/s':>9}  best")
     for r in res["linears"]:
         gb = lambda us: r["bytes"] / us / 1e3 if us else 0  # noqa: E731
-        print(f"{r['shape']:8} {r['rows']:>4} {r['bytes'] / hbm / 1e3:6.1f} {r['bnb_us']:7.1f} {r.get('old_us', 0):7.1f} "
-              f"{r.get('best_us', 0):8.1f} {gb(r['bnb_us']):8.0f} {gb(r.get('best_us')):9.0f}  {r.get('best', '')}")
+        print(f"{r['shape']:8} {r['rows']:>4} {r['bytes'] / hbm / 1e3:6.1f} {r['bnb_us']:7.1f} {r.get('triton_us', 0):7.1f} "
+              f"{r.get('tc_default_us', 0):7.1f} {r.get('best_us', 0):8.1f} {gb(r.get('triton_us')):11.0f} "
+              f"{gb(r.get('best_us')):9.0f}  {r.get('best', '')}")
     for c in res.get("decode", []):
         print(f"decode b1 ctx128 graph lin={c['linear']:6} {c['step_ms']:6.2f} ms {c['tok_s']:7.1f} tok/s "
               f"(bound {c['bound_tok_s']:.0f})")

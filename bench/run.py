@@ -25,6 +25,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                          "copy rate", "GPU"),
     "nf4_mma": ("the NF4 tensor-core matmul at 4-64 rows: checked, swept, timed against HBM and bitsandbytes", "GPU"),
     "nf4_gemv": ("the NF4 matrix-vector kernels at 1-8 rows: checked, timed against HBM and bitsandbytes", "GPU"),
+    "nf4_tc_probe": ("where the tensor-core NF4 GEMV's time goes: variants that leave one stage out, against a "
+                     "plain read of the same bytes and the HBM copy rate", "GPU"),
     "cpu_attention": ("host decode attention (Numba) over bf16 / int8 / int4 blocks, KV GB/s against the DRAM "
                       "read rate", "CPU"),
     "cpu_decode": ("CPU-only decode of the demo model: tok/s, weight and KV GB/s against the DRAM read rate",

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gpu_ops import pdl
+from gpu_ops import nf4_tc, pdl
 
 from gpu_ops.nf4_code import NF4_CODE
 from gpu_ops.nf4_ptx import prmt_asm, prmt_tables
@@ -268,9 +268,14 @@ def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape:
     computed in the epilogue (no split-K, no residual).
 
     config: (BLOCK_N, H, warps, split-K), default `gemv_config`; H a power of two, K divisible
-    by 32·H·split."""
+    by 32·H·split.
+
+    Where the device runs it (`nf4_tc.enabled`), the tensor-core kernel `nf4_tc.nf4_tc_gemv`
+    answers instead, unless a Triton decode or config is asked for."""
     N, K = shape
     M = x.shape[0]
+    if decode is Decode.PRMT and config is None and K % 64 == 0 and nf4_tc.enabled(x.device):
+        return nf4_tc.nf4_tc_gemv(x, packed, absmax, shape, residual=residual, swiglu=swiglu)
     if K % 64 or not 1 <= M <= MAX_ROWS:
         raise ValueError(f"nf4_gemv takes 1..{MAX_ROWS} rows and K divisible by 64, got x {tuple(x.shape)}, W {shape}")
     BN, H, warps, S = config or gemv_config(N, K, _sms(x.device))
@@ -315,8 +320,11 @@ def nf4_experts_gemv(x: torch.Tensor, eids: torch.Tensor, packed: torch.Tensor, 
     W_e [N, K] the e-th of a stack of NF4 matrices (packed [E, N·K/2], absmax [E, N·K/64]); a slot
     whose eid is −1 (an expert another device computes) gets a zero row. x [R, K] bf16, eids [S]
     int32 → y [S, N] bf16 ([S, N/2] silu(gate)·up where swiglu: W is [gate; up]). The expert ids
-    are read on the device: nothing syncs, so a CUDA graph can hold it."""
+    are read on the device: nothing syncs, so a CUDA graph can hold it. The tensor-core kernel
+    (`nf4_tc`) answers where the device runs it."""
     N, K = shape
+    if decode is Decode.PRMT and K % 64 == 0 and nf4_tc.enabled(x.device):
+        return nf4_tc.nf4_tc_experts_gemv(x, eids, packed, absmax, shape, xdiv, swiglu=swiglu)
     if K % 64:
         raise ValueError(f"nf4_experts_gemv needs K divisible by 64, got W {shape}")
     BN, H, warps, _ = gemv_config(N, K, _sms(x.device))
