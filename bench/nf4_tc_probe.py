@@ -6,6 +6,7 @@ Each variant is `gpu_ops.nf4_tc`'s source with one stage replaced (wrong results
     base       the kernel as it is
     l2_256     weight loads with the L2::256B prefetch hint (l2_128: 128B)
     nodecode   the code-book lookup and the scaling replaced by one integer op a pair
+    noscale    the scaling by absmax left out
     nomma      the MMAs replaced by float adds of the operands' bits
     nox        x's loads replaced by registers
     loadonly   nodecode + nomma + nox: only the weights' and scales' loads
@@ -30,8 +31,8 @@ from gpu_ops.nf4 import nf4_linear
 DEV = torch.device("cuda")
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
-CONFIGS = [None, nf4_tc.TcConfig(1, 8, 2), nf4_tc.TcConfig(2, 2, 4), nf4_tc.TcConfig(2, 4, 4),
-           nf4_tc.TcConfig(1, 4, 4)]
+CONFIGS = [None, nf4_tc.TcConfig(1, 8, 1, lut=True), nf4_tc.TcConfig(1, 8, 2, lut=True),
+           nf4_tc.TcConfig(2, 2, 4, lut=True), nf4_tc.TcConfig(1, 4, 4, lut=True), nf4_tc.TcConfig(2, 4, 2, lut=True)]
 
 _DECODE = re.compile(r"__device__ __forceinline__ void decode\(.*?\n}\n", re.S)
 _MMA = re.compile(r"__device__ __forceinline__ void mma\(.*?\n}\n", re.S)
@@ -44,11 +45,13 @@ def _variant(name: str) -> str:
         s = s.replace("L1::no_allocate", f"L1::no_allocate.L2::{name[3:]}B")
     if name in ("nodecode", "loadonly"):
         s = _DECODE.sub("__device__ __forceinline__ void decode(u32 q, u32 s2, const u32* T, u32* p) {\n"
-                        "    p[0] = q; p[1] = q ^ s2; p[2] = q + s2; p[3] = q - s2;\n}\n", s)
+                        "    p[0] = q; p[1] = q ^ s2; p[2] = q + s2; p[3] = q - s2;\n}\n", s, count=1)
     if name in ("nomma", "loadonly"):
         s = _MMA.sub("__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {\n"
                      "    d[0] += __uint_as_float(a0 ^ b0); d[1] += __uint_as_float(a1 ^ b1);\n"
                      "    d[2] += __uint_as_float(a2); d[3] += __uint_as_float(a3);\n}\n", s)
+    if name == "noscale":
+        s = s.replace('asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(p[i]) : "r"(s2), "r"(z));', "p[i] ^= s2 & z;")
     if name in ("nox", "loadonly"):
         s = s.replace(_X, "make_uint4(j, i, c, g)")
     if s == nf4_tc._SOURCE and name != "base":
@@ -76,7 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--shapes", default="qkv,gate_up,down,lm_head")
-    ap.add_argument("--variants", default="base,l2_256,l2_128,nodecode,nomma,nox,loadonly")
+    ap.add_argument("--variants", default="base,l2_256,nodecode,noscale,loadonly")
     args = ap.parse_args()
     hbm = hbm_gbps()
     variants = args.variants.split(",")
@@ -102,7 +105,7 @@ def main() -> None:
         for v in variants:
             src = _variant(v)
             for cfg in CONFIGS:
-                key = f"{v}_{'default' if cfg is None else f'{cfg.wr}x{cfg.wk}u{cfg.u}'}_us"
+                key = f"{v}_{'default' if cfg is None else f'{cfg.wr}x{cfg.wk}u{cfg.u}' + 'L' * cfg.lut}_us"
                 out = torch.empty(1, n, dtype=torch.bfloat16, device=DEV)
                 try:
                     row[key] = 1e3 * graph_ms(lambda: _call(pick(), x, out, n, k, cfg, src), calls=len(copies) * 4)

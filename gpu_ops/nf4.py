@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from gpu_ops import nf4_tc
 from gpu_ops.nf4_code import BLOCK, NF4_CODE
 
 _MIDS = (NF4_CODE[1:] + NF4_CODE[:-1]) / 2  # decision thresholds: nearest code wins
@@ -80,6 +81,10 @@ GEMV_K_MULTIPLE = 256  # the Triton one-row kernel steps K by 4 groups of 64
 # step's linears beats nf4_gemv and bitsandbytes at every row count from 4 to 64 (3.8 ms vs 6.1
 # and 10.6 at 4 rows, 4.2 vs 12.6 bnb at 32); ≤ 2 rows stay with nf4_gemv (the fused decode layer).
 MMA_AUTO_ROWS = range(3, 65)
+# Rows the tensor-core GEMV (gpu_ops.nf4_tc) takes where the device runs it: up to 8 cost what one
+# does (bench/nf4_gemv.py: 5 rows of a Llama-3-8B step's linears 2.8 ms on an H200, 1 row 2.7;
+# nf4_mma took 3.8 at 4 rows on an H100)
+GEMV_TC_ROWS = 8
 
 
 class NF4Linear:
@@ -120,7 +125,7 @@ class NF4Linear:
             # nf4_gemv at 1 and 2 rows, nf4_mma from 3 to 64, bitsandbytes (dequantize + cuBLAS) above
             if self.in_features % BLOCK:
                 return Nf4Kernel.BNB
-            if rows <= 2:
+            if rows <= 2 or rows <= GEMV_TC_ROWS and nf4_tc.enabled(self.device):
                 return Nf4Kernel.GEMV
             return Nf4Kernel.MMA if rows in MMA_AUTO_ROWS else Nf4Kernel.BNB
         return self.kernel
