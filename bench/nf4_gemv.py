@@ -39,8 +39,7 @@ SWEEP = [(4, 128, 8, 1), (2, 128, 4, 1), (8, 128, 8, 1), (4, 64, 4, 1), (8, 64, 
          (16, 16, 4, 1), (8, 16, 2, 1)]
 SWEEP_WIDE = [(4, 128, 8, 1), (8, 64, 8, 1), (16, 16, 4, 1)]
 TC_SWEEP = [nf4_tc.TcConfig(1, 8, 1), nf4_tc.TcConfig(1, 8, 2), nf4_tc.TcConfig(2, 2, 4), nf4_tc.TcConfig(1, 4, 4),
-            nf4_tc.TcConfig(1, 8, 1, lut=True), nf4_tc.TcConfig(1, 8, 2, lut=True), nf4_tc.TcConfig(2, 2, 4, lut=True),
-            nf4_tc.TcConfig(1, 4, 4, lut=True)]
+            nf4_tc.TcConfig(4, 2, 2), nf4_tc.TcConfig(2, 4, 2)]
 
 
 def check(decodes: list[Decode]) -> list[dict]:
@@ -98,7 +97,7 @@ def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=l
                     except Exception as e:  # noqa: BLE001  a benchmark reports what failed and goes on
                         log.warning("%s %s rows %d %s failed: %r", name, d.name, m, cfg, e)
             for tc in [None] + (TC_SWEEP if sweep else []):
-                key = "tc_default_us" if tc is None else f"tc_{tc.wr}x{tc.wk}u{tc.u}{'L' * tc.lut}_us"
+                key = "tc_default_us" if tc is None else f"tc_{tc.wr}x{tc.wk}u{tc.u}_us"
                 try:
                     row[key] = _time(lambda c: nf4_tc.nf4_tc_gemv(x, c.packed, c.absmax, (n, k), config=tc), copies)
                 except Exception as e:  # noqa: BLE001

@@ -6,7 +6,9 @@ Each variant is `gpu_ops.nf4_tc`'s source with one stage replaced (wrong results
     base       the kernel as it is
     l2_256     weight loads with the L2::256B prefetch hint (l2_128: 128B)
     nodecode   the code-book lookup and the scaling replaced by one integer op a pair
-    noscale    the scaling by absmax left out
+    noscale    the scaling by absmax left out (its float op replaced by an integer one)
+    selimad    the lookup's selectors shifted by multiplies (IMAD.HI, the float pipe) instead of shifts
+               (the integer pipe); selimad_k with the shift constants hidden from ptxas
     nomma      the MMAs replaced by float adds of the operands' bits
     nox        x's loads replaced by registers
     loadonly   nodecode + nomma + nox: only the weights' and scales' loads
@@ -31,8 +33,7 @@ from gpu_ops.nf4 import nf4_linear
 DEV = torch.device("cuda")
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
-CONFIGS = [None, nf4_tc.TcConfig(1, 8, 1, lut=True), nf4_tc.TcConfig(1, 8, 2, lut=True),
-           nf4_tc.TcConfig(2, 2, 4, lut=True), nf4_tc.TcConfig(1, 4, 4, lut=True), nf4_tc.TcConfig(2, 4, 2, lut=True)]
+CONFIGS = [None, nf4_tc.TcConfig(2, 2, 4), nf4_tc.TcConfig(1, 8, 2)]
 
 _DECODE = re.compile(r"__device__ __forceinline__ void decode\(.*?\n}\n", re.S)
 _MMA = re.compile(r"__device__ __forceinline__ void mma\(.*?\n}\n", re.S)
@@ -52,6 +53,17 @@ def _variant(name: str) -> str:
                      "    d[2] += __uint_as_float(a2); d[3] += __uint_as_float(a3);\n}\n", s)
     if name == "noscale":
         s = s.replace('asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(p[i]) : "r"(s2), "r"(z));', "p[i] ^= s2 & z;")
+    if name.startswith("selimad"):
+        hide = " + (blockDim.y - 1u)" if name.endswith("_k") else ""  # 0 at run time, unknown to ptxas
+        old = ("    u32 q7 = q & 0x77777777u, q7h = q7 >> 16;\n"
+               "    u32 t = ((q >> 1) & 0x44444444u) | 0x32103210u, th = t >> 16;\n")
+        new = ("    u32 q7 = q & 0x77777777u, m = q & 0x88888888u, q7h, t, th;\n"
+               f"    asm(\"mul.hi.u32 %0, %1, %2;\" : \"=r\"(q7h) : \"r\"(q7), \"r\"(65536u{hide}));\n"
+               f"    asm(\"mad.hi.u32 %0, %1, %2, 0x32103210;\" : \"=r\"(t) : \"r\"(m), \"r\"(0x80000000u{hide}));\n"
+               f"    asm(\"mad.hi.u32 %0, %1, %2, 0x3210;\" : \"=r\"(th) : \"r\"(m), \"r\"(0x8000u{hide}));\n")
+        if old not in s:
+            raise ValueError("the decoder's selector lines moved")
+        s = s.replace(old, new)
     if name in ("nox", "loadonly"):
         s = s.replace(_X, "make_uint4(j, i, c, g)")
     if s == nf4_tc._SOURCE and name != "base":
@@ -79,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--shapes", default="qkv,gate_up,down,lm_head")
-    ap.add_argument("--variants", default="base,l2_256,nodecode,noscale,loadonly")
+    ap.add_argument("--variants", default="base,l2_256,nodecode,selimad,selimad_k,loadonly")
     args = ap.parse_args()
     hbm = hbm_gbps()
     variants = args.variants.split(",")
@@ -105,7 +117,7 @@ def main() -> None:
         for v in variants:
             src = _variant(v)
             for cfg in CONFIGS:
-                key = f"{v}_{'default' if cfg is None else f'{cfg.wr}x{cfg.wk}u{cfg.u}' + 'L' * cfg.lut}_us"
+                key = f"{v}_{'default' if cfg is None else f'{cfg.wr}x{cfg.wk}u{cfg.u}'}_us"
                 out = torch.empty(1, n, dtype=torch.bfloat16, device=DEV)
                 try:
                     row[key] = 1e3 * graph_ms(lambda: _call(pick(), x, out, n, k, cfg, src), calls=len(copies) * 4)

@@ -81,16 +81,6 @@ __device__ __forceinline__ void decode(u32 q, u32 s2, const u32* T, u32* p) {
     for (int i = 0; i < 4; ++i) asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(p[i]) : "r"(s2), "r"(z));
 }
 
-// The same from a 256-entry table in shared memory, one bf16 pair a byte, 32 copies side by side
-// ([byte][lane]: a lane reads its own bank): 4 loads and a few shifts instead of 21 integer ops.
-__device__ __forceinline__ void decode_lut(u32 q, u32 s2, const u32* lut, u32* p) {
-    p[0] = lut[(q & 0xffu) * 32]; p[1] = lut[((q >> 8) & 0xffu) * 32];
-    p[2] = lut[((q >> 16) & 0xffu) * 32]; p[3] = lut[(q >> 24) * 32];
-    const u32 z = 0x80008000u;
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(p[i]) : "r"(s2), "r"(z));
-}
-
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -123,17 +113,6 @@ nf4_tc(const u32* __restrict__ w, const float* __restrict__ absmax, const u32* _
 {
     const u32 T[8] = {T0, T1, T2, T3, T4, T5, T6, T7};
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#if LUT
-    __shared__ u32 lut[256 * 32];
-    for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {  // entry b: {code[b >> 4], code[b & 15]}
-        const int b = i >> 5, hi = b >> 4, lo = b & 15;
-        const u32 bh = (__byte_perm(T[4 + (hi >> 2)], 0, hi & 3) & 0xffu) | ((__byte_perm(T[hi >> 2], 0, hi & 3) & 0xffu) << 8);
-        const u32 bl = (__byte_perm(T[4 + (lo >> 2)], 0, lo & 3) & 0xffu) | ((__byte_perm(T[lo >> 2], 0, lo & 3) & 0xffu) << 8);
-        lut[i] = bh | (bl << 16);
-    }
-    __syncthreads();
-    const u32* lut_lane = lut + lane;
-#endif
     const int g = lane >> 2, c = lane & 3;
     const int rt = warp % WR, ks = warp / WR;
     const int s = blockIdx.y;  // the slot (experts), else 0
@@ -185,13 +164,8 @@ nf4_tc(const u32* __restrict__ w, const float* __restrict__ absmax, const u32* _
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 u32 pa[4], pb[4];
-#if LUT
-                decode_lut(qa[i], sa, lut_lane, pa);
-                decode_lut(qb[i], sb, lut_lane, pb);
-#else
                 decode(qa[i], sa, T, pa);
                 decode(qb[i], sb, T, pb);
-#endif
                 uint4 xv = ok ? *reinterpret_cast<const uint4*>(xp + 64 * j + 4 * i) : make_uint4(0, 0, 0, 0);
                 mma(acc, pa[0], pb[0], pa[1], pb[1], xv.x, xv.y);
                 mma(acc, pa[2], pb[2], pa[3], pb[3], xv.z, xv.w);
@@ -258,7 +232,6 @@ class TcConfig:
     wr: int
     wk: int
     u: int = 2
-    lut: bool = False  # decode from a table in shared memory instead of `prmt` lookups
 
 
 def tc_config(tiles: int, chunks: int, sms: int) -> TcConfig:
@@ -289,7 +262,7 @@ def enabled(device: torch.device) -> bool:
 
 @functools.cache
 def _kernel(cfg: TcConfig, source: str) -> cuda_rtc.Kernel:
-    head = f"#define WR {cfg.wr}\n#define WK {cfg.wk}\n#define U {cfg.u}\n#define LUT {int(cfg.lut)}\n"
+    head = f"#define WR {cfg.wr}\n#define WK {cfg.wk}\n#define U {cfg.u}\n"
     return cuda_rtc.Kernel(head + source, "nf4_tc")
 
 
