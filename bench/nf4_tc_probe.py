@@ -117,7 +117,7 @@ def main() -> None:
         for v in variants:
             src = _variant(v)
             for cfg in CONFIGS:
-                key = f"{v}_{'default' if cfg is None else f'{cfg.wr}x{cfg.wk}u{cfg.u}'}_us"
+                key = f"{v}:{'default' if cfg is None else f'{cfg.wr}x{cfg.wk}u{cfg.u}'}_us"
                 out = torch.empty(1, n, dtype=torch.bfloat16, device=DEV)
                 try:
                     row[key] = 1e3 * graph_ms(lambda: _call(pick(), x, out, n, k, cfg, src), calls=len(copies) * 4)
@@ -135,7 +135,7 @@ def main() -> None:
               f"stream {r['stream_us']:.1f} ({r['bytes'] / r['stream_us'] / 1e3:.0f})")
         for v in variants:
             cells = [f"{kk[len(v) + 1:-3]} {us:.1f} ({r['bytes'] / us / 1e3:.0f})"
-                     for kk, us in r.items() if kk.startswith(v + "_") and kk.endswith("_us") and us]
+                     for kk, us in r.items() if kk.startswith(v + ":") and us]
             print(f"  {v:9} " + "  ".join(cells))
 
 
