@@ -82,7 +82,7 @@ GEMV_K_MULTIPLE = 256  # the Triton one-row kernel steps K by 4 groups of 64
 # and 10.6 at 4 rows, 4.2 vs 12.6 bnb at 32); ≤ 2 rows stay with nf4_gemv (the fused decode layer).
 MMA_AUTO_ROWS = range(3, 65)
 # Rows the tensor-core GEMV (gpu_ops.nf4_tc) takes where the device runs it: up to 8 cost what one
-# does (bench/nf4_gemv.py: 5 rows of a Llama-3-8B step's linears 2.8 ms on an H200, 1 row 2.7;
+# does (bench/nf4_gemv.py: 5 rows of a Llama-3-8B step's linears 2.64 ms on an H200, 1 row 2.58;
 # nf4_mma took 3.8 at 4 rows on an H100)
 GEMV_TC_ROWS = 8
 

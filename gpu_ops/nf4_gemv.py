@@ -270,11 +270,13 @@ def nf4_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape:
     config: (BLOCK_N, H, warps, split-K), default `gemv_config`; H a power of two, K divisible
     by 32·H·split.
 
-    Where the device runs it (`nf4_tc.enabled`), the tensor-core kernel `nf4_tc.nf4_tc_gemv`
-    answers instead, unless a Triton decode or config is asked for."""
+    2..8 rows go to the tensor-core kernel `nf4_tc.nf4_tc_gemv` where the device runs it
+    (`nf4_tc.enabled`), unless a Triton decode or config is asked for: it costs what one row does.
+    One row stays here: a Llama-3-8B step measured 3.15 ms with this kernel, 3.20 with nf4_tc (H200,
+    bench/nf4_gemv.py --step), though each linear alone is as fast or faster there."""
     N, K = shape
     M = x.shape[0]
-    if decode is Decode.PRMT and config is None and K % 64 == 0 and nf4_tc.enabled(x.device):
+    if M > 1 and decode is Decode.PRMT and config is None and K % 64 == 0 and nf4_tc.enabled(x.device):
         return nf4_tc.nf4_tc_gemv(x, packed, absmax, shape, residual=residual, swiglu=swiglu)
     if K % 64 or not 1 <= M <= MAX_ROWS:
         raise ValueError(f"nf4_gemv takes 1..{MAX_ROWS} rows and K divisible by 64, got x {tuple(x.shape)}, W {shape}")

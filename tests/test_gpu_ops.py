@@ -371,7 +371,9 @@ def test_gpu_nf4_mma_residual_epilogue_is_torchs_add(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [3, 8, 16, 32, 64])
 def test_gpu_nf4_auto_takes_mma_in_its_row_range(rows):
-    from gpu_ops.nf4 import MMA_AUTO_ROWS
+    """Up to 8 rows go to the tensor-core GEMV where the device runs it, the rest of MMA's range to MMA."""
+    from gpu_ops import nf4_tc
+    from gpu_ops.nf4 import GEMV_TC_ROWS, MMA_AUTO_ROWS
     from gpu_ops.nf4_mma import nf4_mma
 
     torch.manual_seed(rows)
@@ -379,9 +381,13 @@ def test_gpu_nf4_auto_takes_mma_in_its_row_range(rows):
     packed, absmax = quantize_nf4(torch.randn(N, K, device="cuda") * 0.02)
     lin = NF4Linear(packed, absmax, (N, K))
     x = torch.randn(rows, K, device="cuda").bfloat16()
-    assert (lin.pick(rows) is Nf4Kernel.MMA) == (rows in MMA_AUTO_ROWS)
-    if rows in MMA_AUTO_ROWS:
-        assert torch.equal(lin(x), nf4_mma(x, packed, absmax, (N, K)))
+    if rows <= GEMV_TC_ROWS and nf4_tc.enabled(lin.device):
+        assert lin.pick(rows) is Nf4Kernel.GEMV
+        assert torch.equal(lin(x), nf4_tc.nf4_tc_gemv(x, packed, absmax, (N, K)))
+    else:
+        assert (lin.pick(rows) is Nf4Kernel.MMA) == (rows in MMA_AUTO_ROWS)
+        if rows in MMA_AUTO_ROWS:
+            assert torch.equal(lin(x), nf4_mma(x, packed, absmax, (N, K)))
     assert rel_err(lin(x), x.double() @ lin.dequantize(torch.float64).T) < MMA_ERR
 
 
