@@ -178,7 +178,10 @@ def decode_step(
                 flops = 2.0 * g.active_params * b
                 if split_experts(pl) and pl.mode is Mode.CPU:  # beside the GPU's experts, off the GIL
                     flops *= pl.share if pl.share is not None else len(pl.experts) / (g.params // g.expert_params)
-                    c_e += gemv_seconds(rb, flops, hw.cpu_experts_rate, hw.cpu_gflops) + HOST_EXPERTS_CALL_S
+                    # the host's kernel decodes an expert's rows once a token routed to it, and the
+                    # decode bounds it: its time follows the (token, expert) pairs, not the experts read
+                    decoded = _routed(g, pl, b) * expert_bytes(g, pl.dtype)
+                    c_e += gemv_seconds(max(rb, decoded), flops, hw.cpu_experts_rate, hw.cpu_gflops) + HOST_EXPERTS_CALL_S
                     nbytes["cpu experts"] += rb
                     if hw.has_gpu:
                         x_e += 2 * hop_seconds(b * cfg.hidden_size * 4, hw)
@@ -300,6 +303,13 @@ def prefill_seconds(
             total += max(gpu, h2d, d2h) + cpu + moe + L * hw.layer_overhead_s
         s += u
     return total
+
+
+def _routed(g: Group, p: Placement, tokens: int) -> float:
+    """(token, expert) pairs of `tokens` tokens that land on placement p's experts: tokens · k · share."""
+    E = g.params // g.expert_params
+    k = round((g.active_params - g.small_params) / g.expert_params)
+    return tokens * k * (1.0 if p.experts is None else p.share if p.share is not None else len(p.experts) / E)
 
 
 def _touched(g: Group, p: Placement, tokens: int) -> float:
