@@ -16,6 +16,7 @@ import ctypes
 import functools
 import glob
 import hashlib
+import logging
 import os
 import sys
 
@@ -23,6 +24,7 @@ import torch
 
 from hetero.paths import cache_dir
 
+log = logging.getLogger(__name__)
 _PSS = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context
 
@@ -103,10 +105,13 @@ def compile_cubin(source: str, name: str, arch: str) -> bytes:
         nvrtc.nvrtcGetCUBIN(prog, cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(cubin.raw)
-    tmp.replace(path)
+    try:  # the cache only saves the next start a compile
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin.raw)
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("could not keep the compiled %s in %s: %s", name, path.parent, e)
     return cubin.raw
 
 
@@ -124,7 +129,8 @@ class Kernel:
         self.source, self.name = source, name
         self._funcs: dict[int, ctypes.c_void_p] = {}
 
-    def _func(self, device: torch.device) -> ctypes.c_void_p:
+    def load(self, device: torch.device) -> ctypes.c_void_p:
+        """The kernel's function on `device`: compiled (or read from the cache) and loaded on first use."""
         f = self._funcs.get(device.index)
         if f is None:
             major, minor = torch.cuda.get_device_capability(device)
@@ -139,7 +145,7 @@ class Kernel:
     def launch(self, device: torch.device, grid: tuple[int, int, int], block: int, args: list,
                pdl: bool = False, smem: int = 0) -> None:
         """args: ctypes values (c_void_p for pointers, c_int, c_longlong, c_uint), in the kernel's order."""
-        func = self._func(device)
+        func = self.load(device)
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         attr = _Attr(id=_PSS)
         attr.value = (1).to_bytes(4, "little")

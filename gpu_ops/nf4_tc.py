@@ -27,12 +27,14 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import logging
 
 import torch
 
 from gpu_ops import cuda_rtc, pdl
 from gpu_ops.nf4_ptx import prmt_tables
 
+log = logging.getLogger(__name__)
 MAX_ROWS = 8
 
 _SOURCE = r"""
@@ -257,7 +259,21 @@ def use(on: bool) -> None:
 
 
 def enabled(device: torch.device) -> bool:
-    return _use and cuda_rtc.available(device)
+    return _use and _builds(device)
+
+
+@functools.cache
+def _builds(device: torch.device) -> bool:
+    """Whether the kernel compiles and loads on this device (once; the cubin is cached on disk).
+    Where it does not (no NVRTC, an older driver), the Triton GEMV serves, with a warning."""
+    if not cuda_rtc.available(device):
+        return False
+    try:
+        _kernel(TcConfig(1, 8, 1), _SOURCE).load(device)
+    except (OSError, RuntimeError) as e:
+        log.warning("the tensor-core NF4 GEMV does not build on %s (%s); the Triton GEMV serves instead", device, e)
+        return False
+    return True
 
 
 @functools.cache
