@@ -5,7 +5,8 @@
 First a correctness pass (odd shapes, 1/3/8 rows, split-K and not), then per Llama-3-8B linear
 shape and row count: bitsandbytes, the Triton one-row kernel (`gpu_ops.nf4_triton`), the Triton
 GEMV `gpu_ops.nf4_gemv` (with --sweep several tile shapes at 1 row) and the tensor-core GEMV
-`gpu_ops.nf4_tc` (with --sweep several block shapes), µs a call inside a CUDA graph with copies
+`gpu_ops.nf4_tc` (with --sweep several block shapes), and the latter over the linear 4-bit format
+of `gpu_ops.q4` (same bytes, the "q4" column), µs a call inside a CUDA graph with copies
 rotated so that L2 does not serve them, and GB/s of NF4 bytes (+ x and y). --step adds the
 graphed batch-1 decode step of the whole model: bitsandbytes, the Triton GEMV with this run's
 best tiles, and the tensor-core GEMV. Full JSON and log under DIR; a short table last.
@@ -27,6 +28,7 @@ from gpu_ops.attention import AttnKernel
 from gpu_ops.nf4 import Nf4Kernel, dequantize_nf4, nf4_linear
 from gpu_ops.nf4_gemv import Decode, gemv_config, nf4_gemv
 from gpu_ops.nf4_triton import nf4_gemv as old_gemv
+from gpu_ops.q4 import quantize_q4
 from hetero.config import LLAMA3_8B
 
 log = logging.getLogger("bench")
@@ -77,6 +79,7 @@ def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=l
     for name, (n, k) in SHAPES.items():
         copies = [nf4_linear(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02, None, DEV)
                   for _ in range(max(1, min(8, -(-200_000_000 // (n * k // 2)))))]
+        q4s = [quantize_q4(c.dequantize(torch.bfloat16)) for c in copies]  # the linear 4-bit format, same weights
         for m in rows_list:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             nbytes = copies[0].nbytes + 2 * m * (k + n)
@@ -102,6 +105,10 @@ def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=l
                     row[key] = _time(lambda c: nf4_tc.nf4_tc_gemv(x, c.packed, c.absmax, (n, k), config=tc), copies)
                 except Exception as e:  # noqa: BLE001
                     log.warning("%s tc rows %d %s failed: %r", name, m, tc, e)
+            try:
+                row["q4_us"] = _time(lambda c: nf4_tc.q4_tc_gemv(x, c[0], c[1], (n, k)), q4s)
+            except Exception as e:  # noqa: BLE001
+                log.warning("%s q4 rows %d failed: %r", name, m, e)
             tri = {kk: v for kk, v in row.items() if kk.endswith("_us") and kk.split("_")[0] in ("prmt", "gather")}
             if tri:
                 row["triton_best"] = min(tri, key=tri.get)
@@ -113,7 +120,7 @@ def shape_table(rows_list: list[int], decodes: list[Decode], sweep: bool, save=l
             res.append(row)
             save(res)
             log.info("linear %s", json.dumps(row))
-        del copies
+        del copies, q4s
         torch.cuda.empty_cache()
     return res
 
@@ -178,12 +185,12 @@ def main() -> None:
     for c in bad:
         print("  FAILED", c)
     print(f"{'linear':8} {'rows':>4} {'bound':>6} {'bnb µs':>7} {'triton':>7} {'tc µs':>7} {'best µs':>8} "
-          f"{'triton GB/s':>11} {'best GB/s':>9}  best")
+          f"{'triton GB/s':>11} {'best GB/s':>9} {'q4 µs':>7} {'q4 GB/s':>7}  best")
     for r in res["linears"]:
         gb = lambda us: r["bytes"] / us / 1e3 if us else 0  # noqa: E731
         print(f"{r['shape']:8} {r['rows']:>4} {r['bytes'] / hbm / 1e3:6.1f} {r['bnb_us']:7.1f} {r.get('triton_us', 0):7.1f} "
               f"{r.get('tc_default_us', 0):7.1f} {r.get('best_us', 0):8.1f} {gb(r.get('triton_us')):11.0f} "
-              f"{gb(r.get('best_us')):9.0f}  {r.get('best', '')}")
+              f"{gb(r.get('best_us')):9.0f} {r.get('q4_us', 0):7.1f} {gb(r.get('q4_us')):7.0f}  {r.get('best', '')}")
     for c in res.get("decode", []):
         print(f"decode b1 ctx128 graph lin={c['linear']:6} {c['step_ms']:6.2f} ms {c['tok_s']:7.1f} tok/s "
               f"(bound {c['bound_tok_s']:.0f})")

@@ -21,6 +21,9 @@ meet in shared memory), so that narrow matrices still fill the GPU. Epilogues as
 plain, + residual, SwiGLU (the tile's rows 0-7 are gate rows f..f+7, rows 8-15 the matching up
 rows: silu(gate)·up is formed in registers), and the experts' form (a slot per grid row, its
 expert's matrix, zeros for slot −1). PDL: the first weights are loaded before the wait.
+
+`q4_tc_gemv` is the same kernel over the linear 4-bit format of `gpu_ops.q4` (FORMAT 1), whose
+codes decode by a mask and two float ops instead of the code book's 21 integer ops a word.
 """
 from __future__ import annotations
 
@@ -81,6 +84,20 @@ __device__ __forceinline__ void decode(u32 q, u32 s2, const u32* T, u32* p) {
     const u32 z = 0x80008000u;  // -0, -0: fma(p, s, -0) is an exact product
     #pragma unroll
     for (int i = 0; i < 4; ++i) asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(p[i]) : "r"(s2), "r"(z));
+}
+
+// FORMAT 1 (gpu_ops/q4.py): a word's nibbles i and i + 4 are elements 2i and 2i + 1, a code c
+// stands for (c − z) · s. 0x4300 | c is the bf16 of 128 + c exactly; minus 128 + z is c − z
+// exactly; times s rounds once: 7 integer ops a word. sz: s (bf16) high, 128 + z (bf16) low.
+__device__ __forceinline__ void decode_q4(u32 q, u32 sz, u32* p) {
+    const u32 s2 = __byte_perm(sz, 0, 0x3232), nz2 = __byte_perm(sz, 0, 0x1010) ^ 0x80008000u;
+    const u32 one = 0x3F803F80u, z = 0x80008000u;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        p[i] = ((q >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
+        asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(p[i]) : "r"(one), "r"(nz2));
+        asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(p[i]) : "r"(s2), "r"(z));
+    }
 }
 
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -160,14 +177,23 @@ nf4_tc(const u32* __restrict__ w, const float* __restrict__ absmax, const u32* _
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u * WK;
             const bool ok = xrow && 16 * j + 4 * c < KW;
+#if FORMAT == 1
+            const u32 sa = __float_as_uint(cur.sa[u]), sb = __float_as_uint(cur.sb[u]);  // the groups' sz words
+#else
             const u32 sa = bf16x2(cur.sa[u]), sb = bf16x2(cur.sb[u]);
+#endif
             const u32 qa[4] = {cur.qa[u].x, cur.qa[u].y, cur.qa[u].z, cur.qa[u].w};
             const u32 qb[4] = {cur.qb[u].x, cur.qb[u].y, cur.qb[u].z, cur.qb[u].w};
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 u32 pa[4], pb[4];
+#if FORMAT == 1
+                decode_q4(qa[i], sa, pa);
+                decode_q4(qb[i], sb, pb);
+#else
                 decode(qa[i], sa, T, pa);
                 decode(qb[i], sb, T, pb);
+#endif
                 uint4 xv = ok ? *reinterpret_cast<const uint4*>(xp + 64 * j + 4 * i) : make_uint4(0, 0, 0, 0);
                 mma(acc, pa[0], pb[0], pa[1], pb[1], xv.x, xv.y);
                 mma(acc, pa[2], pb[2], pa[3], pb[3], xv.z, xv.w);
@@ -277,8 +303,9 @@ def _builds(device: torch.device) -> bool:
 
 
 @functools.cache
-def _kernel(cfg: TcConfig, source: str) -> cuda_rtc.Kernel:
-    head = f"#define WR {cfg.wr}\n#define WK {cfg.wk}\n#define U {cfg.u}\n"
+def _kernel(cfg: TcConfig, source: str, fmt: int = 0) -> cuda_rtc.Kernel:
+    """fmt 0: NF4 (`gpu_ops.nf4`), 1: the linear 4-bit format (`gpu_ops.q4`)."""
+    head = f"#define WR {cfg.wr}\n#define WK {cfg.wk}\n#define U {cfg.u}\n#define FORMAT {fmt}\n"
     return cuda_rtc.Kernel(head + source, "nf4_tc")
 
 
@@ -301,7 +328,8 @@ def _rows_of_x(x: torch.Tensor) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor,
             res: torch.Tensor | None, eids: torch.Tensor | None, N: int, K: int, M: int, grid_y: int,
-            expert_words: int, xdiv: int, swiglu: bool, config: TcConfig | None, source: str = _SOURCE) -> None:
+            expert_words: int, xdiv: int, swiglu: bool, config: TcConfig | None, source: str = _SOURCE,
+            fmt: int = 0) -> None:
     """source: the kernel's CUDA text (bench/nf4_tc_probe.py times variants of it)."""
     tiles = -(-(N // 2) // 8) if swiglu else -(-N // 16)
     cfg = config or tc_config(tiles, -(-K // 128), _sms(x.device))
@@ -313,7 +341,7 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, out: to
             ctypes.c_int(N), ctypes.c_int(K // 8), ctypes.c_int(M), ctypes.c_int(x.stride(0) // 2),
             ctypes.c_int(0 if res is None else res.stride(0)), ctypes.c_longlong(expert_words),
             ctypes.c_int(xdiv), ctypes.c_int(int(swiglu)), *_tables()]
-    _kernel(cfg, source).launch(x.device, (blocks, grid_y, 1), 32 * cfg.wr * cfg.wk, args, pdl=pdl.enabled(x.device))
+    _kernel(cfg, source, fmt).launch(x.device, (blocks, grid_y, 1), 32 * cfg.wr * cfg.wk, args, pdl=pdl.enabled(x.device))
 
 
 def nf4_tc_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int],
@@ -321,17 +349,29 @@ def nf4_tc_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, sha
                 config: TcConfig | None = None) -> torch.Tensor:
     """`gpu_ops.nf4_gemv.nf4_gemv`'s contract: x [M ≤ 8, K] bf16, W [N, K] NF4 (K a multiple of
     64) → y [M, N] bf16 (+ residual), or silu(x·gateᵀ)·(x·upᵀ) [M, N/2] where swiglu."""
+    return _gemv(x, packed, absmax, shape, residual, swiglu, config, 0)
+
+
+def q4_tc_gemv(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, shape: tuple[int, int],
+               residual: torch.Tensor | None = None, swiglu: bool = False,
+               config: TcConfig | None = None) -> torch.Tensor:
+    """`nf4_tc_gemv` over the linear 4-bit format (`gpu_ops.q4`: packed int32 [N, K/8], sz int32
+    [N, K/64]): y = x · bf16((c − z) · s)ᵀ, float32 sums, bf16 out."""
+    return _gemv(x, packed, sz, shape, residual, swiglu, config, 1)
+
+
+def _gemv(x, packed, scales, shape, residual, swiglu, config, fmt) -> torch.Tensor:
     N, K = shape
     M = x.shape[0]
     if K % 64 or not 1 <= M <= MAX_ROWS or (swiglu and (N % 2 or residual is not None)):
-        raise ValueError(f"nf4_tc_gemv takes 1..{MAX_ROWS} rows, K divisible by 64 and, with swiglu, an even N "
-                         f"and no residual: x {tuple(x.shape)}, W {shape}")
+        raise ValueError(f"the tensor-core GEMV takes 1..{MAX_ROWS} rows, K divisible by 64 and, with swiglu, "
+                         f"an even N and no residual: x {tuple(x.shape)}, W {shape}")
     if residual is not None and (residual.shape != (M, N) or residual.dtype != torch.bfloat16
                                  or residual.stride(-1) != 1):
         raise ValueError(f"residual must be bf16 [{M}, {N}] with unit stride, got {residual.dtype} {tuple(residual.shape)}")
     x = _rows_of_x(x)
     out = torch.empty((M, N // 2 if swiglu else N), dtype=torch.bfloat16, device=x.device)
-    _launch(x, packed, absmax, out, residual, None, N, K, M, 1, 0, 1, swiglu, config)
+    _launch(x, packed, scales, out, residual, None, N, K, M, 1, 0, 1, swiglu, config, fmt=fmt)
     return out
 
 

@@ -121,3 +121,22 @@ def test_gpu_nf4_tc_runs_inside_a_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, want)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape,config", [((97, 4160), None), ((1000, 576), None), ((600, 4096), nf4_tc.TcConfig(2, 2, 4))])
+def test_gpu_q4_tc_gemv_matches_its_reference(rows, shape, config):
+    """The linear format's weights come out of the kernel bit for bit as `dequantize_q4` gives them:
+    only the bf16 output's rounding and the sums' order differ."""
+    from gpu_ops.q4 import dequantize_q4, quantize_q4
+
+    torch.manual_seed(rows + shape[0])
+    packed, sz = quantize_q4(torch.randn(shape, device="cuda") * 0.02)
+    x = torch.randn(rows, shape[1], device="cuda").bfloat16()
+    y = nf4_tc.q4_tc_gemv(x, packed, sz, shape, config=config)
+    assert y.shape == (rows, shape[0]) and torch.isfinite(y).all()
+    assert rel_err(y, x.double() @ dequantize_q4(packed, sz, torch.float64).T) < 4e-3
+    res = torch.randn(rows, shape[0], device="cuda").bfloat16()
+    assert torch.equal(nf4_tc.q4_tc_gemv(x, packed, sz, shape, residual=res, config=config), res + y)

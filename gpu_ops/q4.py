@@ -1,0 +1,57 @@
+"""A linear 4-bit weight format for the GPU that decodes by arithmetic, not by table.
+
+Why: the NF4 GEMV is bound by its code-book lookup (21 integer ops a word of 8 codes; the loads
+alone run at HBM speed, bench/RESULTS.md "4-bit linears"). Here a code c of group g stands for
+(c − z_g) · s_g, which the GPU decodes with a mask and an or (`lop3`: 0x4300 | c is the bf16 of
+128 + c, exactly) and two bf16x2 float ops, 5 integer ops a word (`gpu_ops.nf4_tc`, FORMAT Q4).
+The same bytes as NF4: 4 bits a weight and 4 bytes a group of 64.
+
+Format (a matrix W [N, K], K a multiple of 64):
+
+    packed  int32  [N, K/8]   8 codes a word: element 8w + 2i in nibble i, 8w + 2i + 1 in nibble
+                              i + 4 (i < 4), so that a mask of 0x000F000F (after a shift by 4i)
+                              leaves the pair (2i, 2i + 1) in the two bf16 halves
+    sz      int32  [N, K/64]  the group's scale s as bf16 bits in the high half, 128 + z (z in
+                              0..15, the code of zero) as bf16 bits in the low half
+    w ≈ bf16((c − z) · s)     computed exactly in float32 and rounded once, as the kernel does
+
+Quantization: min–max per group (Q4_1's rule): s = (max − min) / 15 rounded to bf16, z =
+round(−min / s), c = clamp(round(w / s) + z, 0, 15). The torch functions here are the reference
+twin of the kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+GROUP = 64
+
+
+def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (K a multiple of 64, any float dtype, any device) → (packed int32 [N, K/8], sz int32 [N, K/64])."""
+    N, K = w.shape
+    if K % GROUP:
+        raise ValueError(f"quantize_q4 needs K divisible by {GROUP}, got {tuple(w.shape)}")
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    lo, hi = g.amin(-1).clamp(max=0.0), g.amax(-1).clamp(min=0.0)  # zero stays representable
+    s = ((hi - lo) / 15).to(torch.bfloat16).float()
+    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale, every code z
+    z = torch.round(-lo / s).clamp(0, 15)
+    c = (torch.round(g / s[..., None]) + z[..., None]).clamp(0, 15).to(torch.int32).reshape(N, K // 8, 8)
+    packed = torch.zeros(N, K // 8, dtype=torch.int32, device=w.device)
+    for i in range(4):
+        packed |= c[..., 2 * i] << (4 * i)
+        packed |= c[..., 2 * i + 1] << (16 + 4 * i)
+    s_bits = s.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    z_bits = (z + 128).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    sz = (s_bits << 16) | z_bits
+    return packed, sz
+
+
+def dequantize_q4(packed: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_q4` → W [N, K] in dtype: bf16((c − z) · s), widened to dtype."""
+    N, KW = packed.shape
+    c = torch.stack([(packed >> (4 * i + 16 * h)) & 15 for i in range(4) for h in range(2)], dim=-1)  # [N, K/8, 8]
+    c = c.reshape(N, KW * 8 // GROUP, GROUP).float()
+    s = ((sz >> 16) & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()
+    z = (sz & 0xFFFF).to(torch.int16).view(torch.bfloat16).float() - 128
+    return ((c - z[..., None]) * s[..., None]).to(torch.bfloat16).reshape(N, KW * 8).to(dtype)

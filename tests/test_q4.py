@@ -1,0 +1,48 @@
+"""gpu_ops.q4, the linear 4-bit format: its quantizer and reference twin (the tensor-core kernel
+over it: tests/test_gpu_nf4_tc.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_ops.nf4 import dequantize_nf4, quantize_nf4
+from gpu_ops.q4 import dequantize_q4, quantize_q4
+
+
+def test_q4_is_as_close_as_nf4_on_gaussian_weights():
+    torch.manual_seed(0)
+    w = torch.randn(96, 1024) * 0.02
+    q4 = dequantize_q4(*quantize_q4(w))
+    nf4 = dequantize_nf4(*quantize_nf4(w), w.shape)
+    e_q4, e_nf4 = ((q4 - w).norm() / w.norm()).item(), ((nf4 - w).norm() / w.norm()).item()
+    assert e_q4 < 0.1 and e_q4 < 1.05 * e_nf4
+
+
+def test_q4_keeps_values_on_its_grid_and_zero_groups():
+    s = 0.25  # a bf16 scale: the 16 levels (c − 3) · s, zero among them
+    levels = (torch.arange(16.0) - 3) * s
+    w = levels[torch.randint(0, 16, (8, 128))]
+    w[:, :64] = levels[torch.randperm(16).repeat(4)]  # every level in the first group: its min and max
+    w[:, 64:] = levels[torch.arange(64) % 16]
+    w[3] = 0.0  # an all-zero row
+    got = dequantize_q4(*quantize_q4(w))
+    assert torch.equal(got, w)
+
+
+def test_q4_packs_elements_2i_and_2i_plus_1_in_nibbles_i_and_i_plus_4():
+    w = torch.zeros(1, 64)
+    w[0, 0], w[0, 1], w[0, 2] = 1.0, -1.0, 0.5
+    packed, sz = quantize_q4(w)
+    word = int(packed[0, 0])
+    s = float((sz[0, 0] >> 16).to(torch.int16).view(torch.bfloat16))
+    z = float((sz[0, 0] & 0xFFFF).to(torch.int16).view(torch.bfloat16)) - 128
+    code = lambda nibble: (word >> (4 * nibble)) & 15  # noqa: E731
+    assert (code(0) - z) * s == pytest.approx(1.0, abs=s / 2)  # element 0: nibble 0
+    assert (code(4) - z) * s == pytest.approx(-1.0, abs=s / 2)  # element 1: nibble 4
+    assert (code(1) - z) * s == pytest.approx(0.5, abs=s / 2)  # element 2: nibble 1
+    assert code(5) == code(2) == z  # elements 3 and 4 are zero
+
+
+def test_q4_refuses_a_k_that_is_not_whole_groups():
+    with pytest.raises(ValueError, match="divisible by 64"):
+        quantize_q4(torch.zeros(4, 100))
