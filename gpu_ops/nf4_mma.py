@@ -174,8 +174,24 @@ def _join8(e0, e1, e2, e3, e4, e5, e6, e7):
 
 
 @triton.jit
+def _linear_value(q, SHIFT: tl.constexpr, sc, z):
+    """The code at bit SHIFT of each word (`gpu_ops.q4`) as float32 (c − z) · s; 2²³ + c by an or."""
+    c = (((q >> SHIFT) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return (c - z) * sc
+
+
+@triton.jit
 def _decode_tile(q, s, t0, t1, t2, t3, t4, t5, t6, t7, book_ptr, DECODE: tl.constexpr, SCALED: tl.constexpr):
-    """q [BN, W] int32 words → [BN, 8W] bf16 codes, times s [BN, W] (each word's absmax) if SCALED."""
+    """q [BN, W] int32 words → [BN, 8W] bf16 codes, times s [BN, W] (each word's absmax) if SCALED.
+    LINEAR (`gpu_ops.q4`): s holds each word's group word (scale and zero), always applied."""
+    if DECODE == 2:  # element 2i in nibble i, 2i + 1 in nibble i + 4; bf16((c − z) · s) as dequantize_q4
+        sc = (s & -65536).to(tl.float32, bitcast=True)  # s: the int32 group words, plainly loaded
+        z = ((s & 65535) << 16).to(tl.float32, bitcast=True) - 128.0
+        f0, f1 = _linear_value(q, 0, sc, z), _linear_value(q, 16, sc, z)
+        f2, f3 = _linear_value(q, 4, sc, z), _linear_value(q, 20, sc, z)
+        f4, f5 = _linear_value(q, 8, sc, z), _linear_value(q, 24, sc, z)
+        f6, f7 = _linear_value(q, 12, sc, z), _linear_value(q, 28, sc, z)
+        return _join8(f0, f1, f2, f3, f4, f5, f6, f7).to(tl.bfloat16)
     if DECODE == 0:
         if SCALED:
             e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
@@ -325,6 +341,8 @@ def nf4_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: 
             config: MmaConfig | None = None, residual: torch.Tensor | None = None,
             decode: Decode = Decode.PRMT, dot_f32: bool = False) -> torch.Tensor:
     """x [M ≤ 64, K] bf16, W [N, K] as NF4 (K a multiple of 64) → y [M, N] bf16 (+ residual [M, N] bf16).
+    decode=LINEAR: W in `gpu_ops.q4`'s linear format instead (packed int32 [N, K/8], absmax its sz
+    words [N, K/64]).
 
     config: default `mma_config` (the measured table, else a heuristic); block_k and split are
     lowered to fit K. decode=GATHER and dot_f32 are for Triton's CPU interpreter (no inline PTX,
@@ -334,6 +352,8 @@ def nf4_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: 
     if K % BLOCK or not 1 <= M <= MAX_ROWS:
         raise ValueError(f"nf4_mma takes 1..{MAX_ROWS} rows and K divisible by {BLOCK}, got x {tuple(x.shape)}, W {shape}")
     cfg = (config or mma_config(N, K, M, _sms(x.device))).fit(K)
+    if decode is Decode.LINEAR and cfg.scale is Scale.SUM:  # the linear format's zero points need the weights scaled
+        cfg = dataclasses.replace(cfg, scale=Scale.WEIGHT)
     BM = cfg.block_m(M)
     x = x.to(torch.bfloat16)
     if x.stride(-1) != 1:

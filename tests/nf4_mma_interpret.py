@@ -77,8 +77,28 @@ def main() -> int:
         fails += not ok
         print(f"{'ok  ' if ok else 'FAIL'} N={n:4} K={k:4} rows={rows:2} {(cfg or mma_config(n, k, rows, 8)).fit(k).tag:22} rel err {err:.2e} "
               f"(vs bf16 weights {err_bnb:.2e}) residual {res_ok} repeatable {again} counters 0 {counters_clear}")
+    fails += _linear_format(shapes, configs)
     print(f"{fails} failed")
     return int(fails > 0)
+
+
+def _linear_format(shapes, configs) -> int:
+    """decode=LINEAR: gpu_ops.q4's weights, whose decoded bf16 values are dequantize_q4's exactly, so
+    only the output's rounding is left (Scale.SUM configs run as WEIGHT)."""
+    from gpu_ops.q4 import dequantize_q4, quantize_q4
+
+    fails = 0
+    for (n, k), cfg, rows in itertools.product(shapes, configs[::2], (5, 33)):
+        packed, sz = quantize_q4(torch.randn(n, k) * 0.02)
+        x = torch.randn(rows, k).bfloat16()
+        ref = x.double() @ dequantize_q4(packed, sz, torch.float64).T
+        y = nf4_mma(x, packed, sz, (n, k), cfg, decode=Decode.LINEAR, dot_f32=True)
+        err = float((y.double() - ref).norm() / ref.norm())
+        ok = y.shape == (rows, n) and err < TOL and bool(torch.isfinite(y).all())
+        fails += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} linear N={n:4} K={k:4} rows={rows:2} "
+              f"{(cfg or mma_config(n, k, rows, 8)).fit(k).tag:22} rel err {err:.2e}")
+    return fails
 
 
 if __name__ == "__main__":
