@@ -105,6 +105,8 @@ class MoEFeedForward:
         self.int4_host = host_experts is not None and not isinstance(host_experts, TorchHostExperts)
         if host_experts is not None and (staging is None or self.cuda and not self.int4_host):
             raise ValueError("host experts need the staging; on CUDA, in the int4 format")
+        if self.cuda and self.int4_host:
+            staging.layers.append(host_experts)  # built in layer order: a prefill copies the next one's up ahead
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         N = h.shape[0]
@@ -210,29 +212,21 @@ class MoEFeedForward:
         at a time, the next piece's copy in flight while the device applies this one's to the slots
         routed to them in the grouped int4 GEMM (gpu_ops.moe_prefill)."""
         from gpu_ops.moe_prefill import block_rows, grouped_gemm, sort_slots
-        from planner.workspace import moe_host_piece_bytes
 
-        he, copy = self.host, self.staging.copy
+        he, st = self.host, self.staging
         E, H, Fi = len(he.experts), self.cfg.hidden_size, self.cfg.moe_intermediate_size
         N, k = ids.shape
-        per = max(1, moe_host_piece_bytes(self.cfg) * E // he.nbytes)
-        pieces = [(a, min(a + per, E)) for a in range(0, E, per)]
+        pieces = st.pieces(he)
         main = torch.cuda.current_stream(self.dev)
-
-        def fetch(a: int, b: int):
-            with torch.cuda.stream(copy):
-                ts = [torch.from_numpy(arr[a:b]).to(self.dev, non_blocking=True) for arr in (he.gu_q, he.gu_s, he.d_q, he.d_s)]
-                done = torch.cuda.Event()
-                done.record(copy)
-            return ts, done
-
         flat = ids.reshape(-1)
         bm = block_rows(N * k, E)
-        ahead = fetch(*pieces[0])
+        ahead = st.take(he) or st.fetch(he, *pieces[0])
         for n, (a, b) in enumerate(pieces):
             (gq, gs, dq, ds), done = ahead
             if n + 1 < len(pieces):
-                ahead = fetch(*pieces[n + 1])
+                ahead = st.fetch(he, *pieces[n + 1])
+            else:  # the next layer's first piece goes up while this one computes (two in flight, as above)
+                st.fetch_next(he)
             main.wait_event(done)
             for t in (gq, gs, dq, ds):
                 t.record_stream(main)

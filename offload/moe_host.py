@@ -26,7 +26,7 @@ class HostStaging:
         from cpu_attention.experts import Scratch
 
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
-        self.max_rows = max_rows
+        self.cfg, self.max_rows = cfg, max_rows
         self.scratch = Scratch(max_rows, k, H, cfg.moe_intermediate_size, cfg.num_experts)
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -49,6 +49,41 @@ class HostStaging:
             self.scratch.pool.serve_flags(self.go.numpy(), self.done.numpy(), np.zeros(self.MAX_CALLS, np.int64))
             self.calls: dict[int, int] = {}  # descriptor address → its index in the flags
             self.signals = self._signals_work()
+        self.layers: list = []  # the layers' host experts (cpu_attention.experts.HostExperts) in layer order
+        self._ahead = None  # (host experts, a fetch of their first piece) copied up ahead of their layer
+
+    def pieces(self, he) -> list[tuple[int, int]]:
+        """he's experts in the pieces a prefill copies up one at a time ([a, b) of its stacks),
+        planner.workspace.moe_host_piece_bytes each; the plan's workspace holds two."""
+        from planner.workspace import moe_host_piece_bytes
+
+        E = len(he.experts)
+        per = max(1, moe_host_piece_bytes(self.cfg) * E // he.nbytes)
+        return [(a, min(a + per, E)) for a in range(0, E, per)]
+
+    def fetch(self, he, a: int, b: int) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+        """Experts [a, b) of he going up on the copy stream: their four stacks on the device, and the
+        event after which they are there."""
+        with torch.cuda.stream(self.copy):
+            ts = [torch.from_numpy(arr[a:b]).to(self.copy.device, non_blocking=True)
+                  for arr in (he.gu_q, he.gu_s, he.d_q, he.d_s)]
+            done = torch.cuda.Event()
+            done.record(self.copy)
+        return ts, done
+
+    def fetch_next(self, he) -> None:
+        """Start the first piece of the next layer's host experts going up (its layer takes it,
+        `take`), so that the copy engine works through this layer's end and the next one's attention."""
+        i = next((n for n, x in enumerate(self.layers) if x is he), len(self.layers))
+        if i + 1 < len(self.layers):
+            nxt = self.layers[i + 1]
+            self._ahead = (nxt, self.fetch(nxt, *self.pieces(nxt)[0]))
+
+    def take(self, he):
+        """The fetch of he's first piece started by the layer before, or None; anything else fetched
+        ahead is dropped."""
+        ahead, self._ahead = self._ahead, None
+        return ahead[1] if ahead is not None and ahead[0] is he else None
 
     def queue(self, descriptor: np.ndarray) -> None:
         """Queue the host experts' call `descriptor` on the current stream, the stream's later work

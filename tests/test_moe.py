@@ -295,6 +295,28 @@ def test_host_experts_cost_follows_the_tokens_routed_to_them():
     assert eight == pytest.approx(8 * one, rel=1e-6)
 
 
+def test_a_prefill_fetches_the_next_layers_first_piece_of_host_experts_ahead():
+    """The staging's bookkeeping (offload/moe_host.py): the piece fetched at a layer's end is the next
+    host layer's first, taken once by that layer; the last layer fetches nothing. (The copies
+    themselves run on CUDA: the GPU tests' MoE prefills.)"""
+    from offload.moe_host import HostStaging
+
+    cfg = QWEN3_30B_A3B
+    st = HostStaging(cfg, torch.device("cpu"), 4)
+    st.fetch = lambda he, a, b: (he, a, b)  # what went up, instead of the copy
+    layers = [HostExperts(list(range(40)), cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, 1)
+              for _ in range(3)]
+    st.layers += layers
+    first = st.pieces(layers[1])[0]
+    assert first[0] == 0 and 0 < first[1] < 40  # 64 MiB of 40 experts' int4: a piece of them
+    st.fetch_next(layers[0])
+    assert st.take(layers[1]) == (layers[1], *first) and st.take(layers[1]) is None
+    st.fetch_next(layers[0])
+    assert st.take(layers[2]) is None  # fetched for another layer: dropped
+    st.fetch_next(layers[2])
+    assert st.take(layers[0]) is None
+
+
 def test_n_cpu_moe_keeps_the_first_layers_experts_on_the_host():
     from planner import Overrides
 
