@@ -26,7 +26,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_ops import pdl
-from gpu_ops.nf4 import NF4Linear, Nf4Kernel
+from gpu_ops import nf4_tc
+from gpu_ops.nf4 import Codes, NF4Linear, Nf4Kernel
 from gpu_ops.nf4_gemv import nf4_gemv
 
 
@@ -84,6 +85,8 @@ def post_attention(cfg, lw, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor
 
 
 def _gemv(lin: NF4Linear, x: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    if lin.codes is Codes.Q4:
+        return nf4_tc.q4_tc_gemv(x, *lin.q4_words(), lin.shape, residual=residual, swiglu=swiglu)
     return nf4_gemv(x, lin.packed, lin.absmax, lin.shape, config=lin.gemv_config, residual=residual, swiglu=swiglu)
 
 

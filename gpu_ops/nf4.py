@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from gpu_ops import nf4_tc
 from gpu_ops.nf4_code import BLOCK, NF4_CODE
+from gpu_ops.q4 import dequantize_q4, quantize_q4
 
 _MIDS = (NF4_CODE[1:] + NF4_CODE[:-1]) / 2  # decision thresholds: nearest code wins
 _CHUNK = 1 << 24  # elements quantized at a time, to bound the float32 temporaries
@@ -67,6 +68,14 @@ def dequantize_nf4(
     return (_on(packed.device)[0][codes] * scale).view(shape).to(dtype)
 
 
+class Codes(str, enum.Enum):
+    """What a 4-bit linear's codes stand for; both keep 4 bits a weight and 4 bytes a group of 64 in
+    `packed` and `absmax` (so the weight cache, streaming and stacking move either unchanged)."""
+
+    NF4 = "nf4"  # the NF4 code book times the group's absmax (bitsandbytes' format, this module's doc)
+    Q4 = "q4"  # linear: (c − z) · s (gpu_ops.q4; packed holds its int32 words, absmax its sz words)
+
+
 class Nf4Kernel(str, enum.Enum):
     AUTO = "auto"  # cuda: GEMV for ≤ 2 rows, MMA for MMA_AUTO_ROWS, else bitsandbytes; cpu: torch
     BNB = "bnb"  # bitsandbytes' CUDA kernels (gemv for 1 row, gemm / dequant + cuBLAS above)
@@ -98,8 +107,11 @@ class NF4Linear:
         bias: torch.Tensor | None = None,
         kernel: Nf4Kernel = Nf4Kernel.AUTO,
         compute_dtype: torch.dtype = torch.bfloat16,
+        codes: Codes = Codes.NF4,
     ):
-        self.packed, self.absmax, self.bias = packed, absmax, bias
+        if codes is Codes.Q4 and kernel in (Nf4Kernel.BNB, Nf4Kernel.TRITON):
+            raise ValueError(f"the {kernel.value} kernels read NF4 codes only, not {codes.value}")
+        self.packed, self.absmax, self.bias, self.codes = packed, absmax, bias, codes
         self.out_features, self.in_features = shape
         self.shape = (int(shape[0]), int(shape[1]))
         self.compute_dtype = compute_dtype  # cuda only: the CPU path computes in x's dtype
@@ -123,6 +135,10 @@ class NF4Linear:
             return Nf4Kernel.TORCH
         if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/nf4_gemv.py, bench/nf4_mma.py):
             # nf4_gemv at 1 and 2 rows, nf4_mma from 3 to 64, bitsandbytes (dequantize + cuBLAS) above
+            if self.codes is Codes.Q4:  # the tensor-core GEMV up to 8 rows, nf4_mma to 64, then torch
+                if rows <= GEMV_TC_ROWS and nf4_tc.enabled(self.device):
+                    return Nf4Kernel.GEMV
+                return Nf4Kernel.MMA if rows <= MMA_AUTO_ROWS.stop - 1 else Nf4Kernel.TORCH
             if self.in_features % BLOCK:
                 return Nf4Kernel.BNB
             if rows <= 2 or rows <= GEMV_TC_ROWS and nf4_tc.enabled(self.device):
@@ -131,7 +147,15 @@ class NF4Linear:
         return self.kernel
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.codes is Codes.Q4:
+            words, sz = self.q4_words()
+            return dequantize_q4(words, sz, dtype)
         return dequantize_nf4(self.packed, self.absmax, self.shape, dtype)
+
+    def q4_words(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes.Q4's tensors as gpu_ops.q4 shapes them: packed int32 [N, K/8], sz int32 [N, K/64]."""
+        N, K = self.shape
+        return self.packed.view(torch.int32).view(N, K // 8), self.absmax.view(torch.int32).view(N, K // BLOCK)
 
     def bnb_state(self):
         if self._bnb_state is None:
@@ -157,21 +181,34 @@ def _bnb_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     return bnb.matmul_4bit(x.to(lin.compute_dtype), lin.packed.view(-1, 1), quant_state=lin.bnb_state(), bias=b)
 
 
+def _fallback(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
+    """Past a kernel's rows: bitsandbytes for NF4, dequantize + matmul for Q4."""
+    return _bnb_linear(lin, x) if lin.codes is Codes.NF4 else _torch_linear(lin, x)
+
+
 def _gemv_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
     from gpu_ops.nf4_gemv import MAX_ROWS, nf4_gemv
 
     if x.shape[0] > MAX_ROWS or lin.in_features % BLOCK:
-        return _bnb_linear(lin, x)
-    y = nf4_gemv(x, lin.packed, lin.absmax, lin.shape, config=lin.gemv_config)
+        return _fallback(lin, x)
+    if lin.codes is Codes.Q4:
+        y = nf4_tc.q4_tc_gemv(x, *lin.q4_words(), lin.shape)
+    else:
+        y = nf4_gemv(x, lin.packed, lin.absmax, lin.shape, config=lin.gemv_config)
     return y if lin.bias is None else y + lin.bias.to(y.dtype)
 
 
 def _mma_linear(lin: NF4Linear, x: torch.Tensor) -> torch.Tensor:
+    from gpu_ops.nf4_gemv import Decode
     from gpu_ops.nf4_mma import MAX_ROWS, nf4_mma
 
     if x.shape[0] > MAX_ROWS or lin.in_features % BLOCK:
-        return _bnb_linear(lin, x)
-    y = nf4_mma(x, lin.packed, lin.absmax, lin.shape)
+        return _fallback(lin, x)
+    if lin.codes is Codes.Q4:
+        words, sz = lin.q4_words()
+        y = nf4_mma(x, words, sz, lin.shape, decode=Decode.LINEAR)
+    else:
+        y = nf4_mma(x, lin.packed, lin.absmax, lin.shape)
     return y if lin.bias is None else y + lin.bias.to(y.dtype)
 
 
@@ -187,9 +224,20 @@ _KERNELS = {Nf4Kernel.TORCH: _torch_linear, Nf4Kernel.BNB: _bnb_linear, Nf4Kerne
             Nf4Kernel.GEMV: _gemv_linear, Nf4Kernel.MMA: _mma_linear}
 
 
+def codes_for(codes: Codes, shape: tuple[int, int]) -> Codes:
+    """Q4 takes whole groups of K; a matrix whose K is not a multiple of 64 keeps NF4 (flat blocks)."""
+    return Codes.NF4 if shape[1] % BLOCK else codes
+
+
 def nf4_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device,
-               kernel: Nf4Kernel = Nf4Kernel.AUTO) -> NF4Linear:
-    """Quantize w [N, K] (on `device`, so a GPU does the work) into an NF4Linear living there."""
-    packed, absmax = quantize_nf4(w, device)
+               kernel: Nf4Kernel = Nf4Kernel.AUTO, codes: Codes = Codes.NF4) -> NF4Linear:
+    """Quantize w [N, K] (on `device`, so a GPU does the work) into a 4-bit linear living there
+    (in `codes_for(codes, w.shape)`)."""
+    codes = codes_for(codes, tuple(w.shape))
+    if codes is Codes.Q4:
+        words, sz = quantize_q4(w, device)
+        packed, absmax = words.view(torch.uint8).reshape(-1), sz.view(torch.float32).reshape(-1)
+    else:
+        packed, absmax = quantize_nf4(w, device)
     bias = None if b is None else b.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return NF4Linear(packed, absmax, tuple(w.shape), bias, kernel)
+    return NF4Linear(packed, absmax, tuple(w.shape), bias, kernel, codes=codes)

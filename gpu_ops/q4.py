@@ -26,11 +26,26 @@ import torch
 GROUP = 64
 
 
-def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] (K a multiple of 64, any float dtype, any device) → (packed int32 [N, K/8], sz int32 [N, K/64])."""
+_CHUNK = 1 << 24  # weights quantized at a time, to bound the float32 temporaries (as quantize_nf4)
+
+
+def quantize_q4(w: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (K a multiple of 64, any float dtype, any device) → (packed int32 [N, K/8], sz int32
+    [N, K/64]) on `device` (default: w's), a piece of rows at a time."""
     N, K = w.shape
     if K % GROUP:
         raise ValueError(f"quantize_q4 needs K divisible by {GROUP}, got {tuple(w.shape)}")
+    device = w.device if device is None else torch.device(device)
+    packed = torch.empty(N, K // 8, dtype=torch.int32, device=device)
+    sz = torch.empty(N, K // GROUP, dtype=torch.int32, device=device)
+    rows = max(1, _CHUNK // K)
+    for r in range(0, N, rows):
+        packed[r: r + rows], sz[r: r + rows] = _quantize_rows(w[r: r + rows].to(device))
+    return packed, sz
+
+
+def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K = w.shape
     g = w.float().reshape(N, K // GROUP, GROUP)
     lo, hi = g.amin(-1).clamp(max=0.0), g.amax(-1).clamp(min=0.0)  # zero stays representable
     s = ((hi - lo) / 15).to(torch.bfloat16).float()
@@ -43,8 +58,7 @@ def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         packed |= c[..., 2 * i + 1] << (16 + 4 * i)
     s_bits = s.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
     z_bits = (z + 128).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-    sz = (s_bits << 16) | z_bits
-    return packed, sz
+    return packed, (s_bits << 16) | z_bits
 
 
 def dequantize_q4(packed: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

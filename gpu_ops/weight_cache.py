@@ -17,15 +17,16 @@ from typing import Callable
 
 import torch
 
-from gpu_ops.nf4 import BLOCK, NF4Linear, Nf4Kernel, quantize_nf4
+from gpu_ops.nf4 import BLOCK, Codes, NF4Linear, Nf4Kernel, codes_for, nf4_linear
 
 log = logging.getLogger(__name__)
 
 METADATA = {
-    "hetero_weight_cache": "1",
-    "quant_type": "nf4",
-    "blocksize": str(BLOCK),
-    "layout": "bitsandbytes: packed uint8, element 2i in the high nibble; absmax float32 per 64 elements",
+    Codes.NF4: {"hetero_weight_cache": "1", "quant_type": "nf4", "blocksize": str(BLOCK),
+                "layout": "bitsandbytes: packed uint8, element 2i in the high nibble; absmax float32 per 64 elements"},
+    Codes.Q4: {"hetero_weight_cache": "1", "quant_type": "q4", "blocksize": str(BLOCK),
+               "layout": "gpu_ops.q4: packed int32 words, elements 2i and 2i+1 in nibbles i and i+4; "
+                         "sz int32 per 64 elements (bf16 scale high, bf16 128 + zero low)"},
 }
 _SOURCE_SUFFIXES = (".safetensors", ".gguf", ".json", ".bin")
 
@@ -49,9 +50,11 @@ def source_key(source: Path) -> str:
 class NF4Cache:
     """Quantized linears of one checkpoint: read from the cache file, or quantized and saved."""
 
-    def __init__(self, source: Path, root: Path | None = None, kernel: Nf4Kernel = Nf4Kernel.AUTO):
-        self.source, self.kernel = Path(source), kernel
-        self.path = (root or cache_root()) / f"{source_key(self.source)}.safetensors"
+    def __init__(self, source: Path, root: Path | None = None, kernel: Nf4Kernel = Nf4Kernel.AUTO,
+                 codes: Codes = Codes.NF4):
+        self.source, self.kernel, self.codes = Path(source), kernel, codes
+        suffix = "" if codes is Codes.NF4 else f"-{codes.value}"
+        self.path = (root or cache_root()) / f"{source_key(self.source)}{suffix}.safetensors"
         self._new: dict[str, torch.Tensor] = {}
         self._file = self._open()
         self.hit = self._file is not None
@@ -67,7 +70,7 @@ class NF4Cache:
         except Exception as e:  # noqa: BLE001  a broken cache file is re-made, not fatal
             log.warning("weight cache %s is unreadable (%s); quantizing again", self.path, e)
             return None
-        if any(meta.get(k) != v for k, v in METADATA.items()):
+        if any(meta.get(k) != v for k, v in METADATA[self.codes].items()):
             log.warning("weight cache %s has another format (%s); quantizing again", self.path, meta)
             return None
         return f
@@ -88,13 +91,14 @@ class NF4Cache:
         else:
             w = weight()
             shape = tuple(w.shape)
-            packed, absmax = quantize_nf4(w, device)
+            made = nf4_linear(w, None, device, codes=self.codes)
+            packed, absmax = made.packed, made.absmax
             self._new[f"{name}.packed"] = packed.cpu()
             self._new[f"{name}.absmax"] = absmax.cpu()
             self._new[f"{name}.shape"] = torch.tensor(shape, dtype=torch.int64)
         if bias is not None:
             bias = bias.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-        return NF4Linear(packed, absmax, shape, bias, self.kernel)
+        return NF4Linear(packed, absmax, shape, bias, self.kernel, codes=codes_for(self.codes, shape))
 
     def save(self) -> None:
         """Write what was quantized (atomically: a crash leaves no half file behind)."""
@@ -105,11 +109,11 @@ class NF4Cache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         try:
-            save_file(self._new, str(tmp), metadata={**METADATA, "source": str(self.source)})
+            save_file(self._new, str(tmp), metadata={**METADATA[self.codes], "source": str(self.source)})
             os.replace(tmp, self.path)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             log.warning("could not write the weight cache %s (%s); the next start quantizes again", self.path, e)
             return
-        log.info("cached NF4 weights of %s in %s", self.source, self.path)
+        log.info("cached %s weights of %s in %s", self.codes.value, self.source, self.path)
         self._new.clear()

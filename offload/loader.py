@@ -30,6 +30,7 @@ class WeightFormat(str, enum.Enum):
     INT8 = "int8"  # per-row int8, CPU kernel
     INT4 = "int4"  # host experts: a scale per 64 weights, the CPU's expert kernel (cpu_attention.experts)
     NF4 = "4bit"  # bitsandbytes NF4, GPU
+    Q4 = "q4"  # linear 4-bit (gpu_ops.q4), GPU: NF4's bytes; a MoE layer's experts stay NF4
 
     @classmethod
     def parse(cls, value: "str | WeightFormat", device: torch.device) -> "WeightFormat":
@@ -40,7 +41,10 @@ class WeightFormat(str, enum.Enum):
         try:
             return cls(value)
         except ValueError:
-            raise UserError(f"--weights {value!r} is not one of auto, 4bit, int8, bf16, f32") from None
+            raise UserError(f"--weights {value!r} is not one of auto, 4bit, q4, int8, bf16, f32") from None
+
+
+FOUR_BIT = (WeightFormat.NF4, WeightFormat.Q4)  # made on the GPU (gpu_ops.nf4.NF4Linear's codes)
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,9 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, fmt: WeightFormat, devi
         if device.type != "cpu":
             raise UserError("--weights int8 runs on the CPU only; use --weights 4bit or bf16 with --device cuda")
         return Int8Linear(w, b)
-    from gpu_ops.nf4 import nf4_linear  # bitsandbytes is needed only for this format
+    from gpu_ops.nf4 import Codes, nf4_linear  # bitsandbytes is needed only for these formats
 
-    return nf4_linear(w, b, device)
+    return nf4_linear(w, b, device, codes=Codes.Q4 if fmt is WeightFormat.Q4 else Codes.NF4)
 
 
 def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
@@ -87,11 +91,12 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
     get = ck.get
     has = ck.tensors.__contains__
     nf4 = None
-    if fmt is WeightFormat.NF4 and ck.format != "random":  # quantized once, then read back from the disk cache
+    if fmt in FOUR_BIT and ck.format != "random":  # quantized once, then read back from the disk cache
+        from gpu_ops.nf4 import Codes
         from gpu_ops.weight_cache import NF4Cache
 
-        nf4 = NF4Cache(ck.path)
-        log.info("NF4 weights %s %s", "from the cache" if nf4.hit else "quantized now, cached in", nf4.path)
+        nf4 = NF4Cache(ck.path, codes=Codes.Q4 if fmt is WeightFormat.Q4 else Codes.NF4)
+        log.info("%s weights %s %s", fmt.value, "from the cache" if nf4.hit else "quantized now, cached in", nf4.path)
 
     int8 = None
     if fmt is WeightFormat.INT8 and homes is None and device.type == "cpu" and ck.format != "random":
@@ -104,12 +109,12 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
 
     def lin(where: Home, name: str, weight, b: torch.Tensor | None = None) -> Linear:
         """`weight()` reads (and fuses) the source tensor; a cache hit never calls it."""
-        if where.fmt is WeightFormat.NF4 and nf4 is not None:
+        if where.fmt is fmt and fmt in FOUR_BIT and nf4 is not None:
             made = nf4.linear(name, weight, b, device)
         elif int8 is not None:
             made = int8.linear(name, weight, b)
         else:
-            made = make_linear(weight(), b, where.fmt, device if where.fmt is WeightFormat.NF4 else where.device)
+            made = make_linear(weight(), b, where.fmt, device if where.fmt in FOUR_BIT else where.device)
         return move_linear(made, where.device)
 
     def vec(where: Home, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:  # norms, router
@@ -135,6 +140,8 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
             ehomes = [home(i, Kind.EXPERTS, e) for e in range(cfg.num_experts)]
 
             def pair(e: int, where: Home) -> tuple[Linear, Linear]:
+                if where.fmt is WeightFormat.Q4:  # the grouped expert kernels read NF4 (planner: Group.dtype_for)
+                    where = Home(WeightFormat.NF4, where.device, where.host_computed)
                 x = f"{m}experts.{e}."
                 gu = lambda: torch.cat([get(x + "gate_proj.weight"), get(x + "up_proj.weight")])  # noqa: E731
                 return lin(where, x + "gate_up", gu), lin(where, x + "down", lambda: get(x + "down_proj.weight"))
@@ -188,7 +195,7 @@ def _split_moe(group: Home, homes: list[Home], device: torch.device) -> bool:
     graph can hold); else the model's own loop over the experts (streamed experts, a CPU plan)."""
     if any(h.host_computed != group.host_computed for h in homes):
         return True
-    return device.type == "cuda" and all(h.device == device and h.fmt is WeightFormat.NF4 for h in homes)
+    return device.type == "cuda" and all(h.device == device and h.fmt is WeightFormat.NF4 for h in homes)  # Q4: dense only
 
 
 _TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}

@@ -25,7 +25,7 @@ from offload.weights import TensorRef, WeightStreamer
 from planner.plan import Device, Mode, Plan
 from planner.tensors import Kind, WDtype
 
-FORMATS = {WDtype.NF4: WeightFormat.NF4, WDtype.INT8: WeightFormat.INT8, WDtype.INT4: WeightFormat.INT4,
+FORMATS = {WDtype.NF4: WeightFormat.NF4, WDtype.Q4: WeightFormat.Q4, WDtype.INT8: WeightFormat.INT8, WDtype.INT4: WeightFormat.INT4,
            WDtype.BF16: WeightFormat.BF16, WDtype.F32: WeightFormat.F32}
 _VECTORS = (Kind.NORMS, Kind.FINAL_NORM)  # applied by the device whatever the plan's mode
 

@@ -41,9 +41,10 @@ def expert_parts(g: Group, weights: WDtype, n: int, heat: list[float] | None = N
     """An experts group with n experts on the GPU (with the router), the rest on the host: the n
     most routed to in `heat` (the layer's routing counts), else its first n."""
     E = g.params // g.expert_params
+    host = cpu_dtype(weights, Kind.EXPERTS)
+    weights = g.dtype_for(weights)  # the device's experts' format (NF4 under --weights q4)
     if n >= E:
         return [Placement(g.layer, g.kind, Device.CUDA, weights, Mode.RESIDENT, g.nbytes(weights))]
-    host = cpu_dtype(weights, Kind.EXPERTS)
     order = sorted(range(E), key=lambda e: -heat[e]) if heat else list(range(E))
     dev, rest = tuple(sorted(order[:n])), tuple(sorted(order[n:]))
     total = sum(heat) if heat else 0.0

@@ -14,7 +14,8 @@ from planner.hardware import HardwareProfile, default_budget
 from planner.tensors import WDtype
 from planner.units import parse_size
 
-WEIGHTS = {"4bit": WDtype.NF4, "nf4": WDtype.NF4, "int8": WDtype.INT8, "bf16": WDtype.BF16, "f32": WDtype.F32}
+WEIGHTS = {"4bit": WDtype.NF4, "nf4": WDtype.NF4, "q4": WDtype.Q4, "int8": WDtype.INT8, "bf16": WDtype.BF16,
+           "f32": WDtype.F32}
 DEVICES = {"cpu": Device.CPU, "cuda": Device.CUDA}
 MODES = {"stream": Mode.STREAM, "cpu": Mode.CPU}
 KV = {d.value: d for d in KVDtype}

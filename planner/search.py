@@ -21,7 +21,7 @@ from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Override
                           Prediction, Workload)
 from planner.hardware import KV_BLOCK, HardwareProfile, default_budget
 from planner.experts import expert_parts, experts_choice, spread_experts
-from planner.tensors import Group, Kind, WDtype, cpu_dtype, kv_bytes_per_token_layer, weight_groups
+from planner.tensors import GPU_4BIT, Group, Kind, WDtype, cpu_dtype, kv_bytes_per_token_layer, weight_groups
 from planner.workspace import workspace_bytes
 from planner.units import format_size as fs
 
@@ -69,7 +69,7 @@ def plan(
         why = "4-bit on the GPU: decode reads every weight each step" if device is Device.CUDA else \
             "the CPU's int8 kernel reads a quarter of f32's bytes"
         choices.append(Choice("--weights", "4bit" if weights is WDtype.NF4 else weights.value, why))
-    if device is Device.CPU and weights is WDtype.NF4:
+    if device is Device.CPU and weights in GPU_4BIT:
         choices.append(Choice("--weights", "4bit", "on the CPU, 4-bit weights are dequantized by torch at every use "
                               "(slow: a stand-in for the GPU; --weights int8 is the CPU's fast format)"))
     if device is Device.CUDA and weights is WDtype.INT8:
@@ -233,7 +233,7 @@ def _fill(
 
     Experts the CPU computes (4-bit weights, split_ok) are placed one by one: the other groups
     first, then what room is left (`planner.experts.spread_experts`), the most routed to first."""
-    split = split_ok and modes[0] is Mode.CPU and weights is WDtype.NF4
+    split = split_ok and modes[0] is Mode.CPU and weights in GPU_4BIT
     cpu_experts = {i for i, g in enumerate(groups) if g.kind is Kind.EXPERTS and (g.layer < n_cpu_moe or split)}
     staging = 0
     for _ in range(4):

@@ -27,6 +27,7 @@ class Kind(str, enum.Enum):
 
 class WDtype(str, enum.Enum):
     NF4 = "nf4"  # bitsandbytes, GPU
+    Q4 = "q4"  # linear 4-bit (gpu_ops.q4), GPU: NF4's bytes, decoded by arithmetic; experts stay NF4
     INT8 = "int8"  # per-row scale, the CPU kernel (cpu_attention.linear)
     INT4 = "int4"  # a scale per 64 weights, the CPU's expert kernel (cpu_attention.experts)
     BF16 = "bf16"
@@ -34,13 +35,14 @@ class WDtype(str, enum.Enum):
 
     def nbytes(self, params: int, rows: int = 0) -> int:
         """Bytes of `params` weights in `rows` output rows (int8 keeps a fp32 scale a row)."""
-        if self in (WDtype.NF4, WDtype.INT4):
+        if self in (WDtype.NF4, WDtype.Q4, WDtype.INT4):
             return params // 2 + 4 * (-(-params // NF4_BLOCK))
         if self is WDtype.INT8:
             return params + 4 * rows
         return params * (2 if self is WDtype.BF16 else 4)
 
 
+GPU_4BIT = frozenset({WDtype.NF4, WDtype.Q4})  # the GPU's 4-bit formats (gpu_ops.nf4.NF4Linear's codes)
 # Groups whose matrices a 4-bit linear can take; the rest (lookups, norms, biases) stay 16-bit.
 QUANTIZABLE = frozenset({Kind.ATTN, Kind.MLP, Kind.EXPERTS, Kind.LM_HEAD})
 
@@ -63,6 +65,8 @@ class Group:
         return dtype.nbytes(self.params, self.rows) + WDtype.BF16.nbytes(self.small_params)
 
     def dtype_for(self, weights: WDtype) -> WDtype:
+        if self.kind is Kind.EXPERTS and weights is WDtype.Q4:
+            return WDtype.NF4  # the GPU's grouped expert kernels read NF4
         return weights if self.kind in QUANTIZABLE else WDtype.BF16
 
 
@@ -116,7 +120,7 @@ def kv_bytes_per_seq_layer(cfg: ModelConfig, dtype: KVDtype, block_size: int) ->
 def cpu_dtype(weights: WDtype, kind: Kind | None = None) -> WDtype:
     """What a host-computed matrix is stored as: experts in int4 beside 4-bit GPU weights (the
     CPU's expert kernel reads that format), other groups in int8 (the CPU has no 4-bit GEMV)."""
-    if weights is WDtype.NF4:
+    if weights in GPU_4BIT:
         return WDtype.INT4 if kind is Kind.EXPERTS else WDtype.INT8
     return weights
 

@@ -193,11 +193,15 @@ def test_decoder_eager_cpu_matches_engine(tmp_path):
         assert ours[s] == [c.token for c in engine.generate(prompt, max_new_tokens=12, temperature=0.0)]
 
 
-def test_nf4_engine_logits_near_bf16(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("weights", ["4bit", "q4"])
+def test_nf4_engine_logits_near_bf16(tiny, tmp_path, monkeypatch, weights):
+    """NF4 and the linear q4 (q4 where K is whole groups of 64: here all but down, K = 96)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     folder, _ = tiny("llama")
     bf16 = hetero.load(folder, device="cpu", weights="bf16", kv_dtype="f32", tokenizer=False).logits(PROMPT)
-    engine = hetero.load(folder, device="cpu", weights="4bit", kv_dtype="f32", tokenizer=False)
+    engine = hetero.load(folder, device="cpu", weights=weights, kv_dtype="f32", tokenizer=False)
+    codes = {lin.codes.value for lw in engine.model.layers for lin in (lw.qkv, lw.gate_up, lw.down)}
+    assert codes == ({"nf4"} if weights == "4bit" else {"q4", "nf4"})
     nf4 = engine.logits(PROMPT)
     err = rel_err(nf4, bf16)
     assert 0 < err < NF4_LOGIT_ERR, err
@@ -211,28 +215,29 @@ def test_nf4_engine_logits_near_bf16(tiny, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- weight cache
-def test_weight_cache_second_load_does_not_quantize(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt,quant_type", [(WeightFormat.NF4, "nf4"), (WeightFormat.Q4, "q4")])
+def test_weight_cache_second_load_does_not_quantize(tiny, tmp_path, monkeypatch, fmt, quant_type):
     import gpu_ops.weight_cache as wc
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     folder, _ = tiny("qwen2")  # biases too
     ck = open_checkpoint(folder)
-    first = load_model(ck, WeightFormat.NF4, torch.device("cpu"))
+    first = load_model(ck, fmt, torch.device("cpu"))
     files = list((tmp_path / "hetero" / "weights").glob("*.safetensors"))
     assert len(files) == 1
 
-    def boom(w):
+    def boom(*args, **kwargs):
         raise AssertionError("quantized again despite the cache")
 
-    monkeypatch.setattr(wc, "quantize_nf4", boom)
-    second = load_model(open_checkpoint(folder), WeightFormat.NF4, torch.device("cpu"))
+    monkeypatch.setattr(wc, "nf4_linear", boom)
+    second = load_model(open_checkpoint(folder), fmt, torch.device("cpu"))
     x = torch.randn(3, ck.config.hidden_size)
     for a, b in [(first.layers[0].qkv, second.layers[0].qkv), (first.lm_head, second.lm_head)]:
         assert torch.equal(a.packed, b.packed) and torch.equal(a(x), b(x))
     from safetensors import safe_open
 
     meta = safe_open(str(files[0]), "pt").metadata()
-    assert meta["quant_type"] == "nf4" and meta["blocksize"] == "64"
+    assert meta["quant_type"] == quant_type and meta["blocksize"] == "64"
 
 
 def test_weight_cache_key_follows_the_source(tmp_path):

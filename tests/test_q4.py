@@ -46,3 +46,19 @@ def test_q4_packs_elements_2i_and_2i_plus_1_in_nibbles_i_and_i_plus_4():
 def test_q4_refuses_a_k_that_is_not_whole_groups():
     with pytest.raises(ValueError, match="divisible by 64"):
         quantize_q4(torch.zeros(4, 100))
+
+
+def test_q4_plans_keep_a_moe_layers_experts_in_nf4():
+    """--weights q4: the dense matrices in q4, the experts NF4 (the grouped expert kernels' format),
+    the host's experts int4 as with 4bit; the bytes are NF4's, so the placement is the same."""
+    from planner import Budget, HardwareProfile, Overrides, Workload, plan
+    from planner.tensors import Kind, WDtype
+    from test_planner import QWEN3_30B_A3B
+
+    hw = HardwareProfile.synthetic(80, pcie_gbps=55, dram_gbps=73, host_gib=128, cores=16, hbm_gbps=2900)
+    args = (QWEN3_30B_A3B, hw, Budget(8 * 2**30, 100 * 2**30), Workload(4096))
+    q4, nf4 = plan(*args, Overrides(weights=WDtype.Q4)), plan(*args)
+    dt = {(p.kind, p.on_gpu, p.dtype) for p in q4.placements}
+    assert (Kind.ATTN, True, WDtype.Q4) in dt and (Kind.EXPERTS, True, WDtype.NF4) in dt
+    assert (Kind.EXPERTS, False, WDtype.INT4) in dt
+    assert [(p.name, p.on_gpu, p.nbytes) for p in q4.placements] == [(p.name, p.on_gpu, p.nbytes) for p in nf4.placements]
