@@ -120,8 +120,9 @@ def trace(work, path: Path) -> None:
 
 
 def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int,
-            trace_to: Path | None = None) -> dict:
-    """One row through `hetero.load`, as a user gets it: only the model, --gpu-mem, -c and --parallel."""
+            trace_to: Path | None = None, weights: str = "auto") -> dict:
+    """One row through `hetero.load`, as a user gets it: only the model, --gpu-mem, -c and --parallel
+    (and --weights where the run names one: an A/B of the 4-bit formats)."""
     import hetero
     from bench.offload_decode import model_bytes
     from hetero.random_weights import RandomCheckpoint
@@ -129,7 +130,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
 
     torch.cuda.reset_peak_memory_stats()
     engine = hetero.load(RandomCheckpoint(LLAMA3_8B, "cuda"), device="cuda", gpu_mem=gpu_gib * GiB,
-                         ctx_size=ctx, parallel=batch)
+                         ctx_size=ctx, parallel=batch, weights=weights)
     runner, cache, plan = engine.runner, engine.cache, engine.plan
     seqs = list(range(batch))
     n0 = ctx - steps - 8  # the steps end at the context's last token
@@ -154,14 +155,14 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
     streamed = len(runner.streamer.blocks) * cache.block_size if runner.streamer is not None else 0
     gpu_kv = g_tok * cache.gpu.block_nbytes / cache.block_size if cache.gpu is not None else 0.0
     host_tok_bytes = cache.host.bytes_per_token
-    weights = model_bytes(runner.model)
-    b = bound_s(prof, weights, gpu_kv, (h_tok - streamed) * host_tok_bytes, streamed * host_tok_bytes)
+    wbytes = model_bytes(runner.model)
+    b = bound_s(prof, wbytes, gpu_kv, (h_tok - streamed) * host_tok_bytes, streamed * host_tok_bytes)
     peak = torch.cuda.max_memory_allocated()
     kv = plan.kv
     # the plan's cost at the measured context (the plan itself was sized for the whole -c)
     pred = decode_step(LLAMA3_8B, prof, plan.placements, kv, batch, n0 + steps // 2, plan.threads, plan.sub_batches)
     out = dict(
-        name=name, ctx=ctx, batch=batch, gpu_mem_gib=gpu_gib, target=target,
+        name=name, ctx=ctx, batch=batch, gpu_mem_gib=gpu_gib, target=target, weights=weights,
         plan=f"GPU {kv.gpu_tokens} {kv.gpu_dtype.value} / host {kv.host_tokens} {kv.host_dtype.value}, "
              f"streamed {kv.stream_tokens}, sub-batches {plan.sub_batches}, block {kv.block_size}, embed "
              f"{'GPU' if plan.placement(-1, Kind.EMBED).on_gpu else 'CPU'}",
@@ -224,14 +225,16 @@ def run_rows(module: str, args: argparse.Namespace, table: list[tuple], run_one:
 def main() -> None:
     ap = arguments(__doc__.splitlines()[0])
     ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
+    ap.add_argument("--weights", default="auto", help="hetero.load's weights (auto: the planner's; q4: the linear "
+                                                          "4-bit format, for an A/B)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     def one(prof, name, *row):
         to = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
-        return run_row(prof, name, *row, steps=args.steps, trace_to=to)
+        return run_row(prof, name, *row, steps=args.steps, trace_to=to, weights=args.weights)
 
-    done = run_rows("bench.budget", args, ROWS, one, ["--trace"] if args.trace else [])
+    done = run_rows("bench.budget", args, ROWS, one, (["--trace"] if args.trace else []) + ["--weights", args.weights])
     if done is None:
         return
     prof, rows = done

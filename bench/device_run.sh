@@ -20,7 +20,8 @@
 # spec:     bench.speculative: speculative decoding on the Llama-3-8B shape at each SPEC_DEPTH (default 32768)
 #           context, --gpu-mem SPEC_GPU_MEM (default 6GiB), the planner's own placement: drafts off,
 #           fed-in acceptances 3/4 and 0/auto (drafts of the adaptive length, none kept), and ngram (SPEC_DRAFTS; SPEC_ARGS passed through, e.g. "--trace $OUT/spec")
-# budget:   bench.budget (decode at each --gpu-mem budget, the planner's own choice; BUDGET_ARGS passed through)
+# budget:   bench.budget (decode at each --gpu-mem budget, the planner's own choice; BUDGET_ARGS passed through,
+#           e.g. "--only 1x8k@6GiB --weights q4")
 # grouped:  bench.moe_grouped (the MoE prefill's grouped 4-bit GEMM on Qwen3-30B-A3B's shapes; GROUPED_ARGS="--sweep")
 # dramshare: bench.dram_share (the CPU's expert kernel and the GPU's reads of pinned memory, alone and at once)
 # omp:      bench.omp_pools (what a second OpenMP pool, Numba's or torch's, costs three small Numba regions)
