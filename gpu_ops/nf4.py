@@ -149,6 +149,10 @@ class NF4Linear:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.codes is Codes.Q4:
             words, sz = self.q4_words()
+            if self.device.type == "cuda":  # one kernel, bf16 out (a prefill's matmul: `_torch_linear`)
+                from gpu_ops.q4_triton import dequantize_q4_gpu
+
+                return dequantize_q4_gpu(words, sz).to(dtype)
             return dequantize_q4(words, sz, dtype)
         return dequantize_nf4(self.packed, self.absmax, self.shape, dtype)
 

@@ -1,4 +1,5 @@
-"""nf4_mma under Triton's CPU interpreter (no GPU): small shapes, every code path but the PTX decoder.
+"""nf4_mma under Triton's CPU interpreter (no GPU): small shapes, every code path but the PTX decoder;
+also its linear decode (gpu_ops.q4) and that format's bf16 dequantization (gpu_ops.q4_triton).
 
     PYTHONPATH=/tmp/tritonlib:. TRITON_INTERPRET=1 python3 tests/nf4_mma_interpret.py
 
@@ -78,8 +79,23 @@ def main() -> int:
         print(f"{'ok  ' if ok else 'FAIL'} N={n:4} K={k:4} rows={rows:2} {(cfg or mma_config(n, k, rows, 8)).fit(k).tag:22} rel err {err:.2e} "
               f"(vs bf16 weights {err_bnb:.2e}) residual {res_ok} repeatable {again} counters 0 {counters_clear}")
     fails += _linear_format(shapes, configs)
+    fails += _linear_dequantize()
     print(f"{fails} failed")
     return int(fails > 0)
+
+
+def _linear_dequantize() -> int:
+    """gpu_ops.q4_triton's bf16 dequantization (a Q4 prefill's) equals dequantize_q4's, bit for bit."""
+    from gpu_ops.q4 import dequantize_q4, quantize_q4
+    from gpu_ops.q4_triton import dequantize_q4_gpu
+
+    fails = 0
+    for shape in [(3, 64), (97, 320), (5, 4160)]:
+        packed, sz = quantize_q4(torch.randn(shape) * 0.02)
+        ok = torch.equal(dequantize_q4_gpu(packed, sz), dequantize_q4(packed, sz, torch.bfloat16))
+        fails += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} linear dequantize {shape}")
+    return fails
 
 
 def _linear_format(shapes, configs) -> int:
