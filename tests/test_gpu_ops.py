@@ -607,13 +607,16 @@ def test_gpu_nf4_gemv_swiglu_epilogue_is_silu_mul(rows, config):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 2])
-def test_gpu_fused_nf4_layers_give_the_torch_paths_tokens(tmp_path, batch):
-    """NF4 weights, 1-2 rows: the fused kernels (gpu_ops.fused) take the layer; the same model
-    with them off (`Model.use_kernels(None, None)`) takes the torch ops. Same greedy tokens, graphs and eager."""
+@pytest.mark.parametrize("fmt", [WeightFormat.NF4, WeightFormat.Q4])
+def test_gpu_fused_nf4_layers_give_the_torch_paths_tokens(tmp_path, batch, fmt):
+    """4-bit weights (NF4, and the linear q4), 1-2 rows: the fused kernels (gpu_ops.fused) take the
+    layer; the same model with them off (`Model.use_kernels(None, None)`) takes the torch ops. Same
+    greedy tokens, graphs and eager."""
     from gpu_ops import fused
 
     folder = _tiny_separated(tmp_path, intermediate_size=128)  # every K a multiple of 64: our GEMV
-    model = load_model(open_checkpoint(folder), WeightFormat.NF4, torch.device("cuda"))
+    model = load_model(open_checkpoint(folder), fmt, torch.device("cuda"))
+    assert model.layers[0].qkv.codes.value == ("q4" if fmt is WeightFormat.Q4 else "nf4")
     x = torch.zeros(batch, model.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     assert all(fused.applies(lw, x) for lw in model.layers)
     on = _greedy(model, 32, graphs=True, batch=batch)

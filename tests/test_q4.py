@@ -62,3 +62,22 @@ def test_q4_plans_keep_a_moe_layers_experts_in_nf4():
     assert (Kind.ATTN, True, WDtype.Q4) in dt and (Kind.EXPERTS, True, WDtype.NF4) in dt
     assert (Kind.EXPERTS, False, WDtype.INT4) in dt
     assert [(p.name, p.on_gpu, p.nbytes) for p in q4.placements] == [(p.name, p.on_gpu, p.nbytes) for p in nf4.placements]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 5, 32, 100])
+def test_gpu_q4_linear_matches_its_reference(rows):
+    """Each row count's kernel (the tensor-core GEMV, nf4_mma's linear decode, the bf16
+    dequantization and matmul) against x · dequantize_q4ᵀ + b in float64."""
+    from conftest import rel_err
+    from gpu_ops.nf4 import Codes, nf4_linear
+
+    torch.manual_seed(rows)
+    N, K = 1000, 2048
+    w, b = torch.randn(N, K, device="cuda") * 0.02, torch.randn(N, device="cuda")
+    lin = nf4_linear(w, b, torch.device("cuda"), codes=Codes.Q4)
+    x = torch.randn(rows, K, device="cuda").bfloat16()
+    y = lin(x)
+    ref = x.double() @ dequantize_q4(*lin.q4_words(), torch.float64).T + b.bfloat16().double()
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, N) and rel_err(y, ref) < 6e-3
