@@ -46,6 +46,9 @@ class AttnRate:
     gbps: float
 
 
+GEMV_ROWS = 8  # rows the GPU's matrix-vector kernel takes at one row's cost (gpu_ops.nf4.GEMV_TC_ROWS)
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     created: str  # ISO date-time of the measurement
@@ -107,9 +110,10 @@ class HardwareProfile:
         return rate or self.gpu_attention_gbps
 
     def gpu_linear_gbps(self, rows: int) -> float:
-        """Weight bytes / s of a GPU linear over `rows` rows: the GEMV rate up to 2 rows (the engine's
-        matrix-vector kernel), the 32-row rate above (another kernel: bitsandbytes' dequantize + GEMM)."""
-        return self.gpu_gemm_gbps if rows > 2 and self.gpu_gemm_gbps > 0 else self.gpu_gemv_gbps
+        """Weight bytes / s of a GPU linear over `rows` rows: the GEMV rate up to 8 rows (the engine's
+        matrix-vector kernels: up to 8 rows cost what one does, gpu_ops.nf4_tc), the 32-row rate
+        above (another kernel: the 4-bit tensor-core matmul or dequantize + GEMM)."""
+        return self.gpu_gemm_gbps if rows > GEMV_ROWS and self.gpu_gemm_gbps > 0 else self.gpu_gemv_gbps
 
     def best_threads(self) -> int:
         return self.physical_cores
