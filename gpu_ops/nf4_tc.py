@@ -1,12 +1,12 @@
 """NF4 matrix-vector product for decode (1..8 rows of x) on the tensor cores: CUDA C++, via NVRTC.
 
-Why: the Triton GEMV (`gpu_ops.nf4_gemv`) is bound by integer work, not HBM: per 8 codes ~21
-ops to look the codes up (`prmt`), 8 more to widen them to float32, 8 to widen x, then 8 FMAs
-a row, and the integer pipe is half the width of the float one. It reads NF4 at 1.43-1.47
-TB/s on an H200 whose HBM copies at ~4 TB/s. Here the lookup yields bf16 pairs (no widening),
-each pair is scaled by its group's absmax with one bf16x2 multiply (the float pipe), and a
-warp's `mma.sync.m16n8k16` does the multiply-adds, x's rows being the MMA's 8 columns: up to 8
-rows cost what one does.
+Why: the Triton GEMV (`gpu_ops.nf4_gemv`) decodes once per row of x and does its multiply-adds
+on the CUDA cores, so 5 rows cost 2.5-3x one (a speculative step's). Here the lookup yields bf16
+pairs, each pair is scaled by its group's absmax with one bf16x2 multiply, and a warp's
+`mma.sync.m16n8k16` does the multiply-adds, x's rows being the MMA's 8 columns: up to 8 rows cost
+what one does. At one row both kernels run at 1.3-2.1 TB/s of NF4 on an H200 (HBM ~4 TB/s): the
+code-book lookup's integer work bounds them (bench/nf4_tc_probe.py), so one row stays Triton's
+(`nf4_gemv.nf4_gemv` routes).
 
 A warp owns 16 rows of W (rows g and g + 8 for lane group g = lane / 4) and steps K by 128 codes:
 lane c = lane % 4 loads 16 bytes (4 words, 32 codes) of each of its two rows. One word of row g
