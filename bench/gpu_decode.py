@@ -80,13 +80,13 @@ def random_nf4(n: int, k: int) -> NF4Linear:
     return nf4_linear(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02, None, DEV)
 
 
-def build_model(cfg: ModelConfig) -> Model:
-    """Random NF4 weights of cfg's shapes, made on the GPU tensor by tensor (hetero.random_weights, read
-    by the engine's own loader)."""
+def build_model(cfg: ModelConfig, q4: bool = False) -> Model:
+    """Random 4-bit weights of cfg's shapes (NF4, or the linear q4), made on the GPU tensor by tensor
+    (hetero.random_weights, read by the engine's own loader)."""
     from offload.loader import WeightFormat, load_model
     from hetero.random_weights import RandomCheckpoint
 
-    return load_model(RandomCheckpoint(cfg, DEV), WeightFormat.NF4, DEV)
+    return load_model(RandomCheckpoint(cfg, DEV), WeightFormat.Q4 if q4 else WeightFormat.NF4, DEV)
 
 
 def linears(model: Model) -> list[NF4Linear]:

@@ -9,7 +9,7 @@ GEMV `gpu_ops.nf4_gemv` (with --sweep several tile shapes at 1 row) and the tens
 of `gpu_ops.q4` (same bytes, the "q4" column), µs a call inside a CUDA graph with copies
 rotated so that L2 does not serve them, and GB/s of NF4 bytes (+ x and y). --step adds the
 graphed batch-1 decode step of the whole model: bitsandbytes, the Triton GEMV with this run's
-best tiles, and the tensor-core GEMV. Full JSON and log under DIR; a short table last.
+best tiles, the tensor-core GEMV, and the model in the linear q4 format. Full JSON and log under DIR; a short table last.
 """
 from __future__ import annotations
 
@@ -150,6 +150,15 @@ def step_cases(hbm: float, configs: dict) -> list[dict]:
         out.append(c)
         log.info("decode %s", json.dumps(c))
     nf4_tc.use(True)
+    del model
+    torch.cuda.empty_cache()
+    try:  # the same step over the linear 4-bit format (--weights q4)
+        c = decode_case(build_model(LLAMA3_8B, q4=True), 1, 128, 32, AttnKernel.AUTO, hbm, graphs=True)
+        c["linear"] = "q4"
+        out.append(c)
+        log.info("decode %s", json.dumps(c))
+    except Exception as e:  # noqa: BLE001  a benchmark reports what failed and goes on
+        log.warning("the q4 step failed: %r", e)
     return out
 
 
