@@ -1,4 +1,5 @@
-"""4-bit NF4 weights in the bitsandbytes layout, and the linear layer over them.
+"""4-bit weights in the bitsandbytes NF4 layout, and the linear layer over them (`NF4Linear`; its
+`codes` may also be the linear q4 of `gpu_ops.q4`, kept in the same two tensors).
 
 Format (one format, on disk and in memory, whatever kernel reads it):
 
@@ -77,7 +78,7 @@ class Codes(str, enum.Enum):
 
 
 class Nf4Kernel(str, enum.Enum):
-    AUTO = "auto"  # cuda: GEMV for ≤ 2 rows, MMA for MMA_AUTO_ROWS, else bitsandbytes; cpu: torch
+    AUTO = "auto"  # cuda: GEMV for ≤ 2 rows (≤ 8 with nf4_tc), MMA to 64, else bitsandbytes; cpu: torch
     BNB = "bnb"  # bitsandbytes' CUDA kernels (gemv for 1 row, gemm / dequant + cuBLAS above)
     TRITON = "triton"  # gpu_ops.nf4_triton: one-row gemv, else fused dequant + tensor-core matmul
     GEMV = "gemv"  # gpu_ops.nf4_gemv for ≤ 8 rows (decode), bitsandbytes above
@@ -133,8 +134,8 @@ class NF4Linear:
     def pick(self, rows: int) -> Nf4Kernel:
         if self.device.type != "cuda":
             return Nf4Kernel.TORCH
-        if self.kernel is Nf4Kernel.AUTO:  # measured on an H100 (bench/nf4_gemv.py, bench/nf4_mma.py):
-            # nf4_gemv at 1 and 2 rows, nf4_mma from 3 to 64, bitsandbytes (dequantize + cuBLAS) above
+        if self.kernel is Nf4Kernel.AUTO:  # measured (bench/nf4_gemv.py, bench/nf4_mma.py): the GEMV
+            # at 1-2 rows (1-8 with nf4_tc), nf4_mma to 64, bitsandbytes (dequantize + cuBLAS) above
             if self.codes is Codes.Q4:  # the tensor-core GEMV up to 8 rows, nf4_mma to 64, then torch
                 if rows <= GEMV_TC_ROWS and nf4_tc.enabled(self.device):
                     return Nf4Kernel.GEMV
