@@ -4,8 +4,9 @@ One safetensors file per source checkpoint under `$XDG_CACHE_HOME/hetero/weights
 `~/.cache/hetero/weights/`), named by a hash of the checkpoint's resolved path and the size and
 mtime of its files: editing or replacing the checkpoint gives a new key. Per linear layer `name`
 it holds `name.packed` (uint8), `name.absmax` (float32) and `name.shape` (int64 [2]) in the
-`gpu_ops.nf4` format; the header's metadata records that format, so a reader of another
-format (or version) treats the file as a miss and writes it again.
+`gpu_ops.nf4` format (the linear q4 codes in a file of their own, `...-q4.safetensors`); the
+header's metadata records that format, so a reader of another format (or version) treats the file
+as a miss and writes it again.
 """
 from __future__ import annotations
 
