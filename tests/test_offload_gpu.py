@@ -235,21 +235,24 @@ def test_cuda_weights_off_the_gpu_match_cpu(folder4, reference4, kind, mode, sub
 
 @pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed")
 @pytest.mark.parametrize("kind", [Kind.MLP, Kind.ATTN])
-def test_cuda_nf4_streamed_matches_resident_and_int8_cpu_is_close(folder4, reference4, kind, tmp_path, monkeypatch):
-    """4-bit plans: streamed NF4 groups are the resident ones' bytes (same tokens, logits); CPU groups
-    are int8 (cpu_linear's GEMV) and stay within int8's error of the float32 run more than NF4 does."""
+@pytest.mark.parametrize("weights", [WDtype.NF4, WDtype.Q4])
+def test_cuda_nf4_streamed_matches_resident_and_int8_cpu_is_close(folder4, reference4, kind, weights, tmp_path,
+                                                                   monkeypatch):
+    """4-bit plans (NF4, and the linear q4): streamed 4-bit groups are the resident ones' bytes (same
+    tokens, logits); CPU groups are int8 (cpu_linear's GEMV) and stay within int8's error of the
+    float32 run more than the 4-bit format does."""
     from planner.tensors import cpu_dtype
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    resident = hetero.load(folder4, device="cuda", plan=forced_plan(folder4, weights=WDtype.NF4, kv="bf16"),
+    resident = hetero.load(folder4, device="cuda", plan=forced_plan(folder4, weights=weights, kv="bf16"),
                            tokenizer=False, ctx_size=64)
     want, want_logits = _greedy(resident, [PROMPT, PROMPT[::-1]]), resident.logits(PROMPT)
-    p = forced_plan(folder4, {(i, kind): Mode.STREAM for i in range(4)}, weights=WDtype.NF4, kv="bf16")
+    p = forced_plan(folder4, {(i, kind): Mode.STREAM for i in range(4)}, weights=weights, kv="bf16")
     e = hetero.load(folder4, device="cuda", plan=p, tokenizer=False, ctx_size=64)
     assert _greedy(e, [PROMPT, PROMPT[::-1]]) == want
     assert rel_err(e.logits(PROMPT), want_logits) <= 1e-3
-    p = forced_plan(folder4, {(i, kind): Mode.CPU for i in range(4)}, weights=WDtype.NF4, kv="bf16",
-                    host_dtype=cpu_dtype(WDtype.NF4))
+    p = forced_plan(folder4, {(i, kind): Mode.CPU for i in range(4)}, weights=weights, kv="bf16",
+                    host_dtype=cpu_dtype(weights))
     e = hetero.load(folder4, device="cuda", plan=p, tokenizer=False, ctx_size=64)
     _greedy(e, [PROMPT], n=4)
     got = e.logits(PROMPT)
