@@ -64,6 +64,24 @@ def test_q4_plans_keep_a_moe_layers_experts_in_nf4():
     assert [(p.name, p.on_gpu, p.nbytes) for p in q4.placements] == [(p.name, p.on_gpu, p.nbytes) for p in nf4.placements]
 
 
+def test_q4_groups_streamed_by_a_gpu_plan_give_the_resident_tokens(tiny):
+    """A GPU plan on the CPU stand-in: streamed q4 groups are the resident ones' bytes."""
+    import hetero
+    from conftest import forced_plan
+    from planner.plan import Mode
+    from planner.tensors import Kind, WDtype
+
+    folder, _ = tiny("llama_4l")
+    prompt = [3, 17, 42, 99, 5]
+    runs = []
+    for force in ({}, {(i, Kind.MLP): Mode.STREAM for i in range(4)}):
+        e = hetero.load(folder, device="cpu", plan=forced_plan(folder, force, weights=WDtype.Q4), tokenizer=False,
+                        ctx_size=64)
+        assert e.model.layers[0].gate_up.codes.value == "q4"
+        runs.append([c.token for c in e.generate(prompt, max_new_tokens=8, temperature=0.0)])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 5, 32, 100])
