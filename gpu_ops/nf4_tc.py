@@ -295,7 +295,8 @@ def _builds(device: torch.device) -> bool:
     if not cuda_rtc.available(device):
         return False
     try:
-        _kernel(TcConfig(1, 8, 1), _SOURCE).load(device)
+        for fmt in (0, 1):  # NF4 and the linear q4
+            _kernel(TcConfig(1, 8, 1), _SOURCE, fmt).load(device)
     except (OSError, RuntimeError) as e:
         log.warning("the tensor-core NF4 GEMV does not build on %s (%s); the Triton GEMV serves instead", device, e)
         return False
