@@ -177,7 +177,7 @@ def decode_step(
                 rb = read_bytes(g, pl, b)
                 flops = 2.0 * g.active_params * b
                 if split_experts(pl) and pl.mode is Mode.CPU:  # beside the GPU's experts, off the GIL
-                    flops *= pl.share if pl.share is not None else len(pl.experts) / (g.params // g.expert_params)
+                    flops *= _share(g, pl)
                     # the host's kernel decodes an expert's rows once a token routed to it, and the
                     # decode bounds it: its time follows the (token, expert) pairs, not the experts read
                     decoded = _routed(g, pl, b) * expert_bytes(g, pl.dtype)
@@ -305,20 +305,27 @@ def prefill_seconds(
     return total
 
 
+def _experts_k(g: Group) -> tuple[int, int]:
+    """(experts, experts a token routes to) of an experts group."""
+    return g.params // g.expert_params, round((g.active_params - g.small_params) / g.expert_params)
+
+
+def _share(g: Group, p: Placement) -> float:
+    """The share of the group's routing that lands on placement p's experts (its measured share, else
+    its count over all; 1 for a whole group)."""
+    if p.experts is None:
+        return 1.0
+    return p.share if p.share is not None else len(p.experts) / _experts_k(g)[0]
+
+
 def _routed(g: Group, p: Placement, tokens: int) -> float:
     """(token, expert) pairs of `tokens` tokens that land on placement p's experts: tokens · k · share."""
-    E = g.params // g.expert_params
-    k = round((g.active_params - g.small_params) / g.expert_params)
-    return tokens * k * (1.0 if p.experts is None else p.share if p.share is not None else len(p.experts) / E)
+    return tokens * _experts_k(g)[1] * _share(g, p)
 
 
 def _touched(g: Group, p: Placement, tokens: int) -> float:
     """Experts of placement p (a whole experts group or a split part) that `tokens` tokens route to."""
-    E = g.params // g.expert_params
-    k = round((g.active_params - g.small_params) / g.expert_params)
-    if p.experts is None:
-        return experts_touched(E, k, tokens)
-    return experts_touched(E, k, tokens) * (p.share if p.share is not None else len(p.experts) / E)
+    return experts_touched(*_experts_k(g), tokens) * _share(g, p)
 
 
 def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan, sub_batches: int, threads: int,
