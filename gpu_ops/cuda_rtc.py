@@ -40,6 +40,9 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.POINTER(_Attr)), ("nattrs", ctypes.c_uint)]
 
 
+_PDL_ATTR = ctypes.pointer(_Attr(id=_PSS, value=(1).to_bytes(4, "little")))  # the same for every launch
+
+
 @functools.cache
 def _libcuda() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
@@ -147,10 +150,8 @@ class Kernel:
         """args: ctypes values (c_void_p for pointers, c_int, c_longlong, c_uint), in the kernel's order."""
         func = self.load(device)
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-        attr = _Attr(id=_PSS)
-        attr.value = (1).to_bytes(4, "little")
         cfg = _Config(grid[0], grid[1], grid[2], block, 1, 1, smem,
-                      torch.cuda.current_stream(device).cuda_stream, ctypes.pointer(attr), 1 if pdl else 0)
+                      torch.cuda.current_stream(device).cuda_stream, _PDL_ATTR, 1 if pdl else 0)
         rc = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
         if rc == _INVALID_CONTEXT:  # a thread torch has not used yet
             _make_current(device)
