@@ -31,6 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from gpu_ops import nf4_tc, pdl
 
 from gpu_ops.nf4_code import NF4_CODE
+from gpu_ops.nf4_tc import _sms
 from gpu_ops.nf4_ptx import prmt_asm, prmt_tables
 
 MAX_ROWS = 8
@@ -237,11 +238,6 @@ def _book(device: torch.device) -> torch.Tensor:
     """[24] float32: the code book (GATHER), then the 8 PRMT table words (as float32 bits)."""
     words = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in prmt_tables()], dtype=torch.int32)
     return torch.cat([NF4_CODE, words.view(torch.float32)]).to(device)
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int, int]:

@@ -317,7 +317,8 @@ def _tables() -> list[ctypes.c_uint]:
 
 @functools.cache
 def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Multiprocessors of `device` (8 for a CPU: Triton's interpreter), for the 4-bit kernels' launch shapes."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def _rows_of_x(x: torch.Tensor) -> torch.Tensor:
