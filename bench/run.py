@@ -33,6 +33,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "CPU"),
     "sampling": ("what choosing a token costs the host at 49k-152k vocabularies, and the demo model's chat with "
                  "the chat's default sampling against the same chat greedy", "CPU"),
+    "weight_accuracy": ("weight formats (NF4, the linear q4, int8) on the demo model: argmax agreement with bf16 "
+                        "weights, KL and perplexity", "CPU"),
     "kv_accuracy": ("quantized host KV on the demo model: argmax agreement with bf16 KV and perplexity", "CPU"),
     "startup": ("where `hetero chat`'s start-up time goes: imports, tokenizer, plan, weights, KV cache, first "
                 "token", "CPU or GPU"),

@@ -15,9 +15,13 @@ Format (a matrix W [N, K], K a multiple of 64):
                               0..15, the code of zero) as bf16 bits in the low half
     w ≈ bf16((c − z) · s)     computed exactly in float32 and rounded once, as the kernel does
 
-Quantization: min–max per group (Q4_1's rule): s = (max − min) / 15 rounded to bf16, z =
-round(−min / s), c = clamp(round(w / s) + z, 0, 15). The torch functions here are the reference
-twin of the kernel.
+Quantization: min–max per group (Q4_1's range), with the group's largest magnitude kept exact (as
+NF4's absmax is): z is ⌊−min / s₀⌋ or ⌈−min / s₀⌉ (s₀ = (max − min) / 15), s is then the one that
+puts that extreme on a code, and the group keeps whichever of the two has the smaller squared
+error. Rounding z instead leaves the extremes up to s/2 off, and on SmolLM2-135M that costs more
+than NF4 does (teacher-forced agreement with bf16 0.68, perplexity 36.9, against NF4's 0.65 and
+32.2); with the extreme exact, 0.72 and 31.5. Clipping outliers to cut the squared error (a
+searched range) measured worse still. The torch functions here are the reference twin of the kernel.
 """
 from __future__ import annotations
 
@@ -48,17 +52,27 @@ def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     g = w.float().reshape(N, K // GROUP, GROUP)
     lo, hi = g.amin(-1).clamp(max=0.0), g.amax(-1).clamp(min=0.0)  # zero stays representable
-    s = ((hi - lo) / 15).to(torch.bfloat16).float()
-    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale, every code z
-    z = torch.round(-lo / s).clamp(0, 15)
-    c = (torch.round(g / s[..., None]) + z[..., None]).clamp(0, 15).to(torch.int32).reshape(N, K // 8, 8)
+    z0 = torch.floor(-lo / ((hi - lo) / 15).clamp_min(1e-30))
+    (s, z, c, err), (s1, z1, c1, err1) = (_fit(g, lo, hi, z.clamp(1, 14)) for z in (z0, z0 + 1))
+    keep = err1 < err
+    bs, bz, bc = torch.where(keep, s1, s), torch.where(keep, z1, z), torch.where(keep[..., None], c1, c)
+    c = bc.to(torch.int32).reshape(N, K // 8, 8)
     packed = torch.zeros(N, K // 8, dtype=torch.int32, device=w.device)
     for i in range(4):
         packed |= c[..., 2 * i] << (4 * i)
         packed |= c[..., 2 * i + 1] << (16 + 4 * i)
-    s_bits = s.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-    z_bits = (z + 128).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    s_bits = bs.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    z_bits = (bz + 128).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
     return packed, (s_bits << 16) | z_bits
+
+
+def _fit(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor):
+    """Groups g [..., 64] with zero code z: the scale that puts the larger of lo, hi on a code
+    (bf16-exact, float32), z, the codes (float32) and each group's squared error."""
+    s = torch.where(hi >= -lo, hi / (15 - z), -lo / z).to(torch.bfloat16).float()
+    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale, every code z
+    c = (torch.round(g / s[..., None]) + z[..., None]).clamp(0, 15)
+    return s, z, c, (((c - z[..., None]) * s[..., None]).to(torch.bfloat16).float() - g).square_().sum(-1)
 
 
 def dequantize_q4(packed: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 METADATA = {
     Codes.NF4: {"hetero_weight_cache": "1", "quant_type": "nf4", "blocksize": str(BLOCK),
                 "layout": "bitsandbytes: packed uint8, element 2i in the high nibble; absmax float32 per 64 elements"},
-    Codes.Q4: {"hetero_weight_cache": "1", "quant_type": "q4", "blocksize": str(BLOCK),
+    Codes.Q4: {"hetero_weight_cache": "1", "quant_type": "q4", "blocksize": str(BLOCK), "extreme": "exact",
                "layout": "gpu_ops.q4: packed int32 words, elements 2i and 2i+1 in nibbles i and i+4; "
                          "sz int32 per 64 elements (bf16 scale high, bf16 128 + zero low)"},
 }
