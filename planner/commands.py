@@ -24,7 +24,7 @@ from planner.profile import HardwareProfile, cache_path, implausible, load_or_me
 from planner.report import render, to_json
 from planner.experts import routing_for
 from planner.search import plan
-from planner.tensors import total_params
+from planner.tensors import WDtype, total_params
 from planner.units import format_size as fs
 
 
@@ -179,6 +179,8 @@ def render_profile(hw: HardwareProfile, console: Console) -> None:
              f"{hw.gpu_attention_rate(KVDtype.INT8):.0f} / {hw.gpu_attention_rate(KVDtype.INT4):.0f} GB/s of KV"),
             (f"GPU GEMV ({hw.gpu_gemv_dtype})", f"{hw.gpu_gemv_gbps:.0f} GB/s of weights at 1 row, "
                                                 f"{hw.gpu_linear_gbps(32):.0f} at 32"),
+            *([("GPU GEMV (q4)", f"{hw.gpu_gemv_q4_gbps:.0f} GB/s of weights at 1 row, "
+                                 f"{hw.gpu_linear_gbps(32, WDtype.Q4):.0f} at 32")] if hw.gpu_gemv_q4_gbps else []),
             ("GPU bf16 matmul", f"{hw.gpu_tflops:.0f} TFLOP/s"),
         ]
     for what, value in rows:

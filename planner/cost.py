@@ -186,7 +186,7 @@ def decode_step(
                     if hw.has_gpu:
                         x_e += 2 * hop_seconds(b * cfg.hidden_size * 4, hw)
                 elif split_experts(pl):
-                    g_e += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b), gpu_gflops)
+                    g_e += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b, pl.dtype), gpu_gflops)
                     nbytes["gpu weights"] += rb
                 elif pl.mode is Mode.CPU:
                     c_w += gemv_seconds(rb, flops, hw.cpu_gemv_gbps, hw.cpu_gflops)
@@ -194,7 +194,7 @@ def decode_step(
                     if g.kind is not Kind.EMBED and hw.has_gpu:
                         x_w += 2 * hop_seconds(b * cfg.hidden_size * 2, hw)
                 else:
-                    g_lin += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b), gpu_gflops)
+                    g_lin += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b, pl.dtype), gpu_gflops)
                     nbytes["gpu weights"] += rb
             if pl.mode is Mode.STREAM:
                 p += pl.nbytes / (hw.pcie_h2d_gbps * GB)
@@ -337,7 +337,7 @@ def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan
     gb = lambda k: f"{b[k] / 1e9:.2f} GB"  # noqa: E731
     if key == "gpu weights":
         rows = -(-batch // sub_batches)
-        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_linear_gbps(rows):.0f} GB/s" + share
+        return f"GPU weights: {gb(key)} of {gpu_dtype.value} at {hw.gpu_linear_gbps(rows, gpu_dtype):.0f} GB/s" + share
     if key == "gpu attention":
         return f"GPU attention: {gb(key)} of {kv.gpu_dtype.value} KV at {hw.gpu_attention_rate(kv.gpu_dtype):.0f} GB/s" + share
     if key == "cpu attention":

@@ -14,9 +14,10 @@ import torch
 from cpu_attention import warm
 from cpu_attention.layout import KVDtype
 from planner.plan import Budget, Choice
+from planner.tensors import WDtype
 from planner.units import format_size as fs
 
-FORMAT = 10  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
+FORMAT = 11  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3
 KV_BLOCK = 32  # tokens a KV block: the engine's default, and what the attention rates are measured at
 
@@ -76,6 +77,8 @@ class HardwareProfile:
     gpu_gemv_gbps: float = 0.0  # 4-bit (or bf16, see gpu_gemv_dtype) matrix-vector, weight bytes / s
     gpu_gemv_dtype: str = ""  # "nf4" when the engine's NF4 kernels measured it, else "bf16"
     gpu_gemm_gbps: float = 0.0  # the same weights times 32 rows (a decode batch), weight bytes / s; 0: as gemv
+    gpu_gemv_q4_gbps: float = 0.0  # the linear q4 format (gpu_ops.q4) at 1 row; 0: not measured (NF4's rates)
+    gpu_gemm_q4_gbps: float = 0.0  # ... at 32 rows
     gpu_tflops: float = 0.0  # dense bf16 matmul
     layer_overhead_s: float = LAYER_OVERHEAD_S
     cpu_attention_call_s: float = CPU_ATTENTION_CALL_S
@@ -109,11 +112,19 @@ class HardwareProfile:
         rate = {KVDtype.INT8: self.gpu_attention_int8_gbps, KVDtype.INT4: self.gpu_attention_int4_gbps}.get(dtype, 0.0)
         return rate or self.gpu_attention_gbps
 
-    def gpu_linear_gbps(self, rows: int) -> float:
-        """Weight bytes / s of a GPU linear over `rows` rows: the GEMV rate up to 8 rows (the engine's
-        matrix-vector kernels: up to 8 rows cost what one does, gpu_ops.nf4_tc), the 32-row rate
-        above (another kernel: the 4-bit tensor-core matmul or dequantize + GEMM)."""
-        return self.gpu_gemm_gbps if rows > GEMV_ROWS and self.gpu_gemm_gbps > 0 else self.gpu_gemv_gbps
+    def gpu_linear_gbps(self, rows: int, dtype: WDtype = WDtype.NF4) -> float:
+        """Weight bytes / s of a GPU linear in `dtype` over `rows` rows: the GEMV rate up to 8 rows
+        (the engine's matrix-vector kernels: up to 8 rows cost what one does, gpu_ops.nf4_tc), the
+        32-row rate above (another kernel: the 4-bit tensor-core matmul or dequantize + GEMM). The
+        linear q4 format at its own measured rates (NF4's where unmeasured)."""
+        gemv, gemm = (self.gpu_gemv_q4_gbps, self.gpu_gemm_q4_gbps) if dtype is WDtype.Q4 and self.gpu_gemv_q4_gbps \
+            else (self.gpu_gemv_gbps, self.gpu_gemm_gbps)
+        return gemm if rows > GEMV_ROWS and gemm > 0 else gemv
+
+    def gpu_4bit(self) -> WDtype:
+        """The GPU's faster 4-bit format at a decode step's one row, as measured: q4 (decoded by
+        arithmetic) where its GEMV beat NF4's (decoded by table lookups), else NF4."""
+        return WDtype.Q4 if self.gpu_gemv_q4_gbps > self.gpu_gemv_gbps else WDtype.NF4
 
     def best_threads(self) -> int:
         return self.physical_cores

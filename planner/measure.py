@@ -317,31 +317,41 @@ def _measure_quant_attention(dev: torch.device, notes: list[str], quick: bool) -
 
 def _measure_gemv(dev: torch.device, notes: list[str], quick: bool) -> dict[str, Any]:
     """A 14336 × 4096 projection (Llama-3-8B's MLP) at 1 and at 32 rows through the engine's own
-    NF4 linear (`gpu_ops.nf4.NF4Linear`: our GEMV at ≤ 2 rows, bitsandbytes above), replayed in a
-    CUDA graph as the decode step runs it; bf16 weights where bitsandbytes or Triton is missing."""
+    4-bit linear (`gpu_ops.nf4.NF4Linear`, the kernel it picks for the rows), in NF4 and in the
+    linear q4 format, replayed in a CUDA graph as the decode step runs it; bf16 weights where
+    bitsandbytes or Triton is missing."""
     from planner.tensors import WDtype
 
-    sync = torch.cuda.synchronize
     rows, cols = (4096, 4096) if quick else (14336, 4096)
-    loops = 20
     try:
         import bitsandbytes  # noqa: F401
         import triton  # noqa: F401
 
-        from gpu_ops.nf4 import nf4_linear
-        lins = [nf4_linear(torch.randn(rows, cols, device=dev) * 0.02, None, dev) for _ in range(4)]
-        nbytes, dtype = WDtype.NF4.nbytes(rows * cols), "nf4"
+        from gpu_ops.nf4 import Codes, nf4_linear
+        w = torch.randn(rows, cols, device=dev) * 0.02
+        lins = {c: [nf4_linear(w, None, dev, codes=c) for _ in range(4)] for c in (Codes.NF4, Codes.Q4)}
+        del w
     except (ImportError, RuntimeError) as e:  # no bitsandbytes / Triton, or no kernels for this GPU
         notes.append(f"NF4 kernels unavailable ({e!r:.80}): GPU linear rates measured in bf16")
         ws = [torch.randn(rows, cols, device=dev, dtype=torch.bfloat16) for _ in range(4)]
-        lins = [lambda x, w=w: x @ w.T for w in ws]
-        nbytes, dtype = rows * cols * 2, "bf16"
-    out = {"gpu_gemv_dtype": dtype}
+        return {"gpu_gemv_dtype": "bf16", **_linear_rates([lambda x, w=w: x @ w.T for w in ws], rows * cols * 2, cols, dev)}
+    nbytes = WDtype.NF4.nbytes(rows * cols)  # q4: the same bytes
+    out = {"gpu_gemv_dtype": "nf4", **_linear_rates(lins[Codes.NF4], nbytes, cols, dev)}
+    try:
+        q4 = _linear_rates(lins[Codes.Q4], nbytes, cols, dev)
+        out.update(gpu_gemv_q4_gbps=q4["gpu_gemv_gbps"], gpu_gemm_q4_gbps=q4["gpu_gemm_gbps"])
+    except RuntimeError as e:  # the q4 kernels failed here: the planner keeps NF4
+        notes.append(f"q4 linear not measured ({e!r:.80})")
+    return out
+
+
+def _linear_rates(lins: list, nbytes: int, cols: int, dev: torch.device) -> dict[str, float]:
+    """Weight bytes / s of the linears `lins` (4 copies: not from L2) at 1 row and at 32."""
+    loops, out = 20, {}
     for key, m in (("gpu_gemv_gbps", 1), ("gpu_gemm_gbps", 32)):
         x = torch.randn(m, cols, device=dev, dtype=torch.bfloat16)
-        run = lambda: [lins[i % 4](x) for i in range(loops)]  # noqa: E731  4 copies: not from L2
-        t = _best(_graphed(run, dev), 3, sync)
-        out[key] = nbytes * loops / t / 1e9
+        run = lambda: [lins[i % 4](x) for i in range(loops)]  # noqa: E731
+        out[key] = nbytes * loops / _best(_graphed(run, dev), 3, torch.cuda.synchronize) / 1e9
     return out
 
 

@@ -2,6 +2,8 @@
 over it: tests/test_gpu_nf4_tc.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,6 +43,39 @@ def test_q4_packs_elements_2i_and_2i_plus_1_in_nibbles_i_and_i_plus_4():
     assert (code(4) - z) * s == pytest.approx(-1.0, abs=s / 2)  # element 1: nibble 4
     assert (code(1) - z) * s == pytest.approx(0.5, abs=s / 2)  # element 2: nibble 1
     assert code(5) == code(2) == z  # elements 3 and 4 are zero
+
+
+def test_q4_keeps_each_groups_largest_magnitude_on_a_code():
+    """The group's extreme (its largest |w|, often an outlier that matters) comes back within the
+    bf16 rounding of its scale, not up to half a step off as with a rounded zero point."""
+    torch.manual_seed(1)
+    w = torch.randn(64, 512) * torch.rand(64, 1) + 0.3 * torch.randn(64, 1)  # groups off-centre, of any spread
+    w[::3, 7] *= 6  # outliers
+    packed, sz = quantize_q4(w)
+    back, g = dequantize_q4(packed, sz).reshape(64, 8, 64), w.reshape(64, 8, 64)
+    i = g.abs().argmax(-1, keepdim=True)
+    assert torch.allclose(back.gather(-1, i), g.gather(-1, i), rtol=2**-7, atol=0)  # bf16 scale: 8 mantissa bits
+    # the other end may clip by less than a step (the zero code is whole), plus half a step's rounding
+    step = ((sz >> 16) & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()
+    assert ((back - g).abs().amax(-1) < 2 * step).all()
+
+
+def test_the_planner_takes_q4_only_where_its_gemv_measured_faster():
+    from planner import Budget, HardwareProfile, Overrides, Workload, plan
+    from planner.tensors import WDtype
+    from hetero.config import LLAMA3_8B
+
+    hw = HardwareProfile.synthetic(80, pcie_gbps=55, dram_gbps=73, host_gib=128, cores=16, hbm_gbps=4000)
+    args = (Budget(6 * 2**30, 100 * 2**30), Workload(8192))
+    fast_q4 = dataclasses.replace(hw, gpu_gemv_gbps=1800.0, gpu_gemv_q4_gbps=2500.0)
+    slow_q4 = dataclasses.replace(hw, gpu_gemv_gbps=1800.0, gpu_gemv_q4_gbps=1500.0)
+    p = plan(LLAMA3_8B, fast_q4, *args)
+    assert p.weights is WDtype.Q4 and any(c.setting == "--weights" and c.value == "q4" and "2500" in c.reason for c in p.choices)
+    assert plan(LLAMA3_8B, slow_q4, *args).weights is WDtype.NF4
+    assert plan(LLAMA3_8B, hw, *args).weights is WDtype.NF4  # unmeasured: NF4
+    assert plan(LLAMA3_8B, fast_q4, *args, Overrides(weights=WDtype.NF4)).weights is WDtype.NF4
+    nf4 = plan(LLAMA3_8B, dataclasses.replace(fast_q4, gpu_gemv_q4_gbps=0.0), *args)
+    assert p.prediction.decode_tok_s > nf4.prediction.decode_tok_s  # priced at q4's own rate
 
 
 def test_q4_refuses_a_k_that_is_not_whole_groups():

@@ -84,7 +84,7 @@ def load(
     The planner places weights and KV from this machine's profile and the budgets (gpu_mem /
     cpu_mem: bytes or "8GiB"); every option left None is the planner's choice. Without CUDA (or
     with device cpu) the plan is the CPU's, made from the cached profile or this host's memory and
-    cores (it never measures). device: auto|cpu|cuda; weights: auto|4bit|int8|bf16|f32; kv_dtype:
+    cores (it never measures). device: auto|cpu|cuda; weights: auto|4bit|q4|int8|bf16|f32; kv_dtype:
     bf16|int8|int4|f32 (the host tier's); gpu_kv_dtype: bf16|int8|int4|f32 (the device tier's);
     ctx_size: tokens per sequence (0: the model's, capped at 4096 unless asked); parallel: sequences
     the KV cache holds at full context; block_size: tokens a KV block; gpu_kv_tokens: each
