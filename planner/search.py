@@ -64,13 +64,14 @@ def plan(
         choices.append(Choice("--device", device.value, f"found {hw.gpu_name}" if hw.has_gpu else "no CUDA device found"))
     if device is Device.CUDA and not hw.has_gpu:
         raise UserError("--device cuda was given but the profile found no CUDA device: use --device cpu or auto")
-    weights = ov.weights or (hw.gpu_4bit() if device is Device.CUDA else WDtype.INT8)
+    weights = ov.weights or (hw.gpu_4bit(wl.batch) if device is Device.CUDA else WDtype.INT8)
     if ov.weights is None:
         why = "4-bit on the GPU: decode reads every weight each step" if device is Device.CUDA else \
             "the CPU's int8 kernel reads a quarter of f32's bytes"
-        if weights is WDtype.Q4:
-            why += (f"; the linear q4 format, whose GEMV measured {hw.gpu_gemv_q4_gbps:.0f} GB/s against NF4's "
-                    f"{hw.gpu_gemv_gbps:.0f}")
+        if device is Device.CUDA and hw.gpu_gemv_q4_gbps:
+            rates = [f"{hw.gpu_linear_gbps(wl.batch, w):.0f}" for w in (WDtype.Q4, WDtype.NF4)]
+            why += (f"; the linear q4 format measured {rates[0]} GB/s at {wl.batch} row{'s' * (wl.batch > 1)} "
+                    f"against NF4's {rates[1]}")
         choices.append(Choice("--weights", "4bit" if weights is WDtype.NF4 else weights.value, why))
     if device is Device.CPU and weights in GPU_4BIT:
         choices.append(Choice("--weights", "4bit", "on the CPU, 4-bit weights are dequantized by torch at every use "

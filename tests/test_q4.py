@@ -67,11 +67,13 @@ def test_the_planner_takes_q4_only_where_its_gemv_measured_faster():
 
     hw = HardwareProfile.synthetic(80, pcie_gbps=55, dram_gbps=73, host_gib=128, cores=16, hbm_gbps=4000)
     args = (Budget(6 * 2**30, 100 * 2**30), Workload(8192))
-    fast_q4 = dataclasses.replace(hw, gpu_gemv_gbps=1800.0, gpu_gemv_q4_gbps=2500.0)
+    fast_q4 = dataclasses.replace(hw, gpu_gemv_gbps=1800.0, gpu_gemv_q4_gbps=2500.0, gpu_gemm_gbps=800.0,
+                                  gpu_gemm_q4_gbps=500.0)  # the H200's shape: q4 faster at 1 row, slower at 32
     slow_q4 = dataclasses.replace(hw, gpu_gemv_gbps=1800.0, gpu_gemv_q4_gbps=1500.0)
     p = plan(LLAMA3_8B, fast_q4, *args)
     assert p.weights is WDtype.Q4 and any(c.setting == "--weights" and c.value == "q4" and "2500" in c.reason for c in p.choices)
     assert plan(LLAMA3_8B, slow_q4, *args).weights is WDtype.NF4
+    assert plan(LLAMA3_8B, fast_q4, args[0], Workload(2048, batch=32)).weights is WDtype.NF4  # 32 rows: NF4's 800
     assert plan(LLAMA3_8B, hw, *args).weights is WDtype.NF4  # unmeasured: NF4
     assert plan(LLAMA3_8B, fast_q4, *args, Overrides(weights=WDtype.NF4)).weights is WDtype.NF4
     nf4 = plan(LLAMA3_8B, dataclasses.replace(fast_q4, gpu_gemv_q4_gbps=0.0), *args)
