@@ -20,6 +20,7 @@ from planner import flags
 from planner.cost import speculative_gain
 from planner.options import budget_from, overrides_from
 from planner.plan import Workload
+from planner.hardware import RUN_ROWS
 from planner.profile import HardwareProfile, cache_path, implausible, load_or_measure
 from planner.report import render, to_json
 from planner.experts import routing_for
@@ -166,7 +167,8 @@ def render_profile(hw: HardwareProfile, console: Console) -> None:
         (f"CPU GEMV ({hw.cpu_gemv_dtype})", f"{hw.cpu_gemv_gbps:.1f} GB/s of weights"),
         ("CPU fp32 matmul", f"{hw.cpu_gflops:.0f} GFLOP/s"),
     ]
-    rows += [(f"CPU attention {r.dtype} × {r.threads} threads", f"{r.gbps:.1f} GB/s of KV") for r in hw.cpu_attention]
+    rows += [(f"CPU attention {r.dtype} × {r.threads} threads", f"{r.gbps:.1f} GB/s of KV"
+              + (f"; a run of {RUN_ROWS} rows {r.run_cost:.1f}× one row" if r.run_cost else "")) for r in hw.cpu_attention]
     if hw.has_gpu:
         rows += [
             ("GPU", hw.gpu_name or ""),

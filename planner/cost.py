@@ -127,7 +127,8 @@ def tier_tokens(kv: KVPlan, context: int) -> tuple[int, int]:
 def kv_reads(cfg: ModelConfig, rows: int, run_rows: int) -> tuple[int, int]:
     """(device-tier reads, host-tier reads) of the KV by `rows` rows in runs of `run_rows` rows of
     one sequence: a GPU attention program reads it for several rows of a run (`programs_per_run`);
-    the CPU attends a run's earlier tokens once for all its rows (cpu_attention/decode_run.py)."""
+    the CPU attends a run's earlier tokens once for all its rows (cpu_attention/decode_run.py),
+    though not in one row's time (`decode_step`)."""
     seqs = -(-rows // run_rows)
     return seqs * programs_per_run(run_rows, max(1, cfg.num_heads // cfg.num_kv_heads)), seqs
 
@@ -142,7 +143,8 @@ def decode_step(
     Per layer, with n sub-batches of B/n sequences:
       g = Σ_sub (GPU GEMVs of resident and streamed groups) + GPU attention over T_g (+ T_s)
       c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c − T_s (+ a fixed cost per call),
-          at min(kernel rate, DRAM − PCIe) when T_s > 0 (the copies read DRAM meanwhile)
+          at min(kernel rate, DRAM − PCIe) when T_s > 0 (the copies read DRAM meanwhile); a run
+          of rows at the profile's measured multiple of one row (`HardwareProfile.cpu_run_cost`)
       p = streamed W / PCIe + T_s · kvb / PCIe    (copy streams, prefetched a layer or two ahead)
       d = T_c · kvb / DRAM read                   (host KV leaves DRAM once, to the CPU or to PCIe)
       x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
@@ -163,6 +165,7 @@ def decode_step(
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     gpu_gflops = hw.gpu_tflops * 1000 or 1e9
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
+    run_cost = hw.cpu_run_cost(kv.host_dtype, threads, run_rows)  # a run's rows: arithmetic grows with them
     if T_s and hw.dram_read_gbps:  # DRAM shared with the copy engine streaming T_s tokens up
         attn_rate = min(attn_rate, max(hw.dram_read_gbps - STREAM_PCIE_SHARE * hw.pcie_h2d_gbps,
                                        MIN_CPU_DRAM_SHARE * hw.dram_read_gbps))
@@ -206,7 +209,8 @@ def decode_step(
                 b_g, b_c = kv_reads(cfg, b, run_rows)
                 g_att += attention_seconds(b_g, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_rate(kv.gpu_dtype) or 1.0, BS)
                 g_att += attention_seconds(b_g, T_s, kv.host_dtype, cfg, hw.gpu_attention_rate(kv.host_dtype) or 1.0, BS)
-                c_att += attention_seconds(b_c, T_cpu, kv.host_dtype, cfg, attn_rate, BS) + (hw.cpu_attention_call_s if T_cpu else 0.0)
+                c_att += attention_seconds(b_c, T_cpu, kv.host_dtype, cfg, attn_rate, BS) * run_cost \
+                    + (hw.cpu_attention_call_s if T_cpu else 0.0)
                 if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
                     x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
             s_up = T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)

@@ -38,13 +38,23 @@ HOST_KV_DTYPES = tuple(KVDtype(n) for n in warm.HOST_DTYPES)  # the host tier's,
 GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy rate, if unmeasured
 
 
+# A run of RUN_ROWS rows of one sequence (a speculative step) on the host tier, against one row,
+# where unmeasured: the kernels read the KV once for the run, but its rows' arithmetic grows with
+# them, and past a row or two it bounds the call (measured 2.0-3.6x on 2 cores, 3.5-5.8x on 16,
+# bench/RESULTS.md "Verifying k rows over one read of the KV").
+RUN_ROWS = 8
+RUN_COST = 4.0
+
+
 @dataclass(frozen=True)
 class AttnRate:
-    """CPU decode attention: KV bytes read per second for one KV dtype at a thread count."""
+    """CPU decode attention: KV bytes read per second for one KV dtype at a thread count, and what
+    a run of RUN_ROWS rows costs against one row (0: not measured)."""
 
     dtype: str
     threads: int
     gbps: float
+    run_cost: float = 0.0
 
 
 GEMV_ROWS = 8  # rows the GPU's matrix-vector kernel takes at one row's cost (gpu_ops.nf4.GEMV_TC_ROWS)
@@ -87,6 +97,16 @@ class HardwareProfile:
     @property
     def has_gpu(self) -> bool:
         return self.gpu_name is not None
+
+    def cpu_run_cost(self, dtype: KVDtype, threads: int, rows: int) -> float:
+        """A run of `rows` rows of one sequence on the host tier against one row's time: linear
+        between one row and the RUN_ROWS measured (at the nearest thread count below)."""
+        if rows <= 1:
+            return 1.0
+        rates = sorted((r for r in self.cpu_attention if r.dtype == dtype.value), key=lambda r: r.threads)
+        below = [r for r in rates if r.threads <= threads] or rates[:1]
+        r8 = (below[-1].run_cost if below else 0.0) or RUN_COST
+        return 1.0 + (rows - 1) * (r8 - 1.0) / (RUN_ROWS - 1)
 
     def cpu_attention_rate(self, dtype: KVDtype, threads: int) -> float:
         """GB/s of `dtype` KV the CPU reads with `threads` threads.

@@ -17,7 +17,7 @@ import torch
 from cpu_attention import warm
 from cpu_attention import configure
 from planner.hardware import (
-    FORMAT, HOST_KV_DTYPES, KV_BLOCK, POOL_BYTES, AttnRate, HardwareProfile, host_memory, kernels_version, physical_cores,
+    FORMAT, HOST_KV_DTYPES, KV_BLOCK, POOL_BYTES, RUN_ROWS, AttnRate, HardwareProfile, host_memory, kernels_version, physical_cores,
 )
 
 
@@ -194,6 +194,8 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     """Time `cpu_attention.decode_attention` on a pool larger than the caches (layers are
     cycled so each call reads cold memory): one sequence of T tokens × 8 KV heads × D 128 (the
     batch-1 decode the host tier mostly serves; int8 read 53 GB/s there and 30 as 16 × 4k), with as many layers as make POOL_BYTES of each dtype.
+    Then a run of RUN_ROWS rows of that sequence (a speculative step's verification), as a
+    multiple of the one row's time (`AttnRate.run_cost`).
 
     Each (dtype, thread count) is warmed up on its own, one pass over every layer: the first call
     of a dtype JIT-compiles or loads its kernels, the first at a thread count starts Numba's
@@ -210,6 +212,9 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     q = torch.randn(B, 4 * H, D)
     tables = torch.arange(nb, dtype=torch.int32).reshape(B, -1)
     lens = torch.full((B,), T, dtype=torch.int32)
+    q_run = torch.randn(RUN_ROWS, 4 * H, D)  # rows at tokens T - RUN_ROWS + 1 .. T of one sequence
+    tables_run = tables[:1].expand(RUN_ROWS, -1).contiguous()
+    lens_run = torch.arange(T - RUN_ROWS + 1, T + 1, dtype=torch.int32)
     threads = sorted({max(1, cores // 2), cores})
     out = []
     for dt in HOST_KV_DTYPES:
@@ -230,10 +235,16 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
                 layer[0] = (layer[0] + 1) % L
                 cpu_attention.decode_attention(pool, layer[0], q, tables, lens, D**-0.5, threads=n)
 
+            def run(n: int = n) -> None:  # a speculative step's run: RUN_ROWS rows over the same KV
+                layer[0] = (layer[0] + 1) % L
+                cpu_attention.decode_attention(pool, layer[0], q_run, tables_run, lens_run, D**-0.5, threads=n)
+
             for _ in range(L):  # warm-up: compile or load, start the threads, touch every layer
                 call()
             t = _best(call, reps=3 if quick else 12, budget_s=0.5 if quick else 1.5, warmup=False)
-            out.append(AttnRate(dt.value, n, layer_bytes / t / 1e9))
+            run()  # the run's own warm-up (its merge and the own-part calls)
+            t_run = _best(run, reps=3 if quick else 6, budget_s=0.5 if quick else 1.5, warmup=False)
+            out.append(AttnRate(dt.value, n, layer_bytes / t / 1e9, run_cost=t_run / t))
         del pool
     _set_threads(cores)
     return tuple(out)

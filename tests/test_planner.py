@@ -248,6 +248,26 @@ def test_cpu_plans_keep_bf16_kv_while_it_fits_and_say_why():
     assert tight.kv.host_dtype is KVDtype.INT8
 
 
+def test_a_run_on_the_host_tier_costs_what_the_profile_measured():
+    """The host kernels read the KV once for a run, but its rows' arithmetic grows with them: a
+    run of 8 costs the profile's measured multiple of one row (linear in between), not one read."""
+    from planner.hardware import RUN_COST
+
+    hw = HardwareProfile.synthetic(12, host_gib=256)
+    assert hw.cpu_run_cost(KVDtype.INT8, hw.physical_cores, 8) == RUN_COST  # unmeasured
+    rates = tuple(dataclasses.replace(r, run_cost=3.1) for r in hw.cpu_attention)
+    hw = dataclasses.replace(hw, cpu_attention=rates)
+    assert hw.cpu_run_cost(KVDtype.INT8, hw.physical_cores, 1) == 1.0
+    assert hw.cpu_run_cost(KVDtype.INT8, hw.physical_cores, 8) == pytest.approx(3.1)
+    assert hw.cpu_run_cost(KVDtype.INT8, hw.physical_cores, 4) == pytest.approx(1 + 3 * 2.1 / 7)
+    p = plan(LLAMA3_8B, hw, Budget(6 * GIB, 200 * GIB), Workload(131072, prompt_tokens=130000, gen_tokens=256))
+    assert p.kv.host_tokens > 100000
+    step = lambda rows: decode_step(LLAMA3_8B, hw, p.placements, p.kv, rows, 130000, p.threads, 1,  # noqa: E731
+                                    run_rows=rows).terms["cpu attention"]
+    call = hw.cpu_attention_call_s * LLAMA3_8B.num_layers
+    assert step(8) - call == pytest.approx(3.1 * (step(1) - call), rel=1e-6)
+
+
 def test_a_run_of_rows_reads_the_kv_as_the_kernels_do():
     """A speculative step's run of k + 1 rows: the GPU reads the device tier once for every 16 / G
     rows (Llama-3-8B's G = 4: once for 4 rows, twice for 5), the CPU its tier once; the linears
