@@ -1,10 +1,11 @@
 """The host experts' call through its C entry point, OpenMP's kernel against the experts' own pool
 of spinning threads (cpu_attention.experts_pool), µs a call:
 
-    python3 -m bench.experts_pool [--threads N] [--order omp,pool] [--chunks 8,32] [--dram]
+    python3 -m bench.experts_pool [--threads N] [--order omp,pool] [--chunks 8,32] [--dram] [--tokens N]
 
 Four int4 experts of the Qwen3-30B-A3B shape (hidden 2048, expert FFN 768: 10.6 MB a call), one
-token, cycling over 64 layers' worth (680 MB: past the GPU host's 300 MiB L3; 8 layers' worth stayed
+token (--tokens N: N tokens, each routed to 8 experts of its own, as a batch's tokens mostly are),
+cycling over 64 layers' worth (680 MB: past the GPU host's 300 MiB L3; 8 layers' worth stayed
 in it and read ~100 GB/s), 200 calls 100 µs apart from a thread of
 its own, as the CUDA driver's thread makes them, after torch's parallel CPU ops on the main
 thread (the engine's prefill leaves its pool there). Bound: the DRAM read rate (printed GB/s;
@@ -34,6 +35,8 @@ def main() -> None:
     ap.add_argument("--chunks", default="", help="comma-separated rows a claim (the pool only), a process each")
     ap.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--dram", action="store_true", help="first the DRAM read rate past the L3, by threads")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens a call, each over 8 experts of its own "
+                    "(default: one token over 4 experts)")
     args = ap.parse_args()
     if args.dram:
         _dram()
@@ -41,7 +44,7 @@ def main() -> None:
         for c in args.chunks.split(","):
             env = dict(os.environ, NUMBA_CACHE_DIR=tempfile.mkdtemp())
             subprocess.run([sys.executable, "-m", "bench.experts_pool", "--order", "pool", "--chunk", c,
-                            "--threads", str(args.threads)], env=env, check=True)
+                            "--threads", str(args.threads), "--tokens", str(args.tokens)], env=env, check=True)
         return
     if args.chunk:
         import cpu_attention.experts_pool as ep
@@ -55,18 +58,23 @@ def main() -> None:
     from cpu_attention.experts_pool import ExpertsPool
 
     configure()
-    H, F, k, E, L = 2048, 768, 8, 4, 64
+    H, F, k, N = 2048, 768, 8, args.tokens
+    E = 4 if N == 1 else k * N
+    L = max(4, 256 // E)  # past the L3: 64 layers' worth of 4 experts, 680 MB
     threads = args.threads or max(1, physical_cores() - 1)
     sets = timing_layers(L, E, H, F, k, threads)
-    x, w, out = np.ones((1, H), np.float32), np.ones((1, k), np.float32), np.empty((1, H), np.float32)
-    ids = np.full((1, k), -1, np.int32)
-    ids[0, :4] = [0, 1, 2, 3]
+    x, w, out = np.ones((N, H), np.float32), np.ones((N, k), np.float32), np.empty((N, H), np.float32)
+    ids = np.full((N, k), -1, np.int32)
+    if N == 1:
+        ids[0, :4] = [0, 1, 2, 3]
+    else:
+        ids[:] = np.arange(E, dtype=np.int32).reshape(N, k)
     t = torch.randn(4_000_000)
     for _ in range(3):
         t.exp().sum()
     nbytes = sets[0].nbytes
     for mode in args.order.split(","):
-        sc = Scratch(1, k, H, F, E)
+        sc = Scratch(N, k, H, F, E)
         if mode == "pool":
             sc.pool = ExpertsPool(threads)
         entry = ExpertsPool.entry_address() if mode == "pool" else kn.entry_address()

@@ -129,8 +129,8 @@ def _share(ctl, d):
     _wait_for(ctl, DONE2, P)
     c = arrive(ctl, ROWS3)
     while c < chunks3:
-        for o in range(c * CHUNK, min(c * CHUNK + CHUNK, H)):
-            kn.out_row(o, w, tok, pws, starts, gexp, G, d_q, d_s, act, out, asum, aq, acorr, vnni)
+        kn.out_rows(c * CHUNK, min(c * CHUNK + CHUNK, H), w, tok, pws, starts, gexp, G, d_q, d_s, act, out, asum, aq,
+                    acorr, vnni)
         arrive(ctl, DONE3)
         c = arrive(ctl, ROWS3)
     return chunks3
