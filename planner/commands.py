@@ -168,7 +168,9 @@ def render_profile(hw: HardwareProfile, console: Console) -> None:
         ("CPU fp32 matmul", f"{hw.cpu_gflops:.0f} GFLOP/s"),
     ]
     rows += [(f"CPU attention {r.dtype} × {r.threads} threads", f"{r.gbps:.1f} GB/s of KV"
-              + (f"; a run of {RUN_ROWS} rows {r.run_cost:.1f}× one row" if r.run_cost else "")) for r in hw.cpu_attention]
+              + (f"; a run of {RUN_ROWS} rows {r.run_cost:.1f}× one row" if r.run_cost else "")
+              + (f"; +{r.item_s * 1e6:.1f} µs a further sequence and kv head" if r.item_s else ""))
+             for r in hw.cpu_attention]
     if hw.has_gpu:
         rows += [
             ("GPU", hw.gpu_name or ""),

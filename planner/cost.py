@@ -144,7 +144,8 @@ def decode_step(
       g = Σ_sub (GPU GEMVs of resident and streamed groups) + GPU attention over T_g (+ T_s)
       c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c − T_s (+ a fixed cost per call),
           at min(kernel rate, DRAM − PCIe) when T_s > 0 (the copies read DRAM meanwhile); a run
-          of rows at the profile's measured multiple of one row (`HardwareProfile.cpu_run_cost`)
+          of rows at the profile's measured multiple of one row (`HardwareProfile.cpu_run_cost`),
+          and each sequence past one at its measured cost a kv head (`cpu_items_seconds`)
       p = streamed W / PCIe + T_s · kvb / PCIe    (copy streams, prefetched a layer or two ahead)
       d = T_c · kvb / DRAM read                   (host KV leaves DRAM once, to the CPU or to PCIe)
       x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
@@ -209,8 +210,9 @@ def decode_step(
                 b_g, b_c = kv_reads(cfg, b, run_rows)
                 g_att += attention_seconds(b_g, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_rate(kv.gpu_dtype) or 1.0, BS)
                 g_att += attention_seconds(b_g, T_s, kv.host_dtype, cfg, hw.gpu_attention_rate(kv.host_dtype) or 1.0, BS)
-                c_att += attention_seconds(b_c, T_cpu, kv.host_dtype, cfg, attn_rate, BS) * run_cost \
-                    + (hw.cpu_attention_call_s if T_cpu else 0.0)
+                if T_cpu:
+                    c_att += attention_seconds(b_c, T_cpu, kv.host_dtype, cfg, attn_rate, BS) * run_cost \
+                        + hw.cpu_items_seconds(kv.host_dtype, threads, b_c, cfg.num_kv_heads) + hw.cpu_attention_call_s
                 if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
                     x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
             s_up = T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)

@@ -44,17 +44,20 @@ GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy
 # bench/RESULTS.md "Verifying k rows over one read of the KV").
 RUN_ROWS = 8
 RUN_COST = 4.0
+BATCH_SEQS = 32  # sequences a call in the profile's batch timing (AttnRate.item_s)
 
 
 @dataclass(frozen=True)
 class AttnRate:
-    """CPU decode attention: KV bytes read per second for one KV dtype at a thread count, and what
-    a run of RUN_ROWS rows costs against one row (0: not measured)."""
+    """CPU decode attention: KV bytes read per second for one KV dtype at a thread count, what a
+    run of RUN_ROWS rows costs against one row, and seconds a call costs beyond its bytes for each
+    (sequence, kv head) past one sequence's (0: not measured)."""
 
     dtype: str
     threads: int
     gbps: float
     run_cost: float = 0.0
+    item_s: float = 0.0
 
 
 GEMV_ROWS = 8  # rows the GPU's matrix-vector kernel takes at one row's cost (gpu_ops.nf4.GEMV_TC_ROWS)
@@ -103,10 +106,21 @@ class HardwareProfile:
         between one row and the RUN_ROWS measured (at the nearest thread count below)."""
         if rows <= 1:
             return 1.0
+        r = self._attn_at(dtype, threads)
+        r8 = (r.run_cost if r else 0.0) or RUN_COST
+        return 1.0 + (rows - 1) * (r8 - 1.0) / (RUN_ROWS - 1)
+
+    def cpu_items_seconds(self, dtype: KVDtype, threads: int, seqs: int, kv_heads: int) -> float:
+        """What a host-tier call over `seqs` sequences costs beyond its bytes (and beyond one
+        sequence's): (seqs − 1) · kv_heads · the measured seconds a (sequence, kv head)."""
+        r = self._attn_at(dtype, threads)
+        return max(0, seqs - 1) * kv_heads * (r.item_s if r else 0.0)
+
+    def _attn_at(self, dtype: KVDtype, threads: int) -> AttnRate | None:
+        """The CPU attention timing of `dtype` at the nearest measured thread count below `threads`."""
         rates = sorted((r for r in self.cpu_attention if r.dtype == dtype.value), key=lambda r: r.threads)
         below = [r for r in rates if r.threads <= threads] or rates[:1]
-        r8 = (below[-1].run_cost if below else 0.0) or RUN_COST
-        return 1.0 + (rows - 1) * (r8 - 1.0) / (RUN_ROWS - 1)
+        return below[-1] if below else None
 
     def cpu_attention_rate(self, dtype: KVDtype, threads: int) -> float:
         """GB/s of `dtype` KV the CPU reads with `threads` threads.
@@ -114,11 +128,9 @@ class HardwareProfile:
         Between measured thread counts the rate scales linearly from the nearest one below,
         capped by the DRAM read rate; an unmeasured dtype falls back to half the DRAM rate.
         """
-        rates = sorted((r for r in self.cpu_attention if r.dtype == dtype.value), key=lambda r: r.threads)
-        if not rates:
+        r = self._attn_at(dtype, threads)
+        if r is None:
             return 0.5 * self.dram_read_gbps * min(1.0, threads / max(1, self.physical_cores))
-        below = [r for r in rates if r.threads <= threads] or rates[:1]
-        r = below[-1]
         return min(r.gbps * threads / r.threads, max(r.gbps, self.dram_read_gbps)) if threads > r.threads \
             else r.gbps * threads / r.threads
 

@@ -17,7 +17,7 @@ import torch
 from cpu_attention import warm
 from cpu_attention import configure
 from planner.hardware import (
-    FORMAT, HOST_KV_DTYPES, KV_BLOCK, POOL_BYTES, RUN_ROWS, AttnRate, HardwareProfile, host_memory, kernels_version, physical_cores,
+    BATCH_SEQS, FORMAT, HOST_KV_DTYPES, KV_BLOCK, POOL_BYTES, RUN_ROWS, AttnRate, HardwareProfile, host_memory, kernels_version, physical_cores,
 )
 
 
@@ -195,7 +195,9 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     cycled so each call reads cold memory): one sequence of T tokens × 8 KV heads × D 128 (the
     batch-1 decode the host tier mostly serves; int8 read 53 GB/s there and 30 as 16 × 4k), with as many layers as make POOL_BYTES of each dtype.
     Then a run of RUN_ROWS rows of that sequence (a speculative step's verification), as a
-    multiple of the one row's time (`AttnRate.run_cost`).
+    multiple of the one row's time (`AttnRate.run_cost`), and the same blocks as BATCH_SEQS
+    sequences of T / BATCH_SEQS tokens: what a call costs beyond the bytes per (sequence, kv head)
+    (`AttnRate.item_s`; 32 × 940 tokens ran at 64% of the one sequence's rate on the GPU host).
 
     Each (dtype, thread count) is warmed up on its own, one pass over every layer: the first call
     of a dtype JIT-compiles or loads its kernels, the first at a thread count starts Numba's
@@ -212,9 +214,13 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     q = torch.randn(B, 4 * H, D)
     tables = torch.arange(nb, dtype=torch.int32).reshape(B, -1)
     lens = torch.full((B,), T, dtype=torch.int32)
-    q_run = torch.randn(RUN_ROWS, 4 * H, D)  # rows at tokens T - RUN_ROWS + 1 .. T of one sequence
-    tables_run = tables[:1].expand(RUN_ROWS, -1).contiguous()
-    lens_run = torch.arange(T - RUN_ROWS + 1, T + 1, dtype=torch.int32)
+    shapes = [
+        (q, tables, lens),  # one sequence
+        (torch.randn(RUN_ROWS, 4 * H, D),  # a run: rows at tokens T − RUN_ROWS + 1 .. T of that sequence
+         tables[:1].expand(RUN_ROWS, -1).contiguous(), torch.arange(T - RUN_ROWS + 1, T + 1, dtype=torch.int32)),
+        (torch.randn(BATCH_SEQS, 4 * H, D), tables.reshape(BATCH_SEQS, -1),  # the same blocks as 32 sequences
+         torch.full((BATCH_SEQS,), T // BATCH_SEQS, dtype=torch.int32)),
+    ]
     threads = sorted({max(1, cores // 2), cores})
     out = []
     for dt in HOST_KV_DTYPES:
@@ -231,20 +237,19 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
         for n in threads:
             _set_threads(n)
 
-            def call(n: int = n) -> None:
-                layer[0] = (layer[0] + 1) % L
-                cpu_attention.decode_attention(pool, layer[0], q, tables, lens, D**-0.5, threads=n)
+            def timer(qx, tx, lx, n: int = n) -> Callable[[], None]:
+                def call() -> None:
+                    layer[0] = (layer[0] + 1) % L
+                    cpu_attention.decode_attention(pool, layer[0], qx, tx, lx, D**-0.5, threads=n)
+                return call
 
-            def run(n: int = n) -> None:  # a speculative step's run: RUN_ROWS rows over the same KV
-                layer[0] = (layer[0] + 1) % L
-                cpu_attention.decode_attention(pool, layer[0], q_run, tables_run, lens_run, D**-0.5, threads=n)
-
+            one, run, batch = (timer(*shape) for shape in shapes)
             for _ in range(L):  # warm-up: compile or load, start the threads, touch every layer
-                call()
-            t = _best(call, reps=3 if quick else 12, budget_s=0.5 if quick else 1.5, warmup=False)
-            run()  # the run's own warm-up (its merge and the own-part calls)
-            t_run = _best(run, reps=3 if quick else 6, budget_s=0.5 if quick else 1.5, warmup=False)
-            out.append(AttnRate(dt.value, n, layer_bytes / t / 1e9, run_cost=t_run / t))
+                one()
+            t = _best(one, reps=3 if quick else 12, budget_s=0.5 if quick else 1.5, warmup=False)
+            t_run, t_batch = (_best(f, reps=3 if quick else 6, budget_s=0.5 if quick else 1.5) for f in (run, batch))
+            out.append(AttnRate(dt.value, n, layer_bytes / t / 1e9, run_cost=t_run / t,
+                                item_s=max(0.0, t_batch - t) / ((BATCH_SEQS - 1) * H)))
         del pool
     _set_threads(cores)
     return tuple(out)

@@ -268,6 +268,20 @@ def test_a_run_on_the_host_tier_costs_what_the_profile_measured():
     assert step(8) - call == pytest.approx(3.1 * (step(1) - call), rel=1e-6)
 
 
+def test_a_host_tier_batch_costs_its_measured_time_a_sequence_beyond_the_bytes():
+    """The profile times 32 short sequences against one long one of the same bytes; what a
+    (sequence, kv head) costs beyond its bytes is added per sequence past the first, per sub-batch."""
+    hw = HardwareProfile.synthetic(12, host_gib=256)
+    p = plan(LLAMA3_8B, hw, Budget(6 * GIB, 200 * GIB), Workload(2048, batch=32))
+    assert p.kv.host_tokens
+    slow = dataclasses.replace(hw, cpu_attention=tuple(dataclasses.replace(r, item_s=2e-6) for r in hw.cpu_attention))
+    terms = [decode_step(LLAMA3_8B, h, p.placements, p.kv, 32, 2000, p.threads, p.sub_batches).terms["cpu attention"]
+             for h in (hw, slow)]
+    subs = [32 // p.sub_batches + (i < 32 % p.sub_batches) for i in range(p.sub_batches)]
+    extra = LLAMA3_8B.num_layers * sum(b - 1 for b in subs) * LLAMA3_8B.num_kv_heads * 2e-6
+    assert terms[1] - terms[0] == pytest.approx(extra, rel=1e-6)
+
+
 def test_a_run_of_rows_reads_the_kv_as_the_kernels_do():
     """A speculative step's run of k + 1 rows: the GPU reads the device tier once for every 16 / G
     rows (Llama-3-8B's G = 4: once for 4 rows, twice for 5), the CPU its tier once; the linears
