@@ -40,7 +40,7 @@ GPU_ATTN_OF_HBM = 0.5  # GPU attention's KV read rate as a share of the HBM copy
 
 # A run of RUN_ROWS rows of one sequence (a speculative step) on the host tier, against one row,
 # where unmeasured: the kernels read the KV once for the run, but its rows' arithmetic grows with
-# them, and past a row or two it bounds the call (measured 2.0-3.6x on 2 cores, 3.5-5.8x on 16,
+# them, and past a row or two it bounds the call (measured 2.0-3.9x on 2 cores, 3.5-5.8x on 16,
 # bench/RESULTS.md "Verifying k rows over one read of the KV").
 RUN_ROWS = 8
 RUN_COST = 4.0
