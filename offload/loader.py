@@ -71,9 +71,16 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, fmt: WeightFormat, devi
         if device.type != "cpu":
             raise UserError("--weights int8 runs on the CPU only; use --weights 4bit or bf16 with --device cuda")
         return Int8Linear(w, b)
-    from gpu_ops.nf4 import Codes, nf4_linear  # bitsandbytes is needed only for these formats
+    from gpu_ops.nf4 import nf4_linear  # bitsandbytes is needed only for these formats
 
-    return nf4_linear(w, b, device, codes=Codes.Q4 if fmt is WeightFormat.Q4 else Codes.NF4)
+    return nf4_linear(w, b, device, codes=_codes(fmt))
+
+
+def _codes(fmt: WeightFormat):
+    """A 4-bit format's `gpu_ops.nf4.Codes`."""
+    from gpu_ops.nf4 import Codes
+
+    return Codes.Q4 if fmt is WeightFormat.Q4 else Codes.NF4
 
 
 def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
@@ -90,13 +97,16 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
     keep = torch.float32 if act == torch.float32 else torch.bfloat16
     get = ck.get
     has = ck.tensors.__contains__
-    nf4 = None
-    if fmt in FOUR_BIT and ck.format != "random":  # quantized once, then read back from the disk cache
-        from gpu_ops.nf4 import Codes
-        from gpu_ops.weight_cache import NF4Cache
+    four_bit: dict = {}  # a 4-bit format's disk cache (gpu_ops.weight_cache), opened as its first matrix is made
 
-        nf4 = NF4Cache(ck.path, codes=Codes.Q4 if fmt is WeightFormat.Q4 else Codes.NF4)
-        log.info("%s weights %s %s", fmt.value, "from the cache" if nf4.hit else "quantized now, cached in", nf4.path)
+    def cached(f: WeightFormat):
+        """f's cache: quantized once, then read back (q4 plans keep their experts NF4: two caches)."""
+        if f not in four_bit:
+            from gpu_ops.weight_cache import NF4Cache
+
+            c = four_bit[f] = NF4Cache(ck.path, codes=_codes(f))
+            log.info("%s weights %s %s", f.value, "from the cache" if c.hit else "quantized now, cached in", c.path)
+        return four_bit[f]
 
     int8 = None
     if fmt is WeightFormat.INT8 and homes is None and device.type == "cpu" and ck.format != "random":
@@ -109,8 +119,8 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
 
     def lin(where: Home, name: str, weight, b: torch.Tensor | None = None) -> Linear:
         """`weight()` reads (and fuses) the source tensor; a cache hit never calls it."""
-        if where.fmt is fmt and fmt in FOUR_BIT and nf4 is not None:
-            made = nf4.linear(name, weight, b, device)
+        if where.fmt in FOUR_BIT and ck.format != "random":  # a random model has no file to key a cache on
+            made = cached(where.fmt).linear(name, weight, b, device)
         elif int8 is not None:
             made = int8.linear(name, weight, b)
         else:
@@ -169,8 +179,8 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
     head_w = embed if cfg.tie_word_embeddings or not has("lm_head.weight") else get("lm_head.weight")
     rope_freqs = get("rope_freqs") if has("rope_freqs") else None
     lm_head = lin(home(-1, Kind.LM_HEAD), "lm_head", lambda: head_w)
-    if nf4 is not None:
-        nf4.save()
+    for c in four_bit.values():
+        c.save()
     if int8 is not None:
         int8.save()
     model = Model(
