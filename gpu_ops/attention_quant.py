@@ -73,6 +73,7 @@ from gpu_ops import pdl
 from gpu_ops.runs import RunRows
 from gpu_ops.attention_triton import _query_rows, _sms, merge_splits, query_rows, split_outputs
 from gpu_ops.kv_pool import GpuKVPool, quant_shapes_ok
+from gpu_ops.q4_triton import codes_f32
 
 
 @triton.jit
@@ -161,11 +162,9 @@ def _store_rotated_back(acc, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D:
 
 @triton.jit
 def _as_f32(c, MAGIC: tl.constexpr):
-    """int4 codes (int32, 0..15) → float32: a conversion (I2F, a quarter-rate instruction on
-    Hopper), or (MAGIC) c or'ed into the float bits of 2^23, which are 2^23 + c exactly, less 2^23:
-    a logic op and an add."""
+    """int4 codes (int32, 0..15) → float32: a conversion, or (MAGIC) as float bits (`codes_f32`)."""
     if MAGIC:
-        return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return codes_f32(c)
     return c.to(tl.float32)
 
 

@@ -56,6 +56,7 @@ from gpu_ops import pdl
 from gpu_ops.nf4_code import BLOCK
 from gpu_ops.nf4_gemv import Decode, _book, _decode_gather, _load_f32, _sms
 from gpu_ops.nf4_ptx import prmt_bf16_asm
+from gpu_ops.q4_triton import codes_f32, scale_zero
 
 MAX_ROWS = 64
 MAX_TILES = 1 << 14  # output tiles a split launch may have: the size of the counter buffer
@@ -175,9 +176,8 @@ def _join8(e0, e1, e2, e3, e4, e5, e6, e7):
 
 @triton.jit
 def _linear_value(q, SHIFT: tl.constexpr, sc, z):
-    """The code at bit SHIFT of each word (`gpu_ops.q4`) as float32 (c − z) · s; 2²³ + c by an or."""
-    c = (((q >> SHIFT) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return (c - z) * sc
+    """The code at bit SHIFT of each word (`gpu_ops.q4`) as float32 (c − z) · s."""
+    return (codes_f32((q >> SHIFT) & 15) - z) * sc
 
 
 @triton.jit
@@ -185,8 +185,7 @@ def _decode_tile(q, s, t0, t1, t2, t3, t4, t5, t6, t7, book_ptr, DECODE: tl.cons
     """q [BN, W] int32 words → [BN, 8W] bf16 codes, times s [BN, W] (each word's absmax) if SCALED.
     LINEAR (`gpu_ops.q4`): s holds each word's group word (scale and zero), always applied."""
     if DECODE == 2:  # element 2i in nibble i, 2i + 1 in nibble i + 4; bf16((c − z) · s) as dequantize_q4
-        sc = (s & -65536).to(tl.float32, bitcast=True)  # s: the int32 group words, plainly loaded
-        z = ((s & 65535) << 16).to(tl.float32, bitcast=True) - 128.0
+        sc, z = scale_zero(s)  # s: the int32 group words, plainly loaded
         f0, f1 = _linear_value(q, 0, sc, z), _linear_value(q, 16, sc, z)
         f2, f3 = _linear_value(q, 4, sc, z), _linear_value(q, 20, sc, z)
         f4, f5 = _linear_value(q, 8, sc, z), _linear_value(q, 24, sc, z)

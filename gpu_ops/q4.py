@@ -3,7 +3,7 @@
 Why: the NF4 GEMV is bound by its code-book lookup (21 integer ops a word of 8 codes; the loads
 alone run at HBM speed, bench/RESULTS.md "4-bit linears"). Here a code c of group g stands for
 (c − z_g) · s_g, which the GPU decodes with a mask and an or (`lop3`: 0x4300 | c is the bf16 of
-128 + c, exactly) and two bf16x2 float ops, 5 integer ops a word (`gpu_ops.nf4_tc`, FORMAT Q4).
+128 + c, exactly) and two bf16x2 float ops, 7 integer ops a word (`gpu_ops.nf4_tc`, FORMAT 1).
 The same bytes as NF4: 4 bits a weight and 4 bytes a group of 64.
 
 Format (a matrix W [N, K], K a multiple of 64):
