@@ -119,8 +119,40 @@ def trace(work, path: Path) -> None:
     path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + table)
 
 
+def host_alone_ms(runner, cache, seqs: list[int]) -> dict[str, float]:
+    """The host tier's kernel alone over this row's own pool and tables, every layer, ms a step (best
+    of 3): on the main thread; there again right after an embedding lookup of the batch's tokens (as
+    a step makes one); and on a fresh thread (no OpenMP pool beside Numba's). Against the runner's
+    own clock for the same kernel inside the steps: what the step adds to it."""
+    import numpy as np
+
+    import cpu_attention
+
+    bt, lens = cache.tables(seqs, "host")
+    if not int(lens.sum()):
+        return {}
+    cfg, pool = runner.cfg, cache.host
+    work = cpu_attention.DecodeWork(pool, bt, lens, runner.threads)
+    q = np.random.default_rng(0).standard_normal((len(seqs), cfg.num_heads, cfg.head_dim), np.float32)
+    o, lse = np.empty_like(q), np.empty(q.shape[:2], np.float32)
+    ids = torch.ones(len(seqs), dtype=torch.long)
+
+    def best(embed: bool = False) -> float:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for i in range(cfg.num_layers):
+                if embed and i == 0:
+                    runner.model.embed(ids)
+                work.run(pool, i, q, runner.model.scale, o, lse)
+            times.append(time.perf_counter() - t)
+        return round(min(times) * 1e3, 3)
+
+    return dict(main=best(), main_after_embed=best(embed=True), own_thread=on_own_thread(best, name="bench-host"))
+
+
 def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int,
-            trace_to: Path | None = None, weights: str = "auto") -> dict:
+            trace_to: Path | None = None, weights: str = "auto", alone_host: bool = False) -> dict:
     """One row through `hetero.load`, as a user gets it: only the model, --gpu-mem, -c and --parallel
     (and --weights where the run names one: an A/B of the 4-bit formats)."""
     import hetero
@@ -151,6 +183,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
     measured = measured_ms(before, runner.metrics.total, steps)
     if trace_to is not None:  # the GPU kernels of two more steps, by time
         trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace_to)
+    alone = host_alone_ms(runner, cache, seqs) if alone_host else {}
     g_tok, h_tok = cache.tier_tokens()
     streamed = len(runner.streamer.blocks) * cache.block_size if runner.streamer is not None else 0
     gpu_kv = g_tok * cache.gpu.block_nbytes / cache.block_size if cache.gpu is not None else 0.0
@@ -172,7 +205,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
         peak_gpu_gib=peak / GiB,
         within_budget=peak <= gpu_gib * GiB, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
         graph=runner.graph_step is not None and runner.graph_step.decoder is not None, terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()},
-        measured_ms=measured, process_threads=process_threads(),
+        measured_ms=measured, host_alone_ms=alone, process_threads=process_threads(),
     )
     runner.close()
     return out
@@ -227,14 +260,17 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
     ap.add_argument("--weights", default="auto", help="hetero.load's weights (auto: the planner's; q4: the linear "
                                                           "4-bit format, for an A/B)")
+    ap.add_argument("--host-alone", action="store_true", help="also time the host tier's kernel alone over each "
+                                                               "row's own pool (`host_alone_ms`)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     def one(prof, name, *row):
         to = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
-        return run_row(prof, name, *row, steps=args.steps, trace_to=to, weights=args.weights)
+        return run_row(prof, name, *row, steps=args.steps, trace_to=to, weights=args.weights, alone_host=args.host_alone)
 
-    done = run_rows("bench.budget", args, ROWS, one, (["--trace"] if args.trace else []) + ["--weights", args.weights])
+    flags = [f for f, on in (("--trace", args.trace), ("--host-alone", args.host_alone)) if on]
+    done = run_rows("bench.budget", args, ROWS, one, flags + ["--weights", args.weights])
     if done is None:
         return
     prof, rows = done
@@ -249,6 +285,10 @@ def main() -> None:
         print(f"{r['name']:14} {r['tok_s']:7.1f} {r['target']:6.0f} {r['predicted_tok_s']:7.1f} {r['bound_tok_s']:7.1f} "
               f"{r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2} {clocks(r['measured_ms']):>20}  "
               f"{r['plan']}{' graph' if r['graph'] else ''}")
+        if r.get("host_alone_ms"):
+            a = r["host_alone_ms"]
+            print(f"{'':14} host kernel alone, ms a step: main thread {a['main']}, after an embedding lookup "
+                  f"{a['main_after_embed']}, own thread {a['own_thread']} (in the steps: {r['measured_ms']['cpu_attention']})")
 
 
 def clocks(m: dict[str, float]) -> str:
