@@ -1,8 +1,8 @@
 """The Hadamard rotation int8 and int4 KV are stored in (`rotation.py`), as Numba code: the
-writers' bit-exact per-row transform (`hadamard_rotate`), the many-row transforms of q and the
-output (`rotate_rows`, `unrotate_rows`, through a transposed copy so the butterflies are vectors
-across rows), and a kernel's few rows (`hadamard_rows`: the stages within 16 channels as one
-16-lane vector, `fwht16`)."""
+many-row transforms of the writers' rows (bit-exact), q and the output (`rotate_rows`,
+`unrotate_rows`, through a transposed copy so the butterflies are vectors across rows), and a
+kernel's few rows (`hadamard_rows`: the stages within 16 channels as one 16-lane vector,
+`fwht16`)."""
 from __future__ import annotations
 
 import numba
@@ -13,38 +13,14 @@ from numba.extending import intrinsic
 from cpu_attention._numba import _flat_ptr, _indexable
 
 
-@numba.njit(inline="always", nogil=True, cache=True)
-def _butterflies(y, P):
-    """Unnormalized Walsh-Hadamard transform of each P-block of y [D], in place."""
-    D = y.shape[0]
-    h = 1
-    while h < P:
-        for i0 in range(0, D, 2 * h):
-            for i in range(i0, i0 + h):
-                a, b = y[i], y[i + h]
-                y[i], y[i + h] = a + b, a - b
-        h *= 2
-
-
-@numba.njit(inline="always", nogil=True, cache=True)
-def hadamard_rotate(x, signs, P, c, y):
-    """y [D] = x @ R of `rotation.py` (signs [D], block P, c = float32(1/sqrt(P))), with
-    `rotation.rotate`'s float32 ops in its order, so without fastmath the bits agree."""
-    for d in range(x.shape[0]):
-        y[d] = x[d] * signs[d]
-    _butterflies(y, P)
-    for d in range(y.shape[0]):
-        y[d] = y[d] * c
-
-
 ROWS = 32  # rows the *_rows transforms take at a time (measured against 16 and 64: fastest here)
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
 def _butterflies_t(t, P, m):
-    """`_butterflies` on each of the first m columns of t [D, ROWS]: a stage is adds and
-    subtracts of whole rows, so the loop over the columns vectorizes (one row of x at a time
-    the transform stays scalar, ~1 ns a pair)."""
+    """The unnormalized Walsh-Hadamard transform of each P-block of each of the first m columns
+    of t [D, ROWS], in place: a stage is adds and subtracts of whole rows, so the loop over the
+    columns vectorizes (one row of x at a time the transform stays scalar, ~1 ns a pair)."""
     D = t.shape[0]
     h = 1
     while h < P:
@@ -132,8 +108,8 @@ def hadamard_rows(x, r0, n, signs, P, c, back, t):
 
 @numba.njit(nogil=True, cache=True)
 def rotate_rows(x, signs, P, c):
-    """Each row of x [N, D] float32 := row @ R, in place, with `hadamard_rotate`'s ops (so the
-    same bits), ROWS rows at a time through a transposed copy that stays in L1 (one copy of
+    """Each row of x [N, D] float32 := row @ R, in place, with `rotation.rotate`'s float32 ops in
+    its order (so the same bits: the writers store what the torch twins do), ROWS rows at a time through a transposed copy that stays in L1 (one copy of
     all N rows costs more than the transform: its stores stride N floats)."""
     t = np.empty((x.shape[1], ROWS), np.float32)
     for r0 in range(0, x.shape[0], ROWS):

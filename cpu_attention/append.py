@@ -17,7 +17,7 @@ import torch
 from numba import prange
 
 from cpu_attention import int4, rotation
-from cpu_attention._hadamard import hadamard_rotate, rotate_rows
+from cpu_attention._hadamard import rotate_rows
 from cpu_attention._numba import bf16_to_f32, f32_to_bf16
 from cpu_attention.layout import KVDtype
 
@@ -44,7 +44,7 @@ def write_bf16(dst, blocks, offs, x):
 def _int8_rows(dst, sc, blocks, offs, x, r0, r1, signs, P, inv_sqrt_p, values):
     """Rows r0 .. r1 of x [T, Hkv, D] seen as T · Hkv rows (token r // Hkv, kv head r % Hkv) into
     dst and sc (`write_int8`): rotated together (`rotate_rows`: its butterflies are vectors across
-    rows, the same bits as `hadamard_rotate`'s row by row), then each row's codes made in a vector
+    rows, the same bits as `rotation.rotate`'s), then each row's codes made in a vector
     loop before their stores into the interleaved order."""
     H, D = x.shape[1], x.shape[2]
     y = x.reshape(x.shape[0] * H, D)[r0:r1].copy()
@@ -193,7 +193,8 @@ def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, order, b
     rotation. The rule, step by step, is int4.write's."""
     T, H, D = xk.shape
     BS = vs.shape[2]
-    y = np.empty(D, np.float32)
+    yv = xv.reshape(T * H, D).copy()  # the values rotated all at once (`rotate_rows`: the same bits)
+    rotate_rows(yv, signs, P, inv_sqrt_p)
     r0 = 0
     while r0 < T:
         b = blocks[order[r0]]
@@ -214,11 +215,10 @@ def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, order, b
             t = order[r]
             o = offs[t]
             for h in range(H):
+                rk, rv, xr, yr = tk[s, h, o], tv[s, h, o], xk[t, h], yv[t * H + h]
                 for d in range(D):
-                    tk[s, h, o, d] = f32_to_bf16(xk[t, h, d])
-                hadamard_rotate(xv[t, h], signs, P, inv_sqrt_p, y)
-                for d in range(D):
-                    tv[s, h, o, d] = f32_to_bf16(y[d])
+                    rk[d] = f32_to_bf16(xr[d])
+                    rv[d] = f32_to_bf16(yr[d])
         if ends:  # 3. complete: quantize, free the tail
             _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, s, b, clips, min_scale, group)
             free[n_free[0]] = s
