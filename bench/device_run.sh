@@ -13,7 +13,7 @@
 #           passed through, default "--rows 1,2,5,8 --sweep --step")
 # mma:      bench.nf4_mma (the W4A16 tensor-core kernel's sweep at 4-64 rows vs bitsandbytes; MMA_ARGS passed through)
 # kvattn:   bench.gpu_kv_attention (paged decode attention over bf16 / int8 / int4 device blocks, GB/s vs HBM;
-#           KVATTN_ARGS passed through, e.g. "--rows 1,4,8 --launch 4x2,8x2 --int4-decode convert,magic")
+#           KVATTN_ARGS passed through, e.g. "--rows 1,4,8 --launch 4x2,8x2")
 # offload:  bench.offload_decode (ONLY="8k bf16,32k int8" picks workloads; BENCH_ARGS passed through)
 # startup8b: bench.startup on a Llama-3-8B-shaped Q4_K_M GGUF it writes first (carry .dbg/tok.gguf from
 #           `python3 -m bench.startup --tokenizer-only .dbg/tok.gguf`), twice: cold caches, then warm

@@ -2,7 +2,7 @@
 (gpu_ops.attention_quant), Llama-3-8B's head shape (32 q heads, 8 kv heads, D 128, BS 16).
 
     python3 -m bench.gpu_kv_attention [--out results.json] [--cases 1x8k,1x32k,1x64k,16x8k,32x2k]
-        [--rows 1,4,8] [--block-size 16] [--launch 4x2,8x2] [--int4-decode convert,magic]
+        [--rows 1,4,8] [--block-size 16] [--launch 4x2,8x2]
 
 (as a module from the repository root: run as a file, bench/cpu_attention.py would shadow the
 package)
@@ -17,8 +17,7 @@ Rows: a case at k rows a sequence is a speculative step's verification (k consec
 of each sequence): as a run (`RunRows`, one program a sequence reading its KV once for all k
 rows) and, beside it, as k separate rows (each reading the KV), the way decode ran them before
 runs; their KV GB/s counts the sequence's bytes once. Launch: the quantized kernels' (warps,
-pipeline stages) a program, compared; int4 decode: how the int4 kernel turns codes into floats
-(`attention_quant.INT4_DECODES`), compared (shown as "/magic" beside the launch).
+pipeline stages) a program, compared.
 
 KV bytes a call = what the kernel must read of the pool: per block and kv head, codes + scales +
 zeros (bf16 2·BS·D·2; int8 2·BS·D + 2·4·BS; int4 BS·D + 2·2·D + 2·2·BS·D/32), a tail block as
@@ -119,26 +118,26 @@ def as_rows(tables, lens, q, k: int, runs: bool):
     return tables.repeat_interleave(k, 0), lens_k, q_k, rr
 
 
-def attend(pool: GpuKVPool, layer: int, q, tables, lens, runs=None, launch=None, decode=None):
+def attend(pool: GpuKVPool, layer: int, q, tables, lens, runs=None, launch=None):
     if pool.kv_dtype is KVDtype.BF16:
         return paged_decode(pool, layer, q, tables, lens, D**-0.5, out_dtype=torch.bfloat16, runs=runs)
     return paged_decode_quant(pool, layer, q, tables, lens, D**-0.5, out_dtype=torch.bfloat16, runs=runs,
-                              launch=launch, int4_decode=decode)
+                              launch=launch)
 
 
-def time_call(pool: GpuKVPool, q, tables, lens, runs=None, launch=None, decode=None, replays: int = 20) -> float:
+def time_call(pool: GpuKVPool, q, tables, lens, runs=None, launch=None, replays: int = 20) -> float:
     """µs a call: a graph of calls over the layers in turn, median over replays."""
     calls = max(16, pool.num_layers)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(pool.num_layers):  # compile, caches, allocator warm
-            attend(pool, i, q, tables, lens, runs, launch, decode)
+            attend(pool, i, q, tables, lens, runs, launch)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
-            attend(pool, i % pool.num_layers, q, tables, lens, runs, launch, decode)
+            attend(pool, i % pool.num_layers, q, tables, lens, runs, launch)
     graph.replay()
     times = []
     for _ in range(replays):
@@ -165,8 +164,6 @@ def main() -> None:
     ap.add_argument("--launch", default="", help="the quantized kernels' warps x stages[x registers], "
                     "comma-separated (default: the kernels' own, attention_quant.LAUNCH)")
     ap.add_argument("--dtypes", default="bf16,int8,int4")
-    ap.add_argument("--int4-decode", default="", help="comma-separated: how the int4 kernel turns codes into "
-                    "floats (default: the kernel's own, attention_quant.INT4_DECODE)")
     a = ap.parse_args()
     global BS
     BS = a.block_size
@@ -175,7 +172,6 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(dev)}: device copy {bound / 1e9:.0f} GB/s (read + written), block {BS}",
           flush=True)
     launches = [tuple(int(x) for x in s.split("x")) for s in a.launch.split(",")] if a.launch else [None]
-    decodes = a.int4_decode.split(",") if a.int4_decode else [None]
     rows = []
     for case in a.cases.split(","):
         batch, ctx = parse_case(case)
@@ -184,18 +180,15 @@ def main() -> None:
             prepare(pool)
             for k, runs in ((int(k), r) for k in a.rows.split(",") for r in ((True, False) if int(k) > 1 else (True,))):
                 tables, lens, q, rr = as_rows(tables0, lens0, q0, k, runs)
-                variants = [(la, de) for la in (launches if kv is not KVDtype.BF16 else launches[:1])
-                            for de in (decodes if kv is KVDtype.INT4 else [None])]
-                for launch, decode in variants:
-                    out, _ = attend(pool, 0, q, tables, lens, rr, launch, decode)
+                for launch in launches if kv is not KVDtype.BF16 else launches[:1]:
+                    out, _ = attend(pool, 0, q, tables, lens, rr, launch)
                     ref, _ = decode_attention_torch(pool, 0, q, tables, lens, D**-0.5)
                     err = float((out.float() - ref).norm() / ref.norm())
-                    us = time_call(pool, q, tables, lens, rr, launch, decode)
+                    us = time_call(pool, q, tables, lens, rr, launch)
                     nbytes = call_bytes(kv, batch, ctx)
                     rows.append(dict(case=case, batch=batch, ctx=ctx, kv=kv.value, rows=k,
                                      mode="run" if runs or k == 1 else "rows",
-                                     launch=("x".join(map(str, launch)) if launch else "own")
-                                     + (f"/{decode}" if decode and decode != "convert" else ""), us=us,
+                                     launch="x".join(map(str, launch)) if launch else "own", us=us,
                                      kv_bytes=nbytes, gbps=nbytes / us / 1e3, of_bound=nbytes / (us * 1e-6) / bound,
                                      rel_err=err, layers=pool.num_layers))
                     print(json.dumps(rows[-1]), flush=True)

@@ -22,6 +22,9 @@ Scales go where they cost least: int8 keys' per-token scale multiplies the score
 multiplies the softmax weight. int4 keys are dequantized in registers (code·s + z per element,
 to bf16, as a bf16 pool's keys): (q∘s)·code + q·z per block was tried and took 206 registers
 against 127 (D 128, BS 16, sm_90: the [GP, D/2] float32 products and the q·z reductions).
+Codes become floats by a conversion (I2F, quarter-rate on Hopper): as float bits instead
+(`q4_triton.codes_f32`) the kernel read 651 against 655 GB/s at 1 × 64k, 583 against 582 at
+1 × 32k (block 32, H200): the conversion is not what bounds it.
 int4 values are dequantized in registers, their per-(token, group) scale and zero expanded to
 the tile's columns by a product with a one-hot [16, D/2] matrix (exact: one nonzero term)
 instead of a gather load per element. Loading scales as contiguous vectors and reordering them
@@ -73,7 +76,6 @@ from gpu_ops import pdl
 from gpu_ops.runs import RunRows
 from gpu_ops.attention_triton import _query_rows, _sms, merge_splits, query_rows, split_outputs
 from gpu_ops.kv_pool import GpuKVPool, quant_shapes_ok
-from gpu_ops.q4_triton import codes_f32
 
 
 @triton.jit
@@ -161,14 +163,6 @@ def _store_rotated_back(acc, inv_l, inv_sqrt, rot_ptr, d, o_ptr, dst, row_ok, D:
 
 
 @triton.jit
-def _as_f32(c, MAGIC: tl.constexpr):
-    """int4 codes (int32, 0..15) → float32: a conversion, or (MAGIC) as float bits (`codes_f32`)."""
-    if MAGIC:
-        return codes_f32(c)
-    return c.to(tl.float32)
-
-
-@triton.jit
 def _unpack_rows(w, R: tl.constexpr, C: tl.constexpr, SIGNED: tl.constexpr):
     """Words w [R, C] int32, four codes each → the codes [4R, C] int32, byte j of word (r, c) at
     row 4r + j: the layouts keep 4 codes of a column in a word, so a tile loads as 32-bit words."""
@@ -242,7 +236,6 @@ def _int4_kernel(
     run_ptr, o_ptr, lse_ptr, layer, NB1, T1, Hkv, MB, blocks_per_split, scale, inv_sqrt, B, Hq,
     G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr,
     DT: tl.constexpr, DOT_F32: tl.constexpr, RUNS: tl.constexpr = False, PDL: tl.constexpr = False,
-    MAGIC: tl.constexpr = False,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
@@ -256,14 +249,14 @@ def _int4_kernel(
     else:
         _int4_split(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tob_ptr, rot_ptr, bt_ptr + b * MB, o_ptr,
                     lse_ptr, row_ok, n_row, head, n, dst, layer, NB1, Hkv, h, sp, blocks_per_split, scale, inv_sqrt,
-                    GP, BS, D, RC, DT, DOT_F32, MAGIC)
+                    GP, BS, D, RC, DT, DOT_F32)
 
 
 @triton.jit
 def _int4_split(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tob_ptr, rot_ptr, bt_row_ptr, o_ptr,
                 lse_ptr, row_ok, n_row, head, n, dst, layer, NB1, Hkv, h, sp, blocks_per_split, scale, inv_sqrt,
                 GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, RC: tl.constexpr, DT: tl.constexpr,
-                DOT_F32: tl.constexpr, MAGIC: tl.constexpr):
+                DOT_F32: tl.constexpr):
     t = tl.arange(0, BS)
     x = tl.arange(0, D // 2)  # key byte rows and value byte columns
     kch = (x // 4) * 8 + x % 4  # a key byte's low-nibble channel; + 4: its high one
@@ -300,13 +293,13 @@ def _int4_split(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tob_ptr, ro
         vsc_x = tl.dot(vsc, onehot)  # [BS, D/2] float32: each byte column's group scale
         vz_x = tl.dot(vzr, onehot)
         tail = tl.load(tob_ptr + blk)  # ≥ 0: the block is in a tail, attended by the tail split
-        s = tl.dot(qb_lo, (_as_f32(kb & 15, MAGIC) * sc_lo[:, None] + z_lo[:, None]).to(DT))
-        s = (s + tl.dot(qb_hi, (_as_f32(kb >> 4, MAGIC) * sc_hi[:, None] + z_hi[:, None]).to(DT))) * scale
+        s = tl.dot(qb_lo, ((kb & 15).to(tl.float32) * sc_lo[:, None] + z_lo[:, None]).to(DT))
+        s = (s + tl.dot(qb_hi, ((kb >> 4).to(tl.float32) * sc_hi[:, None] + z_hi[:, None]).to(DT))) * scale
         s = tl.where(((i * BS + t)[None, :] < n_row[:, None]) & (tail < 0), s.to(tl.float32), float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         pd = p.to(DT)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, (_as_f32(vb & 15, MAGIC) * vsc_x + vz_x).to(DT))
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, (_as_f32(vb >> 4, MAGIC) * vsc_x + vz_x).to(DT))
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, ((vb & 15).to(tl.float32) * vsc_x + vz_x).to(DT))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, ((vb >> 4).to(tl.float32) * vsc_x + vz_x).to(DT))
     inv_l = _lse(m_i, l_i, lse_ptr, dst, row_ok)
     for n0 in tl.static_range(0, D, RC):  # out = acc @ Rᵀ by column chunks, acc's rows by halves
         e = n0 + tl.arange(0, RC)
@@ -321,11 +314,6 @@ def _int4_split(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tob_ptr, ro
 # loaded as words: int8 4x2 69-371 µs against 73-386 for 4x1 (with byte loads 4x1 was the faster);
 # int4 capped at 128 registers (four programs an SM) 83-521 µs against 92-570 uncapped
 LAUNCH = {KVDtype.INT8: (4, 2), KVDtype.INT4: (4, 2, 128)}
-# How the int4 kernel turns codes into float32 (`_as_f32`): "convert", what the figures in
-# bench/RESULTS.md ran, or "magic" (float bits, no conversion instruction), not yet timed on a
-# GPU: `bench.gpu_kv_attention --int4-decode convert,magic` compares them.
-INT4_DECODES = ("convert", "magic")
-INT4_DECODE = "convert"
 
 
 @functools.cache
@@ -349,12 +337,11 @@ def prepare(pool: GpuKVPool) -> None:
 def paged_decode_quant(
     pool: GpuKVPool, layer: int, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, out_dtype: torch.dtype = torch.float32, dot_f32: bool = False, runs: RunRows | None = None,
-    launch: tuple[int, ...] | None = None, int4_decode: str | None = None,
+    launch: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `gpu_ops.attention.decode_attention` → (out [B, Hq, D] out_dtype, lse [B, Hq]
     float32), q and out plain (unrotated). dot_f32: float32 dots (Triton's CPU interpreter); launch:
-    (warps, pipeline stages[, registers a thread at most]) a program, default `LAUNCH`'s;
-    int4_decode: one of INT4_DECODES, default INT4_DECODE."""
+    (warps, pipeline stages[, registers a thread at most]) a program, default `LAUNCH`'s."""
     B, Hq, D = q.shape
     Hkv, BS = pool.num_kv_heads, pool.block_size
     if not quant_shapes_ok(pool.kv_dtype, D, BS):
@@ -378,9 +365,6 @@ def paged_decode_quant(
     if pool.kv_dtype is KVDtype.INT8:
         _int8_kernel[(B, Hkv, S + 1)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.v_scale, *tails, *sizes, **common)
     else:
-        decode = int4_decode or INT4_DECODE
-        if decode not in INT4_DECODES:
-            raise ValueError(f"int4_decode {decode!r} is not one of {', '.join(INT4_DECODES)}")
         _int4_kernel[(B, Hkv, S + 1)](q.contiguous(), pool.k, pool.v, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero,
-                                      *tails, *sizes, MAGIC=decode == "magic", **common)
+                                      *tails, *sizes, **common)
     return merge_splits(o, lse, out_dtype)

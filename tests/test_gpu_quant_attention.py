@@ -253,20 +253,6 @@ def test_gpu_triton_matches_float64_and_twin(kv, D, BS, G):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D,BS", [(64, 16), (128, 32)])
-def test_gpu_int4_decodes_give_the_same_output(D, BS):
-    """The int4 kernel's two ways to turn codes into floats (a conversion, or the codes as float
-    bits) make the same float32 values, so the same output to the bit."""
-    from gpu_ops.attention_quant import INT4_DECODES, paged_decode_quant
-
-    case = make_case(KVDtype.INT4, D, BS, [1, 17, 0, 40 * BS + 7], G=4, Hkv=2, seed=D + BS, device="cuda",
-                     open_full=True)
-    pool, bt, sl, q, _ = case
-    outs = [paged_decode_quant(pool, 1, q, bt, sl, 1 / math.sqrt(D), int4_decode=d) for d in INT4_DECODES]
-    assert all(torch.equal(o, outs[0][0]) and torch.equal(lse, outs[0][1]) for o, lse in outs[1:])
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kv", QUANT)
 def test_gpu_triton_batch1_long_context(kv):
     """Batch 1, 8k tokens, GQA 4 (Llama-3-8B's head shape): many splits merged."""
