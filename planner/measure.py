@@ -197,7 +197,7 @@ def _measure_cpu_attention(cores: int, quick: bool) -> tuple[AttnRate, ...]:
     Then a run of RUN_ROWS rows of that sequence (a speculative step's verification), as a
     multiple of the one row's time (`AttnRate.run_cost`), and the same blocks as BATCH_SEQS
     sequences of T / BATCH_SEQS tokens: what a call costs beyond the bytes per (sequence, kv head)
-    (`AttnRate.item_s`; 32 × 940 tokens ran at 64% of the one sequence's rate on the GPU host).
+    (`AttnRate.item_s`; on the GPU host's 16 cores 32 × 960 tokens read at the rate of 1 × 30720).
 
     Each (dtype, thread count) is warmed up on its own, one pass over every layer: the first call
     of a dtype JIT-compiles or loads its kernels, the first at a thread count starts Numba's
