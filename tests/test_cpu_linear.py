@@ -30,7 +30,7 @@ def test_quantize_rows_error_is_half_a_step(shape):
     assert ((q.float() * s[:, None] - w).abs() <= s[:, None] * 0.5 + 1e-6).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])  # 9: above GEMV_MAX_ROWS, the dequantize + GEMM path
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])  # 33: above GEMV_MAX_ROWS, the dequantize + GEMM path
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_matches_twin(rows, bias):
     torch.manual_seed(rows)
@@ -41,6 +41,28 @@ def test_int8_linear_matches_twin(rows, bias):
     assert y.shape == (rows, 97) and y.dtype == torch.float32
     _close(y, cl.int8_linear_ref(x.double(), lin.q, lin.scale, lin.bias), 1e-5)
     _close(cl.int8_linear_ref(x.double(), lin.q, lin.scale, lin.bias), torch.nn.functional.linear(x, w, b), 0.05)
+
+
+def test_int8_linear_gemm_in_pieces(monkeypatch):
+    """Past GEMV_MAX_ROWS the weights are dequantized DEQUANT_ROWS rows at a time: pieces and a
+    short last one give the twin's output."""
+    monkeypatch.setattr(cl, "DEQUANT_ROWS", 40)
+    torch.manual_seed(5)
+    lin = cl.Int8Linear(torch.randn(97, 64), torch.randn(97))
+    x = torch.randn(cl.GEMV_MAX_ROWS + 3, 64)
+    _close(lin(x), cl.int8_linear_ref(x.double(), lin.q, lin.scale, lin.bias), 1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8, 11])
+def test_int8_gemv_row_is_the_same_bits_beside_any_rows(rows):
+    """The GEMV takes rows four at a time; a row's output is the same bits alone and at any place
+    among others (a speculative step's rows must score as a plain step's row does)."""
+    torch.manual_seed(rows)
+    lin = cl.Int8Linear(torch.randn(61, 200))
+    x = torch.randn(rows, 200)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
+    assert torch.equal(lin(x), alone)
+    assert torch.equal(lin(x.flip(0)), alone.flip(0))
 
 
 def test_int8_linear_accepts_other_dtypes_and_strides():

@@ -52,8 +52,9 @@ class Engine:
         self.overflow = Overflow.DROP_TURNS
         self.drafter = make_drafter(draft)
         self.draft_cost = RowCost()  # a draft row's cost relative to a step, as measured here
-        # the most rows a step with drafts may have: on the CPU, what its linears compute row by row
-        # (int8 GEMV up to 8 rows; a larger step goes through another kernel, whose float sums differ)
+        # the most rows a step with drafts may have: on the CPU, what its linears compute with each
+        # row's sum independent of the others (the int8 GEMV; a larger step goes through a GEMM,
+        # whose float sums differ)
         self.step_rows: int | None = None if runner.cuda else GEMV_MAX_ROWS
 
     # ------------------------------------------------------------------ model passes
