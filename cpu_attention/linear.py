@@ -28,6 +28,9 @@ import torch.nn.functional as F
 # Rows of x up to which the GEMV kernels beat dequantize + GEMM (2 cores, SmolLM2's matrices: at
 # 32 rows 1.2–1.3× faster, even at 48–64, half the speed at 512).
 GEMV_MAX_ROWS = 32
+# Rows up to which the GEMV kernels compute each row by the same loop (more: four rows a weight
+# conversion), so that a row's output is the same bits whatever rows share the call.
+ROW_BY_ROW = 8
 # Weight rows dequantized at a time on the GEMM path: a buffer that stays in the caches (the
 # whole matrix in float32 at once cost ~2.5 ns a weight on 2 cores, its fresh pages faulted in).
 DEQUANT_ROWS = 512

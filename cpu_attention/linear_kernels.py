@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from cpu_attention.linear import ROW_BY_ROW
+
 # fastmath lets LLVM split each dot product over SIMD lanes (reassociation) and fuse the
 # int8→f32 multiply-add into FMAs; no kernel relies on inf/nan semantics.
 _FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -35,20 +37,26 @@ def _dot4(w, o, x, n):  # `_dot` for rows n .. n + 3 of x: each weight converted
 
 
 @njit(inline="always", **_JIT)
+def _tiles(N):  # groups of four rows `_dot4` takes: none up to ROW_BY_ROW rows
+    return N // 4 if N > ROW_BY_ROW else 0
+
+
+@njit(inline="always", **_JIT)
 def _column(w, o, x, s, base, dst, c):
-    """dst[n, c] = base[n, c] + s · Σ_i w[o, i] · x[n, i] for every row n of x (base None: 0):
-    rows four at a time, so a weight is converted once for four rows (the kernels are bound by
-    the conversions and FMAs past a row or two: 1.2–1.7× against row by row, 4–16 rows, 2
-    cores), the rest one by one. LLVM reduces each of `_dot4`'s sums as `_dot`'s, so a row's
-    output is the same bits whatever rows share the call (a speculative step's rows score as a
-    plain step's row: test_cpu_linear checks it)."""
+    """dst[n, c] = base[n, c] + s · Σ_i w[o, i] · x[n, i] for every row n of x (base None: 0).
+    Up to ROW_BY_ROW rows one by one, each by the same loop, so a row's output is the same bits
+    whatever rows share the call (a speculative step's rows score as a plain step's row). More
+    rows go four at a time, a weight converted once for the four: past a row or two the kernels
+    are bound by the conversions and FMAs (1.2–1.7× against row by row at 4–16 rows, 2 cores);
+    their sums may round otherwise than `_dot`'s."""
     N = x.shape[0]
-    for t in range(N // 4):
+    T = _tiles(N)
+    for t in range(T):
         n = 4 * t
         a = _dot4(w, o, x, n)
         for j in range(4):
             dst[n + j, c] = a[j] * s if base is None else base[n + j, c] + a[j] * s
-    for n in range(N - N % 4, N):
+    for n in range(4 * T, N):
         dst[n, c] = _dot(w, o, x, n) * s if base is None else base[n, c] + _dot(w, o, x, n) * s
 
 
@@ -59,10 +67,6 @@ def _silu_times(g, u):  # SiLU(g) · u
 
 @njit(parallel=True, **_JIT)
 def gemv_int8(w, scale, x, out):  # w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32
-    if x.shape[0] == 1:  # one row: the loop alone (inside `_column`'s, the lm_head read ~10% slower)
-        for o in prange(w.shape[0]):
-            out[0, o] = _dot(w, o, x, 0) * scale[o]
-        return
     for o in prange(w.shape[0]):
         _column(w, o, x, scale[o], None, out, o)
 
@@ -116,14 +120,15 @@ def mlp_block(x, attn, wo, so, norm_w, eps, wgu, sgu, wd, sd, h, act, out):
     for o in prange(wo.shape[0]):
         _column(wo, o, attn, so[o], x, out, o)
     _rms_norm_into(out, norm_w, eps, h)
-    for j in prange(F_):  # gate row j and up row F + j, rows of h four at a time as `_column`'s
+    for j in prange(F_):  # gate row j and up row F + j, rows of h as `_column` takes them
         sg, su = sgu[j], sgu[F_ + j]
-        for t in range(N // 4):
+        T = _tiles(N)
+        for t in range(T):
             n = 4 * t
             g, u = _dot4(wgu, j, h, n), _dot4(wgu, F_ + j, h, n)
             for k in range(4):
                 act[n + k, j] = _silu_times(g[k] * sg, u[k] * su)
-        for n in range(N - N % 4, N):
+        for n in range(4 * T, N):
             act[n, j] = _silu_times(_dot(wgu, j, h, n) * sg, _dot(wgu, F_ + j, h, n) * su)
     for o in prange(wd.shape[0]):
         _column(wd, o, act, sd[o], out, out, o)

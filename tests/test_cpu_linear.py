@@ -53,16 +53,26 @@ def test_int8_linear_gemm_in_pieces(monkeypatch):
     _close(lin(x), cl.int8_linear_ref(x.double(), lin.q, lin.scale, lin.bias), 1e-5)
 
 
-@pytest.mark.parametrize("rows", [2, 5, 8, 11])
+@pytest.mark.parametrize("rows", [2, 5, cl.ROW_BY_ROW])
 def test_int8_gemv_row_is_the_same_bits_beside_any_rows(rows):
-    """The GEMV takes rows four at a time; a row's output is the same bits alone and at any place
-    among others (a speculative step's rows must score as a plain step's row does)."""
+    """Up to ROW_BY_ROW rows, a row's output is the same bits alone and at any place among others
+    (a speculative step's rows must score as a plain step's row does)."""
     torch.manual_seed(rows)
     lin = cl.Int8Linear(torch.randn(61, 200))
     x = torch.randn(rows, 200)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
     assert torch.equal(lin(x), alone)
     assert torch.equal(lin(x.flip(0)), alone.flip(0))
+
+
+@pytest.mark.parametrize("rows", [cl.ROW_BY_ROW + 1, 14, cl.GEMV_MAX_ROWS])
+def test_int8_gemv_in_groups_of_four_rows(rows):
+    """Past ROW_BY_ROW rows the GEMV takes four rows a weight conversion (and the rest one by
+    one): the twin's output."""
+    torch.manual_seed(rows)
+    lin = cl.Int8Linear(torch.randn(61, 200), torch.randn(61))
+    x = torch.randn(rows, 200)
+    _close(lin(x), cl.int8_linear_ref(x.double(), lin.q, lin.scale, lin.bias), 1e-5)
 
 
 def test_int8_linear_accepts_other_dtypes_and_strides():
@@ -77,7 +87,7 @@ def _rope_tables(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     return emb.cos().float(), emb.sin().float()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 14])  # 14: past ROW_BY_ROW, four rows a weight conversion
 @pytest.mark.parametrize("bias", [False, True])
 def test_attn_in_matches_twin(rows, bias):
     torch.manual_seed(rows)
@@ -96,7 +106,7 @@ def test_attn_in_matches_twin(rows, bias):
     _close(ref[2].reshape(rows, -1), unfused[:, (hq + hkv) * d:], 1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 14])
 def test_mlp_block_matches_twin(rows):
     torch.manual_seed(rows)
     h, f, a = 40, 72, 56  # odd sizes: hidden, intermediate, attention width

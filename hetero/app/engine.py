@@ -24,7 +24,7 @@ from hetero.speculative import DraftLength, RowCost, make_drafter
 from hetero.app.scheduler import Chunk, Scheduler, Sequence
 from hetero.tokenizer import StreamDecoder, Tokenizer
 from cpu_attention import warm
-from cpu_attention.linear import GEMV_MAX_ROWS
+from cpu_attention.linear import ROW_BY_ROW
 from offload import rows
 from offload.kv_cache import TieredKVCache
 from offload.runner import Runner
@@ -52,10 +52,10 @@ class Engine:
         self.overflow = Overflow.DROP_TURNS
         self.drafter = make_drafter(draft)
         self.draft_cost = RowCost()  # a draft row's cost relative to a step, as measured here
-        # the most rows a step with drafts may have: on the CPU, what its linears compute with each
-        # row's sum independent of the others (the int8 GEMV; a larger step goes through a GEMM,
-        # whose float sums differ)
-        self.step_rows: int | None = None if runner.cuda else GEMV_MAX_ROWS
+        # the most rows a step with drafts may have: on the CPU, what its linears compute row by row
+        # (a larger step converts each weight once for four rows, or goes through a GEMM, whose
+        # float sums differ)
+        self.step_rows: int | None = None if runner.cuda else ROW_BY_ROW
 
     # ------------------------------------------------------------------ model passes
     def _prefill(self, seq: int, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
