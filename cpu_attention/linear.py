@@ -37,6 +37,11 @@ DEQUANT_ROWS = 512
 _NO_BIAS = np.zeros(0, np.float32)
 
 
+def _tiles(n: int) -> int:
+    """Groups of four rows the GEMV kernels take a weight conversion for: none up to ROW_BY_ROW."""
+    return n // 4 if n > ROW_BY_ROW else 0
+
+
 @functools.cache
 def _kernels():
     """`linear_kernels`, Numba's settings made first (`configure`: before any kernel compiles,
@@ -85,7 +90,7 @@ class Int8Linear:
         if x.shape[0] > GEMV_MAX_ROWS:
             return self._gemm(x)
         out = torch.empty(x.shape[0], self.out_features)
-        _kernels().gemv_int8(self._qn, self._sn, x.numpy(), out.numpy())
+        _kernels().gemv_int8(self._qn, self._sn, x.numpy(), out.numpy(), _tiles(x.shape[0]))
         return out if self.bias is None else out + self.bias
 
 
@@ -115,7 +120,7 @@ def attn_in(x: torch.Tensor, pos: torch.Tensor, norm_w: torch.Tensor, eps: float
     q, k, v = (np.empty((N, heads, D), np.float32) for heads in (num_heads, num_kv_heads, num_kv_heads))
     _kernels().attn_in(x.numpy(), pos.numpy(), norm_w.numpy(), np.float32(eps), qkv._qn, qkv._sn, qkv._bn,
                        cos.numpy(), sin.numpy(), np.empty((N, H), np.float32),
-                       np.empty((N, qkv.out_features), np.float32), q, k, v)
+                       np.empty((N, qkv.out_features), np.float32), q, k, v, _tiles(N))
     return torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
 
 
@@ -126,7 +131,7 @@ def mlp_block(x: torch.Tensor, attn: torch.Tensor, o: Int8Linear, norm_w: torch.
     out = np.empty((N, H), np.float32)
     _kernels().mlp_block(x.numpy(), attn.float().numpy().reshape(N, -1), o._qn, o._sn, norm_w.numpy(),
                          np.float32(eps), gate_up._qn, gate_up._sn, down._qn, down._sn, np.empty((N, H), np.float32),
-                         np.empty((N, down.in_features), np.float32), out)
+                         np.empty((N, down.in_features), np.float32), out, _tiles(N))
     return torch.from_numpy(out)
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from cpu_attention.linear import ROW_BY_ROW
-
 # fastmath lets LLVM split each dot product over SIMD lanes (reassociation) and fuse the
 # int8→f32 multiply-add into FMAs; no kernel relies on inf/nan semantics.
 _FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -37,20 +35,14 @@ def _dot4(w, o, x, n):  # `_dot` for rows n .. n + 3 of x: each weight converted
 
 
 @njit(inline="always", **_JIT)
-def _tiles(N):  # groups of four rows `_dot4` takes: none up to ROW_BY_ROW rows
-    return N // 4 if N > ROW_BY_ROW else 0
-
-
-@njit(inline="always", **_JIT)
-def _column(w, o, x, s, base, dst, c):
-    """dst[n, c] = base[n, c] + s · Σ_i w[o, i] · x[n, i] for every row n of x (base None: 0).
-    Up to ROW_BY_ROW rows one by one, each by the same loop, so a row's output is the same bits
-    whatever rows share the call (a speculative step's rows score as a plain step's row). More
-    rows go four at a time, a weight converted once for the four: past a row or two the kernels
-    are bound by the conversions and FMAs (1.2–1.7× against row by row at 4–16 rows, 2 cores);
-    their sums may round otherwise than `_dot`'s."""
+def _column(w, o, x, s, base, dst, c, T):
+    """dst[n, c] = base[n, c] + s · Σ_i w[o, i] · x[n, i] for every row n of x (base None: 0):
+    the first 4·T rows four at a time, a weight converted once for the four (past a row or two
+    the kernels are bound by the conversions and FMAs: 1.2–1.7× against row by row at 4–16 rows,
+    2 cores; their sums may round otherwise than `_dot`'s), the rest one by one, each by the same
+    loop, so that with T = 0 a row's output is the same bits whatever rows share the call
+    (`linear.ROW_BY_ROW`)."""
     N = x.shape[0]
-    T = _tiles(N)
     for t in range(T):
         n = 4 * t
         a = _dot4(w, o, x, n)
@@ -66,9 +58,11 @@ def _silu_times(g, u):  # SiLU(g) · u
 
 
 @njit(parallel=True, **_JIT)
-def gemv_int8(w, scale, x, out):  # w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32
+def gemv_int8(w, scale, x, out, tiles):
+    """out [N, O] f32 = x [N, I] f32 · (w [O, I] int8 · scale [O] f32)ᵀ, the first 4·tiles rows of
+    x four at a time (`_column`)."""
     for o in prange(w.shape[0]):
-        _column(w, o, x, scale[o], None, out, o)
+        _column(w, o, x, scale[o], None, out, o, tiles)
 
 
 @njit(inline="always", **_JIT)
@@ -83,7 +77,7 @@ def _rms_norm_into(x, w, eps, out):  # x [N, H] → out [N, H] = x / rms(x) · w
 
 
 @njit(parallel=True, **_JIT)
-def attn_in(x, pos, norm_w, eps, w, scale, bias, cos, sin, h, y, q, k, v):
+def attn_in(x, pos, norm_w, eps, w, scale, bias, cos, sin, h, y, q, k, v, tiles):
     """x [N, H] → y = W·RMSNorm(x) + b split into q [N, Hq, D], k, v [N, Hkv, D]; RoPE on q and k.
 
     cos, sin [T, D] are the whole tables, pos [N] each token's row in them; h [N, H], y [N, O] scratch.
@@ -92,7 +86,7 @@ def attn_in(x, pos, norm_w, eps, w, scale, bias, cos, sin, h, y, q, k, v):
     Hkv = k.shape[1]
     _rms_norm_into(x, norm_w, eps, h)
     for o in prange(w.shape[0]):
-        _column(w, o, h, scale[o], None, y, o)
+        _column(w, o, h, scale[o], None, y, o, tiles)
     half = D // 2
     for n in range(N):
         if bias.shape[0]:
@@ -111,27 +105,26 @@ def attn_in(x, pos, norm_w, eps, w, scale, bias, cos, sin, h, y, q, k, v):
 
 
 @njit(parallel=True, **_JIT)
-def mlp_block(x, attn, wo, so, norm_w, eps, wgu, sgu, wd, sd, h, act, out):
+def mlp_block(x, attn, wo, so, norm_w, eps, wgu, sgu, wd, sd, h, act, out, tiles):
     """out [N, H] = y + down(SiLU(gate(RMSNorm(y))) · up(RMSNorm(y))) with y = x + O·attn.
 
     wgu [2F, H] holds the gate rows then the up rows; h [N, H] and act [N, F] are scratch.
     """
     N, F_ = x.shape[0], wd.shape[1]
     for o in prange(wo.shape[0]):
-        _column(wo, o, attn, so[o], x, out, o)
+        _column(wo, o, attn, so[o], x, out, o, tiles)
     _rms_norm_into(out, norm_w, eps, h)
     for j in prange(F_):  # gate row j and up row F + j, rows of h as `_column` takes them
         sg, su = sgu[j], sgu[F_ + j]
-        T = _tiles(N)
-        for t in range(T):
+        for t in range(tiles):
             n = 4 * t
             g, u = _dot4(wgu, j, h, n), _dot4(wgu, F_ + j, h, n)
             for k in range(4):
                 act[n + k, j] = _silu_times(g[k] * sg, u[k] * su)
-        for n in range(4 * T, N):
+        for n in range(4 * tiles, N):
             act[n, j] = _silu_times(_dot(wgu, j, h, n) * sg, _dot(wgu, F_ + j, h, n) * su)
     for o in prange(wd.shape[0]):
-        _column(wd, o, act, sd[o], out, out, o)
+        _column(wd, o, act, sd[o], out, out, o, tiles)
 
 
 @njit(parallel=True, nogil=True, cache=True)

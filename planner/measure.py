@@ -154,14 +154,14 @@ def _measure_dram(quick: bool) -> float:
 
 
 def _cpu_gemv_kernel() -> Callable | None:
-    """hetero's int8 CPU GEMV (w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32),
-    compiled or loaded by a small call; None if it is missing."""
+    """hetero's int8 CPU GEMV (w [O, I] int8, scale [O] f32, x [N, I] f32, out [N, O] f32, groups
+    of four rows), compiled or loaded by a small call; None if it is missing."""
     try:
         from cpu_attention.linear_kernels import gemv_int8
     except ImportError:
         return None
     gemv_int8(np.ones((8, 64), np.int8), np.ones(8, np.float32), np.ones((1, 64), np.float32),
-              np.empty((1, 8), np.float32))
+              np.empty((1, 8), np.float32), 0)
     return gemv_int8
 
 
@@ -177,7 +177,7 @@ def _measure_cpu_gemv(quick: bool) -> tuple[float, str]:
     # the values do not change the time: a constant matrix skips quantizing 256 MiB of noise
     w, s, out = np.ones((rows, cols), np.int8), np.ones(rows, np.float32), np.empty((1, rows), np.float32)
     xn = x.numpy()
-    return (rows * cols + 4 * rows) / _best(lambda: gemv(w, s, xn, out), reps=3 if quick else 5) / 1e9, "int8"
+    return (rows * cols + 4 * rows) / _best(lambda: gemv(w, s, xn, out, 0), reps=3 if quick else 5) / 1e9, "int8"
 
 
 def _set_threads(n: int) -> None:
