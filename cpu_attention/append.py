@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from cpu_attention.pool import HostKVPool
 
 WJIT = dict(nogil=True, cache=True)
-PIECE = 16  # rows (token, kv head) a thread of `write_int8_parallel` takes at a time: still a vector across rows
+PIECE = 16  # rows (token, kv head) a thread of `write_kv_int8_parallel` takes at a time: still a vector across rows
 _INT4_CLIPS = np.array(int4.CLIPS, np.float32)
 
 
@@ -42,10 +42,13 @@ def write_bf16(dst, blocks, offs, x):
 
 @numba.njit(inline="always", **WJIT)
 def _int8_rows(dst, sc, blocks, offs, x, r0, r1, signs, P, inv_sqrt_p, values):
-    """Rows r0 .. r1 of x [T, Hkv, D] seen as T · Hkv rows (token r // Hkv, kv head r % Hkv) into
-    dst and sc (`write_int8`): rotated together (`rotate_rows`: its butterflies are vectors across
-    rows, the same bits as `rotation.rotate`'s), then each row's codes made in a vector
-    loop before their stores into the interleaved order."""
+    """Rows r0 .. r1 of x [T, Hkv, D] float32, seen as T · Hkv rows (token r // Hkv, kv head r % Hkv),
+    into dst, int8 in the VNNI order (`layout.py`: keys [NB, Hkv, D/4, BS, 4], values=True
+    [NB, Hkv, BS4/4, D, 4]), and sc [NB, Hkv, BS] float32: x @ R ≈ codes * sc (signs, P,
+    inv_sqrt_p: the rotation R; `layout.quantize`). The rows are rotated together (`rotate_rows`:
+    its butterflies are vectors across rows, the same bits as `rotation.rotate`'s), then each
+    row's codes made in a vector loop before their stores into the interleaved order: row by row
+    the rotation and the rounding stayed scalar, ~12 µs a token of 8 kv heads (2 cores), against ~5."""
     H, D = x.shape[1], x.shape[2]
     y = x.reshape(x.shape[0] * H, D)[r0:r1].copy()
     rotate_rows(y, signs, P, inv_sqrt_p)
@@ -69,25 +72,6 @@ def _int8_rows(dst, sc, blocks, offs, x, r0, r1, signs, P, inv_sqrt_p, values):
             blk = dst[b, h]
             for d in range(D):
                 blk[d >> 2, o, d & 3] = codes[d]
-
-
-@numba.njit(**WJIT)
-def write_int8(dst, sc, blocks, offs, x, signs, P, inv_sqrt_p, values):
-    """dst int8 in the VNNI order (`layout.py`: keys [NB, Hkv, D/4, BS, 4], values=True
-    [NB, Hkv, BS4/4, D, 4]), sc [NB, Hkv, BS] float32: x @ R ≈ codes * sc (signs, P,
-    inv_sqrt_p: the rotation R; `layout.quantize`). Row by row the rotation and the rounding
-    stayed scalar: ~12 µs a token of 8 kv heads (2 cores), against ~5 so."""
-    _int8_rows(dst, sc, blocks, offs, x, 0, x.shape[0] * x.shape[1], signs, P, inv_sqrt_p, values)
-
-
-@numba.njit(parallel=True, **WJIT)
-def write_int8_parallel(dst, sc, blocks, offs, x, signs, P, inv_sqrt_p, values):
-    """`write_int8` over the calling thread's Numba threads, PIECE rows a piece: a batch's append
-    (32 tokens, 8 kv heads: ~160 µs a layer on one of 2 cores) otherwise runs alone before every
-    layer's host attention while the other cores wait."""
-    n = x.shape[0] * x.shape[1]
-    for c in prange((n + PIECE - 1) // PIECE):
-        _int8_rows(dst, sc, blocks, offs, x, c * PIECE, min(c * PIECE + PIECE, n), signs, P, inv_sqrt_p, values)
 
 
 @numba.njit(**WJIT)
@@ -237,19 +221,29 @@ def write_kv_bf16(k, v, layer, slots, block_size, xk, xv):
 
 @numba.njit(**WJIT)
 def write_kv_int8(k, v, ks, vs, layer, slots, block_size, xk, xv, signs, P, inv_sqrt_p):
-    """As write_kv_bf16 for int8 codes k, v (`write_int8`'s orders, a layer dim first) and their
+    """As write_kv_bf16 for int8 codes k, v (`_int8_rows`' orders, a layer dim first) and their
     scales ks, vs [L, NB, Hkv, BS] float32, both rotated (signs, P, inv_sqrt_p)."""
     blocks, offs = slots // block_size, slots % block_size
-    write_int8(k[layer], ks[layer], blocks, offs, xk, signs, P, inv_sqrt_p, False)
-    write_int8(v[layer], vs[layer], blocks, offs, xv, signs, P, inv_sqrt_p, True)
+    n = xk.shape[0] * xk.shape[1]
+    _int8_rows(k[layer], ks[layer], blocks, offs, xk, 0, n, signs, P, inv_sqrt_p, False)
+    _int8_rows(v[layer], vs[layer], blocks, offs, xv, 0, n, signs, P, inv_sqrt_p, True)
 
 
-@numba.njit(**WJIT)
+@numba.njit(parallel=True, **WJIT)
 def write_kv_int8_parallel(k, v, ks, vs, layer, slots, block_size, xk, xv, signs, P, inv_sqrt_p):
-    """`write_kv_int8` over the calling thread's Numba threads (`write_int8_parallel`)."""
+    """`write_kv_int8` over the calling thread's Numba threads, K's and V's rows PIECE a piece in
+    one parallel region: a batch's append (32 tokens, 8 kv heads: ~160 µs a layer on one of 2
+    cores) otherwise runs alone before every layer's host attention while the other cores wait."""
     blocks, offs = slots // block_size, slots % block_size
-    write_int8_parallel(k[layer], ks[layer], blocks, offs, xk, signs, P, inv_sqrt_p, False)
-    write_int8_parallel(v[layer], vs[layer], blocks, offs, xv, signs, P, inv_sqrt_p, True)
+    n = xk.shape[0] * xk.shape[1]
+    m = (n + PIECE - 1) // PIECE
+    for c in prange(2 * m):
+        r0 = (c % m) * PIECE
+        r1 = min(r0 + PIECE, n)
+        if c < m:
+            _int8_rows(k[layer], ks[layer], blocks, offs, xk, r0, r1, signs, P, inv_sqrt_p, False)
+        else:
+            _int8_rows(v[layer], vs[layer], blocks, offs, xv, r0, r1, signs, P, inv_sqrt_p, True)
 
 
 @numba.njit(**WJIT)

@@ -348,7 +348,7 @@ def assert_same_int4(a: HostKVPool, b: HostKVPool) -> None:
 def test_numba_append_equals_torch_twins(dtype, n):
     """The Numba append stores exactly the torch twins' bits: `quantize` per token, and for
     int4 `int4.write` (here: blocks started, continued and completed in one call). n tokens of 3
-    kv heads: int8 spreads 13 · 3 rows over its threads (`write_int8_parallel`), 4 · 3 not."""
+    kv heads: int8 spreads 13 · 3 rows over its threads (`write_kv_int8_parallel`), 4 · 3 not."""
     gen = torch.Generator().manual_seed(11)
     pool = HostKVPool(2, 5, 3, 16, 64, dtype)
     x = torch.randn(13, 3, 64, generator=gen) * 3
