@@ -50,6 +50,25 @@ def _host_calls(model) -> str:
     return "none" if staging is None else "memory" if staging.signals else "host functions"
 
 
+def python_profile(work, path: Path) -> None:
+    """The Python functions of work(), by their own time, with its wall time, written to path."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    t = time.perf_counter()
+    pr.enable()
+    work()
+    torch.cuda.synchronize()
+    pr.disable()
+    wall = time.perf_counter() - t
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(45)
+    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + buf.getvalue())
+
+
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
             prefill_target: float, steps: int, trace_to: Path | None = None) -> dict:
     import hetero
@@ -79,6 +98,8 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     prefill_s = min(pre[1:])
     if trace_to is not None:  # the GPU kernels of one more prefill, by time
         trace(lambda: runner.prefill(0, ids, 0), trace_to.with_suffix(".prefill.txt"))
+        cache.free(0)
+        python_profile(lambda: runner.prefill(0, ids, 0), trace_to.with_suffix(".prefill.py.txt"))
         cache.free(0)
     # decode at the context's end
     seqs = list(range(batch))

@@ -145,7 +145,7 @@ class GpuKVPool:
         """Store k, v [T, Hkv, D] at flat slots [T] (block * BS + offset); quantized pools: into the
         blocks' tails (`target`: `write_target(slots)` if the caller has it). No host sync: capturable."""
         kp, vp, dst = target if target is not None else self.write_target(slots.to(self.device, torch.int64))
-        kv_write(kp, vp, layer, dst, k, v, self.block_size)
+        (kv_write if torch.compiler.is_compiling() else store_kv)(kp, vp, layer, dst, k, v, self.block_size)
 
     def write_blocks(self, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> None:
         """Whole blocks: k, v [n, Hkv, BS, D] (every layer: [L, n, Hkv, BS, D] with layer None)
@@ -184,12 +184,9 @@ class GpuKVPool:
         return dequantize_blocks(self.kv_dtype, {n: t[:, ids] for n, t in self.parts().items()})
 
 
-# A custom op that declares its in-place writes: under torch.compile a plain indexed store into
-# the pool is functionalized into a copy of the whole pool (measured: 429 ms a step at batch 32 ×
-# 2k context); declared mutation lets the compiler keep the store in place.
-@torch.library.custom_op("hetero::kv_write", mutates_args=("k_pool", "v_pool"))
-def kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
+def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, block_size: int) -> None:
+    """k, v [T, Hkv, D] into the pools [L, NB, Hkv, BS, D] at flat slots [T] (block · BS + offset)."""
     if k_pool.is_cuda and _fused_write(k_pool, k, v):  # one kernel instead of four
         from gpu_ops.fused import kv_write as fused_write
 
@@ -208,6 +205,13 @@ def _fused_write(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 @functools.cache
 def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+# The same as a custom op that declares its in-place writes, for torch.compile: there a plain indexed
+# store into the pool is functionalized into a copy of the whole pool (measured: 429 ms a step at
+# batch 32 × 2k context); declared mutation lets the compiler keep the store in place. Eager calls
+# take `store_kv` itself: the op's dispatch cost ~30 µs of the host's time a call.
+kv_write = torch.library.custom_op("hetero::kv_write", mutates_args=("k_pool", "v_pool"))(store_kv)
 
 
 @kv_write.register_fake

@@ -1,5 +1,5 @@
 """A mixture-of-experts layer's routing (after the router's product) and its weighted sum, one Triton
-kernel each (decode steps: `offload.moe.MoEFeedForward` takes them up to its grouped kernels' 64 rows).
+kernel each (`offload.moe.MoEFeedForward` takes them on CUDA: decode steps and prefill chunks).
 
 Why: in torch the routing is six small launches a layer (the router's product, a cast, top-k,
 softmax, the device's and the host's index maps) and the sum five (a cast, the product by the
@@ -12,7 +12,7 @@ then one program a row: the top k by k passes of an argmax (first index on ties)
 weight (the softmax over the k where the model renormalizes them, `norm_topk_prob`, else the
 softmax over all E at the k), and the expert's index among the device's and the host's experts
 (−1: not theirs). `combine`: out[n] = Σ_j w[n, j] · y[n·k + j] (+ host[n]) in float32, written
-in the activations' dtype. Their torch twins, which prefill chunks and CPU stand-ins run, are
+in the activations' dtype. Their torch twins, which CPU stand-ins run, are
 `offload.moe.route` and `combine`. Nothing syncs: capturable.
 """
 from __future__ import annotations

@@ -7,6 +7,7 @@ same math runs over dense, int8 or 4-bit weights on either device.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -123,6 +124,19 @@ class Rope:
         if not self.frozen and self.cos.shape[0] <= int(pos.max()):
             self._grow(int(pos.max()) + 1)
         return self.cos, self.sin
+
+    @contextlib.contextmanager
+    def positions_below(self, n: int):
+        """Within: every position the caller passes is below n (it knows them), so the tables are
+        grown once now and `tables` reads nothing back to the host (a prefill's layers, each a sync
+        otherwise)."""
+        if self.cos.shape[0] < n:
+            self._grow(n)
+        was, self.frozen = self.frozen, True
+        try:
+            yield self
+        finally:
+            self.frozen = was
 
     def fixed(self, max_pos: int) -> "Rope":
         """A copy whose tables cover positions < max_pos and never grow: calling it reads nothing

@@ -62,8 +62,21 @@ class Slots:
     # tier, hidden from its attention
     later_gpu: int = 0
     later_host: int = 0
+    # the lists as tensors, made once (a prefill writes the same slots in every layer): `tensor`
+    _tensors: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tensor(self, name: str, device: torch.device | str = "cpu", rows: int | None = None) -> torch.Tensor | None:
+        """The int64 list `name` on device, made on the first call; with rows given, None where the
+        list is 0 .. rows − 1 (every row of the batch in order: no gather needed)."""
+        key = (name, str(device), rows)
+        if key not in self._tensors:
+            v = getattr(self, name)
+            whole = rows is not None and len(v) == rows and v == list(range(rows))
+            self._tensors[key] = None if whole else torch.tensor(v, dtype=torch.int64, device=device)
+        return self._tensors[key]
 
     def extend(self, other: "Slots", offset: int) -> None:
+        self._tensors.clear()
         self.gpu_rows += [r + offset for r in other.gpu_rows]
         self.gpu_slots += other.gpu_slots
         self.whole_rows += [r + offset for r in other.whole_rows]
@@ -236,15 +249,15 @@ class TieredKVCache:
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [N, Hkv, D] of the new tokens (on the compute device) into their tiers."""
         if slots.gpu_rows:
-            r = _index(slots.gpu_rows, k.device)
-            self.gpu.write(layer, torch.tensor(slots.gpu_slots, device=self.gpu.k.device), k[r], v[r])
+            r = slots.tensor("gpu_rows", k.device, rows=k.shape[0])
+            self.gpu.write(layer, slots.tensor("gpu_slots", self.gpu.k.device), *((k, v) if r is None else (k[r], v[r])))
         if slots.whole_rows:  # [n, BS] rows of whole blocks → [n, Hkv, BS, D]
-            r = _index(slots.whole_rows, k.device)[:, None] + torch.arange(self.block_size, device=k.device)
+            r = slots.tensor("whole_rows", k.device)[:, None] + torch.arange(self.block_size, device=k.device)
             kb, vb = (x[r].transpose(1, 2).to(self.gpu.k.device) for x in (k, v))
-            self.gpu.write_blocks(torch.tensor(slots.whole_blocks), kb, vb, layer=layer)
+            self.gpu.write_blocks(slots.tensor("whole_blocks"), kb, vb, layer=layer)
         if slots.host_rows:
-            self.host.write(layer, torch.tensor(slots.host_slots, dtype=torch.int64),
-                            k[_index(slots.host_rows, k.device)].cpu(), v[_index(slots.host_rows, v.device)].cpu())
+            r = slots.tensor("host_rows", k.device)
+            self.host.write(layer, slots.tensor("host_slots"), k[r].cpu(), v[r].cpu())
 
     # ------------------------------------------------------------------ attention inputs
     def tables(self, seqs: list[int], tier: str, slots: list[Slots] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,7 +385,3 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     """[n, Hkv, BS, D] blocks → [n*BS, Hkv, D] tokens."""
     n, h, bs, d = x.shape
     return x.transpose(1, 2).reshape(n * bs, h, d)
-
-
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, device=device)

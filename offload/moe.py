@@ -8,9 +8,9 @@ Per layer and step (`MoEFeedForward`, the layer's `ffn`):
     device:  meanwhile its own experts for every slot in two grouped kernels (gate/up with
              SiLU·up, down: gpu_ops.nf4_gemv.nf4_experts_gemv) → weighted sum → + the host's
 
-In a decode step the routing after the router's product is one kernel, and the weighted sum with
-the host's share another (gpu_ops.moe_route; `route` and `combine` below are their torch twins,
-which prefill chunks and CPU stand-ins run).
+On CUDA the routing after the router's product is one kernel, and the weighted sum with the
+host's share another, at any row count (gpu_ops.moe_route; `route` and `combine` below are their
+torch twins, which CPU stand-ins run).
 
 On CUDA the host's share is queued on a side stream and run by the experts' own pool of threads
 (cpu_attention.experts_pool): signalled in memory where the driver's stream memory operations
@@ -110,7 +110,7 @@ class MoEFeedForward:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         N = h.shape[0]
-        fused = self.kernels if N <= self.GROUPED_ROWS else None  # one kernel each for the routing and the sum
+        fused = self.kernels  # on CUDA one kernel each for the routing and the sum
         idx, w, local, ids = (fused.route if fused else route)(h, self.router, self.k, self.norm_topk, self.gpu_map,
                                                                self.host_map)
         if self.routed is not None:
@@ -218,7 +218,6 @@ class MoEFeedForward:
         N, k = ids.shape
         pieces = st.pieces(he)
         main = torch.cuda.current_stream(self.dev)
-        flat = ids.reshape(-1)
         bm = block_rows(N * k, E)
         ahead = st.take(he) or st.fetch(he, *pieces[0])
         for n, (a, b) in enumerate(pieces):
@@ -230,7 +229,7 @@ class MoEFeedForward:
             main.wait_event(done)
             for t in (gq, gs, dq, ds):
                 t.record_stream(main)
-            slots, blocks = sort_slots(torch.where((flat >= a) & (flat < b), flat - a, -1), b - a, bm)
+            slots, blocks = sort_slots(ids, b - a, bm, lo=a)
             act = grouped_gemm(h, slots, blocks, bm, gq, gs, (2 * Fi, H), xdiv=k, rows=N * k, swiglu=True, int4=True)
             grouped_gemm(act, slots, blocks, bm, dq, ds, (H, Fi), xdiv=1, rows=N * k, int4=True, out=y)
         return y

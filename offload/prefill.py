@@ -47,17 +47,18 @@ class Prefill:
         pos = torch.arange(start, len(tokens), device=dev)
         x = m.embed(torch.tensor(tokens[start:]))
         self._begin_pass()
-        for i in range(self.cfg.num_layers):
-            self.ready_weights(i)
-            q, k, v = self._chunked(lambda a, b: m.pre_attention(i, x[a:b], pos[a:b]), T)
-            kp, vp = self._prior_kv(i, gpu_blocks, prior_gpu, host_blocks, prior_host, q.dtype)
-            c.write(i, slots, k, v)
-            keys = torch.cat([kp, k.transpose(0, 1)], dim=1)  # [Hkv, P + T, D]
-            vals = torch.cat([vp, v.transpose(0, 1)], dim=1)
-            o = torch.cat([_causal_tail_attention(q[a:b], keys[:, : keys.shape[1] - T + b], vals[:, : keys.shape[1] - T + b],
-                                                  m.scale) for a, b in _blocks(T)])
-            x = self._chunked(lambda a, b: m.post_attention(i, x[a:b], o[a:b]), T)
-            self.release_weights(i)
+        with m.rope.positions_below(len(tokens)):  # no read-back a layer
+            for i in range(self.cfg.num_layers):
+                self.ready_weights(i)
+                q, k, v = self._chunked(lambda a, b: m.pre_attention(i, x[a:b], pos[a:b]), T)
+                kp, vp = self._prior_kv(i, gpu_blocks, prior_gpu, host_blocks, prior_host, q.dtype)
+                c.write(i, slots, k, v)
+                keys, vals = (torch.cat([p, t.transpose(0, 1)], dim=1) if p.shape[1] else t.transpose(0, 1)
+                              for p, t in ((kp, k), (vp, v)))  # [Hkv, P + T, D]
+                o = self._chunked(lambda a, b: _causal_tail_attention(q[a:b], keys[:, : keys.shape[1] - T + b],
+                                                                      vals[:, : keys.shape[1] - T + b], m.scale), T)
+                x = self._chunked(lambda a, b: m.post_attention(i, x[a:b], o[a:b]), T)
+                self.release_weights(i)
         self.ready_weights(self.cfg.num_layers)
         logits = m.logits(x if all_logits else x[-1:])
         self.release_weights(self.cfg.num_layers)
@@ -83,6 +84,9 @@ class Prefill:
 
     @staticmethod
     def _chunked(fn, T: int):
+        """fn over the chunks of T rows, joined (one chunk: fn's own result, no copy)."""
+        if T <= PREFILL_CHUNK:
+            return fn(0, T)
         outs = [fn(a, b) for a, b in _blocks(T)]
         if isinstance(outs[0], tuple):
             return tuple(torch.cat(z) for z in zip(*outs))

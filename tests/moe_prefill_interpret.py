@@ -1,5 +1,5 @@
 """gpu_ops.moe_prefill under Triton's CPU interpreter (no GPU): the slots' sort into per-expert
-blocks, and the grouped GEMM over NF4 and int4 stacks (plain and with SiLU·up) against the dequantized weights applied
+blocks (against its torch twin too, whole and for a piece of the experts), and the grouped GEMM over NF4 and int4 stacks (plain and with SiLU·up) against the dequantized weights applied
 slot by slot, for routings with experts of no slot, of one, of several blocks, and slots routed
 elsewhere.
 
@@ -17,7 +17,7 @@ import sys
 import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-from gpu_ops.moe_prefill import block_rows, grouped_gemm, sort_slots  # noqa: E402
+from gpu_ops.moe_prefill import block_rows, grouped_gemm, sort_slots, sort_slots_reference  # noqa: E402
 from gpu_ops.nf4 import quantize_nf4  # noqa: E402
 from gpu_ops.nf4_code import BLOCK, NF4_CODE  # noqa: E402
 
@@ -83,17 +83,37 @@ def check(T: int, k: int, E: int, H: int, F: int, bm: int | None, seed: int, int
     return bad
 
 
+def check_sort(T: int, k: int, E: int, bm: int, lo: int, experts: int, seed: int) -> list[str]:
+    """The kernel's sort against its torch twin: the same block experts, and each block the same
+    slots (in any order within it)."""
+    g = torch.Generator().manual_seed(seed)
+    local = torch.randint(-1, E, (T, k), generator=g, dtype=torch.int32)
+    local[: T // 2, 0] = lo  # a run of several blocks
+    slots, blocks = sort_slots(local, experts, bm, lo)
+    want_slots, want_blocks = sort_slots_reference(local, experts, bm, lo)
+    if not torch.equal(blocks, want_blocks):
+        return [f"block experts {blocks.tolist()[:12]} against {want_blocks.tolist()[:12]}"]
+    return [f"block {b}: slots {slots[b * bm:(b + 1) * bm].tolist()}" for b in range(blocks.numel())
+            if not torch.equal(slots[b * bm:(b + 1) * bm].sort().values, want_slots[b * bm:(b + 1) * bm].sort().values)]
+
+
 def main() -> None:
+    failed = 0
+    for c in [(64, 8, 128, 16, 0, 128, 0), (512, 8, 128, 32, 0, 128, 1), (300, 8, 128, 16, 24, 40, 2),
+              (100, 8, 74, 16, 60, 14, 3), (1, 8, 128, 16, 0, 128, 4), (5, 2, 4, 64, 0, 4, 5)]:
+        bad = check_sort(*c)
+        print(("ok  " if not bad else "FAIL") + f" sort T={c[0]} k={c[1]} E={c[2]} bm={c[3]} experts [{c[4]}, "
+              f"{c[4] + c[5]})", *bad[:3])
+        failed += bool(bad)
     cases = [(37, 3, 5, 128, 64, None, 0), (9, 2, 7, 128, 128, 16, 1), (70, 4, 3, 64, 192, 32, 2),
              (1, 1, 4, 64, 64, None, 3), (40, 8, 16, 256, 64, 64, 4)]
-    failed = 0
     for c in cases:
         for int4 in (False, True):
             bad = check(*c, int4)
             print(("ok  " if not bad else "FAIL") + f" {'int4' if int4 else 'nf4 '} T={c[0]} k={c[1]} E={c[2]} H={c[3]} "
                   f"F={c[4]} bm={c[5]}", *bad[:3])
             failed += bool(bad)
-    print(f"{2 * len(cases) - failed}/{2 * len(cases)} passed")
+    print(f"{2 * len(cases) + 6 - failed}/{2 * len(cases) + 6} passed")
     sys.exit(1 if failed else 0)
 
 

@@ -337,6 +337,23 @@ def _nf4_stack(E, N, K, dev):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T,E,bm,lo,experts", [(512, 128, 32, 0, 128), (2048, 128, 64, 0, 128),
+                                               (300, 74, 16, 24, 25), (3, 128, 16, 0, 128)])
+def test_gpu_sort_slots_kernel_matches_twin(T, E, bm, lo, experts):
+    """The prefill's slot sort (one program, atomics) against its torch twin: the same block
+    experts, each block the same slots."""
+    from gpu_ops.moe_prefill import sort_slots, sort_slots_reference
+
+    g = torch.Generator().manual_seed(T)
+    local = torch.randint(-1, E, (T, 8), generator=g, dtype=torch.int32).cuda()
+    local[: T // 2, 0] = lo
+    slots, blocks = sort_slots(local, experts, bm, lo)
+    want_slots, want_blocks = sort_slots_reference(local, experts, bm, lo)
+    assert torch.equal(blocks, want_blocks)
+    assert torch.equal(slots.view(-1, bm).sort(dim=1).values, want_slots.view(-1, bm).sort(dim=1).values)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("xdiv", [1, 3])
 def test_gpu_grouped_experts_kernel_matches_dequantized(xdiv):
     from gpu_ops.nf4_gemv import nf4_experts_gemv
