@@ -3,8 +3,8 @@ grouped NF4 GEMM over every expert at once, instead of one expert's GEMMs at a t
 
     sort_slots:  the chunk's slots (token n, choice s: flat n·k + s) grouped by the device expert
                  they route to, each expert's run padded to whole blocks of BLOCK_M rows, and each
-                 block's expert; slots routed elsewhere (−1) in no block (one program: a torch
-                 version took ~17 launches, ~0.3 ms of the host's time a call)
+                 block's expert; slots routed elsewhere (−1) in no block (one program: in torch
+                 ops it took ~17 launches, ~0.3 ms of the host's time a call)
     grouped_gemm: per (block, tile of output features) program: the block's expert's codes read
                  once for its rows (x gathered by slot), a word at a time, decoded and scaled in
                  registers as gpu_ops.nf4_mma does (NF4 by PRMT; the host's int4 by shifts), one
@@ -135,62 +135,58 @@ def block_rows(slots: int, experts: int) -> int:
 
 
 @triton.jit
-def _sort_kernel(key_ptr, slots_ptr, block_expert_ptr, count_ptr, P, lo, hi, NB,
+def _sort_kernel(key_ptr, slots_ptr, block_expert_ptr, P, lo, hi, NB,
                  BM: tl.constexpr, EP: tl.constexpr, TILE: tl.constexpr):
-    """`sort_slots` in one program: the slots counted by expert (atomics into count), each run's
-    padded start, each block's expert, the rows set to −1, then each slot put at the next free row
-    of its run (an atomic on its expert's cursor: slots of one expert land in any order)."""
+    """`sort_slots` in one program, TILE slots a step as a one-hot [TILE, EP] of their experts: the
+    runs' sizes (its column sums), each run's padded start, each block's expert, then each slot at
+    its run's next row plus the earlier slots of its expert in the tile (the one-hot's exclusive
+    prefix sum down the tile): in order within a run, as the twin's stable sort."""
     e = tl.arange(0, EP)
-    tl.store(count_ptr + e, tl.zeros([EP], tl.int32))
-    tl.debug_barrier()
+    counts = tl.zeros([EP], tl.int32)
     for t0 in range(0, P, TILE):
         s = t0 + tl.arange(0, TILE)
         key = tl.load(key_ptr + s, mask=s < P, other=-1)
-        tl.atomic_add(count_ptr + key - lo, 1, mask=(s < P) & (key >= lo) & (key < hi))
-    tl.debug_barrier()
-    counts = tl.load(count_ptr + e, volatile=True)  # the atomics' sums (not a stale L1 line)
+        hot = (key[:, None] - lo == e[None, :]) & (key[:, None] < hi)
+        counts += tl.sum(hot.to(tl.int32), 0)
     padded = (counts + BM - 1) // BM * BM
     end = tl.cumsum(padded, 0)
-    tl.debug_barrier()
-    tl.store(count_ptr + e, end - padded)  # each run's next free row
     for b0 in range(0, NB, TILE):  # a block's expert: the runs ending at or before its first row
         b = b0 + tl.arange(0, TILE)
         run = tl.sum((end[None, :] <= (b * BM)[:, None]).to(tl.int32), 1)
         tl.store(block_expert_ptr + b, tl.where(run < hi - lo, run, -1), mask=b < NB)
-    for r0 in range(0, NB * BM, TILE):
-        r = r0 + tl.arange(0, TILE)
-        tl.store(slots_ptr + r, tl.full([TILE], -1, tl.int32), mask=r < NB * BM)
-    tl.debug_barrier()
+    nxt = end - padded  # each run's next free row
     for t0 in range(0, P, TILE):
         s = t0 + tl.arange(0, TILE)
         key = tl.load(key_ptr + s, mask=s < P, other=-1)
-        ok = (s < P) & (key >= lo) & (key < hi)
-        row = tl.atomic_add(count_ptr + key - lo, 1, mask=ok)
-        tl.store(slots_ptr + row, s, mask=ok)
+        hot = (key[:, None] - lo == e[None, :]) & (key[:, None] < hi)
+        h = hot.to(tl.int32)
+        row = tl.sum(tl.where(hot, nxt[None, :] + tl.cumsum(h, 0) - h, 0), 1)
+        tl.store(slots_ptr + row, s, mask=(s < P) & (key >= lo) & (key < hi))
+        nxt += tl.sum(h, 0)
 
 
 def sort_slots(local: torch.Tensor, experts: int, bm: int, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """local [N, k] int32 (each slot's expert; slots outside [lo, lo + experts): elsewhere) →
     (slots [B·bm] int32: each block's slots, −1 padding; block_expert [B] int32: the block's expert
-    − lo, −1 past the last run), B = ceil(N·k / bm) + experts, each expert's run starting a block.
-    One launch, no sync (the block count is not read back: blocks past the last run exit); the
-    torch twin is `sort_slots_reference`, whose slots within a run are in order."""
+    − lo, −1 past the last run), B = ceil(N·k / bm) + experts, each expert's run starting a block,
+    its slots in order. Two launches (the rows set to −1, then `_sort_kernel`), no sync: the block
+    count is not read back (blocks past the last run exit). Its torch twin: `sort_slots_reference`."""
     key = local.reshape(-1)
     if key.dtype != torch.int32:
         key = key.to(torch.int32)
     P = key.numel()
     B = -(-P // bm) + experts
-    slots = torch.empty(B * bm, dtype=torch.int32, device=key.device)
+    slots = torch.full((B * bm,), -1, dtype=torch.int32, device=key.device)
     block_expert = torch.empty(B, dtype=torch.int32, device=key.device)
-    count = torch.empty(triton.next_power_of_2(experts), dtype=torch.int32, device=key.device)
-    _sort_kernel[(1,)](key.contiguous(), slots, block_expert, count, P, lo, lo + experts, B, BM=bm,
-                       EP=count.numel(), TILE=256, num_warps=8)
+    EP = triton.next_power_of_2(experts)
+    _sort_kernel[(1,)](key.contiguous(), slots, block_expert, P, lo, lo + experts, B, BM=bm, EP=EP,
+                       TILE=max(16, min(128, 8192 // EP)), num_warps=8)
     return slots, block_expert
 
 
 def sort_slots_reference(local: torch.Tensor, experts: int, bm: int, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`sort_slots` in torch ops (none of them a sync: the counts are a scatter-add, as
-    torch.bincount reads its input's range back to the host), slots in order within a run."""
+    torch.bincount reads its input's range back to the host)."""
     key = local.reshape(-1).long()
     P, dev = key.numel(), key.device
     key = torch.where((key >= lo) & (key < lo + experts), key - lo, experts)  # elsewhere: sorted last, in no run
