@@ -39,18 +39,18 @@ GENERAL_LOOP_OVERHEAD_S = 200e-6
 # beside the measurement.
 GRAPH_LAYER_OVERHEAD_S = 12e-6
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
-# A prefill chunk's MoE layers run their experts in grouped 4-bit GEMMs (gpu_ops.moe_prefill): per
-# expert the chunk routes to, its share of the two launches, the device's NF4 (524 µs for 128
-# experts of ~32 rows) and a host int4 expert applied after its copy up (229 µs for 24), measured
-# by bench/moe_grouped.py on the H100 host, 2026-11-28, for the Qwen3-30B-A3B shape.
-PREFILL_EXPERT_S = 4.1e-6
-PREFILL_HOST_EXPERT_S = 9.5e-6
-# Per MoE layer and prefill chunk, what the GEMMs' bytes and FLOPs leave out: the layer's torch work
-# (projections through bitsandbytes, routing and the slots' sort in torch ops, the attention), whose
-# launches the GPU waits for, and which the host experts' copies do not overlap (a layer's first
-# piece goes up when the layer reaches it). Fitted on the H100 host, 2026-11-28 (bench/moe.py, a
-# 512-token prompt of the Qwen3-30B-A3B shape with every expert on the GPU: 117.5 ms, 38.6 without it).
-PREFILL_MOE_LAYER_S = 1.64e-3
+# A prefill chunk's MoE layers run their experts in grouped 4-bit GEMMs (gpu_ops.moe_prefill), whose
+# time an expert the chunk routes to is its weights' decode: GB/s of expert bytes for the device's
+# NF4 (524 µs for 128 Qwen3-30B-A3B experts of ~32 rows, 2.65 MB each) and for a host int4 expert
+# applied after its copy up (229 µs for 24), measured by bench/moe_grouped.py on the H100 host,
+# 2026-11-28.
+PREFILL_EXPERT_GBPS = 650.0
+PREFILL_HOST_EXPERT_GBPS = 280.0
+# Per MoE layer and prefill chunk, what the GEMMs' bytes and FLOPs leave out: the launches of the
+# layer's other kernels (routing, the slots' sort, the weighted sum), which the GPU partly waits for.
+# Fitted on the H200 host, 2026-11-29 (bench/moe.py, a 512-token prompt of the Qwen3-30B-A3B shape
+# with every expert on the GPU: 44.0 ms; at 8 GiB 190 ms, 184 on another machine, predicted 186).
+PREFILL_MOE_LAYER_S = 0.11e-3
 # Per MoE layer whose experts are split between the devices: the call's hand-off (the side stream
 # sets a flag in memory, a thread of the experts' pool polls it, the pool of spinning threads joins:
 # cpu_attention.experts_pool; the stream waits for the flag set back) and the result's copy up.
@@ -255,7 +255,7 @@ def prefill_seconds(
       split experts' host part: its experts the chunk routes to go up (h2d) and the GPU computes them
       (offload/moe.py streams them for chunks of more than 64 rows; a shorter chunk is computed as
       the CPU's, like a decode step)
-      gpu   += experts the chunk routes to · PREFILL_EXPERT_S (PREFILL_HOST_EXPERT_S for a host one)
+      gpu   += bytes of the experts the chunk routes to / PREFILL_EXPERT_GBPS (_HOST_EXPERT_GBPS: host)
       moe    = MoE layers · PREFILL_MOE_LAYER_S                                  (not overlapped)
       h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
       d2h    = host-tier KV of the chunk / PCIe
@@ -297,8 +297,9 @@ def prefill_seconds(
             total += (2.0 * u * (active_gpu + active_cpu + host_experts) + attn_flops) / (hw.cpu_gflops * GB)
         else:
             gpu = (2.0 * u * (active_gpu + host_experts) + attn_flops) / (PREFILL_MFU * hw.gpu_tflops * 1e12)
-            gpu += sum(_touched(g, pl, u) * (PREFILL_HOST_EXPERT_S if pl.mode is Mode.CPU and split_experts(pl)
-                                               else PREFILL_EXPERT_S) for g, pl in moe_parts)
+            gpu += sum(_touched(g, pl, u) * expert_bytes(g, pl.dtype) / GB /
+                       (PREFILL_HOST_EXPERT_GBPS if pl.mode is Mode.CPU and split_experts(pl) else PREFILL_EXPERT_GBPS)
+                       for g, pl in moe_parts)
             cpu = min(2.0 * u * active_cpu / (hw.cpu_gflops * GB), cpu_bytes / (hw.pcie_h2d_gbps * GB))
             up = sum(read_bytes(g, pl, u) for g, pl in host_parts)
             host_before = max(0, s - kv.gpu_tokens)
