@@ -2,6 +2,7 @@
 of spinning threads (cpu_attention.experts_pool), µs a call:
 
     python3 -m bench.experts_pool [--threads N] [--order omp,pool] [--chunks 8,32] [--dram] [--tokens N]
+                                  [--shape qwen3|mixtral]
 
 Four int4 experts of the Qwen3-30B-A3B shape (hidden 2048, expert FFN 768: 10.6 MB a call), one
 token (--tokens N: N tokens, each routed to 8 experts of its own, as a batch's tokens mostly are),
@@ -37,6 +38,9 @@ def main() -> None:
     ap.add_argument("--dram", action="store_true", help="first the DRAM read rate past the L3, by threads")
     ap.add_argument("--tokens", type=int, default=1, help="tokens a call, each over 8 experts of its own "
                     "(default: one token over 4 experts)")
+    ap.add_argument("--shape", choices=("qwen3", "mixtral"), default="qwen3",
+                    help="mixtral: one token over one expert of Mixtral-8x7B's shape (hidden 4096, FFN 14336, "
+                    "99 MB), the host's share of a layer where one of its 8 experts stays on the host")
     args = ap.parse_args()
     if args.dram:
         _dram()
@@ -44,7 +48,8 @@ def main() -> None:
         for c in args.chunks.split(","):
             env = dict(os.environ, NUMBA_CACHE_DIR=tempfile.mkdtemp())
             subprocess.run([sys.executable, "-m", "bench.experts_pool", "--order", "pool", "--chunk", c,
-                            "--threads", str(args.threads), "--tokens", str(args.tokens)], env=env, check=True)
+                            "--threads", str(args.threads), "--tokens", str(args.tokens), "--shape", args.shape],
+                           env=env, check=True)
         return
     if args.chunk:
         import cpu_attention.experts_pool as ep
@@ -58,15 +63,15 @@ def main() -> None:
     from cpu_attention.experts_pool import ExpertsPool
 
     configure()
-    H, F, k, N = 2048, 768, 8, args.tokens
-    E = 4 if N == 1 else k * N
-    L = max(4, 256 // E)  # past the L3: 64 layers' worth of 4 experts, 680 MB
+    H, F, k, N = (4096, 14336, 2, 1) if args.shape == "mixtral" else (2048, 768, 8, args.tokens)
+    E = 1 if args.shape == "mixtral" else 4 if N == 1 else k * N
+    L = 8 if args.shape == "mixtral" else max(4, 256 // E)  # past the L3: 64 layers' worth of 4 experts, 680 MB
     threads = args.threads or max(1, physical_cores() - 1)
     sets = timing_layers(L, E, H, F, k, threads)
     x, w, out = np.ones((N, H), np.float32), np.ones((N, k), np.float32), np.empty((N, H), np.float32)
     ids = np.full((N, k), -1, np.int32)
     if N == 1:
-        ids[0, :4] = [0, 1, 2, 3]
+        ids[0, :E] = np.arange(E)
     else:
         ids[:] = np.arange(E, dtype=np.int32).reshape(N, k)
     t = torch.randn(4_000_000)
