@@ -42,7 +42,8 @@ class Prefill:
         c.seal_complete()
         slots = c.reserve(seq, T)
         s = c.seqs[seq]
-        gpu_blocks = torch.tensor(s.gpu.blocks[: -(-prior_gpu // c.block_size)], dtype=torch.int64)
+        gpu_blocks = torch.tensor(s.gpu.blocks[: -(-prior_gpu // c.block_size)], dtype=torch.int64,
+                                  device=c.gpu.k.device if prior_gpu else "cpu")  # up once, not once a layer
         host_blocks = torch.tensor(s.host.blocks[: -(-prior_host // c.block_size)], dtype=torch.int64)
         pos = torch.arange(start, len(tokens), device=dev)
         x = m.embed(torch.tensor(tokens[start:]))
@@ -71,7 +72,7 @@ class Prefill:
         if n_gpu:  # a quantized tier dequantizes in pieces: float32 temporaries of one piece at a time
             per = PRIOR_PIECE // c.block_size if c.gpu.quantized else len(gpu_blocks)
             for j in range(0, len(gpu_blocks), per):
-                k, v = c.gpu.gather(i, gpu_blocks[None, j:j + per].to(c.gpu.k.device))
+                k, v = c.gpu.gather(i, gpu_blocks[None, j:j + per])
                 n = min(n_gpu - j * c.block_size, k.shape[2])
                 ks.append(k[0, :, :n].to(dev, dtype))
                 vs.append(v[0, :, :n].to(dev, dtype))
