@@ -36,7 +36,8 @@ def load_from_plan(ck: Checkpoint, plan: Plan, device: torch.device,
     embed_dev = device if plan.placement(-1, Kind.EMBED).on_gpu else torch.device("cpu")
     wl = plan.workload
     model = load_model(ck, FORMATS[plan.weights], device, embed_device=embed_dev, homes=weight_homes(plan, device),
-                       progress=progress, threads=plan.threads, moe_rows=max(wl.ubatch, wl.batch))
+                       progress=progress, threads=plan.threads, moe_rows=max(wl.ubatch, wl.batch),
+                       moe_upload_rows=plan.moe_upload_rows)
     return model, place_weights(model, plan)
 
 

@@ -78,13 +78,18 @@ class MoEFeedForward:
     GROUPED_ROWS = 64
 
     def __init__(self, cfg: ModelConfig, router: torch.Tensor, device_experts: DeviceExperts | None,
-                 host_experts, device: torch.device, staging: HostStaging | None):
+                 host_experts, device: torch.device, staging: HostStaging | None, upload_rows: int = 0):
+        """upload_rows: rows from which a step's host experts go up to the device (the plan's
+        `moe_upload_rows`, the cost model's choice); 0: from GROUPED_ROWS + 1."""
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         self.cfg, self.router, self.dev, self.host, self.staging = cfg, router, device, host_experts, staging
         self.device_experts = device_experts
-        # rows a step may have with nothing read back to the host (`Model.capturable`)
+        self.stream_rows = upload_rows or self.GROUPED_ROWS + 1  # rows from which the host's int4 experts go up
+        # rows a step may have with nothing read back to the host (`Model.capturable`): the copies up
+        # are not in a graph
         self.graph_rows = self.GROUPED_ROWS if device_experts is None or device_experts.stacked is not None else 0
-        self.stream_rows = self.GROUPED_ROWS + 1  # rows from which the host's int4 experts go up (prefill)
+        if host_experts is not None:
+            self.graph_rows = min(self.graph_rows, self.stream_rows - 1)
         self.routed: torch.Tensor | None = None  # [E] how often each expert was routed to, while counting
         self.out_features = cfg.hidden_size
         self.norm_topk = cfg.norm_topk_prob
@@ -127,7 +132,8 @@ class MoEFeedForward:
                 host = functools.partial(self._stream_host, h, ids, w)
         dx = self.device_experts
         if dx is not None and dx.stacked is not None:  # NF4 on CUDA: every expert in two launches
-            y = self._grouped(h, local) if N <= self.GROUPED_ROWS else self._grouped_many(h, local, y)
+            # the GEMV kernels for few rows, unless the host's experts went up (their rows are in y)
+            y = self._grouped(h, local) if N <= self.GROUPED_ROWS and y is None else self._grouped_many(h, local, y)
             return (fused.combine if fused else combine)(y, w, host(), h.dtype)
         out = combine(y, w, None, torch.float32) if y is not None else None
         for part in (self._device(h, local, w) if dx is not None else None, host()):

@@ -181,14 +181,18 @@ def decode_step(
                 rb = read_bytes(g, pl, b)
                 flops = 2.0 * g.active_params * b
                 if split_experts(pl) and pl.mode is Mode.CPU:  # beside the GPU's experts, off the GIL
-                    flops *= _share(g, pl)
                     # the host's kernel decodes an expert's rows once a token routed to it, and the
-                    # decode bounds it: its time follows the (token, expert) pairs, not the experts read
-                    decoded = _routed(g, pl, b) * expert_bytes(g, pl.dtype)
-                    c_e += gemv_seconds(max(rb, decoded), flops, hw.cpu_experts_rate, hw.cpu_gflops) + HOST_EXPERTS_CALL_S
-                    nbytes["cpu experts"] += rb
-                    if hw.has_gpu:
-                        x_e += 2 * hop_seconds(b * cfg.hidden_size * 4, hw)
+                    # decode bounds it: its time follows the (token, expert) pairs, not the experts read;
+                    # from some rows on, the experts go up to the GPU instead (`host_experts_seconds`)
+                    t_e, up = host_experts_seconds(g, pl, hw, b)
+                    if up:
+                        p += t_e
+                        nbytes["pcie weights"] += len(pl.experts) * expert_bytes(g, pl.dtype)
+                    else:
+                        c_e += t_e
+                        nbytes["cpu experts"] += rb
+                        if hw.has_gpu:
+                            x_e += 2 * hop_seconds(b * cfg.hidden_size * 4, hw)
                 elif split_experts(pl):
                     g_e += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b, pl.dtype), gpu_gflops)
                     nbytes["gpu weights"] += rb
@@ -240,6 +244,42 @@ def decode_step(
                      ("transfers", x_att + x_w + x_e), ("overhead", over)):
             terms[k] += v
     return StepCost(total, terms, nbytes)
+
+
+def host_experts_seconds(g: Group, p: Placement, hw: HardwareProfile, rows: int) -> tuple[float, bool]:
+    """A step of `rows` rows through the host's part p of a split experts group: (seconds, whether
+    its experts go up to the GPU). The CPU decodes an expert's weights once a token routed to it
+    (rows · k · share of them at its kernel's rate, plus the call's hand-off); a copy up reads each
+    of the part's experts once (their bytes over PCIe), the GPU's grouped GEMM applying each piece
+    while the next one's copy is in flight. The runtime takes the cheaper for each step's rows
+    (`host_experts_upload_rows`: from how many rows that is the copy)."""
+    flops = 2.0 * g.active_params * rows * _share(g, p)
+    decoded = _routed(g, p, rows) * expert_bytes(g, p.dtype)
+    cpu = gemv_seconds(max(read_bytes(g, p, rows), decoded), flops, hw.cpu_experts_rate, hw.cpu_gflops) \
+        + HOST_EXPERTS_CALL_S
+    if not hw.has_gpu or not hw.pcie_h2d_gbps:
+        return cpu, False
+    up = max(len(p.experts) * expert_bytes(g, p.dtype) / (hw.pcie_h2d_gbps * GB),
+             _touched(g, p, rows) * expert_bytes(g, p.dtype) / (PREFILL_HOST_EXPERT_GBPS * GB))
+    return (up, True) if up < cpu else (cpu, False)
+
+
+def host_experts_upload_rows(cfg: ModelConfig, hw: HardwareProfile, placements: Sequence[Placement],
+                             most: int = 1 << 16) -> int:
+    """The fewest rows from which a step's host experts go up to the GPU rather than being computed
+    by the CPU (`host_experts_seconds`), over the layers that split their experts (the median
+    layer's); 0 where none does or there is no GPU. At one copy of the host's experts against one
+    decode of an expert a routed token, that is about E · CPU rate / (k · PCIe rate) rows (~22 for
+    Qwen3-30B-A3B on the GPU host)."""
+    rows = []
+    for g, p in (gp for groups in _pairs(cfg, placements).values() for gp in groups):
+        if split_experts(p) and p.mode is Mode.CPU and p.experts:
+            lo, hi = 0, most  # the CPU's at lo rows, the copy's at hi (or none before `most`)
+            while hi - lo > 1:  # the copy's cost levels off as the CPU's grows with the rows: bisect
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if host_experts_seconds(g, p, hw, mid)[1] else (mid, hi)
+            rows.append(hi)
+    return sorted(rows)[len(rows) // 2] if rows and hw.has_gpu else 0
 
 
 def prefill_seconds(

@@ -95,7 +95,7 @@ def experts_choice(cfg: ModelConfig, placements: tuple[Placement, ...], order: s
                  "routed slots)") if shares else "no routing statistics: any of them alike (`hetero profile-experts`)"
         return Choice("experts", f"{min(n)}–{max(n)} of {cfg.num_experts} a layer on the GPU",
                       f"the GPU's room after the other weights, spread over the layers; {which}; the rest int4 in "
-                      "host memory, computed by the CPU beside the GPU's (copied up for a prefill)")
+                      "host memory, computed by the CPU beside the GPU's (copied up to the GPU for steps of many rows)")
     why = "attention weights are read whole each step, experts only as routed" if order == "attention first" \
         else "experts and MLP before attention weights"
     return Choice("GPU priority", order, why + " (the faster prediction)")

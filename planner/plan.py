@@ -168,6 +168,9 @@ class Plan:
     prediction: Prediction
     choices: tuple[Choice, ...] = ()
     format: int = PLAN_FORMAT
+    # a split MoE model's steps of at least this many rows copy their host experts up to the GPU
+    # instead of the CPU computing them (planner.cost.host_experts_upload_rows); 0: none split
+    moe_upload_rows: int = 0
 
     def placement(self, layer: int, kind: Kind) -> Placement:
         """The group's placement (a split experts group: its device part, which holds the router)."""
@@ -212,6 +215,7 @@ class Plan:
             workload=_load(Workload, d["workload"]), budget=_load(Budget, d["budget"]),
             memory=_load(Memory, d["memory"]), prediction=_load(Prediction, d["prediction"]),
             choices=tuple(_load(Choice, c) for c in d.get("choices", ())), format=d["format"],
+            moe_upload_rows=d.get("moe_upload_rows", 0),
         )
 
     @classmethod

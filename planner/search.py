@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from cpu_attention.layout import KVDtype
 from hetero.config import ModelConfig
 from hetero.errors import UserError
-from planner.cost import StepCost, bottleneck, decode_step, prefill_seconds
+from planner.cost import StepCost, bottleneck, decode_step, host_experts_upload_rows, prefill_seconds
 from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
@@ -387,8 +387,14 @@ def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choice
         cpu_share=cpu_b / max(cpu_b + gpu_b, 1.0),
         gpu_share=gpu_b / max(cpu_b + gpu_b, 1.0),
     )
+    upload = host_experts_upload_rows(cfg, hw, c.placements)
+    if upload:
+        choices = [*choices, Choice("host experts", f"go up to the GPU for steps of {upload}+ rows",
+                                    "the CPU decodes a host expert once a token routed to it, a copy reads it once: "
+                                    f"at {hw.cpu_experts_rate:.0f} GB/s against PCIe's {hw.pcie_h2d_gbps:.0f}, "
+                                    f"the copy is the faster from {upload} rows (prefill chunks, large batches)")]
     return Plan(
         model=cfg.name, num_layers=cfg.num_layers, device=device, weights=weights, threads=threads,
         sub_batches=c.sub_batches, placements=c.placements, kv=c.kv, workload=wl, budget=budget,
-        memory=c.memory, prediction=pred, choices=tuple(choices),
+        memory=c.memory, prediction=pred, choices=tuple(choices), moe_upload_rows=upload,
     )

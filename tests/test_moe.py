@@ -101,11 +101,11 @@ def test_streamed_host_experts_give_the_kernels_logits(moe):
     """Many rows (a prefill chunk) take the host's int4 experts up to the device instead of computing
     them on the CPU: the same arithmetic, so the same logits as the CPU kernel's."""
     folder, p, E, _, _, _ = moe
-    e = hetero.load(folder, device="cpu", plan=split_plan(p, E, SPLITS["alternate, by layer"], WDtype.INT4),
-                    tokenizer=False, ctx_size=64)
-    want = e.logits(PROMPTS[0])
-    for lw in e.model.layers:
-        lw.ffn.stream_rows = 1
+    sp = split_plan(p, E, SPLITS["alternate, by layer"], WDtype.INT4)
+    want = hetero.load(folder, device="cpu", plan=sp, tokenizer=False, ctx_size=64).logits(PROMPTS[0])
+    e = hetero.load(folder, device="cpu", plan=dataclasses.replace(sp, moe_upload_rows=1), tokenizer=False,
+                    ctx_size=64)  # the plan's rows from which they go up: every step's
+    assert all(lw.ffn.stream_rows == 1 and lw.ffn.graph_rows == 0 for lw in e.model.layers)
     assert rel_err(e.logits(PROMPTS[0]), want) <= 1e-5
 
 
@@ -295,6 +295,28 @@ def test_host_experts_cost_follows_the_tokens_routed_to_them():
     assert eight == pytest.approx(8 * one, rel=1e-6)
 
 
+def test_host_experts_go_up_from_the_rows_the_cost_model_chooses():
+    """A step's host experts are computed by the CPU (a decode of an expert a token routed to it)
+    or copied up once (PCIe): the plan takes the copy from the first row count at which the cost
+    model prices it lower, says so, and prices larger steps that way."""
+    from planner.cost import decode_step, host_experts_seconds
+
+    p = plan(QWEN3_30B_A3B, H100, Budget(8 * 2**30, 100 * 2**30), Workload(4096))
+    n = p.moe_upload_rows
+    assert 2 <= n <= 512
+    g = next(g for g in weight_groups(QWEN3_30B_A3B) if g.kind is Kind.EXPERTS and g.layer == 0)
+    host = next(x for x in p.expert_placements(0) if not x.on_gpu)
+    assert host_experts_seconds(g, host, H100, n)[1] and not host_experts_seconds(g, host, H100, n - 1)[1]
+    assert any(c.setting == "host experts" and f"{n}+ rows" in c.value for c in p.choices)
+    few, many = (decode_step(QWEN3_30B_A3B, H100, p.placements, p.kv, b, 2048, p.threads, 1) for b in (n - 1, n))
+    assert few.terms["cpu experts"] > 0 and few.terms["pcie weights"] == 0
+    assert many.terms["cpu experts"] == 0 and many.nbytes["pcie weights"] == pytest.approx(
+        sum(len(x.experts) for x in p.placements if x.kind is Kind.EXPERTS and not x.on_gpu) * expert_bytes(g, WDtype.INT4))
+    assert Plan.from_json(p.to_json()).moe_upload_rows == n
+    whole = plan(QWEN3_30B_A3B, H100, Budget(24 * 2**30, 100 * 2**30), Workload(4096))
+    assert whole.moe_upload_rows == 0  # nothing on the host
+
+
 def test_a_prefill_fetches_the_next_layers_first_piece_of_host_experts_ahead():
     """The staging's bookkeeping (offload/moe_host.py): the piece fetched at a layer's end is the next
     host layer's first, taken once by that layer; the last layer fetches nothing. (The copies
@@ -404,12 +426,12 @@ def test_gpu_routing_and_sum_kernels_match_their_torch_twins(E, k, norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4, 150])
-def test_gpu_split_moe_layer_in_a_cuda_graph(rows):
+@pytest.mark.parametrize("rows, upload", [(1, 0), (4, 0), (150, 0), (8, 4)])
+def test_gpu_split_moe_layer_in_a_cuda_graph(rows, upload):
     """The device's experts in the grouped kernels and the host's in a host node on a side stream:
     eager and captured in a CUDA graph, the same output as the torch reference of both. 150 rows
-    (a prefill chunk): the grouped GEMM over the slots sorted by expert, the host's experts copied
-    up, eagerly."""
+    (a prefill chunk), and 8 where the plan has the host's experts go up from 4: the grouped GEMM
+    over the slots sorted by expert, the host's experts copied up, eagerly."""
     from hetero.config import ModelConfig, Arch
     from offload.moe import DeviceExperts
     from offload.moe_host import HostStaging
@@ -428,7 +450,7 @@ def test_gpu_split_moe_layer_in_a_cuda_graph(rows):
     for j in range(len(on_host)):
         he.set(j, torch.randn(2 * F, H) * 0.05, torch.randn(H, F) * 0.05)
     router = (torch.randn(E, H, device=dev) * 0.05).bfloat16()
-    ffn = MoEFeedForward(cfg, router, dx, he, dev, HostStaging(cfg, dev, 16))
+    ffn = MoEFeedForward(cfg, router, dx, he, dev, HostStaging(cfg, dev, 16), upload)
     h = torch.randn(rows, H, device=dev).bfloat16()
 
     probs = torch.softmax(torch.nn.functional.linear(h, router).float(), -1)
@@ -449,7 +471,7 @@ def test_gpu_split_moe_layer_in_a_cuda_graph(rows):
         ffn.staging.signals = signals
         eager = ffn(h)
         assert rel_err(eager.float().cpu(), want) <= 2e-2
-        if rows > ffn.GROUPED_ROWS:
+        if rows > ffn.graph_rows:
             continue
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
