@@ -21,10 +21,11 @@ step still captures as one CUDA graph (memory-operation or host nodes per MoE la
 computes while the GPU runs its experts. The main stream waits for the side stream only before
 the sum. Many rows (prefill) take the same path, except that the device's experts run as one
 grouped GEMM over the chunk's slots sorted by expert (gpu_ops.moe_prefill; one expert at a time
-where they are not stacked NF4), and the host's experts go up instead of being computed by the
-CPU (`_upload_host`: the layer's whole int4 stacks in pieces, applied by the same grouped GEMM):
-a prefill chunk's tokens share each expert's weights, which the CPU kernel would decode again
-for every token, while a copy reads them once. On a CPU stand-in device the host's share is a
+where they are not stacked NF4). From the plan's `moe_upload_rows` on (the cost model's choice),
+the host's experts go up instead of being computed by the CPU (`_upload_host`: the layer's whole
+int4 stacks in pieces, applied by the same grouped GEMM): the rows share each expert's weights,
+which the CPU kernel would decode again for every token, while a copy reads them once; such a
+step is not captured. On a CPU stand-in device the host's share is a
 plain call (and the uploaded path the same arithmetic, expert by expert: `_stream_host`).
 """
 from __future__ import annotations
@@ -213,10 +214,9 @@ class MoEFeedForward:
     def _upload_host(self, h: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The host's experts for many rows on CUDA, computed by the device into the rows of y [N·k, H]
         of the slots routed to them (ids as `_queue_host`'s; y's other rows untouched), returned: the
-        layer's host experts go up whole (a chunk of
-        65 or more tokens routes to nearly all of them), a piece (planner.workspace.moe_host_piece_bytes)
-        at a time, the next piece's copy in flight while the device applies this one's to the slots
-        routed to them in the grouped int4 GEMM (gpu_ops.moe_prefill)."""
+        layer's host experts go up whole, a piece (planner.workspace.moe_host_piece_bytes) at a time,
+        the next piece's copy in flight while the device applies this one's to the slots routed to
+        them in the grouped int4 GEMM (gpu_ops.moe_prefill)."""
         from gpu_ops.moe_prefill import block_rows, grouped_gemm, sort_slots
 
         he, st = self.host, self.staging

@@ -293,8 +293,8 @@ def prefill_seconds(
       gpu    = flops on GPU-computed groups / (MFU · bf16 matmul rate)
       cpu    = CPU-mode groups: min(2·u·params / CPU flop rate, W / PCIe)    (compute there or stream)
       split experts' host part: its experts the chunk routes to go up (h2d) and the GPU computes them
-      (offload/moe.py streams them for chunks of more than 64 rows; a shorter chunk is computed as
-      the CPU's, like a decode step)
+      (offload/moe.py copies them up for chunks of the plan's moe_upload_rows or more; a shorter
+      chunk is computed by the CPU, like a decode step: priced here as the copy too)
       gpu   += bytes of the experts the chunk routes to / PREFILL_EXPERT_GBPS (_HOST_EXPERT_GBPS: host)
       moe    = MoE layers · PREFILL_MOE_LAYER_S                                  (not overlapped)
       h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
