@@ -39,8 +39,9 @@ ROWS = [
 
 def bound_s(prof: HardwareProfile, nbytes: dict[str, float]) -> float:
     hbm = prof.hbm_gbps / 2 * 1e9  # the profile's HBM figure is a copy's read + write
-    return max((nbytes["gpu weights"] + nbytes["gpu attention"]) / hbm,
-               (nbytes["cpu experts"] + nbytes["cpu weights"] + nbytes["cpu attention"]) / (prof.dram_read_gbps * 1e9))
+    host = nbytes["cpu experts"] + nbytes["cpu weights"] + nbytes["cpu attention"]
+    host += nbytes["pcie weights"]  # host experts copied up (a step of many rows) leave DRAM all the same
+    return max((nbytes["gpu weights"] + nbytes["gpu attention"]) / hbm, host / (prof.dram_read_gbps * 1e9))
 
 
 def _host_calls(model) -> str:
