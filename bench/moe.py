@@ -76,7 +76,8 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     from hetero.random_weights import random_shape
     from hetero.random_weights import RandomCheckpoint
     from offload.moe import experts_scratch
-    from planner.cost import decode_step, prefill_seconds
+    from planner.cost import decode_step
+    from planner.prefill_cost import prefill_seconds
 
     cfg = random_shape(shape)
     torch.cuda.reset_peak_memory_stats()

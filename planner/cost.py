@@ -38,19 +38,13 @@ GENERAL_LOOP_OVERHEAD_S = 200e-6
 # cost beyond the GEMVs' and the attention's bytes. Stated; bench/budget.py prints the prediction
 # beside the measurement.
 GRAPH_LAYER_OVERHEAD_S = 12e-6
-PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
-# A prefill chunk's MoE layers run their experts in grouped 4-bit GEMMs (gpu_ops.moe_prefill), whose
-# time an expert the chunk routes to is its weights' decode: GB/s of expert bytes for the device's
+# Many rows (a prefill chunk, a step whose host experts go up) run a MoE layer's experts in grouped
+# 4-bit GEMMs (gpu_ops.moe_prefill), whose time an expert the rows route to is its weights' decode: GB/s of expert bytes for the device's
 # NF4 (524 µs for 128 Qwen3-30B-A3B experts of ~32 rows, 2.65 MB each) and for a host int4 expert
 # applied after its copy up (229 µs for 24), measured by bench/moe_grouped.py on the H100 host,
 # 2026-11-28.
 PREFILL_EXPERT_GBPS = 650.0
 PREFILL_HOST_EXPERT_GBPS = 280.0
-# Per MoE layer and prefill chunk, what the GEMMs' bytes and FLOPs leave out: the launches of the
-# layer's other kernels (routing, the slots' sort, the weighted sum), which the GPU partly waits for.
-# Fitted on the H200 host, 2026-11-29 (bench/moe.py, a 512-token prompt of the Qwen3-30B-A3B shape
-# with every expert on the GPU: 44.0 ms; at 8 GiB 190 ms, 184 on another machine, predicted 186).
-PREFILL_MOE_LAYER_S = 0.11e-3
 # Per MoE layer whose experts are split between the devices: the call's hand-off (the side stream
 # sets a flag in memory, a thread of the experts' pool polls it, the pool of spinning threads joins:
 # cpu_attention.experts_pool; the stream waits for the flag set back) and the result's copy up.
@@ -78,9 +72,9 @@ def read_bytes(g: Group, p: Placement, tokens: int) -> float:
         return tokens * WDtype.BF16.nbytes(g.active_params)
     if g.kind is Kind.EXPERTS:
         if p.experts is not None:  # a part of a split group: the router goes with the device's part
-            return (router_bytes(g) if p.on_gpu else 0) + _touched(g, p, tokens) * expert_bytes(g, p.dtype)
+            return (router_bytes(g) if p.on_gpu else 0) + touched_experts(g, p, tokens) * expert_bytes(g, p.dtype)
         router = router_bytes(g)
-        return router + _touched(g, p, tokens) * (p.nbytes - router) / (g.params // g.expert_params)
+        return router + touched_experts(g, p, tokens) * (p.nbytes - router) / (g.params // g.expert_params)
     return p.nbytes
 
 
@@ -102,7 +96,7 @@ def hop_seconds(nbytes: float, hw: HardwareProfile) -> float:
     return hw.pcie_latency_s + nbytes / (max(hw.pcie_h2d_gbps, 1e-9) * GB)
 
 
-def _pairs(cfg: ModelConfig, placements: Sequence[Placement]) -> dict[int, list[tuple[Group, Placement]]]:
+def layer_groups(cfg: ModelConfig, placements: Sequence[Placement]) -> dict[int, list[tuple[Group, Placement]]]:
     """Layer → its (group, placement) pairs; a split experts group pairs with each of its parts."""
     by_key: dict[tuple[int, Kind], list[Placement]] = {}
     for p in placements:
@@ -156,7 +150,7 @@ def decode_step(
     step = Σ_layers t + head (final norm, lm_head, embedding lookup) in the same way.
     T_s: the host tier's first tokens the GPU attends over after copying them up (batch 1 only).
     """
-    pairs = _pairs(cfg, placements)
+    pairs = layer_groups(cfg, placements)
     # the runtime's lean loop (offload/inline.py): one sub-batch, no weights moving during the step
     lean = sub_batches == 1 and all(p.mode is Mode.RESIDENT or p.kind is Kind.EMBED or split_experts(p)
                                     for p in placements)
@@ -260,7 +254,7 @@ def host_experts_seconds(g: Group, p: Placement, hw: HardwareProfile, rows: int)
     if not hw.has_gpu or not hw.pcie_h2d_gbps:
         return cpu, False
     up = max(len(p.experts) * expert_bytes(g, p.dtype) / (hw.pcie_h2d_gbps * GB),
-             _touched(g, p, rows) * expert_bytes(g, p.dtype) / (PREFILL_HOST_EXPERT_GBPS * GB))
+             touched_experts(g, p, rows) * expert_bytes(g, p.dtype) / (PREFILL_HOST_EXPERT_GBPS * GB))
     return (up, True) if up < cpu else (cpu, False)
 
 
@@ -272,7 +266,7 @@ def host_experts_upload_rows(cfg: ModelConfig, hw: HardwareProfile, placements: 
     decode of an expert a routed token, that is about E · CPU rate / (k · PCIe rate) rows (~20 for
     Qwen3-30B-A3B on the GPU host)."""
     rows = []
-    for g, p in (gp for groups in _pairs(cfg, placements).values() for gp in groups):
+    for g, p in (gp for groups in layer_groups(cfg, placements).values() for gp in groups):
         if split_experts(p) and p.mode is Mode.CPU and p.experts:
             lo, hi = 0, most  # the CPU's at lo rows, the copy's at hi (or none before `most`)
             while hi - lo > 1:  # the copy's cost levels off as the CPU's grows with the rows: bisect
@@ -280,76 +274,6 @@ def host_experts_upload_rows(cfg: ModelConfig, hw: HardwareProfile, placements: 
                 lo, hi = (lo, mid) if host_experts_seconds(g, p, hw, mid)[1] else (mid, hi)
             rows.append(hi)
     return sorted(rows)[len(rows) // 2] if rows and hw.has_gpu else 0
-
-
-def prefill_seconds(
-    cfg: ModelConfig, hw: HardwareProfile, placements: Sequence[Placement], kv: KVPlan,
-    prompt: int, ubatch: int, threads: int,
-) -> float:
-    """Prefill of one sequence's `prompt` tokens in chunks of `ubatch`.
-
-    Chunk of u tokens at positions [s, s+u):
-      flops  = 2 · u · Σ active params  +  L · 4 · u · (s + u/2) · q_size      (GEMMs + causal attention)
-      gpu    = flops on GPU-computed groups / (MFU · bf16 matmul rate)
-      cpu    = CPU-mode groups: min(2·u·params / CPU flop rate, W / PCIe)    (compute there or stream)
-      split experts' host part: its experts the chunk routes to go up (h2d) and the GPU computes them
-      (offload/moe.py copies them up for chunks of the plan's moe_upload_rows or more; a shorter
-      chunk is computed by the CPU, like a decode step: priced here as the copy too)
-      gpu   += bytes of the experts the chunk routes to / PREFILL_EXPERT_GBPS (_HOST_EXPERT_GBPS: host)
-      moe    = MoE layers · PREFILL_MOE_LAYER_S                                  (not overlapped)
-      h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
-      d2h    = host-tier KV of the chunk / PCIe
-      t      = max(gpu, h2d, d2h) + cpu + moe + L · overhead                     (copies double-buffered)
-    Without a GPU: t = all flops / CPU flop rate.
-    """
-    pairs = _pairs(cfg, placements)
-    L = cfg.num_layers
-    kv_bf16 = kv_bytes_per_token_layer(cfg, KVDtype.BF16, kv.block_size)
-    active_gpu = active_cpu = streamed = cpu_bytes = host_experts = 0.0
-    host_parts: list[tuple[Group, Placement]] = []
-    moe_parts: list[tuple[Group, Placement]] = []
-    moe_layers = sum(any(g.kind is Kind.EXPERTS for g, _ in groups) for groups in pairs.values())
-    for layer, groups in pairs.items():
-        for g, pl in groups:
-            if g.kind is Kind.EMBED:
-                continue
-            act = g.params + g.small_params if g.kind is not Kind.EXPERTS else g.active_params
-            if split_experts(pl):
-                act = act * (pl.share if pl.share is not None else len(pl.experts) / (g.params // g.expert_params))
-            if g.kind is Kind.LM_HEAD:
-                act = act / ubatch  # logits of the chunk's last token only
-            if g.kind is Kind.EXPERTS:
-                moe_parts.append((g, pl))
-            if split_experts(pl) and pl.mode is Mode.CPU:
-                host_experts += act
-                host_parts.append((g, pl))
-            elif pl.mode is Mode.CPU:
-                active_cpu += act
-                cpu_bytes += pl.nbytes
-            else:
-                active_gpu += act
-                streamed += pl.nbytes if pl.mode is Mode.STREAM else 0.0
-    total, s = 0.0, 0
-    while s < prompt:
-        u = min(ubatch, prompt - s)
-        attn_flops = L * 4.0 * u * (s + u / 2) * cfg.q_size
-        if all(p.mode is Mode.CPU for p in placements):
-            total += (2.0 * u * (active_gpu + active_cpu + host_experts) + attn_flops) / (hw.cpu_gflops * GB)
-        else:
-            gpu = (2.0 * u * (active_gpu + host_experts) + attn_flops) / (PREFILL_MFU * hw.gpu_tflops * 1e12)
-            gpu += sum(_touched(g, pl, u) * expert_bytes(g, pl.dtype) / GB /
-                       (PREFILL_HOST_EXPERT_GBPS if pl.mode is Mode.CPU and split_experts(pl) else PREFILL_EXPERT_GBPS)
-                       for g, pl in moe_parts)
-            cpu = min(2.0 * u * active_cpu / (hw.cpu_gflops * GB), cpu_bytes / (hw.pcie_h2d_gbps * GB))
-            up = sum(read_bytes(g, pl, u) for g, pl in host_parts)
-            host_before = max(0, s - kv.gpu_tokens)
-            host_chunk = max(0, s + u - max(s, kv.gpu_tokens))
-            h2d = (streamed + up + L * host_before * kv_bf16) / (hw.pcie_h2d_gbps * GB)
-            d2h = L * host_chunk * kv_bf16 / (hw.pcie_d2h_gbps * GB)
-            moe = moe_layers * PREFILL_MOE_LAYER_S
-            total += max(gpu, h2d, d2h) + cpu + moe + L * hw.layer_overhead_s
-        s += u
-    return total
 
 
 def _experts_k(g: Group) -> tuple[int, int]:
@@ -370,7 +294,7 @@ def _routed(g: Group, p: Placement, tokens: int) -> float:
     return tokens * _experts_k(g)[1] * _share(g, p)
 
 
-def _touched(g: Group, p: Placement, tokens: int) -> float:
+def touched_experts(g: Group, p: Placement, tokens: int) -> float:
     """Experts of placement p (a whole experts group or a split part) that `tokens` tokens route to."""
     return experts_touched(*_experts_k(g), tokens) * _share(g, p)
 

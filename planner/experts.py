@@ -15,6 +15,7 @@ from pathlib import Path
 from hetero.config import ModelConfig
 from hetero.errors import UserError
 from hetero.paths import cache_dir
+from planner.hardware import HardwareProfile
 from planner.plan import Choice, Device, Mode, Placement
 from planner.tensors import Group, Kind, WDtype, cpu_dtype, expert_bytes, router_bytes
 
@@ -83,6 +84,15 @@ def load_routing(path: Path, cfg: ModelConfig) -> dict[int, list[float]]:
         raise UserError(f"the routing statistics {path} do not match this model's layers and experts: "
                         "make them again with `hetero profile-experts`")
     return counts
+
+
+def upload_choice(hw: HardwareProfile, rows: int) -> Choice:
+    """The plan's line on from how many rows a step's host experts go up to the GPU
+    (`planner.cost.host_experts_upload_rows`)."""
+    return Choice("host experts", f"go up to the GPU for steps of {rows}+ rows",
+                  "the CPU decodes a host expert once a token routed to it, a copy reads it once: at "
+                  f"{hw.cpu_experts_rate:.0f} GB/s against PCIe's {hw.pcie_h2d_gbps:.0f}, the copy is the faster "
+                  f"from {rows} rows (prefill chunks, large batches)")
 
 
 def experts_choice(cfg: ModelConfig, placements: tuple[Placement, ...], order: str) -> Choice:

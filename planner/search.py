@@ -15,12 +15,13 @@ from dataclasses import dataclass, replace
 from cpu_attention.layout import KVDtype
 from hetero.config import ModelConfig
 from hetero.errors import UserError
-from planner.cost import StepCost, bottleneck, decode_step, host_experts_upload_rows, prefill_seconds
+from planner.cost import StepCost, bottleneck, decode_step, host_experts_upload_rows
+from planner.prefill_cost import prefill_seconds
 from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
 from planner.hardware import KV_BLOCK, HardwareProfile, default_budget
-from planner.experts import expert_parts, experts_choice, spread_experts
+from planner.experts import expert_parts, experts_choice, spread_experts, upload_choice
 from planner.tensors import GPU_4BIT, Group, Kind, WDtype, cpu_dtype, kv_bytes_per_token_layer, weight_groups
 from planner.workspace import workspace_bytes
 from planner.units import format_size as fs
@@ -388,11 +389,7 @@ def _finish(cfg, hw, c: _Candidate, wl, budget, device, weights, threads, choice
         gpu_share=gpu_b / max(cpu_b + gpu_b, 1.0),
     )
     upload = host_experts_upload_rows(cfg, hw, c.placements)
-    if upload:
-        choices = [*choices, Choice("host experts", f"go up to the GPU for steps of {upload}+ rows",
-                                    "the CPU decodes a host expert once a token routed to it, a copy reads it once: "
-                                    f"at {hw.cpu_experts_rate:.0f} GB/s against PCIe's {hw.pcie_h2d_gbps:.0f}, "
-                                    f"the copy is the faster from {upload} rows (prefill chunks, large batches)")]
+    choices = [*choices, upload_choice(hw, upload)] if upload else choices
     return Plan(
         model=cfg.name, num_layers=cfg.num_layers, device=device, weights=weights, threads=threads,
         sub_batches=c.sub_batches, placements=c.placements, kv=c.kv, workload=wl, budget=budget,
