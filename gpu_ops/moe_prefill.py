@@ -3,8 +3,9 @@ grouped NF4 GEMM over every expert at once, instead of one expert's GEMMs at a t
 
     sort_slots:  the chunk's slots (token n, choice s: flat n·k + s) grouped by the device expert
                  they route to, each expert's run padded to whole blocks of BLOCK_M rows, and each
-                 block's expert; slots routed elsewhere (−1) in no block (one program: in torch
-                 ops it took ~17 launches, ~0.3 ms of the host's time a call)
+                 block's expert; slots routed elsewhere (−1) in no block (one Triton program, or
+                 two passes of a program a tile of slots for many: in torch ops it took ~17
+                 launches, ~0.3 ms of the host's time a call)
     grouped_gemm: per (block, tile of output features) program: the block's expert's codes read
                  once for its rows (x gathered by slot), a word at a time, decoded and scaled in
                  registers as gpu_ops.nf4_mma does (NF4 by PRMT; the host's int4 by shifts), one
@@ -135,12 +136,22 @@ def block_rows(slots: int, experts: int) -> int:
 
 
 @triton.jit
+def _hot(key_ptr, t, P, lo, hi, EP: tl.constexpr, TILE: tl.constexpr):
+    """Tile t's slots s, their keys, and the one-hot [TILE, EP] of their experts (keys outside
+    [lo, hi): none)."""
+    s = t * TILE + tl.arange(0, TILE)
+    key = tl.load(key_ptr + s, mask=s < P, other=-1)
+    e = tl.arange(0, EP)
+    return s, key, (key[:, None] - lo == e[None, :]) & (key[:, None] < hi)
+
+
+@triton.jit
 def _sort_kernel(key_ptr, slots_ptr, block_expert_ptr, P, lo, hi, NB,
                  BM: tl.constexpr, EP: tl.constexpr, TILE: tl.constexpr):
-    """`sort_slots` in one program, TILE slots a step as a one-hot [TILE, EP] of their experts: the
-    runs' sizes (its column sums), each run's padded start, each block's expert, then each slot at
-    its run's next row plus the earlier slots of its expert in the tile (the one-hot's exclusive
-    prefix sum down the tile): in order within a run, as the twin's stable sort."""
+    """`sort_slots` in one program, for few tiles of slots, TILE a step as a one-hot [TILE, EP] of
+    their experts: the runs' sizes (its column sums), each run's padded start, each block's expert,
+    then each slot at its run's next row plus the earlier slots of its expert in the tile (the
+    one-hot's exclusive prefix sum down the tile): in order within a run, as the twin's stable sort."""
     e = tl.arange(0, EP)
     counts = tl.zeros([EP], tl.int32)
     for t0 in range(0, P, TILE):
@@ -165,22 +176,77 @@ def _sort_kernel(key_ptr, slots_ptr, block_expert_ptr, P, lo, hi, NB,
         nxt += tl.sum(h, 0)
 
 
+@triton.jit
+def _count_kernel(key_ptr, count_ptr, P, lo, hi, EP: tl.constexpr, TILE: tl.constexpr):
+    """`sort_slots`, first pass, a program a tile of slots: its slots by expert, count[tile, EP]."""
+    t = tl.program_id(0)
+    _, _, hot = _hot(key_ptr, t, P, lo, hi, EP, TILE)
+    tl.store(count_ptr + t * EP + tl.arange(0, EP), tl.sum(hot.to(tl.int32), 0))
+
+
+@triton.jit
+def _place_kernel(key_ptr, count_ptr, slots_ptr, block_expert_ptr, P, lo, hi, NT, NB, BPT,
+                  BM: tl.constexpr, EP: tl.constexpr, TILE: tl.constexpr, CT: tl.constexpr):
+    """`sort_slots`, second pass, a program a tile of slots: the runs' sizes (all tiles' counts)
+    and this tile's slots before its own (the earlier tiles' counts), each run's padded start;
+    each slot at its run's start plus the earlier slots of its expert (earlier tiles', then the
+    one-hot's exclusive prefix sum down this tile): in order within a run, as the twin's stable
+    sort. The tile's share of the blocks, BPT of them, gets each block's expert."""
+    t = tl.program_id(0)
+    e = tl.arange(0, EP)
+    total = tl.zeros([EP], tl.int32)
+    before = tl.zeros([EP], tl.int32)
+    for c0 in range(0, NT, CT):
+        c = c0 + tl.arange(0, CT)
+        n = tl.load(count_ptr + c[:, None] * EP + e[None, :], mask=(c < NT)[:, None], other=0)
+        total += tl.sum(n, 0)
+        before += tl.sum(tl.where((c < t)[:, None], n, 0), 0)
+    padded = (total + BM - 1) // BM * BM
+    end = tl.cumsum(padded, 0)
+    s, key, hot = _hot(key_ptr, t, P, lo, hi, EP, TILE)
+    h = hot.to(tl.int32)
+    row = tl.sum(tl.where(hot, (end - padded + before)[None, :] + tl.cumsum(h, 0) - h, 0), 1)
+    tl.store(slots_ptr + row, s, mask=(s < P) & (key >= lo) & (key < hi))
+    for b0 in range(0, BPT, TILE):  # a block's expert: the runs ending at or before its first row
+        j = b0 + tl.arange(0, TILE)
+        b = t * BPT + j
+        run = tl.sum((end[None, :] <= (b * BM)[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + b, tl.where(run < hi - lo, run, -1), mask=(b < NB) & (j < BPT))
+
+
+# Tiles of slots (of 8192 / experts each) up to which the sort runs as one program: on the H200 host
+# it took ~2–3 µs of GPU time a tile, and the two passes ~65 µs of the host's time a call (three
+# launches): 512 tokens × 8 slots over 128 experts (64 tiles), one program 177 µs, two passes 64;
+# a 24-expert piece of them (32 tiles) 66 against 115; 64 tokens (8 tiles) 40 against 79.
+ONE_PROGRAM_TILES = 32
+
+
 def sort_slots(local: torch.Tensor, experts: int, bm: int, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """local [N, k] int32 (each slot's expert; slots outside [lo, lo + experts): elsewhere) →
     (slots [B·bm] int32: each block's slots, −1 padding; block_expert [B] int32: the block's expert
     − lo, −1 past the last run), B = ceil(N·k / bm) + experts, each expert's run starting a block,
-    its slots in order. Two launches (the rows set to −1, then `_sort_kernel`), no sync: the block
-    count is not read back (blocks past the last run exit). Its torch twin: `sort_slots_reference`."""
+    its slots in order. No sync: the block count is not read back (blocks past the last run exit).
+    The rows are set to −1, then up to ONE_PROGRAM_TILES tiles of slots go through one program
+    (`_sort_kernel`), more through a program a tile in two passes (`_count_kernel`, `_place_kernel`).
+    Its torch twin: `sort_slots_reference`."""
     key = local.reshape(-1)
     if key.dtype != torch.int32:
         key = key.to(torch.int32)
+    key = key.contiguous()
     P = key.numel()
     B = -(-P // bm) + experts
+    EP = triton.next_power_of_2(experts)
+    TILE = max(16, min(128, 8192 // EP))
+    NT = triton.cdiv(P, TILE)
     slots = torch.full((B * bm,), -1, dtype=torch.int32, device=key.device)
     block_expert = torch.empty(B, dtype=torch.int32, device=key.device)
-    EP = triton.next_power_of_2(experts)
-    _sort_kernel[(1,)](key.contiguous(), slots, block_expert, P, lo, lo + experts, B, BM=bm, EP=EP,
-                       TILE=max(16, min(128, 8192 // EP)), num_warps=8)
+    if NT <= ONE_PROGRAM_TILES:
+        _sort_kernel[(1,)](key, slots, block_expert, P, lo, lo + experts, B, BM=bm, EP=EP, TILE=TILE, num_warps=8)
+        return slots, block_expert
+    count = torch.empty((NT, EP), dtype=torch.int32, device=key.device)
+    _count_kernel[(NT,)](key, count, P, lo, lo + experts, EP=EP, TILE=TILE, num_warps=4)
+    _place_kernel[(NT,)](key, count, slots, block_expert, P, lo, lo + experts, NT, B, triton.cdiv(B, NT),
+                         BM=bm, EP=EP, TILE=TILE, CT=max(1, min(16, 4096 // EP)), num_warps=4)
     return slots, block_expert
 
 
