@@ -119,6 +119,30 @@ def trace(work, path: Path) -> None:
     path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + table)
 
 
+def host_profile(work, path: Path) -> None:
+    """The Python functions of work() by their own time, then by their time with callees, with its
+    wall time (the device's queued work included), written to path."""
+    import cProfile
+    import io
+    import pstats
+
+    def whole() -> None:
+        work()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.runcall(whole)
+    wall = time.perf_counter() - t
+    text = io.StringIO()
+    for key in ("tottime", "cumtime"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
+    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + text.getvalue())
+
+
 def host_alone_ms(runner, cache, seqs: list[int]) -> dict[str, float]:
     """The host tier's kernel alone over this row's own pool and tables, every layer, ms a step (best
     of 3): on the main thread; there again right after an embedding lookup of the batch's tokens (as

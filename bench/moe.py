@@ -20,7 +20,7 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 import torch  # noqa: E402
 
-from bench.budget import arguments, fill, process_threads, run_rows, trace  # noqa: E402
+from bench.budget import arguments, fill, host_profile, process_threads, run_rows, trace  # noqa: E402
 from planner.profile import HardwareProfile  # noqa: E402
 from planner.tensors import Kind  # noqa: E402
 
@@ -49,25 +49,6 @@ def _host_calls(model) -> str:
     functions", or "none" (no host experts)."""
     staging = next((lw.ffn.staging for lw in model.layers if getattr(lw.ffn, "staging", None) is not None), None)
     return "none" if staging is None else "memory" if staging.signals else "host functions"
-
-
-def python_profile(work, path: Path) -> None:
-    """The Python functions of work(), by their own time, with its wall time, written to path."""
-    import cProfile
-    import io
-    import pstats
-
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    t = time.perf_counter()
-    pr.enable()
-    work()
-    torch.cuda.synchronize()
-    pr.disable()
-    wall = time.perf_counter() - t
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(45)
-    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + buf.getvalue())
 
 
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
@@ -101,7 +82,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     if trace_to is not None:  # the GPU kernels of one more prefill, by time
         trace(lambda: runner.prefill(0, ids, 0), trace_to.with_suffix(".prefill.txt"))
         cache.free(0)
-        python_profile(lambda: runner.prefill(0, ids, 0), trace_to.with_suffix(".prefill.py.txt"))
+        host_profile(lambda: runner.prefill(0, ids, 0), trace_to.with_suffix(".prefill.py.txt"))
         cache.free(0)
     # decode at the context's end
     seqs = list(range(batch))

@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 import torch  # noqa: E402
 
-from bench.budget import fill, trace  # noqa: E402
+from bench.budget import fill, host_profile, trace  # noqa: E402
 from hetero.app.bench import parse_draft  # noqa: E402
 from hetero.app.scheduler import Scheduler  # noqa: E402
 from planner.units import parse_size  # noqa: E402
@@ -59,20 +59,6 @@ def run(engine, mode: str, n0: int, steps: int, prompt: list[int], trace_to: Pat
     st = sched.stats
     return dict(mode=mode, tok_s=len(s.generated) / wall, tokens=len(s.generated), seconds=wall,
                 drafted=st.drafted, kept=st.accepted, acceptance=st.acceptance)
-
-
-def host_profile(work, path: Path) -> None:
-    """The Python functions of work() by their own time, then by their time with callees, to path."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.runcall(work)
-    text = io.StringIO()
-    for key in ("tottime", "cumtime"):
-        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
-    path.write_text(text.getvalue())
 
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "design.md"

@@ -93,7 +93,6 @@ class Int8Linear:
         _kernels().gemv_int8(self._qn, self._sn, x.numpy(), out.numpy(), _tiles(x.shape[0]))
         return out if self.bias is None else out + self.bias
 
-
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, I] float32 → [N, O]: DEQUANT_ROWS weight rows at a time dequantized into one
         buffer, each times x by torch's GEMM (`int8_linear_ref`'s float ops, in pieces)."""
