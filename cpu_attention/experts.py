@@ -195,11 +195,19 @@ class HostExperts:
         return d
 
 
-def timing_layers(layers: int, experts: int, hidden: int, inter: int, top_k: int, threads: int) -> list[HostExperts]:
+def timing_layers(layers: int, experts: int, hidden: int, inter: int, top_k: int, threads: int,
+                  huge_pages: bool = True) -> list[HostExperts]:
     """`layers` layers' worth of `experts` int4 host experts with fixed codes and scales (their values
     do not change a call's time): what the profile and the benchmarks cycle over, past the
-    last-level cache, to time the kernel at DRAM's rate."""
-    sets = [HostExperts(list(range(experts)), hidden, inter, top_k, threads=threads) for _ in range(layers)]
+    last-level cache, to time the kernel at DRAM's rate. In 2 MiB pages where the OS gives them,
+    as the engine's are (`host_memory`; huge_pages=False: numpy's)."""
+    zeros = np.zeros
+    if huge_pages:
+        from cpu_attention import host_memory
+
+        zeros = lambda shape, dt: host_memory.zeros(shape, torch.from_numpy(np.zeros(0, dt)).dtype).numpy()  # noqa: E731
+    sets = [HostExperts(list(range(experts)), hidden, inter, top_k, threads=threads, zeros=zeros)
+            for _ in range(layers)]
     for he in sets:
         he.gu_q.fill(0x5A)
         he.d_q.fill(0xA5)
