@@ -24,8 +24,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(l_ptr, gmap_ptr, hmap_ptr, idx_ptr, w_ptr, gslot_ptr, hslot_ptr,
-                  E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
+def _route_kernel(l_ptr, gmap_ptr, hmap_ptr, idx_ptr, w_ptr, gslot_ptr, hslot_ptr, h_ptr, sf_ptr, si_ptr, N, H,
+                  E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                  STAGE: tl.constexpr, BH: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     logit = tl.load(l_ptr + n * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -49,7 +50,14 @@ def _route_kernel(l_ptr, gmap_ptr, hmap_ptr, idx_ptr, w_ptr, gslot_ptr, hslot_pt
     tl.store(idx_ptr + out, ids, mask=ok)
     tl.store(w_ptr + out, w, mask=ok)
     tl.store(gslot_ptr + out, tl.load(gmap_ptr + ids, mask=ok, other=-1), mask=ok)
-    tl.store(hslot_ptr + out, tl.load(hmap_ptr + ids, mask=ok, other=-1), mask=ok)
+    hslot = tl.load(hmap_ptr + ids, mask=ok, other=-1)
+    tl.store(hslot_ptr + out, hslot, mask=ok)
+    if STAGE:  # the host's call's input, in its page-locked buffer: h as float32, then w, then the host slots
+        for c0 in range(0, H, BH):
+            c = c0 + tl.arange(0, BH)
+            tl.store(sf_ptr + n * H + c, tl.load(h_ptr + n * H + c, mask=c < H).to(tl.float32), mask=c < H)
+        tl.store(sf_ptr + N * H + out, w, mask=ok)
+        tl.store(si_ptr + N * (H + K) + out, hslot, mask=ok)
 
 
 @triton.jit
@@ -60,24 +68,31 @@ def _combine_kernel(y_ptr, w_ptr, host_ptr, o_ptr, H, K: tl.constexpr, BH: tl.co
     acc = tl.zeros([BH], tl.float32)
     for s in tl.static_range(K):
         acc += tl.load(w_ptr + n * K + s) * tl.load(y_ptr + (n * K + s) * H + c, mask=ok, other=0.0).to(tl.float32)
-    if HOST:
-        acc += tl.load(host_ptr + n * H + c, mask=ok, other=0.0)
+    if HOST:  # page-locked host memory the CPU wrote since the last launch: read past the caches
+        acc += tl.load(host_ptr + n * H + c, mask=ok, other=0.0, cache_modifier=".cv")
     tl.store(o_ptr + n * H + c, acc.to(o_ptr.dtype.element_ty), mask=ok)
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool, gpu_map: torch.Tensor,
-          host_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          host_map: torch.Tensor, stage: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [N, H], router [E, H], maps [E] int32 (an expert's index among the device's / the host's
     experts, −1: not there) → idx [N, k] int32 (experts, by weight, descending), w [N, k] float32,
-    gpu_slots and host_slots [N, k] int32 (the maps at idx). The router's product is cuBLAS's."""
+    gpu_slots and host_slots [N, k] int32 (the maps at idx). The router's product is cuBLAS's.
+    stage: a page-locked float32 buffer of ≥ N·(H + 2k) that also receives h as float32, w and the
+    host slots (as int32 bits), in that order: the host's experts' input, written by this kernel
+    where a copy kernel, a cast and a copy down did it (`offload.moe.MoEFeedForward._queue_host`)."""
     logits = F.linear(h.to(router.dtype), router)  # [N, E]
     N, E = logits.shape
+    H = h.shape[1]
     dev = h.device
     idx = torch.empty((N, k), dtype=torch.int32, device=dev)
     w = torch.empty((N, k), dtype=torch.float32, device=dev)
     gslot, hslot = (torch.empty((N, k), dtype=torch.int32, device=dev) for _ in range(2))
-    _route_kernel[(N,)](logits, gpu_map, host_map, idx, w, gslot, hslot, E=E, EP=triton.next_power_of_2(E), K=k,
-                        KP=triton.next_power_of_2(k), NORM=norm_topk, num_warps=1)
+    sf = stage if stage is not None else w
+    _route_kernel[(N,)](logits, gpu_map, host_map, idx, w, gslot, hslot, h.contiguous(), sf, sf.view(torch.int32), N,
+                        H, E=E, EP=triton.next_power_of_2(E), K=k, KP=triton.next_power_of_2(k), NORM=norm_topk,
+                        STAGE=stage is not None, BH=1024, num_warps=1 if stage is None else 4)
     return idx, w, gslot, hslot
 
 

@@ -3,14 +3,17 @@
 Per layer and step (`MoEFeedForward`, the layer's `ffn`):
 
     device:  router → top-k → each slot's expert as the device's index (or −1) and the host's
-    host:    h, the slots' weights and host indices down (one copy) → the CPU computes the host's
-             experts (cpu_attention.experts, Numba) → their weighted sum up
+    host:    h, the slots' weights and host indices down → the CPU computes the host's experts
+             (cpu_attention.experts, Numba) → their weighted sum up
     device:  meanwhile its own experts for every slot in two grouped kernels (gate/up with
              SiLU·up, down: gpu_ops.nf4_gemv.nf4_experts_gemv) → weighted sum → + the host's
 
 On CUDA the routing after the router's product is one kernel, and the weighted sum with the
 host's share another, at any row count (gpu_ops.moe_route; `route` and `combine` below are their
-torch twins, which CPU stand-ins run).
+torch twins, which CPU stand-ins run). Down and up are no copies there: the routing kernel writes
+the host's input into page-locked memory (`HostStaging.down`), and the sum's kernel reads the
+host's share where the CPU wrote it (`HostStaging.up`); a cast, a concatenation and two copies
+took ~10 µs of a layer's chain on the H200 host.
 
 On CUDA the host's share is queued on a side stream and run by the experts' own pool of threads
 (cpu_attention.experts_pool): signalled in memory where the driver's stream memory operations
@@ -117,14 +120,18 @@ class MoEFeedForward:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         N = h.shape[0]
         fused = self.kernels  # on CUDA one kernel each for the routing and the sum
-        idx, w, local, ids = (fused.route if fused else route)(h, self.router, self.k, self.norm_topk, self.gpu_map,
-                                                               self.host_map)
+        to_cpu = self.host is not None and (N < self.stream_rows or not self.int4_host)  # the CPU computes them
+        if fused:  # the routing kernel also writes the host's input into its page-locked buffer
+            stage = self.staging.down if to_cpu and N <= self.staging.max_rows else None
+            idx, w, local, ids = fused.route(h, self.router, self.k, self.norm_topk, self.gpu_map, self.host_map, stage)
+        else:
+            idx, w, local, ids = route(h, self.router, self.k, self.norm_topk, self.gpu_map, self.host_map)
         if self.routed is not None:
             self.routed += torch.bincount(idx.reshape(-1).long(), minlength=self.cfg.num_experts)
         host = lambda: None  # noqa: E731  the host's weighted sum [N, H], once its work is done
         y = None  # each slot's output [N·k, H] (a prefill's, both devices')
         if self.host is not None:
-            if N < self.stream_rows or not self.int4_host:
+            if to_cpu:
                 host = self._queue_host(h, ids, w)
             elif self.cuda:  # a prefill chunk: its tokens share each expert's weights
                 y = self._upload_host(h, ids, torch.zeros(N * self.k, self.out_features, dtype=torch.bfloat16,
@@ -139,6 +146,7 @@ class MoEFeedForward:
         out = combine(y, w, None, torch.float32) if y is not None else None
         for part in (self._device(h, local, w) if dx is not None else None, host()):
             if part is not None:
+                part = part.to(h.device, non_blocking=True)  # the host's share: in host memory on CUDA
                 out = part if out is None else out + part
         return out.to(h.dtype)
 
@@ -195,19 +203,17 @@ class MoEFeedForward:
             self.host(h.float().contiguous().numpy(), ids.numpy(), w.float().contiguous().numpy(), out, st.scratch)
             return lambda: torch.from_numpy(out)
         main = torch.cuda.current_stream(self.dev)
-        row = torch.cat([h.float().reshape(-1), w.float().reshape(-1), ids.view(torch.float32).reshape(-1)])
-        st.side.wait_stream(main)
-        n = row.numel()
+        st.side.wait_stream(main)  # the routing kernel wrote h, w and ids into st.down (`route`'s stage)
+        n = N * (H + 2 * k)
         with torch.cuda.stream(st.side):
-            st.down[:n].copy_(row, non_blocking=True)
-            row.record_stream(st.side)
             down = st.down.numpy()
             st.queue(self.host.descriptor(down[: N * H].reshape(N, H), down[N * (H + k): n].view(np.int32).reshape(N, k),
                                           down[N * H: N * (H + k)].reshape(N, k), st.up.numpy()[:N], st.scratch))
 
         def result() -> torch.Tensor:
+            """The sum in page-locked host memory: the combining kernel reads it there, no copy up."""
             main.wait_stream(st.side)
-            return st.up[:N].to(self.dev, non_blocking=True)
+            return st.up[:N]
 
         return result
 

@@ -400,8 +400,9 @@ def test_gpu_grouped_experts_kernel_matches_dequantized(xdiv):
 @pytest.mark.parametrize("E,k,norm", [(128, 8, True), (8, 2, False), (60, 3, True)])
 def test_gpu_routing_and_sum_kernels_match_their_torch_twins(E, k, norm):
     """gpu_ops.moe_route against offload.moe's route and combine: a top k of the same logits in weight
-    order (bf16 logits tie: which of tied experts is free), the same weights and slot maps; the sum
-    with and without the host's share."""
+    order (bf16 logits tie: which of tied experts is free), the same weights and slot maps, and the
+    host's input staged in page-locked memory; the sum with and without the host's share, on the
+    device and in page-locked memory."""
     from gpu_ops import moe_route
     from offload.moe import combine, route
 
@@ -412,7 +413,13 @@ def test_gpu_routing_and_sum_kernels_match_their_torch_twins(E, k, norm):
     router = (torch.randn(E, H, device=dev) * H**-0.5).bfloat16()
     gpu_map = torch.randint(-1, 5, (E,), dtype=torch.int32, device=dev)
     host_map = torch.where(gpu_map < 0, torch.arange(E, device=dev), -1).to(torch.int32)
-    idx, w, gslot, hslot = moe_route.route(h, router, k, norm, gpu_map, host_map)
+    stage = torch.full((N * (H + 2 * k) + 3,), -7.0, pin_memory=True)
+    idx, w, gslot, hslot = moe_route.route(h, router, k, norm, gpu_map, host_map, stage)
+    torch.cuda.synchronize()
+    assert torch.equal(stage[:N * H], h.float().cpu().reshape(-1))
+    assert torch.equal(stage[N * H:N * (H + k)], w.cpu().reshape(-1))
+    assert torch.equal(stage[N * (H + k):N * (H + 2 * k)].view(torch.int32), hslot.cpu().reshape(-1))
+    assert bool((stage[N * (H + 2 * k):] == -7.0).all())
     logits = torch.nn.functional.linear(h, router).float()
     top = logits.gather(1, idx.long())
     assert bool((top >= logits.topk(k, dim=-1).values[:, -1:]).all()) and bool((top[:, :-1] >= top[:, 1:]).all())
@@ -420,8 +427,9 @@ def test_gpu_routing_and_sum_kernels_match_their_torch_twins(E, k, norm):
     assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6)
     assert torch.equal(gslot, gpu_map[idx.long()]) and torch.equal(hslot, host_map[idx.long()])
     y = torch.randn(N * k, H, device=dev).bfloat16()
-    for host in (None, torch.randn(N, H, device=dev)):
-        got, want = moe_route.combine(y, w, host, torch.bfloat16), combine(y, w, host, torch.bfloat16)
+    for host in (None, torch.randn(N, H, device=dev), torch.randn(N, H).pin_memory()):
+        got = moe_route.combine(y, w, host, torch.bfloat16)
+        want = combine(y, w, None if host is None else host.to(dev), torch.bfloat16)
         assert got.dtype == torch.bfloat16 and rel_err(got.float(), want.float()) <= 1e-2
 
 
