@@ -38,6 +38,7 @@ from cpu_attention.layout import KVDtype
 from gpu_ops.attention import decode_attention_torch
 from gpu_ops.runs import RunRows, run_codes
 from gpu_ops.attention_quant import paged_decode_quant, prepare
+from gpu_ops import attention_triton
 from gpu_ops.attention_triton import paged_decode
 from gpu_ops.kv_pool import GpuKVPool
 
@@ -164,14 +165,19 @@ def main() -> None:
     ap.add_argument("--launch", default="", help="the quantized kernels' warps x stages[x registers], "
                     "comma-separated (default: the kernels' own, attention_quant.LAUNCH)")
     ap.add_argument("--dtypes", default="bf16,int8,int4")
+    ap.add_argument("--heads", default="32/8", help="query heads / kv heads (default Llama-3-8B's; Qwen3-30B-A3B: 32/4)")
+    ap.add_argument("--step-tokens", default="", help="the bf16 kernel's tokens a step x warps, comma-separated "
+                    "(default: its own, attention_triton.STEP_TOKENS and STEP_WARPS; the block size: a block a step)")
     a = ap.parse_args()
-    global BS
+    global BS, HQ, HKV
     BS = a.block_size
+    HQ, HKV = (int(x) for x in a.heads.split("/"))
     dev = torch.device("cuda")
     bound = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name(dev)}: device copy {bound / 1e9:.0f} GB/s (read + written), block {BS}",
           flush=True)
     launches = [tuple(int(x) for x in s.split("x")) for s in a.launch.split(",")] if a.launch else [None]
+    steps = [tuple(int(x) for x in s.split("x")) for s in a.step_tokens.split(",")] if a.step_tokens else [None]
     rows = []
     for case in a.cases.split(","):
         batch, ctx = parse_case(case)
@@ -180,8 +186,10 @@ def main() -> None:
             prepare(pool)
             for k, runs in ((int(k), r) for k in a.rows.split(",") for r in ((True, False) if int(k) > 1 else (True,))):
                 tables, lens, q, rr = as_rows(tables0, lens0, q0, k, runs)
-                for launch in launches if kv is not KVDtype.BF16 else launches[:1]:
-                    out, _ = attend(pool, 0, q, tables, lens, rr, launch)
+                for launch in launches if kv is not KVDtype.BF16 else steps:
+                    if kv is KVDtype.BF16 and launch is not None:
+                        attention_triton.STEP_TOKENS, attention_triton.STEP_WARPS = launch
+                    out, _ = attend(pool, 0, q, tables, lens, rr, launch if kv is not KVDtype.BF16 else None)
                     ref, _ = decode_attention_torch(pool, 0, q, tables, lens, D**-0.5)
                     err = float((out.float() - ref).norm() / ref.norm())
                     us = time_call(pool, q, tables, lens, rr, launch)

@@ -58,14 +58,14 @@ def _decode_kernel(
     layer_off, head_stride, block_stride,  # element offset of the layer; strides of heads, blocks
     MB, blocks_per_split, scale, B, Hq,
     G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
-    RUNS: tl.constexpr = False, PDL: tl.constexpr = False,
+    RUNS: tl.constexpr = False, PDL: tl.constexpr = False, TB: tl.constexpr = 1,
 ):
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     d = tl.arange(0, D)
-    t = tl.arange(0, BS)
+    t = tl.arange(0, TB * BS)  # TB blocks a step: their tokens in one tile
     row_ok, n_row, head, n = _query_rows(run_ptr, len_ptr, b, h, Hq, G, GP, RUNS)
     q = tl.load(q_ptr + (head * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     if DOT_F32:
@@ -75,15 +75,17 @@ def _decode_kernel(
     acc = tl.zeros([GP, D], tl.float32)
     first = sp * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BS))
-    for i in range(first, last):
-        blk = tl.load(bt_ptr + b * MB + i).to(tl.int64)
-        off = layer_off + blk * block_stride + h * head_stride + (t * D)[:, None] + d[None, :]  # [BS, D]
-        k = tl.load(k_ptr + off)
-        v = tl.load(v_ptr + off)
+    for i0 in range(first, last, TB):
+        i = i0 + t // BS  # each token's block
+        ok = i < last
+        blk = tl.load(bt_ptr + b * MB + i, mask=ok, other=0).to(tl.int64)
+        off = layer_off + (blk * block_stride + h * head_stride + (t % BS) * D)[:, None] + d[None, :]  # [TB·BS, D]
+        k = tl.load(k_ptr + off, mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + off, mask=ok[:, None], other=0.0)
         if DOT_F32:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [GP, BS]; scale may arrive as fp64 (inductor)
-        s = tl.where((i * BS + t)[None, :] < n_row[:, None], s, float("-inf"))
+        s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [GP, TB·BS]; scale may arrive as fp64 (inductor)
+        s = tl.where(ok[None, :] & ((i0 * BS + t)[None, :] < n_row[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
@@ -171,6 +173,23 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype) -> 
     return out, total
 
 
+# Tokens a program of the bf16 kernel reads a step, as whole blocks (`step_blocks`): a split of a
+# few blocks read a block a step is a chain of dependent loads and dots; read together, one step.
+STEP_TOKENS = 128
+STEP_WARPS = 4
+
+
+def step_blocks(per: int, BS: int, dot_f32: bool = False) -> int:
+    """Blocks the bf16 kernel reads a step for splits of `per` blocks: up to STEP_TOKENS tokens, a
+    power of two (one where the dots are float32: their tiles would take twice the registers)."""
+    if dot_f32:
+        return 1
+    tb = 1
+    while tb * 2 <= per and tb * 2 * BS <= STEP_TOKENS:
+        tb *= 2
+    return tb
+
+
 @functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -192,11 +211,12 @@ def paged_decode(
     S, per, o, lse = split_outputs(B, Hq, Hkv, D, MB, q.device, out_dtype, runs)
     k = pool.k
     lens = seq_lens.to(torch.int32).contiguous()
+    tb = step_blocks(per, BS, dot_f32)
     _decode_kernel[(B, Hkv, S)](
         q.to(k.dtype).contiguous(), k, pool.v, block_tables.contiguous(), lens,
         runs.codes if runs is not None else lens, o, lse,
         layer * k.stride(0), k.stride(2), k.stride(1), MB, per, scale, B, Hq,
-        **query_rows(Hq // Hkv, runs), BS=BS, D=D, DOT_F32=dot_f32, PDL=pdl.enabled(q.device),
-        num_warps=4, num_stages=2, **pdl.launch(q.device),
+        **query_rows(Hq // Hkv, runs), BS=BS, D=D, DOT_F32=dot_f32, PDL=pdl.enabled(q.device), TB=tb,
+        num_warps=STEP_WARPS if tb > 1 else 4, num_stages=2, **pdl.launch(q.device),
     )
     return merge_splits(o, lse, out_dtype)
