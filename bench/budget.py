@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 import torch  # noqa: E402
 
 from hetero.config import LLAMA3_8B  # noqa: E402
@@ -280,6 +279,9 @@ def run_rows(module: str, args: argparse.Namespace, table: list[tuple], run_one:
 
 
 def main() -> None:
+    # this benchmark's rows ran with expandable segments (set before CUDA starts), not for the
+    # modules that import its helpers: bench.moe measures with torch's default allocator, as `hetero` runs
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     ap = arguments(__doc__.splitlines()[0])
     ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
     ap.add_argument("--weights", default="auto", help="hetero.load's weights (auto: the planner's; q4: the linear "

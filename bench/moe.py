@@ -12,13 +12,11 @@ for the prompt's tokens). Each row runs in a fresh process.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
-import torch  # noqa: E402
+import torch  # noqa: E402  (torch's default allocator, as `hetero` runs with: expandable segments halved the prefill)
 
 from bench.budget import arguments, fill, host_profile, process_threads, run_rows, trace  # noqa: E402
 from planner.profile import HardwareProfile  # noqa: E402
