@@ -47,15 +47,16 @@ PREFILL_EXPERT_GBPS = 650.0
 PREFILL_HOST_EXPERT_GBPS = 280.0
 # Per MoE layer whose experts are split between the devices: the call's hand-off (the side stream
 # sets a flag in memory, a thread of the experts' pool polls it, the pool of spinning threads joins:
-# cpu_attention.experts_pool; the stream waits for the flag set back) and the result's copy up.
-# Fitted on the H100 host, 2026-11-28 (bench/moe.py, the Qwen3-30B-A3B shape at 8 and 14 GiB on
-# four machines: 38–70 µs a layer beyond the model's other terms; as host functions it was ~88,
-# under OpenMP's fork and join ~200).
-HOST_EXPERTS_CALL_S = 45e-6
+# cpu_attention.experts_pool; the stream waits for the flag set back). And the CPU's experts in a
+# step run at a share of the rate the profile measures them alone: in-step clocks of 55–71 GB/s
+# against 69–102 alone at 8 GiB, 67 against 72 at 14 GiB. Fitted on the H200 host, 2026-11-29
+# (bench/moe.py, the Qwen3-30B-A3B shape at 8 and 14 GiB, four calls).
+HOST_EXPERTS_CALL_S = 5e-6
+HOST_EXPERTS_STEP_SHARE = 0.85
 # Per MoE layer in the GPU's step: routing (the router GEMV, then one kernel: gpu_ops.moe_route)
 # and the weighted sum, small kernels beyond the experts' bytes. Fitted on the all-GPU row of the
-# same shape (3.6 ms a step).
-MOE_LAYER_OVERHEAD_S = 35e-6
+# same shape (2.99–3.11 ms a step, H200 host, 2026-11-29).
+MOE_LAYER_OVERHEAD_S = 27e-6
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,9 @@ def decode_step(
                     else:
                         c_e += t_e
                         nbytes["cpu experts"] += rb
-                        if hw.has_gpu:
-                            x_e += 2 * hop_seconds(b * cfg.hidden_size * 4, hw)
+                        if hw.has_gpu:  # the host's share read over PCIe by the sum's kernel (its
+                            # input is written down by the routing kernel: posted writes)
+                            x_e += hop_seconds(b * cfg.hidden_size * 4, hw)
                 elif split_experts(pl):
                     g_e += gemv_seconds(rb, flops, hw.gpu_linear_gbps(b, pl.dtype), gpu_gflops)
                     nbytes["gpu weights"] += rb
@@ -249,8 +251,8 @@ def host_experts_seconds(g: Group, p: Placement, hw: HardwareProfile, rows: int)
     (`host_experts_upload_rows`: from how many rows that is the copy)."""
     flops = 2.0 * g.active_params * rows * _share(g, p)
     decoded = _routed(g, p, rows) * expert_bytes(g, p.dtype)
-    cpu = gemv_seconds(max(read_bytes(g, p, rows), decoded), flops, hw.cpu_experts_rate, hw.cpu_gflops) \
-        + HOST_EXPERTS_CALL_S
+    cpu = gemv_seconds(max(read_bytes(g, p, rows), decoded), flops, hw.cpu_experts_rate * HOST_EXPERTS_STEP_SHARE,
+                       hw.cpu_gflops) + HOST_EXPERTS_CALL_S
     if not hw.has_gpu or not hw.pcie_h2d_gbps:
         return cpu, False
     up = max(len(p.experts) * expert_bytes(g, p.dtype) / (hw.pcie_h2d_gbps * GB),
@@ -319,8 +321,8 @@ def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan
         return f"CPU weights: {gb(key)} of {dt} at {hw.cpu_gemv_gbps:.0f} GB/s" + share
     if key == "cpu experts":
         dt = cpu_dtype(gpu_dtype, Kind.EXPERTS).value
-        return (f"CPU experts: {gb(key)} of {dt} experts at {hw.cpu_experts_rate:.0f} GB/s, and "
-                f"{HOST_EXPERTS_CALL_S * 1e6:.0f} µs a layer to start the CPU's call" + share)
+        return (f"CPU experts: {gb(key)} of {dt} experts at {hw.cpu_experts_rate * HOST_EXPERTS_STEP_SHARE:.0f} GB/s "
+                f"in a step ({hw.cpu_experts_rate:.0f} alone)" + share)
     if key == "pcie weights":
         return f"PCIe weight streaming: {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
     if key == "pcie kv":

@@ -15,6 +15,7 @@ from pathlib import Path
 from hetero.config import ModelConfig
 from hetero.errors import UserError
 from hetero.paths import cache_dir
+from planner.cost import HOST_EXPERTS_STEP_SHARE
 from planner.hardware import HardwareProfile
 from planner.plan import Choice, Device, Mode, Placement
 from planner.tensors import Group, Kind, WDtype, cpu_dtype, expert_bytes, router_bytes
@@ -91,7 +92,8 @@ def upload_choice(hw: HardwareProfile, rows: int) -> Choice:
     (`planner.cost.host_experts_upload_rows`)."""
     return Choice("host experts", f"go up to the GPU for steps of {rows}+ rows",
                   "the CPU decodes a host expert once a token routed to it, a copy reads it once: at "
-                  f"{hw.cpu_experts_rate:.0f} GB/s against PCIe's {hw.pcie_h2d_gbps:.0f}, the copy is the faster "
+                  f"{hw.cpu_experts_rate * HOST_EXPERTS_STEP_SHARE:.0f} GB/s in a step against PCIe's "
+                  f"{hw.pcie_h2d_gbps:.0f}, the copy is the faster "
                   f"from {rows} rows (prefill chunks, large batches)")
 
 
