@@ -8,7 +8,9 @@ the plan (experts a layer on the GPU, KV tiers), decode tok/s at a 4k context (t
 random codes), the prefill of a 512-token prompt, the planner's predictions, and the bound: a decode
 step's GPU bytes (weights and the experts it routes to, expected over uniform routing, and KV) over
 the HBM read rate, or its host experts' bytes over the DRAM read rate, whichever is longer (the same
-for the prompt's tokens). Each row runs in a fresh process.
+for the prompt's tokens). Decode feeds a random token a step; "GB/exp." is the host experts' bytes a
+step the CPU computed over (a (token, expert) pair an expert's bytes) against what uniform routing
+expects. Each row runs in a fresh process.
 """
 from __future__ import annotations
 
@@ -87,22 +89,31 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     seqs = list(range(batch))
     n0 = CTX - steps - 8
     fill(cache, seqs, n0)
-    toks, pos = [1] * batch, [n0] * batch
+    # a random token a step, as generated text varies (the same token each step routed much the
+    # same way each step: a step's host share far from the uniform expectation the bound assumes)
+    pos = [n0] * batch
+    step_tokens = lambda: torch.randint(0, cfg.vocab_size, (batch,), generator=gen).tolist()  # noqa: E731
     for _ in range(3):  # warm-up: graph capture, Triton compiles
-        runner.decode(seqs, toks, pos)
+        runner.decode(seqs, step_tokens(), pos)
         pos = [p + 1 for p in pos]
     torch.cuda.synchronize()
     times = []
     experts0 = runner.metrics.total.cpu_experts
+    scratch = experts_scratch(runner.model)
+    if scratch is not None:
+        scratch.take_pairs()
     for _ in range(steps):
+        toks = step_tokens()
         t = time.perf_counter()
         runner.decode(seqs, toks, pos)
         times.append(time.perf_counter() - t)
         pos = [p + 1 for p in pos]
     step = statistics.median(times)
     torch.cuda.synchronize()
-    scratch = experts_scratch(runner.model)  # what the last timed step's CPU experts added since it was recorded
+    # what the last timed step's CPU experts added since it was recorded
     cpu_experts = (runner.metrics.total.cpu_experts - experts0 + (scratch.take_seconds() if scratch else 0.0)) / steps
+    host = next((lw.ffn.host for lw in runner.model.layers if getattr(lw.ffn, "staging", None) is not None), None)
+    cpu_experts_gb = scratch.take_pairs() * host.nbytes / len(host.experts) / steps / 1e9 if host is not None else 0.0
     if trace_to is not None:  # the GPU kernels of two more steps, by time
         trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace_to)
     pred = decode_step(cfg, prof, plan.placements, plan.kv, batch, n0 + steps // 2, plan.threads, plan.sub_batches)
@@ -121,6 +132,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
                                                          plan.threads),
         prefill_bound_tok_s=PROMPT / bound_s(prof, prefill_cost.nbytes),
         bottleneck=plan.prediction.bottleneck, step_ms=step * 1e3, cpu_experts_ms=cpu_experts * 1e3,
+        cpu_experts_gb=cpu_experts_gb, cpu_experts_gb_expected=pred.nbytes["cpu experts"] / 1e9,
         step_ms_all=[round(t * 1e3, 2) for t in times],
         terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()}, load_s=load_s,
         peak_gpu_gib=torch.cuda.max_memory_allocated() / GiB,
@@ -147,14 +159,16 @@ def main() -> None:
     prof, rows = done
     print(f"\nHBM {prof.hbm_gbps:.0f} GB/s (copy, r+w) · DRAM read {prof.dram_read_gbps:.1f} GB/s · CPU int4 experts "
           f"{prof.cpu_experts_gbps:.1f} GB/s · PCIe h2d {prof.pcie_h2d_gbps:.1f} GB/s · {prof.physical_cores} cores")
-    print(f"{'row':14} {'decode':>7} {'target':>6} {'pred':>7} {'bound':>7} {'step ms':>7} {'CPU exp':>7} {'prefill':>8} "
-          f"{'target':>6} {'pred':>7} {'bound':>7} {'peak GiB':>9}  plan")
+    print(f"{'row':14} {'decode':>7} {'target':>6} {'pred':>7} {'bound':>7} {'step ms':>7} {'CPU exp':>7} "
+          f"{'GB/exp.':>11} {'prefill':>8} {'target':>6} {'pred':>7} {'bound':>7} {'peak GiB':>9}  plan")
     for r in rows:
         if "error" in r:
             print(f"{r['name']:14} ERROR {r['error'][-400:]}")
             continue
         print(f"{r['name']:14} {r['tok_s']:7.1f} {r['target']:6.0f} {r['predicted_tok_s']:7.1f} {r['bound_tok_s']:7.1f} "
-              f"{r['step_ms']:7.2f} {r['cpu_experts_ms']:7.2f} {r['prefill_tok_s']:8.0f} {r['prefill_target']:6.0f} "
+              f"{r['step_ms']:7.2f} {r['cpu_experts_ms']:7.2f} "
+              f"{r.get('cpu_experts_gb', 0):5.2f}/{r.get('cpu_experts_gb_expected', 0):<5.2f} "
+              f"{r['prefill_tok_s']:8.0f} {r['prefill_target']:6.0f} "
               f"{r['predicted_prefill_tok_s']:7.0f} "
               f"{r['prefill_bound_tok_s']:7.0f} {r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2}  {r['plan']}"
               f"{' graph' if r['graph'] else ''}; host calls {r.get('host_calls', '?')}")

@@ -107,7 +107,9 @@ class Scratch:
         self.xsum, self.asum = np.zeros((max_rows, hidden // GROUP), np.float32), np.zeros((P, inter // GROUP), np.float32)
         self.xq, self.aq = np.zeros((max_rows, hidden), np.int8), np.zeros((P, inter), np.int8)
         self.xcorr, self.acorr = np.zeros((max_rows, hidden // 8), np.int32), np.zeros((P, inter // 8), np.int32)
-        self.cycles = np.zeros(1, np.int64)  # time-stamp cycles of the calls through the C entry point
+        # the calls through the C entry point: [0] their time-stamp cycles, [1] the (token, expert)
+        # pairs they computed (and those of the calls from Python)
+        self.cycles = np.zeros(2, np.int64)
         self.pool = None  # an experts_pool.ExpertsPool: the C entry point's calls run on it
         self.seconds = 0.0  # time of the calls made from Python
 
@@ -117,6 +119,13 @@ class Scratch:
         self.cycles[0] -= n
         t, self.seconds = self.seconds + n / tsc_hz(), 0.0
         return t
+
+    def take_pairs(self) -> int:
+        """The (token, expert) pairs the calls computed since the last take: each one expert's
+        weights read (its bytes: `HostExperts.nbytes` / its experts)."""
+        n = int(self.cycles[1])
+        self.cycles[1] -= n
+        return n
 
 
 class HostExperts:
@@ -156,8 +165,9 @@ class HostExperts:
         sc = scratch
         kn = _kernels()
         t = time.perf_counter()
-        kn.run(x, ids, w, self.gu_q, self.gu_s, self.d_q, self.d_s, sc.tok, sc.pws, sc.starts, sc.gexp, sc.act, out,
-               sc.xsum, sc.asum, sc.xq, sc.xcorr, sc.aq, sc.acorr, kn.vnni_shapes(self.H, self.F))
+        sc.cycles[1] += kn.run(x, ids, w, self.gu_q, self.gu_s, self.d_q, self.d_s, sc.tok, sc.pws, sc.starts, sc.gexp,
+                               sc.act, out, sc.xsum, sc.asum, sc.xq, sc.xcorr, sc.aq, sc.acorr,
+                               kn.vnni_shapes(self.H, self.F))
         sc.seconds += time.perf_counter() - t
 
     def _check(self, rows: int, scratch: Scratch) -> None:

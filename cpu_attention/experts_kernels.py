@@ -12,8 +12,8 @@ Where the shapes allow (`vnni_shapes`), x and act are quantized to int8 a group 
 each row's dot product is integer vector code (`_simd_q4`: vpdpbusd on AVX-512 VNNI): the float
 path converts every code to float32 and is compute-bound at a third of DRAM's rate on the GPU host.
 
-`run_descriptor` is the same call behind a C entry point, adding its time-stamp cycles to a counter
-the engine's timers read, (`entry_address`): the CUDA driver calls
+`run_descriptor` is the same call behind a C entry point, adding its time-stamp cycles and its
+(token, expert) pairs to counters the engine's timers read, (`entry_address`): the CUDA driver calls
 it from a stream (a host node of the step's graph, `cuLaunchHostFunc`) with a pointer to an int64
 descriptor holding the arrays' addresses and shapes, so it runs without Python and without the GIL
 while the GPU computes its own experts.
@@ -231,10 +231,11 @@ def run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pw_slot, starts, gexp, act, out, x
     """out [N, H] = Σ over the host's pairs of w · expert(x); see the module docstring. Scratch:
     tok, pw_slot [≥ N·k] int64, starts [≥ E + 1], gexp [≥ E], act [≥ N·k, F], xsum [≥ N, H/64],
     asum [≥ N·k, F/64] f32, xq [≥ N, H] and aq [≥ N·k, F] int8, xcorr [≥ N, H/8] and
-    acorr [≥ N·k, F/8] int32 (the last four for vnni: `vnni_shapes`)."""
+    acorr [≥ N·k, F/8] int32 (the last four for vnni: `vnni_shapes`). Returns the (token, expert) pairs."""
     P, G = group_pairs(ids, gu_q.shape[0], tok, pw_slot, starts, gexp)
     _experts(x, w, tok, pw_slot, starts, gexp, G, gu_q, gu_s, d_q, d_s, act, out, xsum, asum, xq, xcorr, aq, acorr,
              vnni)
+    return P
 
 
 @intrinsic
@@ -296,10 +297,10 @@ def views(d):
 def run_descriptor(d):
     numba.set_num_threads(d[THREADS_])
     x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr = views(d)
-    spent = carray(_ptr(d[CYCLES_], np.int64(0)), (1,))  # where the call's time-stamp cycles add up
+    spent = carray(_ptr(d[CYCLES_], np.int64(0)), (2,))  # where the calls' cycles and pairs add up
     t0 = cycles()
-    run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr,
-        d[VNNI_] != 0)
+    spent[1] += run(x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr,
+                    d[VNNI_] != 0)
     spent[0] += cycles() - t0
 
 

@@ -197,7 +197,7 @@ def _dispatch(ctl, go, done, table):
 def run_pooled(d):
     """The call d (an `experts_kernels` descriptor naming its pool, POOL_) on the pool; returns when done."""
     ctl = carray(kn._ptr(d[kn.POOL_], np.int64(0)), (CTL,))
-    spent = carray(kn._ptr(d[kn.CYCLES_], np.int64(0)), (1,))
+    spent = carray(kn._ptr(d[kn.CYCLES_], np.int64(0)), (2,))  # cycles, pairs
     t0 = kn.cycles()
     x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr = kn.views(d)
     P, G = kn.group_pairs(ids, gu_q.shape[0], tok, pws, starts, gexp)
@@ -213,6 +213,7 @@ def run_pooled(d):
     while load_acquire(ctl, ACTIVE) != 0:
         _pause()
     spent[0] += kn.cycles() - t0
+    spent[1] += P
 
 
 @functools.cache

@@ -141,6 +141,7 @@ def test_int4_kernel_matches_its_float64_twin(N, H, F):
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(experts_kernels.entry_address())(d.ctypes.data)
     assert np.array_equal(out, out2)
     assert sc.cycles[0] > 0 and 0 < sc.take_seconds() < 10 and sc.cycles[0] == 0  # its own clock, read once
+    assert sc.take_pairs() == 2 * int((ids >= 0).sum()) and sc.take_pairs() == 0  # the Python call's and the C one's
 
 
 @pytest.mark.parametrize("H, F", [(128, 192), (256, 128)])
@@ -170,6 +171,7 @@ def test_experts_pool_gives_the_kernels_result_call_after_call(H, F):
             call(he.descriptor(x, ids, w, out, pooled).ctypes.data)
             he(x, ids, w, want, sc)
             assert np.array_equal(out, want), n
+            assert pooled.take_pairs() == sc.take_pairs() == int((ids >= 0).sum()), n
             assert n % 10 or not out.any()
         assert pooled.take_seconds() > 0
         time.sleep(0.1)  # past the workers' spinning and yielding: they nap
