@@ -4,8 +4,9 @@ Why: the torch path gathers every block into a contiguous copy, converts it to f
 then reads it again (about 4x the bytes); at batch 32 × 2k context that is most of the step.
 
 One program per (sequence, kv head, split): its G = Hq / Hkv query heads (padded to 16 rows for
-the tensor cores) walk the sequence's blocks of that split with an online softmax. Splits over
-the sequence keep the GPU busy at small batch; their partial (out, lse) are merged by a second kernel.
+the tensor cores) walk the sequence's blocks of that split, up to STEP_TOKENS tokens of whole blocks
+a step, with an online softmax. Splits over the sequence keep the GPU busy at small batch; their
+partial (out, lse) are merged by a second kernel.
 Shapes are static (max blocks per sequence), so a CUDA graph can hold it.
 
 Runs (a speculative step's rows: `RunRows`): R consecutive batch rows of one sequence at
