@@ -146,30 +146,32 @@ def _hot(key_ptr, t, P, lo, hi, EP: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
+def _store_block_experts(block_expert_ptr, end, b, ok, lo, hi, BM: tl.constexpr):
+    """Blocks b's experts (−1 past the last run): the runs ending at or before a block's first row
+    (end [EP]: each run's padded end)."""
+    run = tl.sum((end[None, :] <= (b * BM)[:, None]).to(tl.int32), 1)
+    tl.store(block_expert_ptr + b, tl.where(run < hi - lo, run, -1), mask=ok)
+
+
+@triton.jit
 def _sort_kernel(key_ptr, slots_ptr, block_expert_ptr, P, lo, hi, NB,
                  BM: tl.constexpr, EP: tl.constexpr, TILE: tl.constexpr):
     """`sort_slots` in one program, for few tiles of slots, TILE a step as a one-hot [TILE, EP] of
     their experts: the runs' sizes (its column sums), each run's padded start, each block's expert,
     then each slot at its run's next row plus the earlier slots of its expert in the tile (the
     one-hot's exclusive prefix sum down the tile): in order within a run, as the twin's stable sort."""
-    e = tl.arange(0, EP)
     counts = tl.zeros([EP], tl.int32)
-    for t0 in range(0, P, TILE):
-        s = t0 + tl.arange(0, TILE)
-        key = tl.load(key_ptr + s, mask=s < P, other=-1)
-        hot = (key[:, None] - lo == e[None, :]) & (key[:, None] < hi)
+    for t in range(0, tl.cdiv(P, TILE)):
+        _, _, hot = _hot(key_ptr, t, P, lo, hi, EP, TILE)
         counts += tl.sum(hot.to(tl.int32), 0)
     padded = (counts + BM - 1) // BM * BM
     end = tl.cumsum(padded, 0)
-    for b0 in range(0, NB, TILE):  # a block's expert: the runs ending at or before its first row
+    for b0 in range(0, NB, TILE):
         b = b0 + tl.arange(0, TILE)
-        run = tl.sum((end[None, :] <= (b * BM)[:, None]).to(tl.int32), 1)
-        tl.store(block_expert_ptr + b, tl.where(run < hi - lo, run, -1), mask=b < NB)
+        _store_block_experts(block_expert_ptr, end, b, b < NB, lo, hi, BM)
     nxt = end - padded  # each run's next free row
-    for t0 in range(0, P, TILE):
-        s = t0 + tl.arange(0, TILE)
-        key = tl.load(key_ptr + s, mask=s < P, other=-1)
-        hot = (key[:, None] - lo == e[None, :]) & (key[:, None] < hi)
+    for t in range(0, tl.cdiv(P, TILE)):
+        s, key, hot = _hot(key_ptr, t, P, lo, hi, EP, TILE)
         h = hot.to(tl.int32)
         row = tl.sum(tl.where(hot, nxt[None, :] + tl.cumsum(h, 0) - h, 0), 1)
         tl.store(slots_ptr + row, s, mask=(s < P) & (key >= lo) & (key < hi))
@@ -207,11 +209,10 @@ def _place_kernel(key_ptr, count_ptr, slots_ptr, block_expert_ptr, P, lo, hi, NT
     h = hot.to(tl.int32)
     row = tl.sum(tl.where(hot, (end - padded + before)[None, :] + tl.cumsum(h, 0) - h, 0), 1)
     tl.store(slots_ptr + row, s, mask=(s < P) & (key >= lo) & (key < hi))
-    for b0 in range(0, BPT, TILE):  # a block's expert: the runs ending at or before its first row
+    for b0 in range(0, BPT, TILE):
         j = b0 + tl.arange(0, TILE)
         b = t * BPT + j
-        run = tl.sum((end[None, :] <= (b * BM)[:, None]).to(tl.int32), 1)
-        tl.store(block_expert_ptr + b, tl.where(run < hi - lo, run, -1), mask=(b < NB) & (j < BPT))
+        _store_block_experts(block_expert_ptr, end, b, (b < NB) & (j < BPT), lo, hi, BM)
 
 
 # Tiles of slots (of 8192 / experts each) up to which the sort runs as one program: on the H200 host
