@@ -18,11 +18,11 @@ import statistics
 import time
 from pathlib import Path
 
-import torch  # noqa: E402  (torch's default allocator, as `hetero` runs with: expandable segments halved the prefill)
+import torch  # torch's default allocator, as `hetero` runs with (expandable segments halved the prefill)
 
-from bench.budget import arguments, fill, host_profile, process_threads, run_rows, trace  # noqa: E402
-from planner.profile import HardwareProfile  # noqa: E402
-from planner.tensors import Kind  # noqa: E402
+from bench.budget import arguments, fill, host_profile, process_threads, run_rows, trace
+from planner.profile import HardwareProfile
+from planner.tensors import Kind
 
 GiB = 2**30
 CTX, PROMPT = 4096, 512
@@ -44,10 +44,14 @@ def bound_s(prof: HardwareProfile, nbytes: dict[str, float]) -> float:
     return max((nbytes["gpu weights"] + nbytes["gpu attention"]) / hbm, host / (prof.dram_read_gbps * 1e9))
 
 
-def _host_calls(model) -> str:
+def _staging(model):
+    """The model's host experts' shared staging (`offload.moe_host.HostStaging`), or None."""
+    return next((lw.ffn.staging for lw in model.layers if getattr(lw.ffn, "staging", None) is not None), None)
+
+
+def _host_calls(staging) -> str:
     """How the host experts' calls reach the CPU: "memory" (stream memory operations), "host
     functions", or "none" (no host experts)."""
-    staging = next((lw.ffn.staging for lw in model.layers if getattr(lw.ffn, "staging", None) is not None), None)
     return "none" if staging is None else "memory" if staging.signals else "host functions"
 
 
@@ -56,7 +60,6 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     import hetero
     from hetero.random_weights import random_shape
     from hetero.random_weights import RandomCheckpoint
-    from offload.moe import experts_scratch
     from planner.cost import decode_step
     from planner.prefill_cost import prefill_seconds
 
@@ -99,7 +102,8 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     torch.cuda.synchronize()
     times = []
     experts0 = runner.metrics.total.cpu_experts
-    scratch = experts_scratch(runner.model)
+    staging = _staging(runner.model)
+    scratch = staging.scratch if staging is not None else None
     if scratch is not None:
         scratch.take_pairs()
     for _ in range(steps):
@@ -112,7 +116,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     torch.cuda.synchronize()
     # what the last timed step's CPU experts added since it was recorded
     cpu_experts = (runner.metrics.total.cpu_experts - experts0 + (scratch.take_seconds() if scratch else 0.0)) / steps
-    host = next((lw.ffn.host for lw in runner.model.layers if getattr(lw.ffn, "staging", None) is not None), None)
+    host = staging.layers[0] if staging is not None and staging.layers else None  # a pair's bytes: an expert's
     cpu_experts_gb = scratch.take_pairs() * host.nbytes / len(host.experts) / steps / 1e9 if host is not None else 0.0
     if trace_to is not None:  # the GPU kernels of two more steps, by time
         trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace_to)
@@ -138,7 +142,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
         peak_gpu_gib=torch.cuda.max_memory_allocated() / GiB,
         graph=runner.graph_step is not None and getattr(runner.graph_step, "decoder", None) is not None,
         process_threads=process_threads(),
-        host_calls=_host_calls(runner.model),
+        host_calls=_host_calls(staging),
     )
     runner.close()
     return out
