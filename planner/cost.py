@@ -265,7 +265,7 @@ def host_experts_upload_rows(cfg: ModelConfig, hw: HardwareProfile, placements: 
     """The fewest rows from which a step's host experts go up to the GPU rather than being computed
     by the CPU (`host_experts_seconds`), over the layers that split their experts (the median
     layer's); 0 where none does or there is no GPU. At one copy of the host's experts against one
-    decode of an expert a routed token, that is about E · CPU rate / (k · PCIe rate) rows (~20 for
+    decode of an expert a routed token, that is about E · CPU rate / (k · PCIe rate) rows (18–25 for
     Qwen3-30B-A3B on the GPU host)."""
     rows = []
     for g, p in (gp for groups in layer_groups(cfg, placements).values() for gp in groups):
