@@ -115,7 +115,38 @@ def trace(work, path: Path) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     table = p.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + table)
+    timeline = path.with_suffix(".json")
+    p.export_chrome_trace(str(timeline))
+    path.write_text(f"wall {wall * 1e3:.2f} ms (profiled)\n" + table + "\n" + chain(timeline))
+
+
+def chain(timeline: Path) -> str:
+    """Each GPU kernel's share of its stream's time, from a profiler timeline: the time from the
+    later of its start and the stream's previous end to its end (what the stream waited for it;
+    a kernel that started early under PDL and waited is charged only past its predecessor), then
+    the stream's idle gaps; by kernel name, largest first."""
+    events = json.loads(timeline.read_text())["traceEvents"]
+    by_stream: dict[int, list] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            by_stream.setdefault(e["args"].get("stream", 0), []).append(e)
+    rows: dict[tuple[int, str], list[float]] = {}
+    lines = []
+    for stream, evs in sorted(by_stream.items()):
+        evs.sort(key=lambda e: e["ts"])
+        end = evs[0]["ts"]
+        gaps = 0.0
+        for e in evs:
+            gaps += max(0.0, e["ts"] - end)
+            own = e["ts"] + e["dur"] - max(e["ts"], end)
+            end = max(end, e["ts"] + e["dur"])
+            rows.setdefault((stream, e["name"][:60]), []).append(max(0.0, own))
+        span = end - evs[0]["ts"]
+        lines.append(f"stream {stream}: {len(evs)} kernels and copies over {span:.1f} µs, idle {gaps:.1f} µs")
+    lines.append(f"{'stream':>6}  {'kernel':60}  {'calls':>5}  {'µs own':>8}  {'µs a call':>9}")
+    for (stream, name), own in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{stream:>6}  {name:60}  {len(own):>5}  {sum(own):8.1f}  {sum(own) / len(own):9.2f}")
+    return "\n".join(lines) + "\n"
 
 
 def host_profile(work, path: Path) -> None:

@@ -63,16 +63,9 @@ def pre_attention(cfg, lw, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
     qkv = _gemv(lw.qkv, h)
     N, D = x.shape[0], cfg.head_dim
-    if kv_out is not None and kv_out[0].is_contiguous() and kv_out[1].is_contiguous() and D & (D - 1) == 0:
-        kp, vp, layer, slots, bs = kv_out
-        st = kp.stride()
-        _rope_kernel[(N,)](qkv, cos, sin, pos, qkv.stride(0), cfg.num_heads + cfg.num_kv_heads, D=D,
-                           NHP=triton.next_power_of_2(cfg.num_heads + cfg.num_kv_heads), WRITE=True, kp=kp, vp=vp,
-                           slots_ptr=slots, layer_off=layer * st[0], s_blk=st[1], s_head=st[2], s_off=st[3], BS=bs,
-                           HQ=cfg.num_heads, HKV=cfg.num_kv_heads, HKVP=triton.next_power_of_2(cfg.num_kv_heads),
-                           PDL=pdl.enabled(x.device), num_warps=4, **pdl.launch(x.device))
+    kv = None if kv_out is None else (*kv_out, cfg.num_heads, cfg.num_kv_heads)
+    if rope_(qkv, pos, cos, sin, cfg.num_heads + cfg.num_kv_heads, D, kv_out=kv):
         return qkv[:, :cfg.q_size].view(N, cfg.num_heads, D), None, None
-    rope_(qkv, pos, cos, sin, cfg.num_heads + cfg.num_kv_heads, D)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     return q.view(N, cfg.num_heads, D), k.view(N, cfg.num_kv_heads, D), v.view(N, cfg.num_kv_heads, D)
 
@@ -82,6 +75,15 @@ def post_attention(cfg, lw, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor
     x = _gemv(lw.o, attn.reshape(attn.shape[0], -1).to(torch.bfloat16), residual=x)
     act = _gemv(lw.gate_up, rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps), swiglu=True)  # silu(gate)·up
     return _gemv(lw.down, act, residual=x)
+
+
+def linear_residual(lin, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+    """residual + lin(x) [N, O] bf16 with the add in the GEMV's epilogue (one kernel, rounded as
+    torch rounds the two), where lin is 4-bit without a bias and x's rows take the GEMV; else None."""
+    if not (isinstance(lin, NF4Linear) and lin.bias is None and lin.in_features % 64 == 0
+            and x.dtype == residual.dtype == torch.bfloat16 and lin.pick(x.shape[0]) is Nf4Kernel.GEMV):
+        return None
+    return _gemv(lin, x, residual=residual)
 
 
 def _gemv(lin: NF4Linear, x: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
@@ -168,17 +170,28 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_x, NH, D: tl.constexpr
 
 
 def rope_(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, D: int,
-          norms: tuple[torch.Tensor, torch.Tensor, float, int] | None = None) -> None:
+          norms: tuple[torch.Tensor, torch.Tensor, float, int] | None = None, kv_out: tuple | None = None) -> bool:
     """In place on x [N, ≥ heads·D] bf16 (row-contiguous): the first `heads` heads of each row
     rotated at pos [N], as `hetero.model.Rope` (cos, sin: its float32 [T, D] tables).
     norms = (q_norm, k_norm, eps, q heads): each head RMS-normed first (Qwen3), the first q heads
-    with q_norm, the others with k_norm (bf16 [D] weights), as `hetero.model.rms_norm`."""
+    with q_norm, the others with k_norm (bf16 [D] weights), as `hetero.model.rms_norm`.
+    kv_out = (k_pool, v_pool, layer, slots, block_size, q heads, kv heads), with x's heads q, k, v
+    in that order: k (rotated) and v also go to the pools' slots [N] (as `kv_write`); where they
+    can (contiguous pools, D a power of two) → True, else they are not stored → False."""
     N = x.shape[0]
     assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     qn, kn, eps, nq = norms if norms is not None else (None, None, 0.0, 0)
+    write = kv_out is not None and kv_out[0].is_contiguous() and kv_out[1].is_contiguous() and D & (D - 1) == 0
+    kv = {}
+    if write:
+        kp, vp, layer, slots, bs, hq, hkv = kv_out
+        st = kp.stride()
+        kv = dict(WRITE=True, kp=kp, vp=vp, slots_ptr=slots, layer_off=layer * st[0], s_blk=st[1], s_head=st[2],
+                  s_off=st[3], BS=bs, HQ=hq, HKV=hkv, HKVP=triton.next_power_of_2(hkv))
     _rope_kernel[(N,)](x, cos, sin, pos, x.stride(0), heads, D=D, NHP=triton.next_power_of_2(heads),
                        PDL=pdl.enabled(x.device), NORM=norms is not None, qn_ptr=qn, kn_ptr=kn, eps=eps, NQ=nq,
-                       num_warps=4, **pdl.launch(x.device))
+                       num_warps=4, **kv, **pdl.launch(x.device))
+    return write
 
 
 @triton.jit

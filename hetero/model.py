@@ -52,8 +52,9 @@ class LayerWeights:
     down: Linear | None = None
     router: torch.Tensor | None = None  # MoE: [E, H]
     experts: list[tuple[Linear, Linear]] = field(default_factory=list)  # (gate_up, down) per expert
-    # The whole feed-forward, h [N, H] → [N, H], when it is computed elsewhere (offload.host_compute:
-    # by the CPU, from host copies of the weights above); None: this module's math over the fields above.
+    # The whole feed-forward when it is computed elsewhere, ffn(h, residual=x) → x + ffn(h) [N, H] in
+    # h's dtype (offload.host_compute: by the CPU, from host copies of the weights above; offload.moe:
+    # experts split between the devices); None: this module's math over the fields above.
     ffn: Linear | None = None
     routed: torch.Tensor | None = None  # MoE: [E] how often each expert was routed to, while counting
 
@@ -78,14 +79,21 @@ class FusedLayer(Protocol):
 
 
 class ElementwiseOps(Protocol):
-    """One-kernel RMSNorm, in-place RoPE and SiLU·up (gpu_ops.fused) for CUDA bf16 activations."""
+    """One-kernel RMSNorm, in-place RoPE (and KV store), SiLU·up and projection plus residual
+    (gpu_ops.fused) for CUDA bf16 activations."""
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def rope_(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-              D: int, norms: tuple[torch.Tensor, torch.Tensor, float, int] | None = None) -> None: ...
+              D: int, norms: tuple[torch.Tensor, torch.Tensor, float, int] | None = None,
+              kv_out: tuple | None = None) -> bool:
+        """In place; kv_out: also store k and v in a GPU KV pool (`pre_attention`'s, with the q and
+        kv head counts after it) → whether it did."""
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor: ...
+
+    def linear_residual(self, lin: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """residual + lin(x) in one kernel where lin's format and x's rows allow it, else None."""
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -220,9 +228,11 @@ class Model:
                 (lw.q_norm is None or lw.q_norm.dtype == torch.bfloat16 == lw.k_norm.dtype):
             cos, sin = self.rope.tables(pos)  # q/k norms (Qwen3) and RoPE of q and k in one kernel, in place
             norms = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, c.rms_norm_eps, c.num_heads)
-            ops.rope_(qkv, pos, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim, norms)
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            kv = None if kv_out is None else (*kv_out, c.num_heads, c.num_kv_heads)
             N = qkv.shape[0]
+            if ops.rope_(qkv, pos, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim, norms, kv):
+                return qkv[:, :c.q_size].view(N, c.num_heads, c.head_dim), None, None  # k, v stored
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             return (q.view(N, c.num_heads, c.head_dim), k.view(N, c.num_kv_heads, c.head_dim),
                     v.view(N, c.num_kv_heads, c.head_dim))
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -241,11 +251,13 @@ class Model:
             out = self.fused.post_attention(c, lw, x, attn)
             if out is not None:
                 return out
-        x = x + lw.o(attn.reshape(attn.shape[0], -1)).to(self.act_dtype)
+        a = attn.reshape(attn.shape[0], -1)
         ops = self._gpu_ops(x, lw.mlp_norm)
+        xo = ops.linear_residual(lw.o, a, x) if ops is not None else None  # the add in the GEMV's epilogue
+        x = xo if xo is not None else x + lw.o(a).to(self.act_dtype)
         h = (ops or _TorchOps).rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
         if lw.ffn is not None:
-            return x + lw.ffn(h).to(h.dtype)
+            return lw.ffn(h, residual=x)
         return x + feed_forward(c, lw, h, silu_mul=ops.silu_mul if ops is not None else None)
 
     def _gpu_ops(self, x: torch.Tensor, w: torch.Tensor) -> ElementwiseOps | None:

@@ -90,8 +90,10 @@ class HostFFN:
         self.cfg, self.host, self.compute = cfg, host, compute  # host: the layer's host-side weights
         self.out_features = cfg.hidden_size
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.compute.run(self._ffn, h)
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """h [N, H] → ffn(h) [N, H] float32, or residual + ffn(h) in h's dtype."""
+        out = self.compute.run(self._ffn, h)
+        return out if residual is None else residual + out.to(h.dtype)
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         return feed_forward(self.cfg, self.host, h).float()

@@ -117,7 +117,9 @@ class MoEFeedForward:
         if self.cuda and self.int4_host:
             staging.layers.append(host_experts)  # built in layer order: a prefill copies the next one's up ahead
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """h [N, H] → the experts' sum [N, H] in h's dtype, plus residual [N, H] where given (added in
+        the sum's kernel on CUDA)."""
         N = h.shape[0]
         fused = self.kernels  # on CUDA one kernel each for the routing and the sum
         to_cpu = self.host is not None and (N < self.stream_rows or not self.int4_host)  # the CPU computes them
@@ -142,13 +144,13 @@ class MoEFeedForward:
         if dx is not None and dx.stacked is not None:  # NF4 on CUDA: every expert in two launches
             # the GEMV kernels for few rows, unless the host's experts went up (their rows are in y)
             y = self._grouped(h, local) if N <= self.GROUPED_ROWS and y is None else self._grouped_many(h, local, y)
-            return (fused.combine if fused else combine)(y, w, host(), h.dtype)
+            return (fused.combine if fused else combine)(y, w, host(), h.dtype, residual)
         out = combine(y, w, None, torch.float32) if y is not None else None
         for part in (self._device(h, local, w) if dx is not None else None, host()):
             if part is not None:
                 part = part.to(h.device, non_blocking=True)  # the host's share: in host memory on CUDA
                 out = part if out is None else out + part
-        return out.to(h.dtype)
+        return out.to(h.dtype) if residual is None else residual + out.to(h.dtype)
 
     def _grouped(self, h: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Each slot's output [N·k, H] from the device's experts in two grouped kernels (gate/up with
@@ -317,8 +319,10 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool, gpu_ma
     return idx, w, gpu_map[idx], host_map[idx]
 
 
-def combine(y: torch.Tensor, w: torch.Tensor, host: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Σ over a row's k slots of w · y (+ host) [N, H] in dtype (`gpu_ops.moe_route.combine`'s contract)."""
+def combine(y: torch.Tensor, w: torch.Tensor, host: torch.Tensor | None, dtype: torch.dtype,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ over a row's k slots of w · y (+ host) [N, H] in dtype (+ residual) (`gpu_ops.moe_route.combine`'s contract)."""
     N, k = w.shape
     out = (y.view(N, k, -1).float() * w[..., None]).sum(1)
-    return (out if host is None else out + host).to(dtype)
+    out = (out if host is None else out + host).to(dtype)
+    return out if residual is None else residual + out

@@ -552,6 +552,41 @@ def test_gpu_fused_ops_match_their_torch_twins():
 
 @gpu
 @pytest.mark.gpu
+def test_gpu_rope_stores_kv_and_projection_adds_residual():
+    """The RoPE kernel with Qwen3's norms also storing k and v in a pool, as RoPE then indexing
+    would; a 4-bit projection with the residual in its epilogue, exactly torch's add (None where
+    the rows do not take the GEMV)."""
+    from gpu_ops import fused
+    from gpu_ops.nf4 import nf4_linear
+    from hetero.model import Rope
+
+    torch.manual_seed(1)
+    D, Hq, Hkv, BS = 128, 32, 4, 16
+    qkv = torch.randn(2, (Hq + 2 * Hkv) * D, device="cuda").bfloat16()
+    pos, slots = torch.tensor([7, 3000], device="cuda"), torch.tensor([5, 37], device="cuda")
+    cos, sin = Rope(_llama3_cfg(), torch.device("cuda")).fixed(4096).tables(pos)
+    qn, kn = ((1 + 0.1 * torch.randn(D, device="cuda")).bfloat16() for _ in range(2))
+    want = qkv.clone()
+    assert not fused.rope_(want, pos, cos, sin, Hq + Hkv, D, norms=(qn, kn, 1e-6, Hq))
+    kp, vp = (torch.zeros(2, 4, Hkv, BS, D, device="cuda").bfloat16() for _ in range(2))
+    got = qkv.clone()
+    assert fused.rope_(got, pos, cos, sin, Hq + Hkv, D, norms=(qn, kn, 1e-6, Hq), kv_out=(kp, vp, 1, slots, BS, Hq, Hkv))
+    assert torch.equal(got, want)
+    for n, slot in enumerate(slots.tolist()):
+        k = want[n, Hq * D: (Hq + Hkv) * D].view(Hkv, D)
+        v = want[n, (Hq + Hkv) * D:].view(Hkv, D)
+        assert torch.equal(kp[1, slot // BS, :, slot % BS], k) and torch.equal(vp[1, slot // BS, :, slot % BS], v)
+    assert int(kp[0].count_nonzero()) == 0 and int(kp[1].count_nonzero()) == 2 * Hkv * D
+
+    lin = nf4_linear(torch.randn(2048, 4096, device="cuda") * 0.02, None, torch.device("cuda"))
+    x, res = torch.randn(1, 4096, device="cuda").bfloat16(), torch.randn(1, 2048, device="cuda").bfloat16()
+    assert torch.equal(fused.linear_residual(lin, x, res), res + lin(x))
+    many = torch.randn(300, 4096, device="cuda").bfloat16()
+    assert fused.linear_residual(lin, many, torch.zeros(300, 2048, device="cuda").bfloat16()) is None
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_kv_write_kernel_matches_indexing():
     """GpuKVPool.write (one Triton kernel on CUDA) stores what indexing would, from strided views."""
     pool = GpuKVPool(3, 6, 8, 16, 128)

@@ -433,6 +433,9 @@ def test_gpu_routing_and_sum_kernels_match_their_torch_twins(E, k, norm):
         got = moe_route.combine(y, w, host, torch.bfloat16)
         want = combine(y, w, None if host is None else host.to(dev), torch.bfloat16)
         assert got.dtype == torch.bfloat16 and rel_err(got.float(), want.float()) <= 1e-2
+        x = torch.randn(N, H, device=dev).bfloat16() * 4  # the residual: added to the sum's bf16 rounding
+        got = moe_route.combine(y, w, host, torch.bfloat16, residual=x)
+        assert rel_err(got.float(), (want + x).float()) <= 1e-2 and not torch.equal(got, want)
 
 
 @pytest.mark.gpu
@@ -481,6 +484,8 @@ def test_gpu_split_moe_layer_in_a_cuda_graph(rows, upload):
         ffn.staging.signals = signals
         eager = ffn(h)
         assert rel_err(eager.float().cpu(), want) <= 2e-2
+        x = torch.randn(rows, H, device=dev).bfloat16()
+        assert torch.equal(ffn(h, residual=x), x + eager)  # the sum rounded to bf16, then the add
         if rows > ffn.graph_rows:
             continue
         graph = torch.cuda.CUDAGraph()
