@@ -124,12 +124,10 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     prefill_cost = decode_step(cfg, prof, plan.placements, plan.kv, PROMPT, 0, plan.threads, 1)
     on_gpu = [len(x.experts) if x.experts is not None else cfg.num_experts
               for x in plan.placements if x.kind is Kind.EXPERTS and x.on_gpu]
-    reads = [x.gpu_reads for x in plan.placements if x.kind is Kind.EXPERTS and not x.on_gpu] or [0]
     kv = plan.kv
     out = dict(
         name=name, shape=shape, gpu_mem_gib=gpu_gib, batch=batch, target=target, prefill_target=prefill_target,
-        plan=f"experts on the GPU a layer {min(on_gpu)}–{max(on_gpu)} of {cfg.num_experts} (+ {min(reads)}–{max(reads)} "
-             f"read from the host); KV GPU {kv.gpu_tokens} "
+        plan=f"experts on the GPU a layer {min(on_gpu)}–{max(on_gpu)} of {cfg.num_experts}; KV GPU {kv.gpu_tokens} "
              f"{kv.gpu_dtype.value} / host {kv.host_tokens} {kv.host_dtype.value}; sub-batches {plan.sub_batches}",
         choices=[f"{c.setting}={c.value}: {c.reason}" for c in plan.choices],
         tok_s=batch / step, predicted_tok_s=batch / pred.seconds, bound_tok_s=batch / bound_s(prof, pred.nbytes),

@@ -61,17 +61,14 @@ def _route_kernel(l_ptr, gmap_ptr, hmap_ptr, idx_ptr, w_ptr, gslot_ptr, hslot_pt
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, host_ptr, res_ptr, read_ptr, o_ptr, H, K: tl.constexpr, BH: tl.constexpr,
-                    HOST: tl.constexpr, RES: tl.constexpr, READ: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, host_ptr, res_ptr, o_ptr, H, K: tl.constexpr, BH: tl.constexpr, HOST: tl.constexpr,
+                    RES: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BH + tl.arange(0, BH)
     ok = c < H
     acc = tl.zeros([BH], tl.float32)
     for s in tl.static_range(K):
-        y = tl.load(y_ptr + (n * K + s) * H + c, mask=ok, other=0.0).to(tl.float32)
-        if READ:  # the slot's output from the host experts the GPU read (zero where another's)
-            y += tl.load(read_ptr + (n * K + s) * H + c, mask=ok, other=0.0)
-        acc += tl.load(w_ptr + n * K + s) * y
+        acc += tl.load(w_ptr + n * K + s) * tl.load(y_ptr + (n * K + s) * H + c, mask=ok, other=0.0).to(tl.float32)
     if HOST:  # page-locked host memory the CPU wrote since the last launch: read past the caches
         acc += tl.load(host_ptr + n * H + c, mask=ok, other=0.0, cache_modifier=".cv")
     if RES:  # rounded to the output's dtype first, as torch adds a residual to it
@@ -103,18 +100,16 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool, gpu_ma
 
 
 def combine(y: torch.Tensor, w: torch.Tensor, host: torch.Tensor | None, dtype: torch.dtype,
-            residual: torch.Tensor | None = None, read: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     """y [N·k, H] (each slot's expert output; zero rows for slots computed elsewhere), w [N, k]
     float32, host [N, H] float32 or None → Σ over a row's slots of w · y (+ host) [N, H] in dtype,
-    then + residual [N, H] (dtype) where given. read [N·k, H] float32: more slot outputs, added to
-    y's (the host experts the GPU read: gpu_ops.host_experts)."""
+    then + residual [N, H] (dtype) where given."""
     N, k = w.shape
     H = y.shape[1]
     out = torch.empty((N, H), dtype=dtype, device=y.device)
     BH = 512
     res = residual.contiguous() if residual is not None else out
-    _combine_kernel[(N, triton.cdiv(H, BH))](y.contiguous(), w.contiguous(), host if host is not None else w, res,
-                                             read if read is not None else w, out, H, K=k, BH=BH,
-                                             HOST=host is not None, RES=residual is not None, READ=read is not None,
+    _combine_kernel[(N, triton.cdiv(H, BH))](y.contiguous(), w.contiguous(), host if host is not None else w, res, out,
+                                             H, K=k, BH=BH, HOST=host is not None, RES=residual is not None,
                                              num_warps=4)
     return out

@@ -37,8 +37,7 @@ def load_from_plan(ck: Checkpoint, plan: Plan, device: torch.device,
     wl = plan.workload
     model = load_model(ck, FORMATS[plan.weights], device, embed_device=embed_dev, homes=weight_homes(plan, device),
                        progress=progress, threads=plan.threads, moe_rows=max(wl.ubatch, wl.batch),
-                       moe_upload_rows=plan.moe_upload_rows,
-                       moe_gpu_reads={p.layer: p.gpu_reads for p in plan.placements if p.gpu_reads})
+                       moe_upload_rows=plan.moe_upload_rows)
     return model, place_weights(model, plan)
 
 

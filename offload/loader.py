@@ -86,7 +86,7 @@ def _codes(fmt: WeightFormat):
 def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
                embed_device: torch.device | None = None, homes: Homes | None = None,
                progress: Progress | None = None, threads: int | None = None, moe_rows: int = 2048,
-               moe_upload_rows: int = 0, moe_gpu_reads: dict[int, int] | None = None) -> Model:
+               moe_upload_rows: int = 0) -> Model:
     """embed_device: where the embedding table lives (the CPU, when the plan keeps it off the GPU:
     a step reads one row per token). homes: each weight group's storage (device and format) when
     not every group is `fmt` on `device`; a group kept on the host in a device format (streamed
@@ -94,8 +94,7 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
     progress(done, total): called as each layer's weights are ready (total: the layers and the head).
     threads, moe_rows: the CPU threads and the most rows a step gives host-resident experts;
     moe_upload_rows: from how many rows a step copies them up to the GPU instead (0: the default,
-    `offload.moe.MoEFeedForward`); moe_gpu_reads: layer → how many of its host experts the GPU reads
-    and computes itself at decode."""
+    `offload.moe.MoEFeedForward`)."""
     cfg: ModelConfig = ck.config
     act = torch.float32 if fmt in (WeightFormat.F32, WeightFormat.INT8) or device.type == "cpu" else torch.bfloat16
     keep = torch.float32 if act == torch.float32 else torch.bfloat16
@@ -168,7 +167,7 @@ def load_model(ck: Checkpoint, fmt: WeightFormat, device: torch.device,
 
                     staging.append(HostStaging(cfg, device, moe_rows, threads))
                 lw.ffn = _moe_layer(cfg, i, lw.router, ehomes, pair, get, device, staging[0] if staging else None,
-                                    threads, moe_upload_rows, (moe_gpu_reads or {}).get(i, 0))
+                                    threads, moe_upload_rows)
             else:
                 lw.experts = [pair(e, ex) for e in range(cfg.num_experts)]
         else:
@@ -216,9 +215,8 @@ _TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}
 
 
 def _moe_layer(cfg: ModelConfig, layer: int, router: torch.Tensor, homes: list[Home], pair, get,
-               device: torch.device, staging, threads: int | None, upload_rows: int = 0, gpu_reads: int = 0):
-    """The layer's `MoEFeedForward`: the device's experts and the host's, as `homes` says, the GPU
-    reading `gpu_reads` of the host's itself."""
+               device: torch.device, staging, threads: int | None, upload_rows: int = 0):
+    """The layer's `MoEFeedForward`: the device's experts and the host's, as `homes` says."""
     from offload.moe import MoEFeedForward, TorchHostExperts
 
     on_dev = [e for e, h in enumerate(homes) if not h.host_computed]
@@ -229,7 +227,7 @@ def _moe_layer(cfg: ModelConfig, layer: int, router: torch.Tensor, homes: list[H
         host = _int4_experts(cfg, layer, on_host, get, device, threads)
     elif on_host:
         host = TorchHostExperts(on_host, [pair(e, homes[e]) for e in on_host])
-    return MoEFeedForward(cfg, router.to(device), dx, host, device, staging, upload_rows, min(gpu_reads, len(on_host)))
+    return MoEFeedForward(cfg, router.to(device), dx, host, device, staging, upload_rows)
 
 
 def _device_experts(experts: list[int], pairs, device: torch.device):

@@ -82,12 +82,9 @@ class MoEFeedForward:
     GROUPED_ROWS = 64
 
     def __init__(self, cfg: ModelConfig, router: torch.Tensor, device_experts: DeviceExperts | None,
-                 host_experts, device: torch.device, staging: HostStaging | None, upload_rows: int = 0,
-                 gpu_reads: int = 0):
+                 host_experts, device: torch.device, staging: HostStaging | None, upload_rows: int = 0):
         """upload_rows: rows from which a step's host experts go up to the device (the plan's
-        `moe_upload_rows`, the cost model's choice); 0: from GROUPED_ROWS + 1. gpu_reads: how many of
-        the host's experts (its first) the GPU computes itself, reading them over PCIe beside the CPU,
-        at steps the CPU computes the host's share (gpu_ops.host_experts; the plan's choice)."""
+        `moe_upload_rows`, the cost model's choice); 0: from GROUPED_ROWS + 1."""
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         self.cfg, self.router, self.dev, self.host, self.staging = cfg, router, device, host_experts, staging
         self.device_experts = device_experts
@@ -109,18 +106,6 @@ class MoEFeedForward:
             host_map[host_experts.experts] = torch.arange(len(host_experts.experts), dtype=torch.int32)
         self.gpu_map, self.host_map = gpu_map.to(device), host_map.to(device)
         self.cuda = device.type == "cuda"
-        self.read_map = self.cpu_map = None  # with gpu_reads: the GPU's index of the experts it reads; the CPU's rest
-        if gpu_reads:
-            read = host_experts.experts[:gpu_reads]
-            if not (self.cuda and device_experts is not None and device_experts.stacked is not None
-                    and all(t.is_pinned() for t in host_experts.tensors())):
-                raise ValueError("the GPU reads host experts from page-locked int4 stacks, beside its own stacked ones")
-            read_map = torch.full((E,), -1, dtype=torch.int32)
-            read_map[read] = torch.arange(len(read), dtype=torch.int32)
-            cpu_map = host_map.clone()
-            cpu_map[read] = -1
-            self.read_map, self.cpu_map = read_map.to(device), cpu_map.to(device)
-            self.read_stacks = host_experts.tensors()
         self.kernels = None  # gpu_ops.moe_route on CUDA: the decode steps' routing and sum
         if self.cuda:
             from gpu_ops import moe_route
@@ -138,11 +123,9 @@ class MoEFeedForward:
         N = h.shape[0]
         fused = self.kernels  # on CUDA one kernel each for the routing and the sum
         to_cpu = self.host is not None and (N < self.stream_rows or not self.int4_host)  # the CPU computes them
-        reads = self.read_map is not None and to_cpu and N <= self.GROUPED_ROWS  # and the GPU some of them
         if fused:  # the routing kernel also writes the host's input into its page-locked buffer
             stage = self.staging.down if to_cpu and N <= self.staging.max_rows else None
-            idx, w, local, ids = fused.route(h, self.router, self.k, self.norm_topk, self.gpu_map,
-                                             self.cpu_map if reads else self.host_map, stage)
+            idx, w, local, ids = fused.route(h, self.router, self.k, self.norm_topk, self.gpu_map, self.host_map, stage)
         else:
             idx, w, local, ids = route(h, self.router, self.k, self.norm_topk, self.gpu_map, self.host_map)
         if self.routed is not None:
@@ -161,12 +144,7 @@ class MoEFeedForward:
         if dx is not None and dx.stacked is not None:  # NF4 on CUDA: every expert in two launches
             # the GEMV kernels for few rows, unless the host's experts went up (their rows are in y)
             y = self._grouped(h, local) if N <= self.GROUPED_ROWS and y is None else self._grouped_many(h, local, y)
-            read = None
-            if reads:  # queued after the device's own experts: both run while the CPU computes
-                from gpu_ops.host_experts import host_experts_gemv
-
-                read = host_experts_gemv(h, idx, self.read_map, self.read_stacks, self.k)
-            return (fused.combine if fused else combine)(y, w, host(), h.dtype, residual, read)
+            return (fused.combine if fused else combine)(y, w, host(), h.dtype, residual)
         out = combine(y, w, None, torch.float32) if y is not None else None
         for part in (self._device(h, local, w) if dx is not None else None, host()):
             if part is not None:
@@ -342,10 +320,9 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool, gpu_ma
 
 
 def combine(y: torch.Tensor, w: torch.Tensor, host: torch.Tensor | None, dtype: torch.dtype,
-            residual: torch.Tensor | None = None, read: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ over a row's k slots of w · (y + read) (+ host) [N, H] in dtype (+ residual) (`gpu_ops.moe_route.combine`'s contract)."""
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ over a row's k slots of w · y (+ host) [N, H] in dtype (+ residual) (`gpu_ops.moe_route.combine`'s contract)."""
     N, k = w.shape
-    y = y.float() if read is None else y.float() + read
-    out = (y.view(N, k, -1) * w[..., None]).sum(1)
+    out = (y.view(N, k, -1).float() * w[..., None]).sum(1)
     out = (out if host is None else out + host).to(dtype)
     return out if residual is None else residual + out

@@ -7,7 +7,7 @@ tier, kvb(dt) KV bytes per token per layer, W bytes of a weight group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 from cpu_attention.layout import KVDtype
@@ -35,7 +35,8 @@ MIN_CPU_DRAM_SHARE = 0.25
 GENERAL_LOOP_OVERHEAD_S = 200e-6
 # Per layer of a step that runs whole on the GPU as one CUDA graph (no host-tier KV, every weight
 # resident): what the layer's small kernels (norms, RoPE, the KV write, the attention's split merge)
-# cost beyond the GEMVs' and the attention's bytes. Stated; bench/budget.py prints it beside the measurement.
+# cost beyond the GEMVs' and the attention's bytes. Stated; bench/budget.py prints the prediction
+# beside the measurement.
 GRAPH_LAYER_OVERHEAD_S = 12e-6
 # Many rows (a prefill chunk, a step whose host experts go up) run a MoE layer's experts in grouped
 # 4-bit GEMMs (gpu_ops.moe_prefill), whose time an expert the rows route to is its weights' decode: GB/s of expert bytes for the device's
@@ -52,12 +53,6 @@ PREFILL_HOST_EXPERT_GBPS = 280.0
 # (bench/moe.py, the Qwen3-30B-A3B shape at 8 and 14 GiB, four calls).
 HOST_EXPERTS_CALL_S = 5e-6
 HOST_EXPERTS_STEP_SHARE = 0.85
-# The GPU reading some host experts itself over PCIe (gpu_ops.host_experts) while the CPU computes the
-# rest: bench/dram_share.py on the H200 host, 2026-11-29: the CPU's kernel 56.2 GB/s alone, 44.9 beside
-# a GPU kernel's reads (0.8), which read 44.5 (0.87 of the copy engine's). In a Qwen3 decode step the
-# experts' kernel read ~28 GB/s (0.5; bench/moe.py, same day); at 8 rows ~6: batch 1 only.
-CPU_BESIDE_READS = 0.8
-GPU_READ_PCIE_SHARE = 0.5
 # Per MoE layer in the GPU's step: routing (the router GEMV, then one kernel: gpu_ops.moe_route)
 # and the weighted sum, small kernels beyond the experts' bytes. Fitted on the all-GPU row of the
 # same shape (2.99–3.11 ms a step, H200 host, 2026-11-29).
@@ -175,7 +170,7 @@ def decode_step(
     nbytes = dict.fromkeys(terms, 0.0)
     total = 0.0
     for layer, groups in sorted(pairs.items(), key=lambda kv_: kv_[0] < 0):  # layers, then the head
-        g_lin = c_w = p = x_w = g_e = c_e = x_e = r_e = 0.0
+        g_lin = c_w = p = x_w = g_e = c_e = x_e = 0.0
         for g, pl in groups:
             for b in sub:
                 rb = read_bytes(g, pl, b)
@@ -190,10 +185,7 @@ def decode_step(
                         nbytes["pcie weights"] += len(pl.experts) * expert_bytes(g, pl.dtype)
                     else:
                         c_e += t_e
-                        f = read_share(pl)  # the GPU reads these experts itself, beside the CPU
-                        nbytes["cpu experts"] += rb * (1 - f)
-                        r_e += gpu_read_seconds(g, pl, hw, b)
-                        nbytes["pcie weights"] += f * _routed(g, pl, b) * expert_bytes(g, pl.dtype)
+                        nbytes["cpu experts"] += rb
                         if hw.has_gpu:  # the host's share read over PCIe by the sum's kernel (its
                             # input is written down by the routing kernel: posted writes)
                             x_e += hop_seconds(b * cfg.hidden_size * 4, hw)
@@ -237,14 +229,14 @@ def decode_step(
                 hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S
             if cfg.moe_layers[layer]:
                 over += MOE_LAYER_OVERHEAD_S
-        e = max(g_e + r_e, c_e + x_e)  # r_e: the GPU reading host experts itself, after its own
+        e = max(g_e, c_e + x_e)
         if sub_batches == 1:
             t = max(g_lin + max(g_att, c_att + x_att) + e, p + s_up, d) + c_w + x_w + over
         else:
-            t = max(g_lin + g_att + g_e + r_e, c_att + c_w + c_e + x_att + x_w + x_e, p) + over
+            t = max(g_lin + g_att + g_e, c_att + c_w + c_e + x_att + x_w + x_e, p) + over
         total += t
         for k, v in (("gpu weights", g_lin + g_e), ("gpu attention", g_att), ("cpu attention", c_att),
-                     ("cpu weights", c_w), ("cpu experts", c_e), ("pcie weights", p + r_e), ("pcie kv", s_up),
+                     ("cpu weights", c_w), ("cpu experts", c_e), ("pcie weights", p), ("pcie kv", s_up),
                      ("transfers", x_att + x_w + x_e), ("overhead", over)):
             terms[k] += v
     return StepCost(total, terms, nbytes)
@@ -257,57 +249,15 @@ def host_experts_seconds(g: Group, p: Placement, hw: HardwareProfile, rows: int)
     of the part's experts once (their bytes over PCIe), the GPU's grouped GEMM applying each piece
     while the next one's copy is in flight. The runtime takes the cheaper for each step's rows
     (`host_experts_upload_rows`: from how many rows that is the copy)."""
-    f = read_share(p)  # of its experts the GPU reads itself (`gpu_read_seconds`): the CPU does the rest
-    flops = 2.0 * g.active_params * rows * _share(g, p) * (1 - f)
+    flops = 2.0 * g.active_params * rows * _share(g, p)
     decoded = _routed(g, p, rows) * expert_bytes(g, p.dtype)
-    rate = hw.cpu_experts_rate * HOST_EXPERTS_STEP_SHARE * (CPU_BESIDE_READS if f else 1.0)
-    cpu = gemv_seconds(max(read_bytes(g, p, rows), decoded) * (1 - f), flops, rate, hw.cpu_gflops) + HOST_EXPERTS_CALL_S
+    cpu = gemv_seconds(max(read_bytes(g, p, rows), decoded), flops, hw.cpu_experts_rate * HOST_EXPERTS_STEP_SHARE,
+                       hw.cpu_gflops) + HOST_EXPERTS_CALL_S
     if not hw.has_gpu or not hw.pcie_h2d_gbps:
         return cpu, False
     up = max(len(p.experts) * expert_bytes(g, p.dtype) / (hw.pcie_h2d_gbps * GB),
              touched_experts(g, p, rows) * expert_bytes(g, p.dtype) / (PREFILL_HOST_EXPERT_GBPS * GB))
-    return (up, True) if up < max(cpu, gpu_read_seconds(g, p, hw, rows)) else (cpu, False)
-
-
-def read_share(p: Placement) -> float:
-    """The share of a host part's routed slots the GPU computes itself: its read experts over all (uniform)."""
-    return p.gpu_reads / len(p.experts) if p.gpu_reads and p.experts else 0.0
-
-
-def gpu_read_seconds(g: Group, p: Placement, hw: HardwareProfile, rows: int) -> float:
-    """The GPU's time for the host experts it reads itself (gpu_ops.host_experts): each (token, expert)
-    pair's weights over PCIe, at a share of the copy engine's rate, within DRAM's rate beside the CPU."""
-    if not p.gpu_reads or not hw.pcie_h2d_gbps:
-        return 0.0
-    rate = GPU_READ_PCIE_SHARE * hw.pcie_h2d_gbps
-    if hw.dram_read_gbps:
-        cpu = hw.cpu_experts_rate * HOST_EXPERTS_STEP_SHARE * CPU_BESIDE_READS
-        rate = min(rate, max(hw.dram_read_gbps - cpu, 0.1 * hw.dram_read_gbps))
-    return read_share(p) * _routed(g, p, rows) * expert_bytes(g, p.dtype) / (rate * GB)
-
-
-def with_gpu_reads(cfg: ModelConfig, hw: HardwareProfile, placements: tuple[Placement, ...],
-                   rows: int) -> tuple[Placement, ...]:
-    """The placements with each split layer's host part read partly by the GPU: as many of its experts
-    as make a step of `rows` rows fastest (the CPU's time and the GPU's reads balanced)."""
-    if not hw.has_gpu or not hw.pcie_h2d_gbps or rows != 1:
-        return placements
-    new, best = {}, {}
-    for g, p in (gp for groups in layer_groups(cfg, placements).values() for gp in groups):
-        if split_experts(p) and p.mode is Mode.CPU and p.experts:
-            key = (g.params, g.expert_params, len(p.experts), p.share, p.dtype)  # layers alike: once
-            if key not in best:
-                def times(n: int) -> tuple[float, float]:  # (the CPU's, the GPU's reads) with n read
-                    q = replace(p, gpu_reads=n)
-                    return host_experts_seconds(g, q, hw, rows)[0], gpu_read_seconds(g, q, hw, rows)
-                lo, hi = 1, len(p.experts)  # the CPU's time falls and the reads' grows with n: bisect
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    c, r = times(mid)
-                    lo, hi = (mid + 1, hi) if c > r else (lo, mid)
-                best[key] = min({0, max(1, lo - 1), lo}, key=lambda n: max(times(n)))
-            new[id(p)] = replace(p, gpu_reads=best[key])
-    return tuple(new.get(id(p), p) for p in placements)
+    return (up, True) if up < cpu else (cpu, False)
 
 
 def host_experts_upload_rows(cfg: ModelConfig, hw: HardwareProfile, placements: Sequence[Placement],
@@ -374,7 +324,7 @@ def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan
         return (f"CPU experts: {gb(key)} of {dt} experts at {hw.cpu_experts_rate * HOST_EXPERTS_STEP_SHARE:.0f} GB/s "
                 f"in a step ({hw.cpu_experts_rate:.0f} alone)" + share)
     if key == "pcie weights":
-        return f"PCIe weights (streamed, or host experts the GPU reads): {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
+        return f"PCIe weight streaming: {gb(key)} at {hw.pcie_h2d_gbps:.0f} GB/s" + share
     if key == "pcie kv":
         return f"PCIe KV streaming: {gb(key)} of host {kv.host_dtype.value} KV at {hw.pcie_h2d_gbps:.0f} GB/s" + share
     if key == "transfers":

@@ -105,13 +105,9 @@ def experts_choice(cfg: ModelConfig, placements: tuple[Placement, ...], order: s
         shares = [p.share for p in split if p.share is not None]
         which = (f"the most routed to in the routing statistics ({100 * sum(shares) / len(shares):.0f}% of the "
                  "routed slots)") if shares else "no routing statistics: any of them alike (`hetero profile-experts`)"
-        reads = [p.gpu_reads for p in placements if p.kind is Kind.EXPERTS and p.experts is not None and not p.on_gpu]
-        read = (f"; of those, {min(reads)}–{max(reads)} a layer computed by the GPU reading them over PCIe, "
-                "beside the CPU (the two read host memory faster together than the CPU alone)") if any(reads) else ""
         return Choice("experts", f"{min(n)}–{max(n)} of {cfg.num_experts} a layer on the GPU",
                       f"the GPU's room after the other weights, spread over the layers; {which}; the rest int4 in "
-                      "host memory, computed by the CPU beside the GPU's (copied up to the GPU for steps of many "
-                      f"rows){read}")
+                      "host memory, computed by the CPU beside the GPU's (copied up to the GPU for steps of many rows)")
     why = "attention weights are read whole each step, experts only as routed" if order == "attention first" \
         else "experts and MLP before attention weights"
     return Choice("GPU priority", order, why + " (the faster prediction)")

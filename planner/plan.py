@@ -42,9 +42,6 @@ class Placement:
     # of a split layer's routed slots, the share its experts took in the routing statistics
     # (`planner.experts`); None: as many as its experts are of the layer's (uniform routing)
     share: float | None = None
-    # of a split layer's host part, how many of its experts (its first) the GPU computes itself at
-    # decode, reading their weights over PCIe beside the CPU (gpu_ops.host_experts)
-    gpu_reads: int = 0
 
     @property
     def name(self) -> str:
@@ -211,8 +208,7 @@ class Plan:
             placements=tuple(
                 Placement(p["layer"], Kind(p["kind"]), Device(p["device"]), WDtype(p["dtype"]),
                           Mode(p["mode"]), p["nbytes"],
-                          None if p.get("experts") is None else tuple(p["experts"]), p.get("share"),
-                          p.get("gpu_reads", 0))
+                          None if p.get("experts") is None else tuple(p["experts"]), p.get("share"))
                 for p in d["placements"]
             ),
             kv=_load(KVPlan, d["kv"], gpu_dtype=KVDtype, host_dtype=KVDtype),

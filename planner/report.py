@@ -47,12 +47,11 @@ def _where(pl: Placement) -> str:
 
 def _group(x: Placement, layer: list[Placement]) -> str:
     """The group's name; a split experts group's parts say how many of the layer's experts each holds
-    (the device's part also holds the router; of the host's, how many the GPU reads over PCIe)."""
+    (the device's part also holds the router)."""
     if x.experts is None:
         return x.kind.value
     E = sum(len(y.experts or ()) for y in layer if y.kind is Kind.EXPERTS)
-    reads = f" ({x.gpu_reads} read by the GPU)" if x.gpu_reads else ""
-    return f"experts {len(x.experts)}/{E}" + (" + router" if x.on_gpu else reads)
+    return f"experts {len(x.experts)}/{E}" + (" + router" if x.on_gpu else "")
 
 
 def _layer_rows(p: Plan) -> list[tuple[str, str, int, str, str]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from cpu_attention.layout import KVDtype
 from hetero.config import ModelConfig
 from hetero.errors import UserError
-from planner.cost import StepCost, bottleneck, decode_step, host_experts_upload_rows, with_gpu_reads
+from planner.cost import StepCost, bottleneck, decode_step, host_experts_upload_rows
 from planner.prefill_cost import prefill_seconds
 from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
@@ -127,16 +127,19 @@ QUALITY_MARGIN = 0.10
 
 
 def choose_kv_dtypes(scored: dict[tuple[KVDtype, KVDtype], _Candidate], batch: int) -> tuple[_Candidate, str]:
-    """The (device tier, host tier) KV formats: full precision where the weights (the embedding
-    table aside) and the whole KV fit on the GPU in bf16; otherwise the fastest pair, a more exact
-    one within QUALITY_MARGIN of its speed preferred (int8 over int4, bf16 over int8): where weights
-    stay on the host, a smaller KV leaves the GPU room for more of them. → (candidate, reason)."""
+    """The (device tier, host tier) KV formats: full precision when the weights and the whole KV fit
+    on the GPU with the KV in bf16 (the embedding table aside: a lookup); otherwise the fastest
+    pair, except that a more exact pair within QUALITY_MARGIN of its speed is preferred (int8 over
+    int4, bf16 over int8): where experts or layers stay on the host, a smaller KV leaves the GPU
+    room for more of them. Returns the candidate and the reason."""
     def loss(c: _Candidate) -> tuple[int, int]:  # the precision given up, over the tiers holding tokens
         used = [_PRECISION[d] for d, n in ((c.kv.gpu_dtype, c.kv.gpu_tokens), (c.kv.host_dtype, c.kv.host_tokens)) if n]
         return max(used, default=0), sum(used)
 
-    exact = [c for c in scored.values() if not c.kv.host_tokens and loss(c)[0] == 0  # and every weight on the GPU
-             and all(p.on_gpu and p.mode is Mode.RESIDENT for p in c.placements if p.kind is not Kind.EMBED)]
+    def all_on_gpu(c: _Candidate) -> bool:
+        return all(p.on_gpu and p.mode is Mode.RESIDENT for p in c.placements if p.kind is not Kind.EMBED)
+
+    exact = [c for c in scored.values() if not c.kv.host_tokens and loss(c)[0] == 0 and all_on_gpu(c)]
     if exact:
         return max(exact, key=lambda c: _tok_s(c, batch)), "the whole model and KV fit on the GPU at full precision"
     fastest = max(scored.values(), key=lambda c: _tok_s(c, batch))
@@ -193,7 +196,6 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     for mode, (order_name, order), embed_gpu, reserve in itertools.product(modes, orders, (True, False), reserves):
         pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv - reserve, order, embed_gpu,
                             ov.n_cpu_moe, split_ok, routing)
-        pl = with_gpu_reads(cfg, hw, pl, wl.batch)  # the GPU reads some host experts itself, beside the CPU
         left = budget.gpu_bytes - work - staging - sum(p.nbytes for p in pl if p.on_gpu)
         if left < 0:
             need = work + staging + sum(p.nbytes for p in pl if p.on_gpu)
