@@ -127,21 +127,16 @@ QUALITY_MARGIN = 0.10
 
 
 def choose_kv_dtypes(scored: dict[tuple[KVDtype, KVDtype], _Candidate], batch: int) -> tuple[_Candidate, str]:
-    """The (device tier, host tier) KV formats: full precision when the weights and the whole KV fit
-    on the GPU with the KV in bf16 (the embedding table aside: a lookup); otherwise the fastest
-    pair, except that a more exact pair within QUALITY_MARGIN of its speed is preferred (int8 over
-    int4, bf16 over int8): where experts or layers stay on the host, a smaller KV leaves the GPU
-    room for more of them. Returns the candidate and the reason."""
+    """The (device tier, host tier) KV formats: full precision when the whole KV fits on the GPU in
+    bf16; otherwise the fastest pair, except that a more exact pair within QUALITY_MARGIN of its
+    speed is preferred (int8 over int4, bf16 over int8). Returns the candidate and the reason."""
     def loss(c: _Candidate) -> tuple[int, int]:  # the precision given up, over the tiers holding tokens
         used = [_PRECISION[d] for d, n in ((c.kv.gpu_dtype, c.kv.gpu_tokens), (c.kv.host_dtype, c.kv.host_tokens)) if n]
         return max(used, default=0), sum(used)
 
-    def all_on_gpu(c: _Candidate) -> bool:
-        return all(p.on_gpu and p.mode is Mode.RESIDENT for p in c.placements if p.kind is not Kind.EMBED)
-
-    exact = [c for c in scored.values() if not c.kv.host_tokens and loss(c)[0] == 0 and all_on_gpu(c)]
+    exact = [c for c in scored.values() if not c.kv.host_tokens and loss(c)[0] == 0]
     if exact:
-        return max(exact, key=lambda c: _tok_s(c, batch)), "the whole model and KV fit on the GPU at full precision"
+        return max(exact, key=lambda c: _tok_s(c, batch)), "the whole KV fits on the GPU at full precision"
     fastest = max(scored.values(), key=lambda c: _tok_s(c, batch))
     top = _tok_s(fastest, batch)
     near = [c for c in scored.values() if _tok_s(c, batch) >= (1 - QUALITY_MARGIN) * top]
