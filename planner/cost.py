@@ -151,7 +151,6 @@ def decode_step(
     step = Σ_layers t + head (final norm, lm_head, embedding lookup) in the same way.
     T_s: the host tier's first tokens the GPU attends over after copying them up (batch 1 only).
     """
-    pairs = layer_groups(cfg, placements)
     # the runtime's lean loop (offload/inline.py): one sub-batch, no weights moving during the step
     lean = sub_batches == 1 and all(p.mode is Mode.RESIDENT or p.kind is Kind.EMBED or split_experts(p)
                                     for p in placements)
@@ -159,7 +158,6 @@ def decode_step(
     T_s = min(kv.stream_tokens, T_c) if batch == 1 and hw.has_gpu else 0
     BS = kv.block_size
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
-    gpu_gflops = hw.gpu_tflops * 1000 or 1e9
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
     run_cost = hw.cpu_run_cost(kv.host_dtype, threads, run_rows)  # a run's rows: arithmetic grows with them
     if T_s and hw.dram_read_gbps:  # DRAM shared with the copy engine streaming T_s tokens up
@@ -167,9 +165,70 @@ def decode_step(
                                        MIN_CPU_DRAM_SHARE * hw.dram_read_gbps))
     terms = dict.fromkeys(("gpu weights", "gpu attention", "cpu attention", "cpu weights", "cpu experts",
                            "pcie weights", "pcie kv", "transfers", "overhead"), 0.0)
-    nbytes = dict.fromkeys(terms, 0.0)
+    per_layer, weight_bytes = _weight_terms(cfg, hw, placements, tuple(sub))
+    nbytes = dict.fromkeys(terms, 0.0) | weight_bytes
+    # a layer's attention (every layer's alike)
+    a_att = a_c = a_x = a_s = a_d = 0.0
+    T_cpu = T_c - T_s
+    kvb_g, kvb_h = kv_bytes_per_token_layer(cfg, kv.gpu_dtype, BS), kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
+    for b in sub:
+        b_g, b_c = kv_reads(cfg, b, run_rows)
+        a_att += attention_seconds(b_g, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_rate(kv.gpu_dtype) or 1.0, BS)
+        a_att += attention_seconds(b_g, T_s, kv.host_dtype, cfg, hw.gpu_attention_rate(kv.host_dtype) or 1.0, BS)
+        if T_cpu:
+            a_c += attention_seconds(b_c, T_cpu, kv.host_dtype, cfg, attn_rate, BS) * run_cost \
+                + hw.cpu_items_seconds(kv.host_dtype, threads, b_c, cfg.num_kv_heads) + hw.cpu_attention_call_s
+        if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
+            a_x += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
+    a_s = T_s * kvb_h / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
+    if T_s:
+        a_d = T_c * kvb_h / (max(hw.dram_read_gbps, 1e-9) * GB)
+    reads_g, reads_c = kv_reads(cfg, batch, run_rows)
     total = 0.0
-    for layer, groups in sorted(pairs.items(), key=lambda kv_: kv_[0] < 0):  # layers, then the head
+    for layer, (g_lin, c_w, p, x_w, g_e, c_e, x_e) in per_layer:  # layers, then the head
+        g_att = c_att = x_att = s_up = d = 0.0
+        if layer >= 0:
+            g_att, c_att, x_att, s_up, d = a_att, a_c, a_x, a_s, a_d
+            nbytes["gpu attention"] += reads_g * (T_g * kvb_g + T_s * kvb_h)
+            nbytes["cpu attention"] += reads_c * T_cpu * kvb_h
+            nbytes["pcie kv"] += T_s * kvb_h
+        over = 0.0
+        if layer >= 0:  # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
+            over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else \
+                hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S
+            if cfg.moe_layers[layer]:
+                over += MOE_LAYER_OVERHEAD_S
+        e = max(g_e, c_e + x_e)
+        if sub_batches == 1:
+            t = max(g_lin + max(g_att, c_att + x_att) + e, p + s_up, d) + c_w + x_w + over
+        else:
+            t = max(g_lin + g_att + g_e, c_att + c_w + c_e + x_att + x_w + x_e, p) + over
+        total += t
+        for k, v in (("gpu weights", g_lin + g_e), ("gpu attention", g_att), ("cpu attention", c_att),
+                     ("cpu weights", c_w), ("cpu experts", c_e), ("pcie weights", p), ("pcie kv", s_up),
+                     ("transfers", x_att + x_w + x_e), ("overhead", over)):
+            terms[k] += v
+    return StepCost(total, terms, nbytes)
+
+
+# `_weight_terms` of the placements last costed: a search costs one placement at many KV splits and
+# contexts, and its weights' terms do not depend on them (the entry keeps its arguments, so ids are
+# not reused while it lives)
+_WEIGHT_TERMS: dict[tuple, tuple] = {}
+
+
+def _weight_terms(cfg: ModelConfig, hw: HardwareProfile, placements: Sequence[Placement], sub: tuple[int, ...]
+                  ) -> tuple[list[tuple[int, tuple[float, ...]]], dict[str, float]]:
+    """`decode_step`'s weight terms, per layer (layers, then the head) for sub-batches of `sub`
+    rows: (g_lin, c_w, p, x_w, g_e, c_e, x_e) seconds, and the bytes each resource reads."""
+    key = (id(cfg), id(hw), id(placements), sub)
+    hit = _WEIGHT_TERMS.get(key)
+    if hit is not None and hit[0] is cfg and hit[1] is hw and hit[2] is placements:
+        return hit[3]
+    gpu_gflops = hw.gpu_tflops * 1000 or 1e9
+    nbytes = dict.fromkeys(("gpu weights", "cpu weights", "cpu experts", "pcie weights"), 0.0)
+    out = []
+    for layer, groups in sorted(layer_groups(cfg, placements).items(), key=lambda kv_: kv_[0] < 0):
         g_lin = c_w = p = x_w = g_e = c_e = x_e = 0.0
         for g, pl in groups:
             for b in sub:
@@ -203,43 +262,13 @@ def decode_step(
             if pl.mode is Mode.STREAM:
                 p += pl.nbytes / (hw.pcie_h2d_gbps * GB)
                 nbytes["pcie weights"] += pl.nbytes
-        g_att = c_att = x_att = s_up = d = 0.0
-        if layer >= 0:
-            T_cpu = T_c - T_s
-            for b in sub:
-                b_g, b_c = kv_reads(cfg, b, run_rows)
-                g_att += attention_seconds(b_g, T_g, kv.gpu_dtype, cfg, hw.gpu_attention_rate(kv.gpu_dtype) or 1.0, BS)
-                g_att += attention_seconds(b_g, T_s, kv.host_dtype, cfg, hw.gpu_attention_rate(kv.host_dtype) or 1.0, BS)
-                if T_cpu:
-                    c_att += attention_seconds(b_c, T_cpu, kv.host_dtype, cfg, attn_rate, BS) * run_cost \
-                        + hw.cpu_items_seconds(kv.host_dtype, threads, b_c, cfg.num_kv_heads) + hw.cpu_attention_call_s
-                if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
-                    x_att += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
-            s_up = T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
-            if T_s:
-                d = T_c * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS) / (max(hw.dram_read_gbps, 1e-9) * GB)
-            reads_g, reads_c = kv_reads(cfg, batch, run_rows)
-            nbytes["gpu attention"] += reads_g * (T_g * kv_bytes_per_token_layer(cfg, kv.gpu_dtype, BS)
-                                                  + T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS))
-            nbytes["cpu attention"] += reads_c * T_cpu * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
-            nbytes["pcie kv"] += T_s * kv_bytes_per_token_layer(cfg, kv.host_dtype, BS)
-        over = 0.0
-        if layer >= 0:  # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
-            over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else \
-                hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S
-            if cfg.moe_layers[layer]:
-                over += MOE_LAYER_OVERHEAD_S
-        e = max(g_e, c_e + x_e)
-        if sub_batches == 1:
-            t = max(g_lin + max(g_att, c_att + x_att) + e, p + s_up, d) + c_w + x_w + over
-        else:
-            t = max(g_lin + g_att + g_e, c_att + c_w + c_e + x_att + x_w + x_e, p) + over
-        total += t
-        for k, v in (("gpu weights", g_lin + g_e), ("gpu attention", g_att), ("cpu attention", c_att),
-                     ("cpu weights", c_w), ("cpu experts", c_e), ("pcie weights", p), ("pcie kv", s_up),
-                     ("transfers", x_att + x_w + x_e), ("overhead", over)):
-            terms[k] += v
-    return StepCost(total, terms, nbytes)
+        out.append((layer, (g_lin, c_w, p, x_w, g_e, c_e, x_e)))
+    result = (out, nbytes)
+    if isinstance(placements, tuple):  # a list could change under the same id
+        if len(_WEIGHT_TERMS) > 64:
+            _WEIGHT_TERMS.clear()
+        _WEIGHT_TERMS[key] = (cfg, hw, placements, result)
+    return result
 
 
 def host_experts_seconds(g: Group, p: Placement, hw: HardwareProfile, rows: int) -> tuple[float, bool]:
