@@ -1,6 +1,6 @@
 """Mixture-of-experts decode and prefill at a GPU budget, as a user gets them: the planner's own choice.
 
-    python3 -m bench.moe --out DIR [--only NAME,...] [--profile profile.json] [--steps N]
+    python3 -m bench.moe --out DIR [--only NAME,...] [--profile profile.json] [--steps N] [--set KEY=VALUE ...]
 
 Random weights of a real shape built in memory (`hetero.random_weights`: Qwen3-30B-A3B, Mixtral-8x7B),
 `hetero.load(model, device="cuda", gpu_mem=B, ctx_size=4096, parallel=N)` and nothing else. Per row:
@@ -10,7 +10,9 @@ step's GPU bytes (weights and the experts it routes to, expected over uniform ro
 the HBM read rate, or its host experts' bytes over the DRAM read rate, whichever is longer (the same
 for the prompt's tokens). Decode feeds a random token a step; "GB/exp." is the host experts' bytes a
 step the CPU computed over (a (token, expert) pair an expert's bytes) against what uniform routing
-expects. Each row runs in a fresh process.
+expects. Each row runs in a fresh process. `--set` passes a `hetero.load` option to every row (e.g.
+gpu_kv_dtype=int8, gpu_kv_tokens=4096): a forced placement, which the table marks, to find out why
+the planner's own choice runs as it does.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def _host_calls(staging) -> str:
 
 
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
-            prefill_target: float, steps: int, trace_to: Path | None = None) -> dict:
+            prefill_target: float, steps: int, trace_to: Path | None = None, forced: dict | None = None) -> dict:
     import hetero
     from hetero.random_weights import random_shape
     from hetero.random_weights import RandomCheckpoint
@@ -67,7 +69,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     engine = hetero.load(RandomCheckpoint(cfg, "cuda"), device="cuda", gpu_mem=gpu_gib * GiB, ctx_size=CTX,
-                         parallel=batch)
+                         parallel=batch, **(forced or {}))
     load_s = time.perf_counter() - t0
     runner, cache, plan = engine.runner, engine.cache, engine.plan
     gen = torch.Generator().manual_seed(0)
@@ -127,7 +129,8 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     kv = plan.kv
     out = dict(
         name=name, shape=shape, gpu_mem_gib=gpu_gib, batch=batch, target=target, prefill_target=prefill_target,
-        plan=f"experts on the GPU a layer {min(on_gpu)}–{max(on_gpu)} of {cfg.num_experts}; KV GPU {kv.gpu_tokens} "
+        plan="".join(f"forced {k}={v}; " for k, v in (forced or {}).items()) +
+             f"experts on the GPU a layer {min(on_gpu)}–{max(on_gpu)} of {cfg.num_experts}; KV GPU {kv.gpu_tokens} "
              f"{kv.gpu_dtype.value} / host {kv.host_tokens} {kv.host_dtype.value}; sub-batches {plan.sub_batches}",
         choices=[f"{c.setting}={c.value}: {c.reason}" for c in plan.choices],
         tok_s=batch / step, predicted_tok_s=batch / pred.seconds, bound_tok_s=batch / bound_s(prof, pred.nbytes),
@@ -151,13 +154,19 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
 def main() -> None:
     ap = arguments(__doc__.splitlines()[0])
     ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a hetero.load option for every row (a forced placement, not the planner's own choice)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    forced = dict(kv.split("=", 1) for kv in args.set)
+    forced = {k: int(v) if v.isdigit() else v for k, v in forced.items()}
+
     def one(prof, name, *row):
         to = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
-        return run_row(prof, name, *row, steps=args.steps, trace_to=to)
+        return run_row(prof, name, *row, steps=args.steps, trace_to=to, forced=forced)
 
-    done = run_rows("bench.moe", args, ROWS, one, ["--trace"] if args.trace else [])
+    extra = (["--trace"] if args.trace else []) + [a for kv in args.set for a in ("--set", kv)]
+    done = run_rows("bench.moe", args, ROWS, one, extra)
     if done is None:
         return
     prof, rows = done
