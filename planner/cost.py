@@ -186,14 +186,13 @@ def decode_step(
     reads_g, reads_c = kv_reads(cfg, batch, run_rows)
     total = 0.0
     for layer, (g_lin, c_w, p, x_w, g_e, c_e, x_e) in per_layer:  # layers, then the head
-        g_att = c_att = x_att = s_up = d = 0.0
+        g_att = c_att = x_att = s_up = d = over = 0.0  # the head: no attention, no layer overhead
         if layer >= 0:
             g_att, c_att, x_att, s_up, d = a_att, a_c, a_x, a_s, a_d
             nbytes["gpu attention"] += reads_g * (T_g * kvb_g + T_s * kvb_h)
             nbytes["cpu attention"] += reads_c * T_cpu * kvb_h
             nbytes["pcie kv"] += T_s * kvb_h
-        over = 0.0
-        if layer >= 0:  # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
+            # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
             over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else \
                 hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S
             if cfg.moe_layers[layer]:
