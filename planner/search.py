@@ -17,7 +17,7 @@ from hetero.config import ModelConfig
 from hetero.errors import UserError
 from planner.cost import StepCost, bottleneck, decode_step, host_experts_upload_rows
 from planner.prefill_cost import prefill_seconds
-from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
+from planner.kv_tiers import gpu_tail_bytes, gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
 from planner.hardware import KV_BLOCK, HardwareProfile, default_budget
@@ -179,14 +179,15 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     if budget.gpu_bytes - work - all_weights < full_kv or ov.gpu_kv_tokens is not None and ov.gpu_kv_tokens < wl.ctx_size:
         work += readback
         readback = 0
-    user_kv = int(wl.batch * (ov.gpu_kv_tokens or 0) * gpu_tok)
+    tail = gpu_tail_bytes(cfg, gpu_kv_dtype, block, wl.batch)  # a quantized device tier's bf16 tails (KVPlan.gpu_bytes)
+    user_kv = int(wl.batch * ov.gpu_kv_tokens * gpu_tok) + tail if ov.gpu_kv_tokens else 0
     # experts split per expert take the GPU's room left after the other weights: also try leaving
     # room for the whole batch's KV first (KV read every step against experts read as routed)
     # (the CPU's int4 expert kernel takes rows of whole 64-weight groups)
     split_ok = cfg.is_moe and not (cfg.hidden_size % 64 or cfg.moe_intermediate_size % 64)
     reserves = [0]
     if cfg.is_moe and ov.gpu_kv_tokens is None and budget.gpu_bytes - work - all_weights < full_kv:
-        reserves.append(int(full_kv))
+        reserves.append(int(full_kv) + tail)
     best, err = None, None
     for mode, (order_name, order), embed_gpu, reserve in itertools.product(modes, orders, (True, False), reserves):
         pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv - reserve, order, embed_gpu,
