@@ -1,6 +1,7 @@
 """Mixture-of-experts decode and prefill at a GPU budget, as a user gets them: the planner's own choice.
 
     python3 -m bench.moe --out DIR [--only NAME,...] [--profile profile.json] [--steps N] [--set KEY=VALUE ...]
+                         [--host-alone] [--trace]
 
 Random weights of a real shape built in memory (`hetero.random_weights`: Qwen3-30B-A3B, Mixtral-8x7B),
 `hetero.load(model, device="cuda", gpu_mem=B, ctx_size=4096, parallel=N)` and nothing else. Per row:
@@ -12,7 +13,11 @@ for the prompt's tokens). Decode feeds a random token a step; "GB/exp." is the h
 step the CPU computed over (a (token, expert) pair an expert's bytes) against what uniform routing
 expects. Each row runs in a fresh process. `--set` passes a `hetero.load` option to every row (e.g.
 gpu_kv_dtype=int8, gpu_kv_tokens=4096): a forced placement, which the table marks, to find out why
-the planner's own choice runs as it does.
+the planner's own choice runs as it does. Each row also prints, where the plan has them, the host
+KV tier's attention clock and the experts' pool's counters (calls a step, workers that joined a
+call, the caller's wait at a call's end); `--host-alone` then times the layers' host experts
+through the engine's own pool and arrays with the GPU idle (`experts_alone`), the in-step clock's
+reference.
 """
 from __future__ import annotations
 
@@ -57,8 +62,49 @@ def _host_calls(staging) -> str:
     return "none" if staging is None else "memory" if staging.signals else "host functions"
 
 
+def experts_alone(staging, rounds: int = 3) -> dict[str, float]:
+    """The layers' host experts called from this thread through the engine's own pool and arrays,
+    the GPU idle, a layer after another `rounds` times over (past the last-level cache, as a step
+    reads them): one token routed to a layer's first host experts (k of them, or as many as it
+    holds) → ms a call and GB/s of experts read (median over calls), against which a step's clock
+    for the same calls shows what the step around them costs."""
+    import numpy as np
+
+    from cpu_attention.experts_pool import run_pooled
+
+    sc, cfg = staging.scratch, staging.cfg
+    k = cfg.num_experts_per_tok
+    x = np.random.default_rng(0).standard_normal((1, cfg.hidden_size)).astype(np.float32)
+    out = np.zeros((1, cfg.hidden_size), np.float32)
+    w = np.full((1, k), 1.0 / k, np.float32)
+    calls = []
+    for he in staging.layers:
+        n = min(len(he.experts), k)
+        ids = np.full((1, k), -1, np.int32)
+        ids[0, :n] = np.arange(n)
+        calls.append((he.descriptor(x, ids, w, out, sc), n * he.nbytes / len(he.experts), ids))  # ids kept
+    per_call, rates = [], []
+    for r in range(rounds + 1):
+        for d, nbytes, _ in calls:
+            t = time.perf_counter()
+            run_pooled(d)
+            s = time.perf_counter() - t
+            if r:  # the first round compiles and warms
+                per_call.append(s)
+                rates.append(nbytes / s / 1e9)
+    sc.take_pairs()
+    return dict(ms_a_call=statistics.median(per_call) * 1e3, gbps=statistics.median(rates), gbps_min=min(rates),
+                gbps_max=max(rates), layers=len(calls))
+
+
+def _pool_stats(staging) -> tuple[int, int, int]:
+    pool = staging.scratch.pool if staging is not None else None
+    return pool.stats() if pool is not None else (0, 0, 0)
+
+
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
-            prefill_target: float, steps: int, trace_to: Path | None = None, forced: dict | None = None) -> dict:
+            prefill_target: float, steps: int, trace_to: Path | None = None, forced: dict | None = None,
+            host_alone: bool = False) -> dict:
     import hetero
     from hetero.random_weights import random_shape
     from hetero.random_weights import RandomCheckpoint
@@ -104,10 +150,12 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     torch.cuda.synchronize()
     times = []
     experts0 = runner.metrics.total.cpu_experts
+    attention0, wait0 = runner.metrics.total.cpu_attention, runner.metrics.total.wait
     staging = _staging(runner.model)
     scratch = staging.scratch if staging is not None else None
     if scratch is not None:
         scratch.take_pairs()
+    stats0 = _pool_stats(staging)
     for _ in range(steps):
         toks = step_tokens()
         t = time.perf_counter()
@@ -120,6 +168,16 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     cpu_experts = (runner.metrics.total.cpu_experts - experts0 + (scratch.take_seconds() if scratch else 0.0)) / steps
     host = staging.layers[0] if staging is not None and staging.layers else None  # a pair's bytes: an expert's
     cpu_experts_gb = scratch.take_pairs() * host.nbytes / len(host.experts) / steps / 1e9 if host is not None else 0.0
+    total = runner.metrics.total
+    host_tier = dict(cpu_attention_ms=(total.cpu_attention - attention0) * 1e3 / steps,
+                     wait_ms=(total.wait - wait0) * 1e3 / steps)
+    runs, joins, finish = (b - a for a, b in zip(stats0, _pool_stats(staging)))
+    if runs:  # the pool's calls in the timed steps: workers that joined a call, the caller's wait at its end
+        from cpu_attention.experts import tsc_hz
+
+        host_tier.update(pool_calls_a_step=runs / steps, joined_a_call=joins / runs,
+                         finish_us_a_call=finish / runs / tsc_hz() * 1e6)
+    alone = experts_alone(staging) if host_alone and staging is not None else {}
     if trace_to is not None:  # the GPU kernels of two more steps, by time
         trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace_to)
     pred = decode_step(cfg, prof, plan.placements, plan.kv, batch, n0 + steps // 2, plan.threads, plan.sub_batches)
@@ -145,7 +203,7 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
         peak_gpu_gib=torch.cuda.max_memory_allocated() / GiB,
         graph=runner.graph_step is not None and getattr(runner.graph_step, "decoder", None) is not None,
         process_threads=process_threads(),
-        host_calls=_host_calls(staging),
+        host_calls=_host_calls(staging), experts_alone=alone, **host_tier,
     )
     runner.close()
     return out
@@ -154,6 +212,8 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
 def main() -> None:
     ap = arguments(__doc__.splitlines()[0])
     ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
+    ap.add_argument("--host-alone", action="store_true", help="also time each layer's host experts called "
+                    "through the engine's pool with the GPU idle (`experts_alone`)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a hetero.load option for every row (a forced placement, not the planner's own choice)")
     args = ap.parse_args()
@@ -163,9 +223,10 @@ def main() -> None:
 
     def one(prof, name, *row):
         to = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
-        return run_row(prof, name, *row, steps=args.steps, trace_to=to, forced=forced)
+        return run_row(prof, name, *row, steps=args.steps, trace_to=to, forced=forced, host_alone=args.host_alone)
 
-    extra = (["--trace"] if args.trace else []) + [a for kv in args.set for a in ("--set", kv)]
+    extra = [f for f, on in (("--trace", args.trace), ("--host-alone", args.host_alone)) if on]
+    extra += [a for kv in args.set for a in ("--set", kv)]
     done = run_rows("bench.moe", args, ROWS, one, extra)
     if done is None:
         return
@@ -185,6 +246,16 @@ def main() -> None:
               f"{r['predicted_prefill_tok_s']:7.0f} "
               f"{r['prefill_bound_tok_s']:7.0f} {r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2}  {r['plan']}"
               f"{' graph' if r['graph'] else ''}; host calls {r.get('host_calls', '?')}")
+        if r.get("cpu_attention_ms"):
+            print(f"{'':14} host KV tier: CPU attention {r['cpu_attention_ms']:.2f} ms a step, main thread waited "
+                  f"{r['wait_ms']:.2f}")
+        if r.get("pool_calls_a_step"):
+            print(f"{'':14} experts' pool: {r['pool_calls_a_step']:.1f} calls a step, {r['joined_a_call']:.1f} workers "
+                  f"joined a call, the caller waited {r['finish_us_a_call']:.1f} µs at a call's end")
+        if r.get("experts_alone"):
+            a = r["experts_alone"]
+            print(f"{'':14} host experts alone (GPU idle, {a['layers']} layers): {a['ms_a_call']:.3f} ms a call, "
+                  f"{a['gbps']:.1f} GB/s ({a['gbps_min']:.1f}–{a['gbps_max']:.1f})")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from cpu_attention._numba import arrive, depart, load_acquire
 
 LINE = 8  # int64s a cache line
 (GEN, DESC, STOP, GROUPS, ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3, ACTIVE, READY, SPIN, IDLE, DOZE, CALLS,
- CTL) = (LINE * i for i in range(17))
+ RUNS, JOINS, FINISH, CTL) = (LINE * i for i in range(20))
 CHUNK = 32  # rows a claim takes in passes 1 and 3: 8 read 56–58 GB/s, 32 69–75, 64–128 64–71 (H100 host)
 SPIN_S, IDLE_S, NAP_US, DOZE_S, DOZE_US = 300e-6, 5e-3, 100, 50e-3, 2000
 
@@ -153,6 +153,7 @@ def _serve(ctl):
             served = g
             arrive(ctl, ACTIVE)
             if load_acquire(ctl, GEN) == g:
+                arrive(ctl, JOINS)
                 _share(ctl, carray(kn._ptr(ctl[DESC], np.int64(0)), (kn.FIELDS,)))
             depart(ctl, ACTIVE)
             last = kn.cycles()
@@ -208,11 +209,15 @@ def run_pooled(d):
     ctl[DESC] = d.ctypes.data
     arrive(ctl, GEN)  # open (odd), publishing the above: the workers read GEN with acquire order
     chunks3 = _share(ctl, d)
+    t3 = kn.cycles()
     _wait_for(ctl, DONE3, chunks3)
     arrive(ctl, GEN)  # closed (even)
     while load_acquire(ctl, ACTIVE) != 0:
         _pause()
-    spent[0] += kn.cycles() - t0
+    t = kn.cycles()
+    ctl[FINISH] += t - t3
+    ctl[RUNS] += 1
+    spent[0] += t - t0
     spent[1] += P
 
 
@@ -277,6 +282,11 @@ class ExpertsPool:
         self.calls += 1
         self.ctl[CALLS] = self.calls  # after the entry (x86 keeps the two stores in order)
         return i
+
+    def stats(self) -> tuple[int, int, int]:
+        """Since the pool started: calls run, workers that joined them (summed), and the cycles callers
+        waited after their own share of a call's last pass (for the workers' last rows and their leaving)."""
+        return int(self.ctl[RUNS]), int(self.ctl[JOINS]), int(self.ctl[FINISH])
 
     @staticmethod
     def entry_address() -> int:
