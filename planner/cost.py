@@ -57,6 +57,15 @@ HOST_EXPERTS_STEP_SHARE = 0.85
 # and the weighted sum, small kernels beyond the experts' bytes. Fitted on the all-GPU row of the
 # same shape (2.99–3.11 ms a step, H200 host, 2026-11-29).
 MOE_LAYER_OVERHEAD_S = 27e-6
+# Per MoE layer whose host experts share the CPU with the host KV tier's attention: OpenMP's threads
+# spin after each attention region while the experts' own pool of spinning threads wants the same
+# cores, and the flag-polling thread that starts a layer's experts waits for a core. Measured with
+# a host tier of 256 tokens a sequence forced beside 73–84 host experts a layer (Qwen3-30B-A3B at
+# 8 GiB, H200 host, 2026-11-29, `bench.moe --set gpu_kv_tokens=3840`): 194 ms a step at one row
+# against 25 predicted without this term, 396–433 ms at 8 rows against 108: ~3.5 ms a layer and
+# ~0.4 ms more a row. Far above any of the step's bytes, so such plans lose to every other.
+HOST_TIER_BESIDE_EXPERTS_S = 3.5e-3
+HOST_TIER_BESIDE_EXPERTS_ROW_S = 0.4e-3
 
 
 @dataclass(frozen=True)
@@ -147,7 +156,8 @@ def decode_step(
       n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + c_w + x_w
              (attention overlaps across devices; CPU-mode weights stall the GPU)
       n = 2: t = max(g, c + x, p)   (sub-batch A's GPU work hides B's CPU work, NEO-style)
-      t += per-layer overhead (one sub-batch: the lean loop's; else n · the general loop's)
+      t += per-layer overhead (one sub-batch: the lean loop's; else n · the general loop's; for a
+           layer whose host experts share the CPU with the host tier's attention, their contention)
     step = Σ_layers t + head (final norm, lm_head, embedding lookup) in the same way.
     T_s: the host tier's first tokens the GPU attends over after copying them up (batch 1 only).
     """
@@ -197,6 +207,8 @@ def decode_step(
                 hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S
             if cfg.moe_layers[layer]:
                 over += MOE_LAYER_OVERHEAD_S
+                if T_cpu and c_e:
+                    over += HOST_TIER_BESIDE_EXPERTS_S + (batch - 1) * HOST_TIER_BESIDE_EXPERTS_ROW_S
         e = max(g_e, c_e + x_e)
         if sub_batches == 1:
             t = max(g_lin + max(g_att, c_att + x_att) + e, p + s_up, d) + c_w + x_w + over

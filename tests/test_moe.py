@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 import hetero
 from hetero.checkpoint import open_checkpoint
 from conftest import forced_plan, rel_err
+from cpu_attention.layout import KVDtype
 from cpu_attention.experts import HostExperts, Scratch, dequantize_int4, experts_ref, quantize_int4
 from offload.moe import MoEFeedForward, TorchHostExperts
 from planner import Budget, HardwareProfile, Workload, plan
@@ -174,6 +176,8 @@ def test_experts_pool_gives_the_kernels_result_call_after_call(H, F):
             assert pooled.take_pairs() == sc.take_pairs() == int((ids >= 0).sum()), n
             assert n % 10 or not out.any()
         assert pooled.take_seconds() > 0
+        runs, joins, _ = pool.stats()  # the pool's counters: calls, the workers that joined them
+        assert runs == 30 and 0 <= joins <= runs * (pool.threads - 1)
         time.sleep(0.1)  # past the workers' spinning and yielding: they nap
         cpu = time.process_time()
         time.sleep(0.3)
@@ -348,6 +352,44 @@ def test_n_cpu_moe_keeps_the_first_layers_experts_on_the_host():
     for layer in range(48):
         dev = next(x for x in p.expert_placements(layer) if x.on_gpu)
         assert (len(dev.experts) == 0) == (layer < 4)
+
+
+H200 = HardwareProfile.from_json((Path(__file__).parent / "data" / "h200_profile.json").read_text())  # measured there
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.INT8, KVDtype.INT4])
+def test_a_set_device_tier_fits_beside_split_experts(dtype):
+    """--gpu-kv-tokens with a quantized device tier beside experts split per expert: the experts leave
+    room for its blocks and their bf16 tails (once left out, which refused every count at 8 rows on
+    the H200 host's profile, short by the tails), and the plan fits the budget."""
+    from planner import Overrides
+    from planner.kv_tiers import gpu_tail_bytes
+
+    budget = Budget(8 * 2**30, 100 * 2**30)
+    for rows in (1, 8):
+        p = plan(QWEN3_30B_A3B, H200, budget, Workload(4096, batch=rows),
+                 Overrides(gpu_kv_dtype=dtype, gpu_kv_tokens=3840))
+        assert (p.kv.gpu_tokens, p.kv.gpu_dtype, p.kv.host_tokens) == (3840, dtype, 256)
+        m = p.memory  # the device tier's bytes count the tails
+        assert m.gpu_kv > gpu_tail_bytes(QWEN3_30B_A3B, dtype, p.kv.block_size, rows) > 0
+        assert m.gpu_weights + m.gpu_kv + m.gpu_workspace <= budget.gpu_bytes
+
+
+def test_a_host_tier_beside_host_experts_is_priced_and_avoided():
+    """The host tier's attention and the host experts contend for the CPU's cores (planner.cost,
+    measured ~3.5 ms a layer): a plan forced to both is priced so, and the planner's own choice at
+    128k tokens on 8 GiB keeps the whole KV on the GPU with fewer experts there instead."""
+    from planner import Overrides
+    from planner.cost import HOST_TIER_BESIDE_EXPERTS_S, decode_step
+
+    budget = Budget(8 * 2**30, 100 * 2**30)
+    own = plan(QWEN3_30B_A3B, H200, budget, Workload(131072))
+    assert (own.kv.gpu_tokens, own.kv.host_tokens) == (131072, 0)
+    forced = plan(QWEN3_30B_A3B, H200, budget, Workload(4096), Overrides(gpu_kv_dtype=KVDtype.INT8, gpu_kv_tokens=3840))
+    tier, whole = (decode_step(QWEN3_30B_A3B, H200, forced.placements, kv, 1, 4088, forced.threads, 1)
+                   for kv in (forced.kv, dataclasses.replace(forced.kv, gpu_tokens=4096, host_tokens=0)))
+    assert tier.terms["cpu experts"] > 0
+    assert tier.terms["overhead"] - whole.terms["overhead"] >= sum(QWEN3_30B_A3B.moe_layers) * HOST_TIER_BESIDE_EXPERTS_S
 
 
 # ----------------------------------------------------------------------------------------- GPU
