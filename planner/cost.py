@@ -369,7 +369,10 @@ def bottleneck(cfg: ModelConfig, hw: HardwareProfile, cost: StepCost, kv: KVPlan
         return f"PCIe KV streaming: {gb(key)} of host {kv.host_dtype.value} KV at {hw.pcie_h2d_gbps:.0f} GB/s" + share
     if key == "transfers":
         return f"PCIe round trips: {cfg.num_layers * sub_batches} layers' q/o copies at {hw.pcie_latency_s * 1e6:.0f} µs each" + share
-    return f"per-layer overhead: {cfg.num_layers} × {t[key] / cfg.num_layers * 1e6:.0f} µs" + share
+    per = f"{cfg.num_layers} × {t[key] / cfg.num_layers * 1e6:.0f} µs"
+    if t["cpu experts"] and t["cpu attention"]:  # HOST_TIER_BESIDE_EXPERTS_S in it
+        return f"the host KV tier's attention and the host experts contending for the CPU's cores: {per}" + share
+    return f"per-layer overhead: {per}" + share
 
 
 def speculative_gain(cfg: ModelConfig, hw: HardwareProfile, p, rate: float,
