@@ -63,7 +63,8 @@ MOE_LAYER_OVERHEAD_S = 27e-6
 # a host tier of 256 tokens a sequence forced beside 73–84 host experts a layer (Qwen3-30B-A3B at
 # 8 GiB, H200 host, 2026-11-29, `bench.moe --set gpu_kv_tokens=3840`): 194 ms a step at one row
 # against 25 predicted without this term, 396–433 ms at 8 rows against 108: ~3.5 ms a layer and
-# ~0.4 ms more a row. Far above any of the step's bytes, so such plans lose to every other.
+# ~0.4 ms more a row. Far above any of the step's bytes: the planner takes such a plan only where
+# nothing else fits.
 HOST_TIER_BESIDE_EXPERTS_S = 3.5e-3
 HOST_TIER_BESIDE_EXPERTS_ROW_S = 0.4e-3
 
