@@ -97,9 +97,9 @@ def experts_alone(staging, rounds: int = 3) -> dict[str, float]:
                 gbps_max=max(rates), layers=len(calls))
 
 
-def _pool_stats(staging) -> tuple[int, int, int]:
+def _pool_stats(staging) -> dict[str, int]:
     pool = staging.scratch.pool if staging is not None else None
-    return pool.stats() if pool is not None else (0, 0, 0)
+    return pool.stats() if pool is not None else {}
 
 
 def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: int, target: float,
@@ -171,12 +171,13 @@ def run_row(prof: HardwareProfile, name: str, shape: str, gpu_gib: int, batch: i
     total = runner.metrics.total
     host_tier = dict(cpu_attention_ms=(total.cpu_attention - attention0) * 1e3 / steps,
                      wait_ms=(total.wait - wait0) * 1e3 / steps)
-    runs, joins, finish = (b - a for a, b in zip(stats0, _pool_stats(staging)))
-    if runs:  # the pool's calls in the timed steps: workers that joined a call, the caller's wait at its end
+    pool = {k: v - stats0[k] for k, v in _pool_stats(staging).items()}
+    if pool.get("calls"):  # the pool's calls in the timed steps: workers that joined a call, the caller's clocks
         from cpu_attention.experts import tsc_hz
 
-        host_tier.update(pool_calls_a_step=runs / steps, joined_a_call=joins / runs,
-                         finish_us_a_call=finish / runs / tsc_hz() * 1e6)
+        us = lambda k: pool[k] / tsc_hz() * 1e6 / steps  # noqa: E731  µs a step
+        host_tier.update(pool_calls_a_step=pool["calls"] / steps, joined_a_call=pool["joins"] / pool["calls"],
+                         pass1_us_a_step=us("pass1"), barriers_us_a_step=us("barriers"), finish_us_a_step=us("finish"))
     alone = experts_alone(staging) if host_alone and staging is not None else {}
     if trace_to is not None:  # the GPU kernels of two more steps, by time
         trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace_to)
@@ -251,7 +252,8 @@ def main() -> None:
                   f"{r['wait_ms']:.2f}")
         if r.get("pool_calls_a_step"):
             print(f"{'':14} experts' pool: {r['pool_calls_a_step']:.1f} calls a step, {r['joined_a_call']:.1f} workers "
-                  f"joined a call, the caller waited {r['finish_us_a_call']:.1f} µs at a call's end")
+                  f"joined a call; the caller's µs a step: to pass 1's end {r['pass1_us_a_step']:.0f}, waiting at "
+                  f"passes' ends {r['barriers_us_a_step']:.0f}, after its share {r['finish_us_a_step']:.0f}")
         if r.get("experts_alone"):
             a = r["experts_alone"]
             print(f"{'':14} host experts alone (GPU idle, {a['layers']} layers): {a['ms_a_call']:.3f} ms a call, "

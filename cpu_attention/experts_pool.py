@@ -46,7 +46,7 @@ from cpu_attention._numba import arrive, depart, load_acquire
 
 LINE = 8  # int64s a cache line
 (GEN, DESC, STOP, GROUPS, ROWS1, DONE1, PAIRS2, DONE2, ROWS3, DONE3, ACTIVE, READY, SPIN, IDLE, DOZE, CALLS,
- RUNS, JOINS, FINISH, CTL) = (LINE * i for i in range(20))
+ RUNS, JOINS, FINISH, PASS1, BARRIERS, CTL) = (LINE * i for i in range(22))
 CHUNK = 32  # rows a claim takes in passes 1 and 3: 8 read 56–58 GB/s, 32 69–75, 64–128 64–71 (H100 host)
 SPIN_S, IDLE_S, NAP_US, DOZE_S, DOZE_US = 300e-6, 5e-3, 100, 50e-3, 2000
 
@@ -105,10 +105,12 @@ def _wait_for(ctl, i, n):
 
 
 @njit(**kn.JIT)
-def _share(ctl, d):
+def _share(ctl, d, caller=False):
     """Whatever is left of the call d's three passes, claimed a CHUNK of rows at a time; a pass
     starts once every row of the one before is done (counted in rows, not threads: a thread that
-    comes late finds the work taken and holds nobody up)."""
+    comes late finds the work taken and holds nobody up). The caller also counts its cycles to
+    the end of pass 1 (PASS1) and those it waited at the two passes' ends (BARRIERS)."""
+    t0 = kn.cycles()
     x, ids, w, gu_q, gu_s, d_q, d_s, tok, pws, starts, gexp, act, out, xsum, asum, xq, xcorr, aq, acorr = kn.views(d)
     vnni = d[kn.VNNI_] != 0
     G = ctl[GROUPS]
@@ -120,13 +122,20 @@ def _share(ctl, d):
             kn.act_row(r, x, tok, starts, gexp, gu_q, gu_s, act, xsum, xq, xcorr, vnni)
         arrive(ctl, DONE1)
         c = arrive(ctl, ROWS1)
+    t1 = kn.cycles()
     _wait_for(ctl, DONE1, chunks1)
+    t2 = kn.cycles()
     p = arrive(ctl, PAIRS2)
     while p < P:
         kn.act_prep(p, act, asum, aq, acorr, vnni)
         arrive(ctl, DONE2)
         p = arrive(ctl, PAIRS2)
+    t3 = kn.cycles()
     _wait_for(ctl, DONE2, P)
+    if caller:  # only the caller writes these
+        t4 = kn.cycles()
+        ctl[PASS1] += t2 - t0
+        ctl[BARRIERS] += (t2 - t1) + (t4 - t3)
     c = arrive(ctl, ROWS3)
     while c < chunks3:
         kn.out_rows(c * CHUNK, min(c * CHUNK + CHUNK, H), w, tok, pws, starts, gexp, G, d_q, d_s, act, out, asum, aq,
@@ -208,7 +217,7 @@ def run_pooled(d):
     ctl[GROUPS] = G
     ctl[DESC] = d.ctypes.data
     arrive(ctl, GEN)  # open (odd), publishing the above: the workers read GEN with acquire order
-    chunks3 = _share(ctl, d)
+    chunks3 = _share(ctl, d, True)
     t3 = kn.cycles()
     _wait_for(ctl, DONE3, chunks3)
     arrive(ctl, GEN)  # closed (even)
@@ -283,10 +292,12 @@ class ExpertsPool:
         self.ctl[CALLS] = self.calls  # after the entry (x86 keeps the two stores in order)
         return i
 
-    def stats(self) -> tuple[int, int, int]:
-        """Since the pool started: calls run, workers that joined them (summed), and the cycles callers
-        waited after their own share of a call's last pass (for the workers' last rows and their leaving)."""
-        return int(self.ctl[RUNS]), int(self.ctl[JOINS]), int(self.ctl[FINISH])
+    def stats(self) -> dict[str, int]:
+        """Since the pool started: calls run, workers that joined them (summed), and the callers'
+        cycles: to the end of a call's pass 1, waiting at the ends of passes 1 and 2, and waiting
+        after their own share of pass 3 (for the workers' last rows and their leaving)."""
+        return dict(calls=int(self.ctl[RUNS]), joins=int(self.ctl[JOINS]), pass1=int(self.ctl[PASS1]),
+                    barriers=int(self.ctl[BARRIERS]), finish=int(self.ctl[FINISH]))
 
     @staticmethod
     def entry_address() -> int:

@@ -176,8 +176,9 @@ def test_experts_pool_gives_the_kernels_result_call_after_call(H, F):
             assert pooled.take_pairs() == sc.take_pairs() == int((ids >= 0).sum()), n
             assert n % 10 or not out.any()
         assert pooled.take_seconds() > 0
-        runs, joins, _ = pool.stats()  # the pool's counters: calls, the workers that joined them
-        assert runs == 30 and 0 <= joins <= runs * (pool.threads - 1)
+        st = pool.stats()  # the pool's counters: calls, the workers that joined them, the caller's clocks
+        assert st["calls"] == 30 and 0 <= st["joins"] <= st["calls"] * (pool.threads - 1)
+        assert st["pass1"] > 0 and st["barriers"] >= 0 and st["finish"] >= 0
         time.sleep(0.1)  # past the workers' spinning and yielding: they nap
         cpu = time.process_time()
         time.sleep(0.3)
