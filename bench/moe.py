@@ -15,7 +15,8 @@ expects. Each row runs in a fresh process. `--set` passes a `hetero.load` option
 gpu_kv_dtype=int8, gpu_kv_tokens=4096): a forced placement, which the table marks, to find out why
 the planner's own choice runs as it does. Each row also prints, where the plan has them, the host
 KV tier's attention clock and the experts' pool's counters (calls a step, workers that joined a
-call, the caller's wait at a call's end); `--host-alone` then times the layers' host experts
+call; the caller's time to pass 1's end, waiting at the passes' ends, and waiting after its own
+share); `--host-alone` then times the layers' host experts
 through the engine's own pool and arrays with the GPU idle (`experts_alone`), the in-step clock's
 reference.
 """

@@ -361,8 +361,8 @@ H200 = HardwareProfile.from_json((Path(__file__).parent / "data" / "h200_profile
 @pytest.mark.parametrize("dtype", [KVDtype.INT8, KVDtype.INT4])
 def test_a_set_device_tier_fits_beside_split_experts(dtype):
     """--gpu-kv-tokens with a quantized device tier beside experts split per expert: the experts leave
-    room for its blocks and their bf16 tails (once left out, which refused every count at 8 rows on
-    the H200 host's profile, short by the tails), and the plan fits the budget."""
+    room for its blocks and their bf16 tails (without the tails, every count at 8 rows is refused on
+    the H200 host's profile, short by them), and the plan fits the budget."""
     from planner import Overrides
     from planner.kv_tiers import gpu_tail_bytes
 
