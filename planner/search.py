@@ -17,7 +17,7 @@ from hetero.config import ModelConfig
 from hetero.errors import UserError
 from planner.cost import StepCost, bottleneck, decode_step, host_experts_upload_rows
 from planner.prefill_cost import prefill_seconds
-from planner.kv_tiers import gpu_tail_bytes, gpu_token_options, kv_plan, stream_options
+from planner.kv_tiers import gpu_token_options, kv_plan, stream_options
 from planner.plan import (Budget, Choice, Device, KVPlan, Memory, Mode, Overrides, Placement, Plan,
                           Prediction, Workload)
 from planner.hardware import KV_BLOCK, HardwareProfile, default_budget
@@ -174,20 +174,20 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     # whenever the whole batch's KV cannot sit on the GPU beside every weight.
     readback = int(2 * wl.ctx_size * kv_bytes_per_token_layer(cfg, KVDtype.BF16, block))
     all_weights = sum(g.nbytes(g.dtype_for(weights)) for g in groups if g.kind is not Kind.EMBED)  # the table may stay on the host
-    gpu_tok = cfg.num_layers * kv_bytes_per_token_layer(cfg, gpu_kv_dtype, block)  # a device-tier token, all layers
-    full_kv = wl.batch * wl.ctx_size * gpu_tok
+    # the device tier's bytes at a token count a sequence, a quantized tier's bf16 tails included
+    tier_bytes = lambda tokens: kv_plan(cfg, wl, block, tokens, gpu_kv_dtype, host_dtype).gpu_bytes  # noqa: E731
+    full_kv = tier_bytes(wl.ctx_size)
     if budget.gpu_bytes - work - all_weights < full_kv or ov.gpu_kv_tokens is not None and ov.gpu_kv_tokens < wl.ctx_size:
         work += readback
         readback = 0
-    tail = gpu_tail_bytes(cfg, gpu_kv_dtype, block, wl.batch)  # a quantized device tier's bf16 tails (KVPlan.gpu_bytes)
-    user_kv = int(wl.batch * ov.gpu_kv_tokens * gpu_tok) + tail if ov.gpu_kv_tokens else 0
+    user_kv = tier_bytes(ov.gpu_kv_tokens) if ov.gpu_kv_tokens else 0
     # experts split per expert take the GPU's room left after the other weights: also try leaving
     # room for the whole batch's KV first (KV read every step against experts read as routed)
     # (the CPU's int4 expert kernel takes rows of whole 64-weight groups)
     split_ok = cfg.is_moe and not (cfg.hidden_size % 64 or cfg.moe_intermediate_size % 64)
     reserves = [0]
     if cfg.is_moe and ov.gpu_kv_tokens is None and budget.gpu_bytes - work - all_weights < full_kv:
-        reserves.append(int(full_kv) + tail)
+        reserves.append(full_kv)
     best, err = None, None
     for mode, (order_name, order), embed_gpu, reserve in itertools.product(modes, orders, (True, False), reserves):
         pl, staging = _fill(groups, weights, mode, budget.gpu_bytes - work - user_kv - reserve, order, embed_gpu,
