@@ -1,6 +1,6 @@
 """Decode at a GPU budget, as a user gets it: the planner's own choice, nothing forced.
 
-    python3 -m bench.budget --out DIR [--quick] [--only NAME,...] [--profile profile.json]
+    python3 -m bench.budget --out DIR [--quick] [--only NAME,...] [--profile profile.json] [--set KEY=VALUE ...]
 
 (as a module from the repository root: run as a file, bench/cpu_attention.py would shadow the
 package)
@@ -206,9 +206,10 @@ def host_alone_ms(runner, cache, seqs: list[int]) -> dict[str, float]:
 
 
 def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int,
-            trace_to: Path | None = None, weights: str = "auto", alone_host: bool = False) -> dict:
+            trace_to: Path | None = None, weights: str = "auto", alone_host: bool = False,
+            forced: dict | None = None) -> dict:
     """One row through `hetero.load`, as a user gets it: only the model, --gpu-mem, -c and --parallel
-    (and --weights where the run names one: an A/B of the 4-bit formats)."""
+    (and --weights where the run names one: an A/B of the 4-bit formats; forced: `--set`'s options)."""
     import hetero
     from bench.offload_decode import model_bytes
     from hetero.random_weights import RandomCheckpoint
@@ -216,7 +217,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
 
     torch.cuda.reset_peak_memory_stats()
     engine = hetero.load(RandomCheckpoint(LLAMA3_8B, "cuda"), device="cuda", gpu_mem=gpu_gib * GiB,
-                         ctx_size=ctx, parallel=batch, weights=weights)
+                         ctx_size=ctx, parallel=batch, weights=weights, **(forced or {}))
     runner, cache, plan = engine.runner, engine.cache, engine.plan
     seqs = list(range(batch))
     n0 = ctx - steps - 8  # the steps end at the context's last token
@@ -274,7 +275,15 @@ def arguments(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--only", default="", help="comma-separated row names")
     ap.add_argument("--profile", type=Path, help="a saved HardwareProfile JSON (default: measure now)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this row, print it
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a hetero.load option for every row (a forced placement, not the planner's own choice)")
     return ap
+
+
+def forced_options(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """`--set`'s hetero.load options (whole numbers as ints), and the flags that pass them to a row's process."""
+    forced = dict(kv.split("=", 1) for kv in args.set)
+    return {k: int(v) if v.isdigit() else v for k, v in forced.items()}, [a for kv in args.set for a in ("--set", kv)]
 
 
 def run_rows(module: str, args: argparse.Namespace, table: list[tuple], run_one: Callable[..., dict],
@@ -321,13 +330,15 @@ def main() -> None:
                                                                "row's own pool (`host_alone_ms`)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    forced, set_flags = forced_options(args)
 
     def one(prof, name, *row):
         to = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
-        return run_row(prof, name, *row, steps=args.steps, trace_to=to, weights=args.weights, alone_host=args.host_alone)
+        return run_row(prof, name, *row, steps=args.steps, trace_to=to, weights=args.weights, alone_host=args.host_alone,
+                       forced=forced)
 
     flags = [f for f, on in (("--trace", args.trace), ("--host-alone", args.host_alone)) if on]
-    done = run_rows("bench.budget", args, ROWS, one, flags + ["--weights", args.weights])
+    done = run_rows("bench.budget", args, ROWS, one, flags + set_flags + ["--weights", args.weights])
     if done is None:
         return
     prof, rows = done

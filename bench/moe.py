@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch  # torch's default allocator, as `hetero` runs with (expandable segments halved the prefill)
 
-from bench.budget import arguments, fill, host_profile, process_threads, run_rows, trace
+from bench.budget import arguments, fill, forced_options, host_profile, process_threads, run_rows, trace
 from planner.profile import HardwareProfile
 from planner.tensors import Kind
 
@@ -216,19 +216,16 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="write each row's GPU kernel times (two decode steps)")
     ap.add_argument("--host-alone", action="store_true", help="also time each layer's host experts called "
                     "through the engine's pool with the GPU idle (`experts_alone`)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a hetero.load option for every row (a forced placement, not the planner's own choice)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    forced = dict(kv.split("=", 1) for kv in args.set)
-    forced = {k: int(v) if v.isdigit() else v for k, v in forced.items()}
+    forced, set_flags = forced_options(args)
 
     def one(prof, name, *row):
         to = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
         return run_row(prof, name, *row, steps=args.steps, trace_to=to, forced=forced, host_alone=args.host_alone)
 
     extra = [f for f, on in (("--trace", args.trace), ("--host-alone", args.host_alone)) if on]
-    extra += [a for kv in args.set for a in ("--set", kv)]
+    extra += set_flags
     done = run_rows("bench.moe", args, ROWS, one, extra)
     if done is None:
         return
