@@ -16,6 +16,17 @@ import functools
 import torch
 
 
+class _CopyAttributes(ctypes.Structure):
+    """CUmemcpyAttributes: the sources read in stream order, no location hints (pinned host memory
+    and device memory need none), no flags."""
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_location", ctypes.c_int * 2),
+                ("dst_location", ctypes.c_int * 2), ("flags", ctypes.c_uint)]
+
+
+COPY_IN_STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+POINTER_MEMORY_TYPE, MEMORY_TYPE_HOST = 2, 1  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_HOST
+
+
 class Driver:
     def __init__(self, lib: ctypes.CDLL):
         def fn(name: str, *argtypes):
@@ -30,9 +41,19 @@ class Driver:
         self._wait = fn("cuStreamWaitEvent", p, p, ctypes.c_uint)
         self._memcpy = fn("cuMemcpyHtoDAsync_v2", u64, p, size, p)
         self._host_func = fn("cuLaunchHostFunc", p, p, p)
+        self._pointer_attribute = fn("cuPointerGetAttribute", p, ctypes.c_int, u64)
         # stream memory operations (the _v2 entry points: enabled on every platform since CUDA 11.7)
         self._write_value = fn("cuStreamWriteValue32_v2", p, u64, ctypes.c_uint32, ctypes.c_uint)
         self._wait_value = fn("cuStreamWaitValue32_v2", p, u64, ctypes.c_uint32, ctypes.c_uint)
+        # batched copies (CUDA 12.8 on): the _v2 entry point (CUDA 13) has no failIdx argument
+        self._batch, self._batch_fail = None, False
+        for name, fail in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+            if hasattr(lib, name):
+                self._batch = fn(name, p, p, p, size, p, p, size, *((p,) if fail else ()), p)
+                self._batch_fail = fail
+                break
+        self._attrs = _CopyAttributes(COPY_IN_STREAM_ORDER)
+        self._attrs_at = ctypes.c_size_t(0)
 
     @staticmethod
     def _check(err: int, what: str) -> None:
@@ -57,6 +78,27 @@ class Driver:
     def memcpy_up(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Queue a copy of nbytes from pinned host memory at src to device memory at dst."""
         self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def page_locked(self, ptr: int) -> bool:
+        """Whether host memory at ptr is page-locked for the device's DMA: torch's pinned allocations
+        and memory page-locked with cudaHostRegister (`offload.pinned`, which `Tensor.is_pinned`
+        does not recognize)."""
+        kind = ctypes.c_uint(0)
+        err = self._pointer_attribute(ctypes.byref(kind), POINTER_MEMORY_TYPE, ptr)
+        return err == 0 and kind.value == MEMORY_TYPE_HOST
+
+    def memcpy_up_all(self, copies: list[tuple[int, int, int]], stream: int) -> None:
+        """Queue the copies (device dst, pinned host src, bytes), in one driver call where the driver
+        batches copies (their order within the batch free), else one call each."""
+        if len(copies) > 1 and self._batch is not None:
+            n = len(copies)
+            dsts, srcs, sizes = ((ctypes.c_uint64 * n)(*(c[k] for c in copies)) for k in range(3))
+            fail = (ctypes.byref(ctypes.c_size_t()),) if self._batch_fail else ()
+            self._check(self._batch(dsts, srcs, sizes, n, ctypes.byref(self._attrs), ctypes.byref(self._attrs_at), 1,
+                                    *fail, stream), "cuMemcpyBatchAsync")
+            return
+        for dst, src, nbytes in copies:
+            self.memcpy_up(dst, src, nbytes, stream)
 
     def host_func(self, stream: int, fn: int, data: int) -> None:
         """Queue a call of the C function `void fn(void *data)` on stream: the driver's own thread

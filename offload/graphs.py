@@ -166,7 +166,8 @@ class SegmentGraphs:
             # One memory pool per set: a set's graphs replay in capture order (pre0, post0, pre1, …) so
             # they may share one, but two sub-batches' sets interleave, and a shared pool would let one
             # set's intermediates overwrite the other's live outputs.
-            # the streamer serves batch 1 only: its share lives in the one-row set of slot 0
-            streamer = self.streamer if (slot, B) == (0, 1) else None
+            # the streamer serves one sub-batch of sequences a row each: its share lives in slot 0's sets
+            sv = self.streamer
+            streamer = sv if sv is not None and slot == 0 and run_rows == 1 and B <= sv.max_rows else None
             self._sets[key] = Captured(self.model, self.cache, B, torch.cuda.graph_pool_handle(), streamer, run_rows)
         return self._sets[key]

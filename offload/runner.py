@@ -84,9 +84,10 @@ class Runner(Prefill):
                  weights: PlacedWeights | None = None, driver_loop: bool = True):
         """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows);
         max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes);
-        stream_tokens: at batch 1, how many of the host tier's first tokens the device attends over
-        after copying them up each step (see offload/stream.py); weights: the plan's streamed and
-        CPU-computed weight groups (offload/placement.py; None: all on the model's device);
+        stream_tokens: how many of each sequence's host-tier first tokens the device attends over
+        after copying them up each step (one sub-batch of up to max_batch sequences a row each; see
+        offload/stream.py); weights: the plan's streamed and CPU-computed weight groups
+        (offload/placement.py; None: all on the model's device);
         driver_loop: run a step of one captured sub-batch through offload/inline.py's lean loop.
 
         Streamed weights keep the per-layer CUDA graphs (the graphs read the staging slots, whose
@@ -111,7 +112,7 @@ class Runner(Prefill):
         self.segments = None  # per-layer CUDA graphs of the split step
         self.streamer = None
         if stream_tokens >= cache.block_size:
-            self.streamer = KVStreamer(cache.host, stream_tokens, self.dev)
+            self.streamer = KVStreamer(cache.host, stream_tokens, self.dev, max_batch)
         for copier in (self.streamer, self.weights):  # their copies up count as transfer time
             if copier is not None:
                 copier.timer = self.xfer
@@ -153,7 +154,9 @@ class Runner(Prefill):
         moved = self._weight_bytes()
         if self.streamer is not None:
             self.streamer.idle()
-            if len(seqs) == 1 and parts[0].host_tables is not None:  # one row: the streamer's tables are one
+            # one sub-batch of sequences a row each: the captured set the streamer's attention is in
+            if len(parts) == 1 and parts[0].host_tables is not None and len(seqs) <= self.streamer.max_rows \
+                    and rows.run_sizes(seqs) is None:
                 self._begin_stream(parts[0])
         L = self.cfg.num_layers
         self._begin_pass()
@@ -238,19 +241,11 @@ class Runner(Prefill):
         )
 
     def _begin_stream(self, p: Part) -> None:
-        """Give the host tier's first full blocks to the streamer (capped by the plan), the rest to the CPU."""
-        c, sv = self.cache, self.streamer
-        blocks = c.seqs[p.seqs[0]].host.blocks
-        n = min(sv.max_blocks, len(blocks) - 1)  # the last block takes this step's token: the CPU's
-        if n < 1:
-            return
-        sv.begin(blocks[:n])
-        bt, lens = p.host_tables
-        p.host_tables = (bt[:, n:], lens - n * c.block_size)
-        p.work = cpu_attention.DecodeWork(c.host, *p.host_tables, self.threads)
-        p.streamed = True
-        for layer in range(min(2, self.cfg.num_layers)):
-            sv.prefetch(layer)
+        """Give each row's host tier's first full blocks to the streamer (capped by the plan), the rest to the CPU."""
+        tables = self.streamer.take([self.cache.seqs[s].host.blocks for s in p.seqs], p.host_tables)
+        if tables is not None:
+            p.host_tables, p.streamed = tables, True
+            p.work = cpu_attention.DecodeWork(self.cache.host, *tables, self.threads)
 
     def start_layer(self, i: int, p: Part, st: StepTimes) -> None:
         """Layer i's first half for sub-batch p: pre_attention, the new KV into its tiers, the

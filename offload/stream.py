@@ -1,24 +1,27 @@
-"""Host-tier KV the device attends over: the first blocks of a sequence's host tier, copied up
-over PCIe each step, a layer ahead, while the CPU attends over the rest.
+"""Host-tier KV the device attends over: the first blocks of each sequence's host tier, copied
+up over PCIe each step, a layer ahead, while the CPU attends over the rest.
 
-At batch 1 nothing else overlaps the CPU's attention (the next layer needs its output), so
-the host tier's read rate is the CPU kernel's alone, ~55 GB/s on the GPU host; PCIe adds ~55
-GB/s of its own, limited together by DRAM (~85–100 GB/s). The plan's `stream_tokens` says how
-many of the host tier's first tokens take the PCIe road; they stay stored on the host.
+In a decode step with one sub-batch nothing else overlaps the CPU's attention (the next layer
+needs its output), so the host tier's read rate is the CPU kernel's alone, ~40–70 GB/s on the
+GPU host; PCIe adds ~55 GB/s of its own, limited together by DRAM (~85–115 GB/s). The plan's
+`stream_tokens` says how many of each sequence's host-tier first tokens take the PCIe road;
+they stay stored on the host.
 
 The blocks go up as they are stored (bf16, int8 or int4: one block format for both tiers,
-`cpu_attention.layout.part_shapes`) into a two-layer device pool of the host's format, and the
-device's paged attention reads those bytes directly (`gpu_ops.attention`: int8 and int4
-dequantized in registers), so an int4 block crosses PCIe and is read at its own size.
+`cpu_attention.layout.part_shapes`) into a two-layer device pool of the host's format, row r's
+blocks at r · max_blocks onwards, and the device's paged attention reads those bytes directly
+(`gpu_ops.attention`: int8 and int4 dequantized in registers), so an int4 block crosses PCIe
+and is read at its own size.
 
 Per layer i, two staging slots (i % 2) on the device:
     copy stream:    wait slot free → copy the layer's blocks up (one copy per run of
-                    consecutive blocks per tensor) → event `copied[slot]`
+                    consecutive blocks per tensor, one driver call for them all where the
+                    driver has batched copies) → event `copied[slot]`
     compute stream: wait `copied[slot]` → paged attention over the slot → (o, lse) → event `free[slot]`
 Layer i + 2's copy is queued right after layer i's attention, so each copy has a whole layer
 of time to land. On a CPU stand-in device the same code runs without streams. Streamed blocks
 are complete, so an int4 block is always in its codes, never in a bf16 tail (`begin` checks the
-last one, the only one that could be being filled).
+last one of each row, the only one that could be being filled).
 """
 from __future__ import annotations
 
@@ -49,9 +52,10 @@ def runs(blocks: list[int]) -> list[tuple[int, int, int]]:
 
 def _blocks_contiguous(parts: dict[str, torch.Tensor], raw: list[dict[str, torch.Tensor]]) -> bool:
     """Whether every host tensor [L, NB, ...] and staging tensor [max_blocks, ...] is dense, blocks
-    of the same bytes on both sides, the host pinned: what `_driver_copy`'s pointer arithmetic takes."""
+    of the same bytes on both sides, the host page-locked: what `_driver_copy`'s pointer arithmetic takes."""
+    drv = driver()
     for n, t in parts.items():
-        if not (t.is_contiguous() and t.is_pinned()):
+        if not (t.is_contiguous() and drv is not None and drv.page_locked(t.data_ptr())):
             return False
         for r in raw:
             d = r[n]
@@ -61,20 +65,23 @@ def _blocks_contiguous(parts: dict[str, torch.Tensor], raw: list[dict[str, torch
 
 
 class KVStreamer:
-    def __init__(self, host: HostKVPool, max_tokens: int, device: torch.device):
-        """Staging for up to max_tokens streamed tokens of one sequence, on `device`, in the host's format."""
-        self.host, self.device = host, device
-        self.max_blocks = max(1, max_tokens // host.block_size)
+    def __init__(self, host: HostKVPool, max_tokens: int, device: torch.device, max_rows: int = 1):
+        """Staging for up to max_tokens streamed tokens of each of up to max_rows sequences, on
+        `device`, in the host's format."""
+        self.host, self.device, self.max_rows = host, device, max_rows
+        self.max_blocks = max(1, max_tokens // host.block_size)  # a row's
         self.cuda = device.type == "cuda"
+        n = max_rows * self.max_blocks
         # the two slots are the two "layers" of a pool the paged-attention kernels already read
-        self.pool = GpuKVPool(2, self.max_blocks, host.num_kv_heads, host.block_size, host.head_dim,
+        self.pool = GpuKVPool(2, n, host.num_kv_heads, host.block_size, host.head_dim,
                               device=device, dtype=torch.float32 if host.dtype is KVDtype.F32 else torch.bfloat16,
                               kv_dtype=host.dtype)
-        self.raw = [{n: t[s, : self.max_blocks] for n, t in self.pool.parts().items()} for s in range(2)]
+        self.raw = [{n_: t[s, :n] for n_, t in self.pool.parts().items()} for s in range(2)]
         if any(host.dtype.rotated):  # the rotation's tensors on the device before a graph captures `attend`
             rotation.on_device(host.head_dim, device)
-        self.table = torch.arange(self.max_blocks, dtype=torch.int32, device=device)[None]
-        self.lens = torch.zeros(1, dtype=torch.int32, device=device)  # streamed tokens this step (static: graphs read it)
+        self.table = torch.arange(n, dtype=torch.int32, device=device).view(max_rows, self.max_blocks)
+        # streamed tokens of each row this step (static: graphs read it)
+        self.lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.copied = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
@@ -94,14 +101,44 @@ class KVStreamer:
     def nbytes(self) -> int:
         return self.pool.nbytes
 
-    def begin(self, blocks: list[int]) -> None:
-        """This step streams these host blocks (a sequence's first ones, all full)."""
-        if len(blocks) > self.max_blocks:
-            raise ValueError(f"{len(blocks)} blocks to stream, staging holds {self.max_blocks}")
-        if blocks and self.host.dtype is KVDtype.INT4 and bool((self.host.tails.slot[:, blocks[-1]] >= 0).any()):
-            raise ValueError(f"host block {blocks[-1]} is still being filled (int4 tail): stream complete blocks only")
-        self.blocks, self._runs, self.bytes_up = blocks, runs(blocks), 0
-        self.lens.fill_(len(blocks) * self.host.block_size)
+    def begin(self, rows: list[list[int]]) -> None:
+        """This step streams these host blocks, a list a row (a sequence's first ones, all full)."""
+        if len(rows) > self.max_rows or max(map(len, rows), default=0) > self.max_blocks:
+            raise ValueError(f"{len(rows)} rows of up to {max(map(len, rows))} blocks to stream, "
+                             f"staging holds {self.max_rows} of {self.max_blocks}")
+        for blocks in rows:
+            if blocks and self.host.dtype is KVDtype.INT4 and bool((self.host.tails.slot[:, blocks[-1]] >= 0).any()):
+                raise ValueError(f"host block {blocks[-1]} is still being filled (int4 tail): "
+                                 "stream complete blocks only")
+        self.blocks = [b for blocks in rows for b in blocks]
+        self._runs = [(first, r * self.max_blocks + at, n) for r, blocks in enumerate(rows)
+                      for first, at, n in runs(blocks)]
+        self.bytes_up = 0
+        lens = [len(blocks) * self.host.block_size for blocks in rows]
+        if len(rows) == 1:
+            self.lens.fill_(lens[0])  # one row: no copy
+        else:
+            self.lens[: len(rows)].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+
+    def take(self, blocks: list[list[int]], tables: tuple[torch.Tensor, torch.Tensor]) -> tuple | None:
+        """Stream each row's first full host blocks (all but the last, which takes this step's token;
+        capped by the plan) → the CPU's share of the host tables (each row shifted past its streamed
+        blocks), or None where no row has a block to stream."""
+        n = [min(self.max_blocks, len(b) - 1) if len(b) > 1 else 0 for b in blocks]
+        if not any(n):
+            return None
+        self.begin([b[:k] for b, k in zip(blocks, n)])
+        bt, lens = tables
+        if len(n) == 1:
+            bt = bt[:, n[0]:]
+        else:
+            bt = bt.clone()
+            for r, k in enumerate(n):
+                if k:
+                    bt[r, : bt.shape[1] - k] = bt[r, k:].clone()
+        for layer in range(min(2, self.host.num_layers)):
+            self.prefetch(layer)
+        return bt, lens - torch.tensor(n, dtype=lens.dtype) * self.host.block_size
 
     def idle(self) -> None:
         """A step that streams nothing: the (captured) attention over the slots then sees no token."""
@@ -144,10 +181,11 @@ class KVStreamer:
                 self.bytes_up += src[first:first + n].numel() * src.element_size()
 
     def _driver_copy(self, layer: int, slot: int) -> None:
-        """`_copy` through the driver: pointer arithmetic and one cuMemcpyHtoDAsync a run and
-        piece (~4 µs of the main thread each, against ~25 for a torch copy_),
-        on the streamer's stream, in the same pieces and order as `_copy`."""
-        handle = self.stream.cuda_stream
+        """`_copy` through the driver: pointer arithmetic, on the streamer's stream, in the same
+        pieces as `_copy`: one batched call for them all where the driver has it, else one
+        cuMemcpyHtoDAsync a run and piece (~4 µs of the main thread each, against ~25 for a torch
+        copy_; a batch of 16 sequences has a run a row and tensor)."""
+        copies = []
         for name, src_base, layer_bytes, block in self._copy_plan:
             dst = self.raw[slot][name].data_ptr()
             src = src_base + layer * layer_bytes
@@ -155,18 +193,20 @@ class KVStreamer:
             for first, at, n in self._runs:
                 for j in range(0, n, per):
                     m = min(per, n - j)
-                    self._drv.memcpy_up(dst + (at + j) * block, src + (first + j) * block, m * block, handle)
+                    copies.append((dst + (at + j) * block, src + (first + j) * block, m * block))
                 self.bytes_up += n * block
+        self._drv.memcpy_up_all(copies, self.stream.cuda_stream)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device's attention over the streamed blocks of layer → (o [1, Hq, D] f32, lse [1, Hq]).
+        """The device's attention over the streamed blocks of layer → (o [B, Hq, D] f32, lse [B, Hq]).
 
         Static shapes (the whole slot, `lens` masks it), so a CUDA graph can hold it; wait=False
         there, and the caller waits for `copied[slot]` before the replay and records `free[slot]` after."""
         slot = layer % 2
         if wait and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
-        out = gpu_attention.decode_attention(self.pool, slot, q, self.table, self.lens, scale)
+        B = q.shape[0]
+        out = gpu_attention.decode_attention(self.pool, slot, q, self.table[:B], self.lens[:B], scale)
         if wait:
             self.release(layer)
         return out

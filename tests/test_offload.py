@@ -88,6 +88,27 @@ def test_streamed_quantized_host_kv_matches_cpu_attention(tiny, kv):
     assert len(e.runner.streamer.blocks) == 8
 
 
+@pytest.mark.parametrize("kv,gpu_tokens", [("f32", 0), ("f32", 6), ("int8", 0), ("int4", 4)])
+def test_streamed_host_kv_of_a_batch_gives_unstreamed_tokens(tiny, kv, gpu_tokens):
+    """A batch of sequences of different lengths in one sub-batch: each row's first host blocks
+    are streamed (up to the plan's share a row), the CPU attends over the rest of each row: the
+    tokens of the same batch without streaming."""
+    folder = tiny("llama_hd32")[0]
+    prompts = [PROMPT * 2, PROMPT[:7], PROMPT[3:] * 3, [5, 6, 7]]
+    kw = dict(kv_dtype=kv, gpu_kv_tokens=gpu_tokens, sub_batches=1, parallel=4)
+    out, rows = [], []
+    for stream in (0, 12):
+        e = _engine(folder, stream_tokens=stream, **kw)
+        toks = [[] for _ in prompts]
+        for c in e.generate(prompts, max_new_tokens=12, temperature=0.0):
+            toks[c.index].append(c.token)
+            if stream:
+                rows.append(int((e.runner.streamer.lens > 0).sum()))
+        out.append(toks)
+    assert out[0] == out[1]
+    assert max(rows) >= 3  # several rows streamed in one step
+
+
 @pytest.mark.parametrize("kv,BS", [(KVDtype.INT8, 8), (KVDtype.INT8, 6), (KVDtype.INT4, 8), (KVDtype.INT4, 6)])
 def test_streamer_attends_like_the_cpu_kernel(kv, BS):
     """The streamer copies the host blocks' bytes up as they are and the device attends over them
@@ -105,7 +126,7 @@ def test_streamer_attends_like_the_cpu_kernel(kv, BS):
     for layer in range(L):
         host.write(layer, slots, k * (layer + 1), v)
     sv = KVStreamer(host, 3 * BS, torch.device("cpu"))
-    sv.begin([4, 1, 2])
+    sv.begin([[4, 1, 2]])
     q = torch.randn(1, 3 * H, D, generator=gen)
     for layer in range(L):
         sv.prefetch(layer)
@@ -114,7 +135,7 @@ def test_streamer_attends_like_the_cpu_kernel(kv, BS):
         assert rel_err(o, ro) < 1e-2 and (lse - rl).abs().max() < 5e-2
     if kv is KVDtype.INT4:
         with pytest.raises(ValueError, match="being filled"):
-            sv.begin([4, 5])
+            sv.begin([[4, 5]])
 
 
 @pytest.mark.parametrize("kv", [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4])

@@ -87,6 +87,26 @@ def test_cuda_streamed_rotated_host_kv_matches_cpu(tiny, kv, block_size):
     assert e.runner.streamer.bytes_up > 0
 
 
+@pytest.mark.parametrize("kv,block_size,gpu_tokens", [("f32", 4, 0), ("int8", 16, 8), ("int4", 16, 0)])
+@pytest.mark.parametrize("lean", [True, False])
+def test_cuda_streamed_host_kv_of_a_batch_matches_cpu(tiny, kv, block_size, gpu_tokens, lean):
+    """Four sequences of different lengths in one sub-batch, each row's first host blocks copied up
+    (one batched driver call a layer where the driver has it) and attended on the GPU inside the
+    captured set of four rows, in the lean loop and the general one: the CPU run's tokens."""
+    folder = tiny("llama_hd32")[0]
+    prompts = [PROMPT * 3, PROMPT[:7], PROMPT[3:] * 4, PROMPT * 2]
+    kw = dict(weights="f32", kv_dtype=kv, tokenizer=False, block_size=block_size, parallel=4)
+    want = _greedy(hetero.load(folder, device="cpu", **kw), prompts)
+    e = hetero.load(folder, device="cuda", gpu_kv_tokens=gpu_tokens, stream_tokens=2 * block_size, sub_batches=1,
+                    **kw)
+    if not lean:
+        e.runner.lean_step = None
+    assert _greedy(e, prompts) == want
+    assert e.runner.streamer.bytes_up > 0
+    assert e.runner.streamer._drv is not None  # the pool is page-locked: the copies go through the driver
+    assert not lean or e.runner.lean_step.loops
+
+
 def test_forced_swap_mid_generation_changes_no_token(folder, reference):
     e = hetero.load(folder, device="cuda", weights="f32", kv_dtype="f32", tokenizer=False, block_size=4,
                     gpu_kv_tokens=24, parallel=1)
@@ -357,7 +377,7 @@ def test_planned_staging_covers_the_streamers_peak(kv, block_size):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     s = KVStreamer(host, tokens, dev)
-    s.begin(list(range(tokens // block_size)))
+    s.begin([list(range(tokens // block_size))])
     for layer in (0, 1):
         s.prefetch(layer)
         s.attend(layer, q, cfg.head_dim ** -0.5)
