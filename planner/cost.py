@@ -151,8 +151,8 @@ def decode_step(
           at min(kernel rate, DRAM − PCIe) when T_s > 0 (the copies read DRAM meanwhile); a run
           of rows at the profile's measured multiple of one row (`HardwareProfile.cpu_run_cost`),
           and each sequence past one at its measured cost a kv head (`cpu_items_seconds`)
-      p = streamed W / PCIe + T_s · kvb / PCIe    (copy streams, prefetched a layer or two ahead)
-      d = T_c · kvb / DRAM read                   (host KV leaves DRAM once, to the CPU or to PCIe)
+      p = streamed W / PCIe + B · T_s · kvb / PCIe  (copy streams, prefetched a layer or two ahead)
+      d = B · T_c · kvb / DRAM read                 (host KV leaves DRAM once, to the CPU or to PCIe)
       x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
       n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + c_w + x_w
              (attention overlaps across devices; CPU-mode weights stall the GPU)
@@ -160,13 +160,14 @@ def decode_step(
       t += per-layer overhead (one sub-batch: the lean loop's; else n · the general loop's; for a
            layer whose host experts share the CPU with the host tier's attention, their contention)
     step = Σ_layers t + head (final norm, lm_head, embedding lookup) in the same way.
-    T_s: the host tier's first tokens the GPU attends over after copying them up (batch 1 only).
+    T_s: each sequence's host-tier first tokens the GPU attends over after copying them up (one
+    sub-batch of sequences a row each: what the runtime streams).
     """
     # the runtime's lean loop (offload/inline.py): one sub-batch, no weights moving during the step
     lean = sub_batches == 1 and all(p.mode is Mode.RESIDENT or p.kind is Kind.EMBED or split_experts(p)
                                     for p in placements)
     T_g, T_c = tier_tokens(kv, context)
-    T_s = min(kv.stream_tokens, T_c) if batch == 1 and hw.has_gpu else 0
+    T_s = min(kv.stream_tokens, T_c) if sub_batches == 1 and run_rows == 1 and hw.has_gpu else 0
     BS = kv.block_size
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
@@ -191,9 +192,9 @@ def decode_step(
                 + hw.cpu_items_seconds(kv.host_dtype, threads, b_c, cfg.num_kv_heads) + hw.cpu_attention_call_s
         if T_cpu and hw.has_gpu:  # q [b, Hq, D] f32 down; o [b, Hq, D] f32 + lse [b, Hq] up
             a_x += hop_seconds(b * cfg.q_size * 4, hw) + hop_seconds(b * (cfg.q_size + cfg.num_heads) * 4, hw)
-    a_s = T_s * kvb_h / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
+    a_s = batch * T_s * kvb_h / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
     if T_s:
-        a_d = T_c * kvb_h / (max(hw.dram_read_gbps, 1e-9) * GB)
+        a_d = batch * T_c * kvb_h / (max(hw.dram_read_gbps, 1e-9) * GB)
     reads_g, reads_c = kv_reads(cfg, batch, run_rows)
     total = 0.0
     for layer, (g_lin, c_w, p, x_w, g_e, c_e, x_e) in per_layer:  # layers, then the head
@@ -202,7 +203,7 @@ def decode_step(
             g_att, c_att, x_att, s_up, d = a_att, a_c, a_x, a_s, a_d
             nbytes["gpu attention"] += reads_g * (T_g * kvb_g + T_s * kvb_h)
             nbytes["cpu attention"] += reads_c * T_cpu * kvb_h
-            nbytes["pcie kv"] += T_s * kvb_h
+            nbytes["pcie kv"] += batch * T_s * kvb_h
             # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
             over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else \
                 hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S

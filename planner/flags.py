@@ -198,8 +198,8 @@ def gpu_kv_tokens() -> Any:
 
 def stream_tokens() -> Any:
     return option(None, "--kv-stream-tokens", parser=whole(0), metavar="N",
-                help="host KV tokens the GPU attends over after copying them up each step (batch 1) "
-                     "(default: planner)")
+                help="of each sequence's host KV, the first N tokens the GPU attends over after copying them "
+                     "up each step (one sub-batch) (default: planner)")
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -41,7 +41,7 @@ def gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, re
             )
         return [(ov.gpu_kv_tokens, 0, "set by the user")]
     out = [(fit, 0, "the whole context fits" if fit == wl.ctx_size else "what fits after the weights")]
-    if wl.batch == 1 and hw.has_gpu and block < fit < wl.ctx_size:
+    if hw.has_gpu and block < fit < wl.ctx_size:
         # a smaller device tier leaves room to stream a share of the host tier: a streamed token
         # takes 2 staging slots of one layer, a device-tier token every layer (≈ L/2 times more)
         for keep in GPU_TIER_FOR_STREAMING:
@@ -57,30 +57,30 @@ def gpu_token_options(cfg, hw, wl, ov, left, block, gpu_dt, host_dt, threads, re
     return out
 
 
-def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int, block: int) -> int:
-    """Device memory the KV streamer needs (offload/stream.py): two layer slots of `tokens` tokens in
-    the host tier's own format (the device attends over those bytes as they are)."""
-    return int(2 * tokens * kv_bytes_per_token_layer(cfg, host_dt, block))
+def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int, block: int, rows: int = 1) -> int:
+    """Device memory the KV streamer needs (offload/stream.py): two layer slots of `tokens` tokens a
+    row in the host tier's own format (the device attends over those bytes as they are)."""
+    return int(2 * rows * tokens * kv_bytes_per_token_layer(cfg, host_dt, block))
 
 
 def stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int, int, str]]:
-    """(streamed tokens, staging bytes, reason) to try: none, and shares of the host tier that fit.
-    Batch 1 only: at larger batches two sub-batches already keep both devices busy."""
+    """(streamed tokens a sequence, staging bytes, reason) to try: none, and shares of the host tier
+    that fit (the decode step prices them with one sub-batch only, the one the runtime streams in)."""
     if ov.stream_tokens is not None:
         if ov.stream_tokens and not hw.has_gpu:
             raise UserError("--kv-stream-tokens needs a GPU: drop it or use --device cuda")
-        need = stream_staging_bytes(cfg, kv.host_dtype, ov.stream_tokens, kv.block_size)
+        need = stream_staging_bytes(cfg, kv.host_dtype, ov.stream_tokens, kv.block_size, wl.batch)
         if ov.stream_tokens and need > left:
             raise UserError(f"--kv-stream-tokens {ov.stream_tokens} needs {fs(need)} of staging on cuda:0, "
                             f"{fs(max(0, left))} is left: lower it or raise --gpu-mem")
         return [(ov.stream_tokens, need if ov.stream_tokens else 0, "set by the user")]
     out = [(0, 0, "the CPU attends over the whole host tier")]
     host = min(wl.decode_context - kv.gpu_tokens, kv.host_tokens)
-    if not hw.has_gpu or wl.batch != 1 or host < 2 * kv.block_size:
+    if not hw.has_gpu or host < 2 * kv.block_size:
         return out
     for share in STREAM_SHARES:
         n = int(host * share) // kv.block_size * kv.block_size
-        need = stream_staging_bytes(cfg, kv.host_dtype, n, kv.block_size)
+        need = stream_staging_bytes(cfg, kv.host_dtype, n, kv.block_size, wl.batch)
         if n and need <= left:
             out.append((n, need, f"the GPU attends over {share:.0%} of the host tier, copied up over PCIe "
                                   "while the CPU attends over the rest"))

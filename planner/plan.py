@@ -94,7 +94,7 @@ class Overrides:
     sub_batches: int | None = None
     weight_mode: Mode | None = None  # STREAM or CPU for weights that do not fit on the GPU
     gpu_kv_tokens: int | None = None  # per sequence
-    stream_tokens: int | None = None  # host-tier tokens the GPU attends over after streaming them (batch 1)
+    stream_tokens: int | None = None  # a sequence's host-tier tokens the GPU attends over after streaming them
     block_size: int | None = None
     n_cpu_moe: int = 0  # the experts of the first n MoE layers computed by the CPU (llama.cpp's --n-cpu-moe)
 

@@ -105,8 +105,8 @@ def render(p: Plan, console: Console, checkpoint: dict[str, Any] | None = None) 
     k.add_row("CPU", str(kv.host_tokens), kv.host_dtype.value, fs(kv.host_bytes))
     console.print(k)
     if kv.stream_tokens:
-        console.print(f"of the CPU tier, the first {kv.stream_tokens} tokens are copied up each step and "
-                      "attended by the GPU (they stay stored on the host)")
+        console.print(f"of the CPU tier, each sequence's first {kv.stream_tokens} tokens are copied up each "
+                      "step and attended by the GPU (they stay stored on the host)")
 
     mem = Table(title="memory", title_justify="left")
     for col in ("device", "weights", "KV", "workspace", "total", "budget", "free"):

@@ -211,7 +211,7 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
                 except UserError as e:
                     err = err or e
                     continue
-                for n in subs:
+                for n in subs if not stream else [n for n in subs if n == 1]:  # streaming: one sub-batch
                     mean = statistics.fmean(decode_step(cfg, hw, pl, kv, wl.batch, c, threads, n).seconds
                                             for c in wl.decode_contexts())
                     if best is None or mean < best.mean_s * (1 - 1e-9):
@@ -359,7 +359,7 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
     if ov.stream_tokens is None and best.kv.stream_tokens:
         other = alt(stream_tokens=0)
         vs = f"; {other:.1f} tok/s without" if other else ""
-        out.append(Choice("streamed host KV", f"{best.kv.stream_tokens} tokens a step",
+        out.append(Choice("streamed host KV", f"{best.kv.stream_tokens} tokens a sequence a step",
                           f"{best.stream_reason}: predicts {me:.1f} tok/s{vs}"))
     if wl.batch >= 2 and ov.sub_batches is None:
         other = alt(sub_batches=3 - best.sub_batches)

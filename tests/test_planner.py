@@ -135,9 +135,10 @@ def test_user_values_are_never_changed():
     assert p.device is Device.CPU and p.memory.gpu_used == 0
 
 
-def test_streamed_host_kv_only_at_batch_one_and_within_the_budget():
-    """At batch 1 with the KV on the host, the GPU takes a share of the host tier over PCIe when that
-    predicts faster; never at batch ≥ 2, never without a GPU, and a user's value stands."""
+def test_streamed_host_kv_within_the_budget_and_one_sub_batch():
+    """With the KV on the host, the GPU takes a share of each sequence's host tier over PCIe when
+    that predicts faster: at batch 1, and at larger batches in one sub-batch (staging for every
+    row within the budget); never with two sub-batches, never without a GPU; a user's value stands."""
     hw = HOSTS[8]
     wl = Workload(32768, batch=1, gen_tokens=256)
     p = plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), wl, Overrides(gpu_kv_tokens=0))
@@ -147,7 +148,13 @@ def test_streamed_host_kv_only_at_batch_one_and_within_the_budget():
     assert off.kv.stream_tokens == 0
     assert p.prediction.decode_tok_s > off.prediction.decode_tok_s
     assert any(c.setting == "streamed host KV" for c in p.choices)
-    assert plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), WL, Overrides(gpu_kv_tokens=0)).kv.stream_tokens == 0
+    batch = plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), WL, Overrides(gpu_kv_tokens=0))
+    assert WL.batch > 1 and batch.kv.stream_tokens > 0 and batch.sub_batches == 1
+    assert batch.memory.gpu_used <= batch.memory.gpu_budget
+    unstreamed = plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), WL, Overrides(gpu_kv_tokens=0, stream_tokens=0))
+    assert batch.prediction.decode_tok_s > unstreamed.prediction.decode_tok_s
+    two = plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), WL, Overrides(gpu_kv_tokens=0, sub_batches=2))
+    assert two.kv.stream_tokens == 0
     assert plan(LLAMA3_8B, HOSTS[None], workload=wl).kv.stream_tokens == 0
     with pytest.raises(UserError, match="kv-stream-tokens"):
         plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), wl, Overrides(gpu_kv_tokens=0, stream_tokens=10**7))

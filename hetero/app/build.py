@@ -89,8 +89,8 @@ def load(
     ctx_size: tokens per sequence (0: the model's, capped at 4096 unless asked); parallel: sequences
     the KV cache holds at full context; block_size: tokens a KV block; gpu_kv_tokens: each
     sequence's first tokens kept on the device tier (the rest on the host tier; with device cpu the
-    device tier is a CPU stand-in); stream_tokens: at batch 1, how many of the host tier's first
-    tokens the device attends over after copying them up each step; n_cpu_moe: the experts of the
+    device tier is a CPU stand-in); stream_tokens: how many of each sequence's host-tier first
+    tokens the device attends over after copying them up each step (one sub-batch); n_cpu_moe: the experts of the
     first n layers are computed by the CPU (MoE models); sub_batches: 1 or 2; weight_mode:
     stream|cpu, how weights that do not fit the GPU budget run; context_overflow:
     drop-turns|shift|stop, what `Engine.chat` does when a conversation outgrows the context
