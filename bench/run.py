@@ -50,6 +50,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                     "tensor-core bound, and a sweep of its launch configurations", "GPU"),
     "dram_share": ("the CPU's expert kernel and the GPU's reads of page-locked memory, alone and at once, against "
                    "the DRAM read rate", "GPU"),
+    "stream_copies": ("a decode layer's streamed host KV going up: one driver call a piece, one batched call, a "
+                      "kernel reading pinned memory, against one contiguous copy; alone and beside a DRAM load", "GPU"),
 }
 
 

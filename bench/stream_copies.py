@@ -1,0 +1,129 @@
+"""A decode layer's streamed host KV going up, by each way the engine could send it, GB/s:
+
+    python3 -m bench.stream_copies [--rows 16] [--layers 8]
+
+The pieces are a batch's streamed blocks of one layer as `offload/stream.py` sends them: per row
+one run of blocks for each of the int8 tier's four tensors (keys and values 852 KB, their scales
+26 KB: 26 blocks of 32 tokens, 8 kv heads of 128), each row's runs apart in the pool. Ways:
+
+    one call each   cuMemcpyHtoDAsync a piece (`Driver.memcpy_up`)
+    batched         one cuMemcpyBatchAsync for the layer's pieces (`Driver.memcpy_up_all`)
+    kernel          a Triton kernel reading the pinned pieces itself (zero-copy), one launch a layer
+    one copy        the same bytes as one contiguous copy: the bound
+
+alone, then beside a 15-thread torch.sum over 2 GiB (the CPU's attention reading DRAM meanwhile).
+"""
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import torch
+
+SIZES = (851968, 851968, 26624, 26624)  # bytes a row's run: keys, values, their scales
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.stream_copies needs a CUDA device")
+    import triton
+    import triton.language as tl
+
+    from offload.driver import driver
+
+    @triton.jit
+    def gather(src, dst, src_off, dst_off, nwords, CHUNK: tl.constexpr):
+        p, c = tl.program_id(0), tl.program_id(1)
+        n = tl.load(nwords + p)
+        if c * CHUNK < n:
+            offs = c * CHUNK + tl.arange(0, CHUNK)
+            m = offs < n
+            x = tl.load(src + tl.load(src_off + p) + offs, mask=m, cache_modifier=".cv")
+            tl.store(dst + tl.load(dst_off + p) + offs, x, mask=m)
+
+    class Address:  # what Triton's launcher reads of a pointer argument
+        def __init__(self, ptr: int):
+            self.dtype, self._ptr = torch.int64, ptr
+
+        def data_ptr(self) -> int:
+            return self._ptr
+
+    dev, R, L = torch.device("cuda"), args.rows, args.layers
+    host = [torch.ones(L * R * 3 * s // 8, dtype=torch.int64, pin_memory=True) for s in SIZES]  # rows 3 runs apart
+    stage = [torch.empty(R * s // 8, dtype=torch.int64, device=dev) for s in SIZES]
+    total = R * sum(SIZES)
+    whole_src = torch.ones(total // 8, dtype=torch.int64, pin_memory=True)
+    whole_dst = torch.empty_like(whole_src, device=dev)
+    drv, st = driver(), torch.cuda.Stream()
+    hs = st.cuda_stream
+
+    def pieces(layer: int) -> list[tuple[int, int, int]]:
+        return [(d.data_ptr() + r * s, h.data_ptr() + (layer * R * 3 + 3 * r) * s, s)
+                for h, d, s in zip(host, stage, SIZES) for r in range(R)]
+
+    sb, db = min(h.data_ptr() for h in host), min(d.data_ptr() for d in stage)
+    tables = []
+    for layer in range(L):
+        c = pieces(layer)
+        tables.append([torch.tensor(x, dtype=torch.int64, device=dev) for x in
+                       ([(s - sb) // 8 for _, s, _ in c], [(d - db) // 8 for d, _, _ in c], [n // 8 for *_, n in c])])
+    chunks = -(-max(SIZES) // 8 // 1024)
+
+    def kernel(layer: int) -> None:
+        so, do, nw = tables[layer]
+        with torch.cuda.stream(st):
+            gather[(len(so), chunks)](Address(sb), Address(db), so, do, nw, CHUNK=1024, num_warps=4)
+
+    ways = {
+        "one call each": lambda layer: [drv.memcpy_up(*c, hs) for c in pieces(layer)],
+        "batched": lambda layer: drv.memcpy_up_all(pieces(layer), hs),
+        "kernel": kernel,
+        "one copy": lambda layer: drv.memcpy_up(whole_dst.data_ptr(), whole_src.data_ptr(), total, hs),
+    }
+    for d in stage:
+        d.zero_()
+    kernel(0)
+    st.synchronize()
+    assert all(bool((d == 1).all()) for d in stage), "the kernel's pieces differ from the host's"
+
+    def seconds(fn) -> float:
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for layer in range(L):
+                fn(layer)
+            st.synchronize()
+            best = min(best, (time.perf_counter() - t) / L)
+        return best
+
+    def cpu_load(stop: threading.Event) -> None:
+        a = torch.ones(2**29, dtype=torch.float32)
+        while not stop.is_set():
+            a.sum()
+
+    print(f"{R} rows, {4 * R} pieces, {total / 1e6:.1f} MB a layer")
+    for loaded in (False, True):
+        stop, th = threading.Event(), None
+        if loaded:
+            torch.set_num_threads(15)
+            th = threading.Thread(target=cpu_load, args=(stop,))
+            th.start()
+            time.sleep(0.5)
+        for name, fn in ways.items():
+            fn(0)
+            st.synchronize()
+            t = seconds(fn)
+            print(f"{'beside torch.sum' if loaded else 'alone':16} {name:14} {t * 1e3:7.3f} ms a layer  {total / t / 1e9:6.1f} GB/s")
+        if th is not None:
+            stop.set()
+            th.join()
+
+
+if __name__ == "__main__":
+    main()
