@@ -69,6 +69,8 @@ def stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int, 
     if ov.stream_tokens is not None:
         if ov.stream_tokens and not hw.has_gpu:
             raise UserError("--kv-stream-tokens needs a GPU: drop it or use --device cuda")
+        if ov.stream_tokens and (ov.sub_batches or 1) > 1:
+            raise UserError("--kv-stream-tokens streams in a step of one sub-batch: drop it or the sub-batches")
         need = stream_staging_bytes(cfg, kv.host_dtype, ov.stream_tokens, kv.block_size, wl.batch)
         if ov.stream_tokens and need > left:
             raise UserError(f"--kv-stream-tokens {ov.stream_tokens} needs {fs(need)} of staging on cuda:0, "

@@ -155,6 +155,8 @@ def test_streamed_host_kv_within_the_budget_and_one_sub_batch():
     assert batch.prediction.decode_tok_s > unstreamed.prediction.decode_tok_s
     two = plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), WL, Overrides(gpu_kv_tokens=0, sub_batches=2))
     assert two.kv.stream_tokens == 0
+    with pytest.raises(UserError, match="one sub-batch"):
+        plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), WL, Overrides(gpu_kv_tokens=0, sub_batches=2, stream_tokens=64))
     assert plan(LLAMA3_8B, HOSTS[None], workload=wl).kv.stream_tokens == 0
     with pytest.raises(UserError, match="kv-stream-tokens"):
         plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), wl, Overrides(gpu_kv_tokens=0, stream_tokens=10**7))
