@@ -24,6 +24,8 @@
 #           e.g. "--only 1x8k@6GiB --weights q4")
 # grouped:  bench.moe_grouped (the MoE prefill's grouped 4-bit GEMM on Qwen3-30B-A3B's shapes; GROUPED_ARGS="--sweep")
 # dramshare: bench.dram_share (the CPU's expert kernel and the GPU's reads of pinned memory, alone and at once)
+# streamcopies: bench.stream_copies (a layer's streamed host KV pieces: a call each, one batched call, a kernel;
+#           STREAMCOPIES_ARGS="--rows 32")
 # omp:      bench.omp_pools (what a second OpenMP pool, Numba's or torch's, costs three small Numba regions)
 # moe:      bench.moe (mixture-of-experts decode and prefill at each --gpu-mem budget, the planner's own choice;
 #           MOE_ARGS passed through, e.g. "--only qwen3@8GiB --steps 16")
@@ -91,6 +93,8 @@ for stage in $STAGES; do
       timeout ${GROUPED_TIMEOUT:-300} python3 -m bench.moe_grouped ${GROUPED_ARGS:-} 2>&1 | tee "$OUT/moe_grouped.log" | tail -${GROUPED_TAIL:-50} ;;
     dramshare)
       timeout ${DRAMSHARE_TIMEOUT:-200} python3 -m bench.dram_share 2>&1 | tee "$OUT/dram_share.log" | tail -8 ;;
+    streamcopies)
+      timeout 120 python3 -m bench.stream_copies ${STREAMCOPIES_ARGS:-} 2>&1 | tee "$OUT/stream_copies.log" | tail -10 ;;
     omp)
       timeout 120 python3 -m bench.omp_pools 2>&1 | tee "$OUT/omp_pools.log" | tail -5 ;;
     budget)
