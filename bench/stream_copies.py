@@ -34,6 +34,7 @@ def main() -> None:
     import triton
     import triton.language as tl
 
+    from gpu_ops.host_read import HostPointer
     from offload.driver import driver
 
     @triton.jit
@@ -45,13 +46,6 @@ def main() -> None:
             m = offs < n
             x = tl.load(src + tl.load(src_off + p) + offs, mask=m, cache_modifier=".cv")
             tl.store(dst + tl.load(dst_off + p) + offs, x, mask=m)
-
-    class Address:  # what Triton's launcher reads of a pointer argument
-        def __init__(self, ptr: int):
-            self.dtype, self._ptr = torch.int64, ptr
-
-        def data_ptr(self) -> int:
-            return self._ptr
 
     dev, R, L = torch.device("cuda"), args.rows, args.layers
     host = [torch.ones(L * R * 3 * s // 8, dtype=torch.int64, pin_memory=True) for s in SIZES]  # rows 3 runs apart
@@ -66,7 +60,8 @@ def main() -> None:
         return [(d.data_ptr() + r * s, h.data_ptr() + (layer * R * 3 + 3 * r) * s, s)
                 for h, d, s in zip(host, stage, SIZES) for r in range(R)]
 
-    sb, db = min(h.data_ptr() for h in host), min(d.data_ptr() for d in stage)
+    src_base, dst_base = (min(ts, key=torch.Tensor.data_ptr) for ts in (host, stage))  # offsets from these
+    sb, db = src_base.data_ptr(), dst_base.data_ptr()
     tables = []
     for layer in range(L):
         c = pieces(layer)
@@ -77,7 +72,7 @@ def main() -> None:
     def kernel(layer: int) -> None:
         so, do, nw = tables[layer]
         with torch.cuda.stream(st):
-            gather[(len(so), chunks)](Address(sb), Address(db), so, do, nw, CHUNK=1024, num_warps=4)
+            gather[(len(so), chunks)](HostPointer(src_base), dst_base, so, do, nw, CHUNK=1024, num_warps=4)
 
     ways = {
         "one call each": lambda layer: [drv.memcpy_up(*c, hs) for c in pieces(layer)],

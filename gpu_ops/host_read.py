@@ -25,10 +25,10 @@ def read_pinned(src: torch.Tensor, dst: torch.Tensor) -> None:
     if src.dtype != dst.dtype or src.numel() != dst.numel() or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError(f"read_pinned: {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}")
     n = src.numel()
-    _kernel()[(-(-n // BLOCK),)](_HostPointer(src), dst, n, BLOCK=BLOCK, num_warps=4)
+    _kernel()[(-(-n // BLOCK),)](HostPointer(src), dst, n, BLOCK=BLOCK, num_warps=4)
 
 
-class _HostPointer:
+class HostPointer:
     """Only what Triton's launcher reads of a pointer argument: a dtype and a `data_ptr()`, not a
     CPU tensor's device. The launcher asks the driver for the address's device pointer (for
     pinned memory, the same address) and refuses one the device cannot reach."""

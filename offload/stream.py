@@ -132,10 +132,9 @@ class KVStreamer:
         if len(n) == 1:
             bt = bt[:, n[0]:]
         else:
-            bt = bt.clone()
+            bt, rows = bt.clone(), bt
             for r, k in enumerate(n):
-                if k:
-                    bt[r, : bt.shape[1] - k] = bt[r, k:].clone()
+                bt[r, : bt.shape[1] - k] = rows[r, k:]
         for layer in range(min(2, self.host.num_layers)):
             self.prefetch(layer)
         return bt, lens - torch.tensor(n, dtype=lens.dtype) * self.host.block_size
