@@ -21,6 +21,18 @@ torch; both write the same buffers, so their tokens are the same.
 That Python alone was not what held the step: with it gone, an 8k step took as long until the
 post segment stopped waiting for the copy engine (gpu_ops/host_read.py); with both, a layer of
 8k int8 takes ~425 µs.
+
+Two sub-batches A and B (NEO's schedule, still in this one thread): the device's work for one is
+queued before the CPU attends for the other, so the device computes A's post segment and next
+pre segment while the CPU attends for B, and the other way round:
+
+    pre(A, 0), pre(B, 0)
+    for each layer i:   CPU(A, i) → post(A, i), pre(A, i+1)    (the device meanwhile: B's segments)
+                        CPU(B, i) → post(B, i), pre(B, i+1)    (the device meanwhile: A's)
+
+Each sub-batch has its own captured set and buffers. A sub-batch's `up` buffer is written for layer
+i+1 only after its `ready` for i+1 fired, which its post(i) precedes on the stream; its `down` is
+written by pre(i+1), queued after the CPU has read it for layer i.
 """
 from __future__ import annotations
 
@@ -55,47 +67,86 @@ class InlineLayers:
 
     @staticmethod
     def usable(runner: Runner, parts: list[Part]) -> bool:
-        """One captured sub-batch (batch 1, or any batch run as one) whose CPU share runs in this
-        thread, no weights moving, a CUDA driver to call."""
-        return (len(parts) == 1 and parts[0].cap is not None and parts[0].inline and runner.weights is None
+        """One or two captured sub-batches (two: nothing streamed), no weights moving or computed by
+        the CPU, a CUDA driver to call; their CPU share then runs in this thread."""
+        return (len(parts) in (1, 2) and all(p.cap is not None for p in parts) and runner.weights is None
+                and runner.host_compute is None and (len(parts) == 1 or not any(p.streamed for p in parts))
                 and RAW_GRAPHS and driver() is not None)
+
+    def front(self, runner: Runner, p: Part, i: int, h: int) -> None:
+        """Queue layer i's pre segment, the `ready` record the CPU waits for, and the device's attention."""
+        drv, streamer = driver(), runner.streamer
+        span = runner.spans.begin(h)
+        drv.launch(self.pre[i], h)
+        if p.work is not None:
+            drv.record(self.ready, h)  # before the device's attention share: the CPU starts first
+        if self.attn:
+            if p.streamed:
+                streamer.ready(i, h)
+            drv.launch(self.attn[i], h)
+            if p.streamed:
+                streamer.release(i, h)
+                if i + 2 < runner.cfg.num_layers:
+                    streamer.prefetch(i + 2)
+        runner.spans.end(span, h)
+
+    def host(self, runner: Runner, p: Part, i: int, slots, rows, st: StepTimes) -> None:
+        """Layer i's CPU share once q, k, v are down: the new rows into the host tier, the attention
+        into `up`; its seconds and the wait for q, k, v into st."""
+        if p.work is None:
+            return
+        t0 = now()
+        driver().synchronize(self.ready)
+        t = now()
+        if slots is not None:
+            k, v = (self.k, self.v) if rows is None else (self.k[rows], self.v[rows])
+            self.write(runner.cache.host, i, slots, k, v)
+        p.work.run(runner.cache.host, i, self.q, runner.model.scale, self.o, self.lse, scaled=self.qs)
+        st.wait += t - t0
+        st.cpu_attention += now() - t
+
+    def back(self, runner: Runner, i: int, h: int) -> None:
+        """Queue layer i's post segment ((o, lse) up, the merge, the rest of the layer)."""
+        span = runner.spans.begin(h)
+        driver().launch(self.post[i], h)
+        runner.spans.end(span, h)
+
+    def host_rows(self, p: Part):
+        """(flat host slots of the host-bound new rows or None, their rows or None for every row)."""
+        slots = p.host_slots.numpy() if p.host_slots is not None else None
+        return slots, None if slots is None or len(slots) == len(self.q) else p.host_rows.numpy()
+
+    def count(self, p: Part, slots, st: StepTimes, layers: int) -> None:
+        """The bytes a step of this sub-batch moved down (q, host-bound k and v) and up (o, lse)."""
+        if p.work is not None:
+            kv_row = self.k[0].nbytes + self.v[0].nbytes
+            st.d2h_bytes += layers * (self.q.nbytes + (kv_row * len(slots) if slots is not None else 0))
+            st.h2d_bytes += layers * (self.o.nbytes + self.lse.nbytes)
 
     def run(self, runner: Runner, p: Part, st: StepTimes) -> None:
         """All layers of one step for sub-batch p (its inputs loaded into the captured set)."""
-        drv, cache, spans, streamer, write = driver(), runner.cache, runner.spans, runner.streamer, self.write
-        pool, work = cache.host, p.work
         h = torch.cuda.current_stream(runner.dev).cuda_stream
-        scale = runner.model.scale
-        slots = p.host_slots.numpy() if p.host_slots is not None else None  # where the host-bound new k/v go
-        rows = None if slots is None or len(slots) == len(self.q) else p.host_rows.numpy()  # None: every row
+        slots, rows = self.host_rows(p)
         L = runner.cfg.num_layers
-        cpu = 0.0
         for i in range(L):
-            span = spans.begin(h)
-            drv.launch(self.pre[i], h)
-            if work is not None:
-                drv.record(self.ready, h)  # before the device's attention share: the CPU starts first
-            if self.attn:
-                if p.streamed:
-                    streamer.ready(i, h)
-                drv.launch(self.attn[i], h)
-                if p.streamed:
-                    streamer.release(i, h)
-                    if i + 2 < L:
-                        streamer.prefetch(i + 2)
-            spans.end(span, h)
-            if work is not None:
-                drv.synchronize(self.ready)
-                t = now()
-                if slots is not None:
-                    write(pool, i, slots, *((self.k, self.v) if rows is None else (self.k[rows], self.v[rows])))
-                work.run(pool, i, self.q, scale, self.o, self.lse, scaled=self.qs)
-                cpu += now() - t
-            span = spans.begin(h)
-            drv.launch(self.post[i], h)
-            spans.end(span, h)
-        st.cpu_attention += cpu
-        if work is not None:
-            kv_row = self.k[0].nbytes + self.v[0].nbytes
-            st.d2h_bytes += L * (self.q.nbytes + (kv_row * len(slots) if slots is not None else 0))
-            st.h2d_bytes += L * (self.o.nbytes + self.lse.nbytes)
+            self.front(runner, p, i, h)
+            self.host(runner, p, i, slots, rows, st)
+            self.back(runner, i, h)
+        self.count(p, slots, st, L)
+
+
+def run_pair(runner: Runner, parts: list[Part], loops: list[InlineLayers], st: StepTimes) -> None:
+    """All layers of one step for two sub-batches, skewed (the module's docstring); nothing streamed."""
+    h = torch.cuda.current_stream(runner.dev).cuda_stream
+    L = runner.cfg.num_layers
+    both = list(zip(loops, parts, [lp.host_rows(p) for lp, p in zip(loops, parts)]))
+    for lp, p, _ in both:
+        lp.front(runner, p, 0, h)
+    for i in range(L):
+        for lp, p, (slots, rows) in both:
+            lp.host(runner, p, i, slots, rows, st)
+            lp.back(runner, i, h)
+            if i + 1 < L:
+                lp.front(runner, p, i + 1, h)
+    for lp, p, (slots, _) in both:
+        lp.count(p, slots, st, L)

@@ -8,7 +8,8 @@ Decode, per layer and sub-batch (docs/design.md, "one decode step"):
 With two sub-batches the loop is skewed so the device runs one sub-batch's projections and MLP
 while the CPU attends for the other (NEO / APEX): the CPU's share runs on the worker thread.
 With one, the main thread would only wait for the worker, so it runs the CPU's share itself
-while the device's share of attention (already queued) runs.
+while the device's share of attention (already queued) runs; so does offload/inline.py's lean
+loop, for one sub-batch or two.
 
 Prefill (`offload.prefill`, mixed in) runs layer by layer over the whole new chunk of a
 sequence: this layer's earlier KV (both tiers) is gathered to the device once, the new tokens
@@ -60,7 +61,7 @@ class Part:
     job: Job | None = None  # the CPU's share of the current layer
     cap: Captured | None = None  # this sub-batch's captured layer segments (CUDA graphs)
     work: cpu_attention.DecodeWork | None = None  # the host tier's attention plan for this step
-    inline: bool = False  # the CPU's share runs in the main thread (one sub-batch)
+    inline: bool = False  # the CPU's share runs in the main thread (one sub-batch, or the lean loop)
     streamed: bool = False  # the device attends over the host tier's first blocks (KVStreamer)
     stream_out: tuple[torch.Tensor, torch.Tensor] | None = None
     ready: torch.cuda.Event | None = None  # recorded when a layer's q (and k, v) are down; reused layer after layer
@@ -88,7 +89,7 @@ class Runner(Prefill):
         after copying them up each step (one sub-batch of up to max_batch sequences a row each; see
         offload/stream.py); weights: the plan's streamed and CPU-computed weight groups
         (offload/placement.py; None: all on the model's device);
-        driver_loop: run a step of one captured sub-batch through offload/inline.py's lean loop.
+        driver_loop: run a step of one or two captured sub-batches through offload/inline.py's lean loop.
 
         Streamed weights keep the per-layer CUDA graphs (the graphs read the staging slots, whose
         addresses never change; the copy and the wait for it happen between replays), but not the
@@ -148,9 +149,6 @@ class Runner(Prefill):
             self._record(st)
             return logits
         parts = [self._part(seqs, tokens, positions, slots, a, b, k) for k, (a, b) in enumerate(self._split(seqs))]
-        for p in parts:
-            p.inline = len(parts) == 1
-        self._kernels_on(parts)
         moved = self._weight_bytes()
         if self.streamer is not None:
             self.streamer.idle()
@@ -159,8 +157,11 @@ class Runner(Prefill):
                     and rows.run_sizes(seqs) is None:
                 self._begin_stream(parts[0])
         L = self.cfg.num_layers
-        self._begin_pass()
         lean = self.lean_step is not None and self.lean_step.takes(self, parts)
+        for p in parts:  # the lean loop runs every sub-batch's CPU share in this thread
+            p.inline = lean or len(parts) == 1
+        self._kernels_on(parts)
+        self._begin_pass()
         (self.lean_step if lean else self.pipelined_step).run(self, parts, st)
         self.ready_weights(L)
         logits = torch.cat([self.model.logits(p.x) for p in parts])  # a captured x is exactly [B, H]

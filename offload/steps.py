@@ -6,11 +6,12 @@ first tokens are all on the device tier, later ones reach the host tier).
 
     GraphStep      every sequence's KV on the device tier, all weights resident: the whole step as
                    one CUDA graph (gpu_ops.decode_step)
-    LeanStep       one captured sub-batch with a host tier: the layer loop of offload/inline.py,
-                   driver launches and Numba calls on numpy views, no torch call a layer
-    PipelinedStep  the general loop: sub-batches skewed so the device computes one while the CPU
-                   attends for the other (NEO / APEX), through torch; also the eager loop when
-                   weights are streamed or computed by the CPU
+    LeanStep       one or two captured sub-batches with a host tier: the layer loop of
+                   offload/inline.py (two: skewed, NEO / APEX), driver launches and Numba calls on
+                   numpy views, no torch call a layer
+    PipelinedStep  the general loop through torch, sub-batches skewed the same way, the CPU's share
+                   on the worker thread; also the eager loop when weights are streamed or computed
+                   by the CPU
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from offload import rows
-from offload.inline import InlineLayers
+from offload.inline import InlineLayers, run_pair
 from offload.timers import StepTimes
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class GraphStep:
 
 
 class LeanStep:
-    """One captured sub-batch whose CPU share runs in the main thread: offload/inline.py's loop."""
+    """One or two captured sub-batches whose CPU share runs in the main thread: offload/inline.py's loops."""
 
     def __init__(self):
         self.loops: dict[Captured, InlineLayers] = {}  # a captured set's driver handles, made once
@@ -65,10 +66,13 @@ class LeanStep:
         return InlineLayers.usable(r, parts)
 
     def run(self, r: Runner, parts: list[Part], st: StepTimes) -> None:
-        cap = parts[0].cap
-        if cap not in self.loops:
-            self.loops[cap] = InlineLayers(cap, torch.cuda.current_stream(r.dev))
-        self.loops[cap].run(r, parts[0], st)
+        for p in parts:
+            if p.cap not in self.loops:
+                self.loops[p.cap] = InlineLayers(p.cap, torch.cuda.current_stream(r.dev))
+        if len(parts) == 1:
+            self.loops[parts[0].cap].run(r, parts[0], st)
+        else:
+            run_pair(r, parts, [self.loops[p.cap] for p in parts], st)
 
 
 class PipelinedStep:
