@@ -20,9 +20,8 @@ from planner.tensors import (Group, Kind, WDtype, cpu_dtype, expert_bytes, exper
 
 GB = 1e9
 # Share of the measured PCIe rate streamed host KV gets inside a decode step. Measured about half
-# (H100 host, 2026-11-22 22:45 UTC: 753 MB a step in 26 ms at 8k), but planning with 0.5 chose
-# less streaming and measured slower (8k bf16 30.5 vs 38.2 tok/s, 32k bf16 13.1 vs 16.2; next
-# run), so plans use the full rate and over-predict streamed steps by ~10-20%.
+# (H100 host, 2026-11-22: 753 MB a step in 26 ms at 8k), but planning with 0.5 chose less streaming
+# and measured slower (8k bf16 30.5 vs 38.2 tok/s, 32k bf16 13.1 vs 16.2), so plans use the full rate.
 STREAM_PCIE_SHARE = 1.0
 # Streamed KV is read from DRAM by the copy engine while the CPU attends, so the CPU's kernels
 # get what DRAM has left: measured 53 GB/s in-run against 68 alone, with PCIe streaming at ~50 and
@@ -33,16 +32,18 @@ MIN_CPU_DRAM_SHARE = 0.25
 # hand-off, ~15 torch calls. Fitted on the H100 host, 2026-11-22 (the lean loop's is the profile's
 # `layer_overhead_s`).
 GENERAL_LOOP_OVERHEAD_S = 200e-6
+# Per layer and sub-batch of a two-sub-batch step in the lean loop (offload/inline.py), on the CPU's
+# path: the main thread's launches and waits (~55 µs, timed) and the pipeline's bubbles; fitted to
+# 7.3–9.7 ms a step beyond the CPU's kernels (16 × 8k, 32 × 2k; H200 host, 2026-11-29, 3 machines).
+LEAN_PAIR_PART_S = 110e-6
 # Per layer of a step that runs whole on the GPU as one CUDA graph (no host-tier KV, every weight
-# resident): what the layer's small kernels (norms, RoPE, the KV write, the attention's split merge)
-# cost beyond the GEMVs' and the attention's bytes. Stated; bench/budget.py prints the prediction
-# beside the measurement.
+# resident): the layer's small kernels (norms, RoPE, the KV write, the attention's split merge)
+# beyond the GEMVs' and the attention's bytes. Stated; bench/budget.py prints it beside the measurement.
 GRAPH_LAYER_OVERHEAD_S = 12e-6
 # Many rows (a prefill chunk, a step whose host experts go up) run a MoE layer's experts in grouped
-# 4-bit GEMMs (gpu_ops.moe_prefill), whose time an expert the rows route to is its weights' decode: GB/s of expert bytes for the device's
-# NF4 (524 µs for 128 Qwen3-30B-A3B experts of ~32 rows, 2.65 MB each) and for a host int4 expert
-# applied after its copy up (229 µs for 24), measured by bench/moe_grouped.py on the H100 host,
-# 2026-11-28.
+# 4-bit GEMMs (gpu_ops.moe_prefill), timed by the decode of the routed experts' weights: GB/s of
+# expert bytes for the device's NF4 (524 µs for 128 Qwen3-30B-A3B experts of ~32 rows, 2.65 MB each)
+# and a host int4 expert after its copy up (229 µs for 24); bench/moe_grouped.py, H100, 2026-11-28.
 PREFILL_EXPERT_GBPS = 650.0
 PREFILL_HOST_EXPERT_GBPS = 280.0
 # Per MoE layer whose experts are split between the devices: the call's hand-off (the side stream
@@ -157,16 +158,19 @@ def decode_step(
       n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + c_w + x_w
              (attention overlaps across devices; CPU-mode weights stall the GPU)
       n = 2: t = max(g, c + x, p)   (sub-batch A's GPU work hides B's CPU work, NEO-style)
-      t += per-layer overhead (one sub-batch: the lean loop's; else n · the general loop's; for a
-           layer whose host experts share the CPU with the host tier's attention, their contention)
+      t += per-layer overhead (one sub-batch: the lean loop's; else n · the general loop's, or in
+           the lean loop n · its main thread's share, added to c instead; for a layer whose host
+           experts share the CPU with the host tier's attention, their contention)
     step = Σ_layers t + head (final norm, lm_head, embedding lookup) in the same way.
     T_s: each sequence's host-tier first tokens the GPU attends over after copying them up (one
     sub-batch of sequences a row each: what the runtime streams).
     """
-    # the runtime's lean loop (offload/inline.py): one sub-batch, no weights moving during the step
-    lean = sub_batches == 1 and all(p.mode is Mode.RESIDENT or p.kind is Kind.EMBED or split_experts(p)
+    # the runtime's lean loop (offload/inline.py): one or two sub-batches, no weights moving during the step
+    lean = sub_batches <= 2 and all(p.mode is Mode.RESIDENT or p.kind is Kind.EMBED or split_experts(p)
                                     for p in placements)
     T_g, T_c = tier_tokens(kv, context)
+    if lean and not T_c:  # the whole step as one graph of every row (offload/steps.py), sub-batches or not
+        sub_batches = 1
     T_s = min(kv.stream_tokens, T_c) if sub_batches == 1 and run_rows == 1 and hw.has_gpu else 0
     BS = kv.block_size
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
@@ -205,8 +209,8 @@ def decode_step(
             nbytes["cpu attention"] += reads_c * T_cpu * kvb_h
             nbytes["pcie kv"] += batch * T_s * kvb_h
             # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
-            over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else \
-                hw.layer_overhead_s if lean else sub_batches * GENERAL_LOOP_OVERHEAD_S
+            over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else sub_batches * (
+                (hw.layer_overhead_s if sub_batches == 1 else LEAN_PAIR_PART_S) if lean else GENERAL_LOOP_OVERHEAD_S)
             if cfg.moe_layers[layer]:
                 over += MOE_LAYER_OVERHEAD_S
                 if T_cpu and c_e:
@@ -214,8 +218,9 @@ def decode_step(
         e = max(g_e, c_e + x_e)
         if sub_batches == 1:
             t = max(g_lin + max(g_att, c_att + x_att) + e, p + s_up, d) + c_w + x_w + over
-        else:
-            t = max(g_lin + g_att + g_e, c_att + c_w + c_e + x_att + x_w + x_e, p) + over
+        else:  # the lean loop's own work is the CPU's thread's
+            c_all = c_att + c_w + c_e + x_att + x_w + x_e
+            t = max(g_lin + g_att + g_e, c_all + over, p) if lean else max(g_lin + g_att + g_e, c_all, p) + over
         total += t
         for k, v in (("gpu weights", g_lin + g_e), ("gpu attention", g_att), ("cpu attention", c_att),
                      ("cpu weights", c_w), ("cpu experts", c_e), ("pcie weights", p), ("pcie kv", s_up),
