@@ -8,7 +8,8 @@ one run of blocks for each of the int8 tier's four tensors (keys and values 852 
 
     one call each   cuMemcpyHtoDAsync a piece (`Driver.memcpy_up`)
     batched         one cuMemcpyBatchAsync for the layer's pieces (`Driver.memcpy_up_all`)
-    kernel          a Triton kernel reading the pinned pieces itself (zero-copy), one launch a layer
+    kernel          one kernel reading the pinned pieces itself (zero-copy), one launch a layer: the
+                    engine's (`gpu_ops.host_read.gather_pinned`)
     one copy        the same bytes as one contiguous copy: the bound
 
 alone, then beside a 15-thread torch.sum over 2 GiB (the CPU's attention reading DRAM meanwhile).
@@ -31,21 +32,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.stream_copies needs a CUDA device")
-    import triton
-    import triton.language as tl
-
-    from gpu_ops.host_read import HostPointer
+    from gpu_ops.host_read import WORD, HostPointer, gather_pinned
     from offload.driver import driver
-
-    @triton.jit
-    def gather(src, dst, src_off, dst_off, nwords, CHUNK: tl.constexpr):
-        p, c = tl.program_id(0), tl.program_id(1)
-        n = tl.load(nwords + p)
-        if c * CHUNK < n:
-            offs = c * CHUNK + tl.arange(0, CHUNK)
-            m = offs < n
-            x = tl.load(src + tl.load(src_off + p) + offs, mask=m, cache_modifier=".cv")
-            tl.store(dst + tl.load(dst_off + p) + offs, x, mask=m)
 
     dev, R, L = torch.device("cuda"), args.rows, args.layers
     host = [torch.ones(L * R * 3 * s // 8, dtype=torch.int64, pin_memory=True) for s in SIZES]  # rows 3 runs apart
@@ -60,19 +48,17 @@ def main() -> None:
         return [(d.data_ptr() + r * s, h.data_ptr() + (layer * R * 3 + 3 * r) * s, s)
                 for h, d, s in zip(host, stage, SIZES) for r in range(R)]
 
-    src_base, dst_base = (min(ts, key=torch.Tensor.data_ptr) for ts in (host, stage))  # offsets from these
-    sb, db = src_base.data_ptr(), dst_base.data_ptr()
-    tables = []
-    for layer in range(L):
-        c = pieces(layer)
-        tables.append([torch.tensor(x, dtype=torch.int64, device=dev) for x in
-                       ([(s - sb) // 8 for _, s, _ in c], [(d - db) // 8 for d, _, _ in c], [n // 8 for *_, n in c])])
-    chunks = -(-max(SIZES) // 8 // 1024)
+    # the engine's kernel (`offload/stream.py`): a piece's words from the lowest addresses, layer 0's
+    # source plus the layer times its tensor's bytes a layer
+    sb, db = (min(t.data_ptr() for t in ts) for ts in (host, stage))
+    table = torch.tensor([[(h - sb) // WORD for _, h, _ in pieces(0)],
+                          [R * 3 * s // WORD for s in SIZES for _ in range(R)],
+                          [(d - db) // WORD for d, _, _ in pieces(0)], [0] * (4 * R),
+                          [n // WORD for *_, n in pieces(0)]], dtype=torch.int64, device=dev)
 
     def kernel(layer: int) -> None:
-        so, do, nw = tables[layer]
         with torch.cuda.stream(st):
-            gather[(len(so), chunks)](HostPointer(src_base), dst_base, so, do, nw, CHUNK=1024, num_warps=4)
+            gather_pinned(HostPointer.words(sb), HostPointer.words(db), table, layer, 0, 4 * R, max(SIZES) // WORD)
 
     ways = {
         "one call each": lambda layer: [drv.memcpy_up(*c, hs) for c in pieces(layer)],

@@ -28,6 +28,20 @@ def read_pinned(src: torch.Tensor, dst: torch.Tensor) -> None:
     _kernel()[(-(-n // BLOCK),)](HostPointer(src), dst, n, BLOCK=BLOCK, num_warps=4)
 
 
+WORD = 4  # bytes: `gather_pinned` moves 32-bit words
+CHUNK = 1024  # words a program of `gather_pinned` moves
+
+
+def gather_pinned(src: HostPointer, dst: HostPointer, table: torch.Tensor, a: int, b: int, pieces: int,
+                  longest: int) -> None:
+    """Pieces of pinned host memory up into device memory by one kernel on the current stream (a
+    copy engine's work, for a main thread that would otherwise issue a copy a piece): for p <
+    pieces, the words [table[0, p] + a · table[1, p], + table[4, p]) from src to [table[2, p] +
+    b · table[3, p], + table[4, p]) of dst. table: int64 [5, ≥ pieces] on the device, in 32-bit
+    words from src's and dst's addresses (`HostPointer.words`); longest: the most words of a piece."""
+    _gather()[(pieces, -(-longest // CHUNK))](src, dst, table, table.stride(0), a, b, CHUNK=CHUNK, num_warps=4)
+
+
 class HostPointer:
     """Only what Triton's launcher reads of a pointer argument: a dtype and a `data_ptr()`, not a
     CPU tensor's device. The launcher asks the driver for the address's device pointer (for
@@ -35,6 +49,13 @@ class HostPointer:
 
     def __init__(self, t: torch.Tensor):
         self.dtype, self._ptr = t.dtype, t.data_ptr()
+
+    @classmethod
+    def words(cls, address: int) -> HostPointer:
+        """A pointer to 32-bit words at address (host or device memory), for `gather_pinned`."""
+        p = cls.__new__(cls)
+        p.dtype, p._ptr = torch.int32, address
+        return p
 
     def data_ptr(self) -> int:
         return self._ptr
@@ -57,3 +78,27 @@ def _kernel():
 
         _KERNEL = copy_from_host
     return _KERNEL
+
+
+_GATHER = None
+
+
+def _gather():
+    global _GATHER
+    if _GATHER is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit(do_not_specialize=["a", "b"])  # one compile for every layer and slot
+        def gather_from_host(src, dst, table, stride, a, b, CHUNK: tl.constexpr):
+            p, c = tl.program_id(0), tl.program_id(1)
+            n = tl.load(table + 4 * stride + p)
+            if c * CHUNK < n:
+                offs = c * CHUNK + tl.arange(0, CHUNK)
+                m = offs < n
+                s = tl.load(table + p) + a * tl.load(table + stride + p)
+                d = tl.load(table + 2 * stride + p) + b * tl.load(table + 3 * stride + p)
+                tl.store(dst + d + offs, tl.load(src + s + offs, mask=m, cache_modifier=".cv"), mask=m)
+
+        _GATHER = gather_from_host
+    return _GATHER

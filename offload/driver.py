@@ -25,6 +25,7 @@ class _CopyAttributes(ctypes.Structure):
 
 COPY_IN_STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 POINTER_MEMORY_TYPE, MEMORY_TYPE_HOST = 2, 1  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_HOST
+POINTER_DEVICE_POINTER = 3  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
 
 
 class Driver:
@@ -86,6 +87,11 @@ class Driver:
         kind = ctypes.c_uint(0)
         err = self._pointer_attribute(ctypes.byref(kind), POINTER_MEMORY_TYPE, ptr)
         return err == 0 and kind.value == MEMORY_TYPE_HOST
+
+    def device_address(self, ptr: int) -> int | None:
+        """The address at which the device reaches host memory at ptr (page-locked and mapped), or None."""
+        out = ctypes.c_uint64(0)
+        return out.value if self._pointer_attribute(ctypes.byref(out), POINTER_DEVICE_POINTER, ptr) == 0 else None
 
     def memcpy_up_all(self, copies: list[tuple[int, int, int]], stream: int) -> None:
         """Queue the copies (device dst, pinned host src, bytes), in one driver call where the driver

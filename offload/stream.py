@@ -14,9 +14,10 @@ blocks at r · max_blocks onwards, and the device's paged attention reads those 
 and is read at its own size.
 
 Per layer i, two staging slots (i % 2) on the device:
-    copy stream:    wait slot free → copy the layer's blocks up (one copy per run of
-                    consecutive blocks per tensor, one driver call for them all where the
-                    driver has batched copies) → event `copied[slot]`
+    copy stream:    wait slot free → the layer's blocks up (a run of consecutive blocks per
+                    tensor and row: all of them read by one kernel from the page-locked pool,
+                    `gpu_ops.host_read.gather_pinned`; else a copy each, in one driver call where
+                    the driver has batched copies) → event `copied[slot]`
     compute stream: wait `copied[slot]` → paged attention over the slot → (o, lse) → event `free[slot]`
 Layer i + 2's copy is queued right after layer i's attention, so each copy has a whole layer
 of time to land. On a CPU stand-in device the same code runs without streams. Streamed blocks
@@ -29,9 +30,13 @@ import torch
 
 from cpu_attention import HostKVPool, KVDtype, rotation
 from gpu_ops import attention as gpu_attention
+from gpu_ops.host_read import WORD, HostPointer, gather_pinned
 from gpu_ops.kv_pool import GpuKVPool
 from offload.driver import driver, event_handle
 
+# The main thread's time to issue a layer's copies at 16 rows (64 runs, one batched driver call):
+# ~175 µs, against ~15 µs for the kernel's launch; the kernel moved 50 GB/s where the batched
+# copies moved 54 (42.5 and 47.6 beside the CPU reading DRAM; H200 host, 2026-11-29).
 # Copies go up in pieces of at most this. Small pieces cost the main thread ~20 µs of launch each
 # (2 MB pieces: 244 µs a layer at 8k), and a small upload waits ~40 µs behind
 # a 24 MB copy whole or in 12 pieces alike: so pieces are large.
@@ -96,6 +101,24 @@ class KVStreamer:
         self._copy_plan = [(n, t.data_ptr(), t.stride(0) * t.element_size(), t[0, 0].numel() * t.element_size())
                            for n, t in parts.items()]
         self._drv = driver() if self.cuda and _blocks_contiguous(parts, self.raw) else None
+        self._gather = self._gather_plan() if self._drv is not None else None
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's pieces: pinned, device
+        self._pieces = self._longest = self._layer_bytes = 0
+
+    def _gather_plan(self) -> tuple[int, int, list[tuple[int, ...]]] | None:
+        """`gather_pinned`'s bases (the lowest host and staging addresses) and, per tensor, (host
+        layer 0, a layer, a block, staging slot 0, a slot) in words from them; None where one is
+        not whole words, or the device reaches the host pool at other addresses."""
+        if any(self._drv.device_address(hp) != hp for _, hp, _, _ in self._copy_plan):
+            return None
+        staged = self.pool.parts()  # [2 slots, blocks, ...]
+        dst = [(staged[n].data_ptr(), staged[n].stride(0) * staged[n].element_size()) for n, *_ in self._copy_plan]
+        src_base, dst_base = min(c[1] for c in self._copy_plan), min(d for d, _ in dst)
+        per = [(hp - src_base, layer, block, dp - dst_base, slot)
+               for (_, hp, layer, block), (dp, slot) in zip(self._copy_plan, dst)]
+        if any(v % WORD for vals in per for v in vals):
+            return None
+        return src_base, dst_base, [tuple(v // WORD for v in vals) for vals in per]
 
     @property
     def nbytes(self) -> int:
@@ -114,11 +137,29 @@ class KVStreamer:
         self._runs = [(first, r * self.max_blocks + at, n) for r, blocks in enumerate(rows)
                       for first, at, n in runs(blocks)]
         self.bytes_up = 0
+        if self._gather is not None:
+            self._gather_table()
         lens = [len(blocks) * self.host.block_size for blocks in rows]
         if len(rows) == 1:
             self.lens.fill_(lens[0])  # one row: no copy
         else:
             self.lens[: len(rows)].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+
+    def _gather_table(self) -> None:
+        """This step's pieces for `gather_pinned`, a run a tensor, up on the copy stream (whose
+        kernels of the step before, the table's last readers, it follows)."""
+        cols = [(s0 + first * block, layer, d0 + at * block, slot, n * block)
+                for s0, layer, block, d0, slot in self._gather[2] for first, at, n in self._runs]
+        P = len(cols)
+        if self._table is None or self._table[0].shape[1] < P:
+            self._table = (torch.empty(5, P, dtype=torch.int64, pin_memory=True),
+                           torch.empty(5, P, dtype=torch.int64, device=self.device))
+        host, dev = self._table
+        host[:, :P] = torch.tensor(cols, dtype=torch.int64).T
+        with torch.cuda.stream(self.stream):
+            dev[:, :P].copy_(host[:, :P], non_blocking=True)
+        self._pieces, self._longest = P, max((c[4] for c in cols), default=0)
+        self._layer_bytes = sum(c[4] for c in cols) * WORD
 
     def take(self, blocks: list[list[int]], tables: tuple[torch.Tensor, torch.Tensor]) -> tuple | None:
         """Stream each row's first full host blocks (all but the last, which takes this step's token;
@@ -164,7 +205,14 @@ class KVStreamer:
         h = st.cuda_stream
         drv.wait(h, self.free_h[slot])  # the slot's last reader is done
         span = self.timer.begin(h) if self.timer is not None else None
-        self._driver_copy(layer, slot)
+        if self._gather is not None:
+            if self._pieces:
+                with torch.cuda.stream(st):
+                    gather_pinned(HostPointer.words(self._gather[0]), HostPointer.words(self._gather[1]),
+                                  self._table[1], layer, slot, self._pieces, self._longest)
+            self.bytes_up += self._layer_bytes
+        else:
+            self._driver_copy(layer, slot)
         if span is not None:
             self.timer.end(span, h)
         drv.record(self.copied_h[slot], h)

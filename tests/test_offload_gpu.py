@@ -112,7 +112,7 @@ def test_cuda_streamed_rotated_host_kv_matches_cpu(tiny, kv, block_size):
 @pytest.mark.parametrize("lean", [True, False])
 def test_cuda_streamed_host_kv_of_a_batch_matches_cpu(tiny, kv, block_size, gpu_tokens, lean):
     """Four sequences of different lengths in one sub-batch, each row's first host blocks copied up
-    (one batched driver call a layer where the driver has it) and attended on the GPU inside the
+    (one kernel a layer reading the page-locked pool) and attended on the GPU inside the
     captured set of four rows, in the lean loop and the general one: the CPU run's tokens."""
     folder = tiny("llama_hd32")[0]
     prompts = [PROMPT * 3, PROMPT[:7], PROMPT[3:] * 4, PROMPT * 2]
@@ -124,7 +124,8 @@ def test_cuda_streamed_host_kv_of_a_batch_matches_cpu(tiny, kv, block_size, gpu_
         e.runner.lean_step = None
     assert _greedy(e, prompts) == want
     assert e.runner.streamer.bytes_up > 0
-    assert e.runner.streamer._drv is not None  # the pool is page-locked: the copies go through the driver
+    assert e.runner.streamer._drv is not None  # the pool is page-locked, and reached at its own addresses:
+    assert e.runner.streamer._gather is not None  # one kernel a layer reads the pieces
     assert not lean or e.runner.lean_step.loops
 
 
