@@ -51,8 +51,11 @@ def plan_cmd(
     ctx_size: int = flags.ctx_size(),
     parallel: int = flags.whole_opt(1, "-np", "--parallel", lo=1, help="sequences decoded together"),
     prompt_tokens: int = flags.whole_opt(0, "-p", "--prompt-tokens", lo=0,
-                                         help="prompt length; 0 = ctx-size minus max-new-tokens"),
-    max_new_tokens: int = flags.max_new_tokens(),
+                                         help="prompt length; 0 = ctx-size minus max-new-tokens, and with "
+                                              "neither given, as hetero chat and serve plan: decode over "
+                                              "the context's second half"),
+    max_new_tokens: Optional[int] = flags.whole_opt(None, "-n", "--max-new-tokens", lo=1,
+                                                    help="tokens to generate per answer"),
     ubatch: int = flags.whole_opt(2048, "-ub", "--ubatch-size", lo=1, help="prefill chunk, tokens"),
     threads: Optional[int] = flags.threads(),
     gpu_mem: Optional[int] = flags.gpu_mem(),
@@ -79,8 +82,9 @@ def plan_cmd(
     try:
         cfg, checkpoint, notes = _model(model or model_arg)
         hw = _hardware(profile)
-        wl = Workload(cfg.context(ctx_size), parallel, prompt_tokens,
-                      max_new_tokens, ubatch)
+        ctx = cfg.context(ctx_size)
+        wl = Workload.conversation(ctx, parallel, ubatch) if not (prompt_tokens or max_new_tokens) else \
+            Workload(ctx, parallel, prompt_tokens, max_new_tokens or flags.DEFAULT_MAX_NEW_TOKENS, ubatch)
         budget = budget_from(hw, gpu_mem, cpu_mem)
         ov = overrides_from(device=device, weights=weights, kv_dtype=kv_dtype, gpu_kv_dtype=gpu_kv_dtype,
                             threads=threads, sub_batches=sub_batches, gpu_kv_tokens=gpu_kv_tokens,

@@ -69,6 +69,12 @@ class Workload:
         """Tokens a decode step attends to on average over the answer."""
         return min(self.ctx_size, self.prompt_tokens + self.gen_tokens // 2)
 
+    @classmethod
+    def conversation(cls, ctx: int, batch: int = 1, ubatch: int = 2048) -> Workload:
+        """A conversation that may fill the context, its decode compared over the second half: what
+        `hetero.load`, `hetero chat` and `hetero serve` plan for."""
+        return cls(ctx, batch, max(1, ctx // 2), max(1, ctx - ctx // 2), ubatch)
+
     def decode_contexts(self, n: int = 4) -> list[int]:
         """n contexts spread over the answer, at the middles of its n parts: a step's time is linear
         in the context within a KV tier but not across tiers, so its mean over the answer is the

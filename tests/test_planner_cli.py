@@ -198,3 +198,27 @@ def test_plan_predicts_speculative_decoding_from_an_acceptance_rate(synthetic_pr
     assert 1.0 <= gains[1][1] < gains[2][1] and gains[2][0] >= gains[1][0] >= 1
     r = CliRunner().invoke(_app(), ["plan", "--profile", str(synthetic_profile), "--draft-accept", "1"])
     assert r.exit_code == 2 and "outside [0, 1)" in r.output
+
+
+def test_plan_by_default_plans_what_a_run_with_the_same_options_runs(tmp_path):
+    """Without -p or -n, `hetero plan` plans the workload `hetero chat`, `serve` and `hetero.load`
+    plan for (a conversation that may fill the context): the same placement, KV split and
+    sub-batches; with -p it plans for that prompt instead."""
+    import torch
+
+    from hetero.app.build import _plan
+
+    write_sparse_checkpoint(tmp_path / "llama", LLAMA3_8B_HF)
+    h200 = Path(__file__).parent / "data" / "h200_profile.json"
+    args = ["plan", str(tmp_path / "llama"), "--profile", str(h200), "-c", "8192", "-np", "16", "--gpu-mem", "8GiB",
+            "--json"]
+    r = CliRunner().invoke(_app(), args)
+    assert r.exit_code == 0, r.output
+    shown = Plan.from_dict(json.loads(r.stdout))
+    run = _plan(config_from_hf(LLAMA3_8B_HF), None, torch.device("cuda"), 8192, 16, "8GiB", None, None,
+                hw=HardwareProfile.from_json(h200.read_text()))
+    assert (shown.kv, shown.sub_batches, shown.placements) == (run.kv, run.sub_batches, run.placements)
+    assert shown.workload == run.workload
+    r = CliRunner().invoke(_app(), args + ["-p", "7936"])
+    assert r.exit_code == 0, r.output
+    assert Plan.from_dict(json.loads(r.stdout)).workload.prompt_tokens == 7936 != run.workload.prompt_tokens

@@ -207,7 +207,7 @@ def draft_share(cfg, hw, whole: Budget, ctx: int, parallel: int) -> tuple[Plan, 
     share: its weights, and its KV on the GPU while it fits)."""
     share = Budget(whole.gpu_bytes // DRAFT_SHARE, whole.host_bytes // DRAFT_SHARE)
     try:
-        small = make_plan(cfg, hw, share, _workload(ctx, parallel), overrides_from(device="cuda"))
+        small = make_plan(cfg, hw, share, Workload.conversation(ctx, parallel), overrides_from(device="cuda"))
     except UserError as e:
         raise UserError(f"the draft model does not fit a quarter of the budgets ({e})") from None
     m = small.memory
@@ -240,9 +240,6 @@ def _draft_checkpoint(draft_model, cfg) -> Checkpoint:
     return ck
 
 
-def _workload(ctx: int, parallel: int) -> Workload:
-    """A conversation that may fill the context: placements compare over the second half of it."""
-    return Workload(ctx_size=ctx, batch=parallel, prompt_tokens=max(1, ctx // 2), gen_tokens=max(1, ctx - ctx // 2))
 
 
 def _kv_dtype(value: str, flag: str, cfg) -> KVDtype:
@@ -274,7 +271,7 @@ def _plan(cfg, plan, dev: torch.device, ctx: int, parallel: int, gpu_mem, cpu_me
             raise UserError(f"cannot read the plan {plan}: {e}") from e
     hw = hw or (load_or_measure() if dev.type == "cuda" else load_or_estimate())
     ov = overrides_from(device=dev.type, **options)
-    return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), _workload(ctx, parallel), ov, routing)
+    return make_plan(cfg, hw, budget_from(hw, gpu_mem, cpu_mem), Workload.conversation(ctx, parallel), ov, routing)
 
 
 def _device(device: str) -> torch.device:
