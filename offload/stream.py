@@ -19,6 +19,9 @@ Per layer i, two staging slots (i % 2) on the device:
                     `gpu_ops.host_read.gather_pinned`; else a copy each, in one driver call where
                     the driver has batched copies) → event `copied[slot]`
     compute stream: wait `copied[slot]` → paged attention over the slot → (o, lse) → event `free[slot]`
+The kernel rather than the copies: a layer's 64 runs of blocks at 16 rows, in one batched driver
+call, cost the main thread ~175 µs a layer to issue, the kernel one launch; it moved 50 GB/s
+where the batched copies moved 54 (47.6 against 42.5 beside the CPU reading DRAM; H200 host).
 Layer i + 2's copy is queued right after layer i's attention, so each copy has a whole layer
 of time to land. On a CPU stand-in device the same code runs without streams. Streamed blocks
 are complete, so an int4 block is always in its codes, never in a bf16 tail (`begin` checks the
@@ -34,9 +37,6 @@ from gpu_ops.host_read import WORD, HostPointer, gather_pinned
 from gpu_ops.kv_pool import GpuKVPool
 from offload.driver import driver, event_handle
 
-# The main thread's time to issue a layer's copies at 16 rows (64 runs, one batched driver call):
-# ~175 µs, against ~15 µs for the kernel's launch; the kernel moved 50 GB/s where the batched
-# copies moved 54 (42.5 and 47.6 beside the CPU reading DRAM; H200 host, 2026-11-29).
 # Copies go up in pieces of at most this. Small pieces cost the main thread ~20 µs of launch each
 # (2 MB pieces: 244 µs a layer at 8k), and a small upload waits ~40 µs behind
 # a 24 MB copy whole or in 12 pieces alike: so pieces are large.
