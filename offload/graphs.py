@@ -40,9 +40,11 @@ class Captured:
     of two: `run_bucket`)."""
 
     def __init__(self, model: Model, cache: TieredKVCache, B: int, mempool, streamer: KVStreamer | None = None,
-                 run_rows: int = 1):
+                 run_rows: int = 1, stream_row0: int = 0):
+        """streamer: the KV streamer whose blocks this set's rows attend over, from its staging row
+        stream_row0 on (`KVStreamer.first_rows`)."""
         c, dev, dt = model.cfg, model.device, model.act_dtype
-        self.B, self.model, self.cache, self.streamer = B, model, cache, streamer
+        self.B, self.model, self.cache, self.streamer, self.stream_row0 = B, model, cache, streamer, stream_row0
         self.runs = RunRows(torch.ones(B, dtype=torch.int32, device=dev), run_rows) if run_rows > 1 else None
         self.gpu = cache.gpu
         z = lambda *s, dtype=dt: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
@@ -79,7 +81,7 @@ class Captured:
         if self.gpu is not None:
             parts.append(decode_attention(self.gpu, i, q, self.tables, self.lens, self.model.scale, runs=self.runs))
         if self.streamer is not None:  # lens 0 on a step that streams nothing: lse -inf, merged away
-            parts.append(self.streamer.attend(i, q, self.model.scale, wait=False))
+            parts.append(self.streamer.attend(i, q, self.model.scale, wait=False, row0=self.stream_row0))
         return parts
 
     def _post(self, i: int, parts) -> None:
@@ -166,8 +168,11 @@ class SegmentGraphs:
             # One memory pool per set: a set's graphs replay in capture order (pre0, post0, pre1, …) so
             # they may share one, but two sub-batches' sets interleave, and a shared pool would let one
             # set's intermediates overwrite the other's live outputs.
-            # the streamer serves one sub-batch of sequences a row each: its share lives in slot 0's sets
+            # the streamer serves sub-batches of sequences a row each: the first from its staging row
+            # 0, the second of two from row `half` (`KVStreamer.first_rows`)
             sv = self.streamer
-            streamer = sv if sv is not None and slot == 0 and run_rows == 1 and B <= sv.max_rows else None
-            self._sets[key] = Captured(self.model, self.cache, B, torch.cuda.graph_pool_handle(), streamer, run_rows)
+            row0 = None if sv is None or run_rows != 1 else 0 if slot == 0 and B <= sv.max_rows else \
+                sv.half if slot == 1 and sv.half + B <= sv.max_rows else None
+            self._sets[key] = Captured(self.model, self.cache, B, torch.cuda.graph_pool_handle(),
+                                       sv if row0 is not None else None, run_rows, row0 or 0)
         return self._sets[key]

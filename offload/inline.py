@@ -30,7 +30,9 @@ pre segment while the CPU attends for B, and the other way round:
     for each layer i:   CPU(A, i) → post(A, i), pre(A, i+1)    (the device meanwhile: B's segments)
                         CPU(B, i) → post(B, i), pre(B, i+1)    (the device meanwhile: A's)
 
-Each sub-batch has its own captured set and buffers. A sub-batch's `up` buffer is written for layer
+Each sub-batch has its own captured set and buffers; with streamed host KV each waits for a
+layer's blocks before its attention, and the last to read them frees the slot and queues layer
+i+2's. A sub-batch's `up` buffer is written for layer
 i+1 only after its `ready` for i+1 fired, which its post(i) precedes on the stream; its `down` is
 written by pre(i+1), queued after the CPU has read it for layer i.
 """
@@ -67,11 +69,10 @@ class InlineLayers:
 
     @staticmethod
     def usable(runner: Runner, parts: list[Part]) -> bool:
-        """One or two captured sub-batches (two: nothing streamed), no weights moving or computed by
-        the CPU, a CUDA driver to call; their CPU share then runs in this thread."""
+        """One or two captured sub-batches, no weights moving or computed by the CPU, a CUDA driver
+        to call; their CPU share then runs in this thread."""
         return (len(parts) in (1, 2) and all(p.cap is not None for p in parts) and runner.weights is None
-                and runner.host_compute is None and (len(parts) == 1 or not any(p.streamed for p in parts))
-                and RAW_GRAPHS and driver() is not None)
+                and runner.host_compute is None and RAW_GRAPHS and driver() is not None)
 
     def front(self, runner: Runner, p: Part, i: int, h: int) -> None:
         """Queue layer i's pre segment, the `ready` record the CPU waits for, and the device's attention."""
@@ -84,7 +85,7 @@ class InlineLayers:
             if p.streamed:
                 streamer.ready(i, h)
             drv.launch(self.attn[i], h)
-            if p.streamed:
+            if p.stream_last:  # the step's last reader of the layer's streamed blocks
                 streamer.release(i, h)
                 if i + 2 < runner.cfg.num_layers:
                     streamer.prefetch(i + 2)
@@ -136,7 +137,7 @@ class InlineLayers:
 
 
 def run_pair(runner: Runner, parts: list[Part], loops: list[InlineLayers], st: StepTimes) -> None:
-    """All layers of one step for two sub-batches, skewed (the module's docstring); nothing streamed."""
+    """All layers of one step for two sub-batches, skewed (the module's docstring)."""
     h = torch.cuda.current_stream(runner.dev).cuda_stream
     L = runner.cfg.num_layers
     both = list(zip(loops, parts, [lp.host_rows(p) for lp, p in zip(loops, parts)]))

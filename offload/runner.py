@@ -63,6 +63,8 @@ class Part:
     work: cpu_attention.DecodeWork | None = None  # the host tier's attention plan for this step
     inline: bool = False  # the CPU's share runs in the main thread (one sub-batch, or the lean loop)
     streamed: bool = False  # the device attends over the host tier's first blocks (KVStreamer)
+    stream_row0: int = 0  # from this staging row on (`KVStreamer.first_rows`)
+    stream_last: bool = False  # the step's last sub-batch to read a layer's streamed blocks: it frees them
     stream_out: tuple[torch.Tensor, torch.Tensor] | None = None
     ready: torch.cuda.Event | None = None  # recorded when a layer's q (and k, v) are down; reused layer after layer
 
@@ -152,20 +154,17 @@ class Runner(Prefill):
         moved = self._weight_bytes()
         if self.streamer is not None:
             self.streamer.idle()
-            # one sub-batch of sequences a row each: the captured set the streamer's attention is in
-            if len(parts) == 1 and parts[0].host_tables is not None and len(seqs) <= self.streamer.max_rows \
-                    and rows.run_sizes(seqs) is None:
-                self._begin_stream(parts[0])
-        L = self.cfg.num_layers
+            if rows.run_sizes(seqs) is None:  # sequences a row each, not runs of drafts
+                self._begin_stream(parts)
         lean = self.lean_step is not None and self.lean_step.takes(self, parts)
         for p in parts:  # the lean loop runs every sub-batch's CPU share in this thread
             p.inline = lean or len(parts) == 1
         self._kernels_on(parts)
         self._begin_pass()
         (self.lean_step if lean else self.pipelined_step).run(self, parts, st)
-        self.ready_weights(L)
+        self.ready_weights(self.cfg.num_layers)
         logits = torch.cat([self.model.logits(p.x) for p in parts])  # a captured x is exactly [B, H]
-        self.release_weights(L)
+        self.release_weights(self.cfg.num_layers)
         if any(p.streamed for p in parts):
             st.h2d_bytes += self.streamer.bytes_up
         up, down = self._weight_bytes()
@@ -241,12 +240,17 @@ class Runner(Prefill):
             buf=self._buffers(k, b - a) if self.cuda and host_tables is not None else None,
         )
 
-    def _begin_stream(self, p: Part) -> None:
+    def _begin_stream(self, parts: list[Part]) -> None:
         """Give each row's host tier's first full blocks to the streamer (capped by the plan), the rest to the CPU."""
-        tables = self.streamer.take([self.cache.seqs[s].host.blocks for s in p.seqs], p.host_tables)
-        if tables is not None:
-            p.host_tables, p.streamed = tables, True
-            p.work = cpu_attention.DecodeWork(self.cache.host, *tables, self.threads)
+        first = self.streamer.first_rows([len(p.seqs) for p in parts])
+        got = first and self.streamer.take([(([self.cache.seqs[s].host.blocks for s in p.seqs], p.host_tables)
+                                              if p.host_tables is not None else None) for p in parts], first)
+        for p, tables, r0 in zip(parts, got or [], first or []):
+            if tables is not None:
+                p.host_tables, p.streamed, p.stream_row0 = tables, True, r0
+                p.work = cpu_attention.DecodeWork(self.cache.host, *tables, self.threads)
+        if got:
+            [p for p in parts if p.streamed][-1].stream_last = True
 
     def start_layer(self, i: int, p: Part, st: StepTimes) -> None:
         """Layer i's first half for sub-batch p: pre_attention, the new KV into its tiers, the
@@ -264,14 +268,14 @@ class Runner(Prefill):
             if p.streamed:
                 self.streamer.ready(i)
             p.cap.attn[i].replay()
-            if p.streamed:
+            if p.stream_last:
                 self.streamer.release(i)
         elif p.cap is None and p.gpu_tables is not None:
             p.gpu_out = gpu_attention.decode_attention(self.cache.gpu, i, q, *p.gpu_tables, self.model.scale,
                                                        runs=p.gpu_runs)
         if p.cap is None and p.streamed:
-            p.stream_out = self.streamer.attend(i, q, self.model.scale)
-        if p.streamed and i + 2 < self.cfg.num_layers:
+            p.stream_out = self.streamer.attend(i, q, self.model.scale, row0=p.stream_row0, release=p.stream_last)
+        if p.stream_last and i + 2 < self.cfg.num_layers:
             self.streamer.prefetch(i + 2)
         self.spans.end(span)
         if down is not None:

@@ -2,14 +2,16 @@
 up over PCIe each step, a layer ahead, while the CPU attends over the rest.
 
 In a decode step with one sub-batch nothing else overlaps the CPU's attention (the next layer
-needs its output), so the host tier's read rate is the CPU kernel's alone, ~40–70 GB/s on the
+needs its output; with two, the other sub-batch's device work does), so the host tier's read rate
+is the CPU kernel's alone, ~40–70 GB/s on the
 GPU host; PCIe adds ~55 GB/s of its own, limited together by DRAM (~85–115 GB/s). The plan's
 `stream_tokens` says how many of each sequence's host-tier first tokens take the PCIe road;
 they stay stored on the host.
 
 The blocks go up as they are stored (bf16, int8 or int4: one block format for both tiers,
 `cpu_attention.layout.part_shapes`) into a two-layer device pool of the host's format, row r's
-blocks at r · max_blocks onwards, and the device's paged attention reads those bytes directly
+blocks at r · max_blocks onwards (the second of two sub-batches' rows from row `half` on: each
+sub-batch's captured attention reads fixed rows), and the device's paged attention reads those bytes directly
 (`gpu_ops.attention`: int8 and int4 dequantized in registers), so an int4 block crosses PCIe
 and is read at its own size.
 
@@ -75,6 +77,7 @@ class KVStreamer:
         `device`, in the host's format."""
         self.host, self.device, self.max_rows = host, device, max_rows
         self.max_blocks = max(1, max_tokens // host.block_size)  # a row's
+        self.half = -(-max_rows // 2)  # the second of two sub-batches' first row
         self.cuda = device.type == "cuda"
         n = max_rows * self.max_blocks
         # the two slots are the two "layers" of a pool the paged-attention kernels already read
@@ -161,14 +164,41 @@ class KVStreamer:
         self._pieces, self._longest = P, max((c[4] for c in cols), default=0)
         self._layer_bytes = sum(c[4] for c in cols) * WORD
 
-    def take(self, blocks: list[list[int]], tables: tuple[torch.Tensor, torch.Tensor]) -> tuple | None:
+    def first_rows(self, sizes: list[int]) -> list[int] | None:
+        """The staging row each sub-batch's rows start from, for sub-batches of `sizes` rows: row 0
+        for one; for two, rows 0 and `half` (a fixed row: the second one's captured attention reads
+        from there); None where they do not fit."""
+        if len(sizes) == 1 and sizes[0] <= self.max_rows:
+            return [0]
+        if len(sizes) == 2 and sizes[0] <= self.half and self.half + sizes[1] <= self.max_rows:
+            return [0, self.half]
+        return None
+
+    def take(self, parts: list[tuple[list[list[int]], tuple] | None], first: list[int]) -> list[tuple | None] | None:
         """Stream each row's first full host blocks (all but the last, which takes this step's token;
-        capped by the plan) → the CPU's share of the host tables (each row shifted past its streamed
-        blocks), or None where no row has a block to stream."""
-        n = [min(self.max_blocks, len(b) - 1) if len(b) > 1 else 0 for b in blocks]
-        if not any(n):
+        capped by the plan) of the sub-batches `parts` (each its rows' host blocks and its host
+        tables, or None: no host tier), row r of sub-batch k into staging row first[k] + r → each
+        sub-batch's CPU share of its host tables (each row shifted past its streamed blocks; None
+        where it has no host tier), or None where no row has a block to stream."""
+        rows: list[list[int]] = []
+        cuts: list[list[int] | None] = []
+        for part, r0 in zip(parts, first):
+            if part is None:
+                cuts.append(None)
+                continue
+            n = [min(self.max_blocks, len(b) - 1) if len(b) > 1 else 0 for b in part[0]]
+            rows += [[] for _ in range(r0 + len(n) - len(rows))]
+            rows[r0:r0 + len(n)] = [b[:k] for b, k in zip(part[0], n)]
+            cuts.append(n)
+        if not any(k for n in cuts if n for k in n):
             return None
-        self.begin([b[:k] for b, k in zip(blocks, n)])
+        self.begin(rows + [[] for _ in range(self.max_rows - len(rows))])  # every row's length: sets read theirs
+        for layer in range(min(2, self.host.num_layers)):
+            self.prefetch(layer)
+        return [None if n is None else self._shifted(part[1], n) for part, n in zip(parts, cuts)]
+
+    def _shifted(self, tables: tuple[torch.Tensor, torch.Tensor], n: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host tables with row r's first n[r] blocks taken off (they are streamed)."""
         bt, lens = tables
         if len(n) == 1:
             bt = bt[:, n[0]:]
@@ -176,8 +206,6 @@ class KVStreamer:
             bt, rows = bt.clone(), bt
             for r, k in enumerate(n):
                 bt[r, : bt.shape[1] - k] = rows[r, k:]
-        for layer in range(min(2, self.host.num_layers)):
-            self.prefetch(layer)
         return bt, lens - torch.tensor(n, dtype=lens.dtype) * self.host.block_size
 
     def idle(self) -> None:
@@ -244,17 +272,21 @@ class KVStreamer:
                 self.bytes_up += n * block
         self._drv.memcpy_up_all(copies, self.stream.cuda_stream)
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device's attention over the streamed blocks of layer → (o [B, Hq, D] f32, lse [B, Hq]).
+    def attend(self, layer: int, q: torch.Tensor, scale: float, wait: bool = True, row0: int = 0,
+               release: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device's attention over the streamed blocks of layer for q's rows, staging rows row0
+        on (`first_rows`) → (o [B, Hq, D] f32, lse [B, Hq]).
 
         Static shapes (the whole slot, `lens` masks it), so a CUDA graph can hold it; wait=False
-        there, and the caller waits for `copied[slot]` before the replay and records `free[slot]` after."""
+        there, and the caller waits for `copied[slot]` before the replay and records `free[slot]`
+        after the step's last reader of the slot (release=False: a later sub-batch reads it too)."""
         slot = layer % 2
         if wait and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
         B = q.shape[0]
-        out = gpu_attention.decode_attention(self.pool, slot, q, self.table[:B], self.lens[:B], scale)
-        if wait:
+        out = gpu_attention.decode_attention(self.pool, slot, q, self.table[row0:row0 + B], self.lens[row0:row0 + B],
+                                             scale)
+        if wait and release:
             self.release(layer)
         return out
 

@@ -23,7 +23,7 @@ class StepTimes:
     # MoE experts the host computes (offload/moe.py), since the last step was recorded: a step run
     # as a CUDA graph may still be computing when it is, so a step's time can land in the next
     cpu_experts: float = 0.0
-    wait: float = 0.0  # main thread blocked on the other side's share (the CPU's; in the lean loop the device's q, k, v)
+    wait: float = 0.0  # main thread blocked on the other side (on the CPU's share; in the lean loop on q, k, v)
     transfer: float = 0.0  # CUDA events on the copy streams: q/k/v down and (o, lse) up outside the
     # layer graphs, and host KV blocks and weights copied up a layer ahead (these overlap the rest)
     d2h_bytes: int = 0

@@ -110,16 +110,18 @@ def test_cuda_streamed_rotated_host_kv_matches_cpu(tiny, kv, block_size):
 
 @pytest.mark.parametrize("kv,block_size,gpu_tokens", [("f32", 4, 0), ("int8", 16, 8), ("int4", 16, 0)])
 @pytest.mark.parametrize("lean", [True, False])
-def test_cuda_streamed_host_kv_of_a_batch_matches_cpu(tiny, kv, block_size, gpu_tokens, lean):
-    """Four sequences of different lengths in one sub-batch, each row's first host blocks copied up
-    (one kernel a layer reading the page-locked pool) and attended on the GPU inside the
-    captured set of four rows, in the lean loop and the general one: the CPU run's tokens."""
+@pytest.mark.parametrize("sub_batches", [1, 2])
+def test_cuda_streamed_host_kv_of_a_batch_matches_cpu(tiny, kv, block_size, gpu_tokens, lean, sub_batches):
+    """Four sequences of different lengths in one sub-batch (or two, the second's rows from the
+    staging's middle row), each row's first host blocks copied up (one kernel a layer reading the
+    page-locked pool) and attended on the GPU inside the captured sets, in the lean loop and the
+    general one: the CPU run's tokens."""
     folder = tiny("llama_hd32")[0]
     prompts = [PROMPT * 3, PROMPT[:7], PROMPT[3:] * 4, PROMPT * 2]
     kw = dict(weights="f32", kv_dtype=kv, tokenizer=False, block_size=block_size, parallel=4)
     want = _greedy(hetero.load(folder, device="cpu", **kw), prompts)
-    e = hetero.load(folder, device="cuda", gpu_kv_tokens=gpu_tokens, stream_tokens=2 * block_size, sub_batches=1,
-                    **kw)
+    e = hetero.load(folder, device="cuda", gpu_kv_tokens=gpu_tokens, stream_tokens=2 * block_size,
+                    sub_batches=sub_batches, **kw)
     if not lean:
         e.runner.lean_step = None
     assert _greedy(e, prompts) == want
