@@ -157,13 +157,12 @@ def decode_step(
       x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
       n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + c_w + x_w
              (attention overlaps across devices; CPU-mode weights stall the GPU)
-      n = 2: t = max(g, c + x, p)   (sub-batch A's GPU work hides B's CPU work, NEO-style)
+      n = 2: t = max(g, c + x, p, d)   (sub-batch A's GPU work hides B's CPU work, NEO-style)
       t += per-layer overhead (one sub-batch: the lean loop's; else n · the general loop's, or in
            the lean loop n · its main thread's share, added to c instead; for a layer whose host
            experts share the CPU with the host tier's attention, their contention)
     step = Σ_layers t + head (final norm, lm_head, embedding lookup) in the same way.
-    T_s: each sequence's host-tier first tokens the GPU attends over after copying them up (one
-    sub-batch of sequences a row each: what the runtime streams).
+    T_s: each sequence's host-tier first tokens the GPU attends over after copying them up (rows of one sequence each).
     """
     # the runtime's lean loop (offload/inline.py): one or two sub-batches, no weights moving during the step
     lean = sub_batches <= 2 and all(p.mode is Mode.RESIDENT or p.kind is Kind.EMBED or split_experts(p)
@@ -171,7 +170,7 @@ def decode_step(
     T_g, T_c = tier_tokens(kv, context)
     if lean and not T_c:  # the whole step as one graph of every row (offload/steps.py), sub-batches or not
         sub_batches = 1
-    T_s = min(kv.stream_tokens, T_c) if sub_batches == 1 and run_rows == 1 and hw.has_gpu else 0
+    T_s = min(kv.stream_tokens, T_c) if run_rows == 1 and hw.has_gpu else 0
     BS = kv.block_size
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
@@ -220,7 +219,8 @@ def decode_step(
             t = max(g_lin + max(g_att, c_att + x_att) + e, p + s_up, d) + c_w + x_w + over
         else:  # the lean loop's own work is the CPU's thread's
             c_all = c_att + c_w + c_e + x_att + x_w + x_e
-            t = max(g_lin + g_att + g_e, c_all + over, p) if lean else max(g_lin + g_att + g_e, c_all, p) + over
+            t = max(g_lin + g_att + g_e, c_all + over, p + s_up, d) if lean else \
+                max(g_lin + g_att + g_e, c_all, p + s_up, d) + over
         total += t
         for k, v in (("gpu weights", g_lin + g_e), ("gpu attention", g_att), ("cpu attention", c_att),
                      ("cpu weights", c_w), ("cpu experts", c_e), ("pcie weights", p), ("pcie kv", s_up),

@@ -65,12 +65,10 @@ def stream_staging_bytes(cfg: ModelConfig, host_dt: KVDtype, tokens: int, block:
 
 def stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int, int, str]]:
     """(streamed tokens a sequence, staging bytes, reason) to try: none, and shares of the host tier
-    that fit (the decode step prices them with one sub-batch only, the one the runtime streams in)."""
+    that fit (staging for every row of the batch, in one sub-batch or two)."""
     if ov.stream_tokens is not None:
         if ov.stream_tokens and not hw.has_gpu:
             raise UserError("--kv-stream-tokens needs a GPU: drop it or use --device cuda")
-        if ov.stream_tokens and (ov.sub_batches or 1) > 1:
-            raise UserError("--kv-stream-tokens streams in a step of one sub-batch: drop it or the sub-batches")
         need = stream_staging_bytes(cfg, kv.host_dtype, ov.stream_tokens, kv.block_size, wl.batch)
         if ov.stream_tokens and need > left:
             raise UserError(f"--kv-stream-tokens {ov.stream_tokens} needs {fs(need)} of staging on cuda:0, "

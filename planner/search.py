@@ -211,7 +211,9 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
                 except UserError as e:
                     err = err or e
                     continue
-                for n in subs if not stream else [n for n in subs if n == 1]:  # streaming: one sub-batch
+                # streaming: in one sub-batch, or two where --sub-batches says so (the automatic choice
+                # has not been measured to gain from two)
+                for n in subs if not stream or ov.sub_batches else [1]:
                     mean = statistics.fmean(decode_step(cfg, hw, pl, kv, wl.batch, c, threads, n).seconds
                                             for c in wl.decode_contexts())
                     if best is None or mean < best.mean_s * (1 - 1e-9):
