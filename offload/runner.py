@@ -156,6 +156,9 @@ class Runner(Prefill):
             self.streamer.idle()
             if rows.run_sizes(seqs) is None:  # sequences a row each, not runs of drafts
                 self._begin_stream(parts)
+        for p in parts:  # the CPU's share of the host tier, once the streamer has taken its own
+            if p.host_tables is not None:
+                p.work = cpu_attention.DecodeWork(self.cache.host, *p.host_tables, self.threads)
         lean = self.lean_step is not None and self.lean_step.takes(self, parts)
         for p in parts:  # the lean loop runs every sub-batch's CPU share in this thread
             p.inline = lean or len(parts) == 1
@@ -209,10 +212,8 @@ class Runner(Prefill):
             if sizes:
                 codes = torch.tensor(run_codes(sizes), dtype=torch.int32)
                 gpu_runs = RunRows(codes.to(c.gpu.k.device), max(sizes))
-        work = None
         if any(c.seqs[s].host.num_tokens for s in ss):
             host_tables = c.tables(ss, "host", slots[a:b])
-            work = cpu_attention.DecodeWork(c.host, *host_tables, self.threads)
         pdev = c.gpu.k.device if c.gpu is not None else dev
         if self.segments is not None and b - a <= SegmentGraphs.MAX_ROWS:
             cap = self.segments.get(k, b - a, max(sizes or [1]))
@@ -222,7 +223,7 @@ class Runner(Prefill):
             return Part(seqs=ss, x=cap.x, pos=cap.pos, slots=sl, gpu_slots=None, gpu_rows=None,
                         host_rows=torch.tensor(sl.host_rows) if sl.host_rows else None,
                         host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
-                        gpu_tables=None, gpu_runs=None, host_tables=host_tables, cap=cap, work=work,
+                        gpu_tables=None, gpu_runs=None, host_tables=host_tables, cap=cap,
                         buf={**cap.down, **cap.up})
         return Part(
             seqs=ss,
@@ -236,7 +237,6 @@ class Runner(Prefill):
             gpu_tables=gpu_tables,
             gpu_runs=gpu_runs,
             host_tables=host_tables,
-            work=work,
             buf=self._buffers(k, b - a) if self.cuda and host_tables is not None else None,
         )
 
@@ -248,7 +248,6 @@ class Runner(Prefill):
         for p, tables, r0 in zip(parts, got or [], first or []):
             if tables is not None:
                 p.host_tables, p.streamed, p.stream_row0 = tables, True, r0
-                p.work = cpu_attention.DecodeWork(self.cache.host, *tables, self.threads)
         if got:
             [p for p in parts if p.streamed][-1].stream_last = True
 
