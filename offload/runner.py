@@ -204,17 +204,8 @@ class Runner(Prefill):
             sl.extend(s, j)
         ids = torch.tensor(tokens[a:b])
         ss = seqs[a:b]
-        gpu_tables = host_tables = gpu_runs = None
+        host_tables = c.tables(ss, "host", slots[a:b]) if any(c.seqs[s].host.num_tokens for s in ss) else None
         sizes = rows.run_sizes(ss)
-        if c.gpu is not None and any(c.seqs[s].gpu.num_tokens for s in ss):
-            bt, lens = c.tables(ss, "gpu", slots[a:b])
-            gpu_tables = (bt.to(c.gpu.k.device), lens.to(c.gpu.k.device))
-            if sizes:
-                codes = torch.tensor(run_codes(sizes), dtype=torch.int32)
-                gpu_runs = RunRows(codes.to(c.gpu.k.device), max(sizes))
-        if any(c.seqs[s].host.num_tokens for s in ss):
-            host_tables = c.tables(ss, "host", slots[a:b])
-        pdev = c.gpu.k.device if c.gpu is not None else dev
         if self.segments is not None and b - a <= SegmentGraphs.MAX_ROWS:
             cap = self.segments.get(k, b - a, max(sizes or [1]))
             cap.load(self.model.embed(ids), torch.tensor(positions[a:b]), sl.gpu_rows, sl.gpu_slots,
@@ -225,6 +216,14 @@ class Runner(Prefill):
                         host_slots=torch.tensor(sl.host_slots, dtype=torch.int64) if sl.host_rows else None,
                         gpu_tables=None, gpu_runs=None, host_tables=host_tables, cap=cap,
                         buf={**cap.down, **cap.up})
+        gpu_tables = gpu_runs = None  # the eager loop's: on the pool's device
+        if c.gpu is not None and any(c.seqs[s].gpu.num_tokens for s in ss):
+            bt, lens = c.tables(ss, "gpu", slots[a:b])
+            gpu_tables = (bt.to(c.gpu.k.device), lens.to(c.gpu.k.device))
+            if sizes:
+                codes = torch.tensor(run_codes(sizes), dtype=torch.int32)
+                gpu_runs = RunRows(codes.to(c.gpu.k.device), max(sizes))
+        pdev = c.gpu.k.device if c.gpu is not None else dev
         return Part(
             seqs=ss,
             x=self.model.embed(ids),
