@@ -207,7 +207,7 @@ def host_alone_ms(runner, cache, seqs: list[int]) -> dict[str, float]:
 
 def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int, target: float, steps: int,
             trace_to: Path | None = None, weights: str = "auto", alone_host: bool = False,
-            forced: dict | None = None) -> dict:
+            forced: dict | None = None, calls: bool = False) -> dict:
     """One row through `hetero.load`, as a user gets it: only the model, --gpu-mem, -c and --parallel
     (and --weights where the run names one: an A/B of the 4-bit formats; forced: `--set`'s options)."""
     import hetero
@@ -239,6 +239,15 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
     if trace_to is not None:  # the GPU kernels of two more steps, by time
         trace(lambda: [runner.decode(seqs, toks, pos) for _ in range(2)], trace_to)
     alone = host_alone_ms(runner, cache, seqs) if alone_host else {}
+    found = {}
+    if calls:  # the main thread's calls in four more steps (`bench.step_calls`)
+        from bench.step_calls import per_step, timed_calls
+
+        with timed_calls() as found:
+            for _ in range(4):
+                runner.decode(seqs, toks, pos)
+                pos = [p + 1 for p in pos]
+        found = per_step(found, 4)
     g_tok, h_tok = cache.tier_tokens()
     streamed = len(runner.streamer.blocks) * cache.block_size if runner.streamer is not None else 0
     gpu_kv = g_tok * cache.gpu.block_nbytes / cache.block_size if cache.gpu is not None else 0.0
@@ -260,7 +269,7 @@ def run_row(prof: HardwareProfile, name: str, ctx: int, batch: int, gpu_gib: int
         peak_gpu_gib=peak / GiB,
         within_budget=peak <= gpu_gib * GiB, gpu_kv_tokens=g_tok, host_kv_tokens=h_tok, streamed_tokens=streamed,
         graph=runner.graph_step is not None and runner.graph_step.decoder is not None, terms_ms={k: round(v * 1e3, 3) for k, v in pred.terms.items()},
-        measured_ms=measured, host_alone_ms=alone, process_threads=process_threads(),
+        measured_ms=measured, host_alone_ms=alone, calls=found, process_threads=process_threads(),
     )
     runner.close()
     return out
@@ -328,6 +337,8 @@ def main() -> None:
                                                           "4-bit format, for an A/B)")
     ap.add_argument("--host-alone", action="store_true", help="also time the host tier's kernel alone over each "
                                                                "row's own pool (`host_alone_ms`)")
+    ap.add_argument("--calls", action="store_true", help="also time the main thread's calls in four steps "
+                                                          "(bench/step_calls.py)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     forced, set_flags = forced_options(args)
@@ -335,9 +346,9 @@ def main() -> None:
     def one(prof, name, *row):
         to = args.out / f"{name.replace('@', '_')}.trace.txt" if args.trace else None
         return run_row(prof, name, *row, steps=args.steps, trace_to=to, weights=args.weights, alone_host=args.host_alone,
-                       forced=forced)
+                       forced=forced, calls=args.calls)
 
-    flags = [f for f, on in (("--trace", args.trace), ("--host-alone", args.host_alone)) if on]
+    flags = [f for f, on in (("--trace", args.trace), ("--host-alone", args.host_alone), ("--calls", args.calls)) if on]
     done = run_rows("bench.budget", args, ROWS, one, flags + set_flags + ["--weights", args.weights])
     if done is None:
         return
@@ -353,6 +364,8 @@ def main() -> None:
         print(f"{r['name']:14} {r['tok_s']:7.1f} {r['target']:6.0f} {r['predicted_tok_s']:7.1f} {r['bound_tok_s']:7.1f} "
               f"{r['peak_gpu_gib']:5.2f}/{r['gpu_mem_gib']:<2} {clocks(r['measured_ms']):>20}  "
               f"{r['plan']}{' graph' if r['graph'] else ''}")
+        for k, c in list(r.get("calls", {}).items())[:8]:
+            print(f"{'':14} {k:26} {c['ms_a_step']:8.3f} ms a step, {c['calls_a_step']:6.1f} calls, {c['us_a_call']:7.1f} µs each")
         if r.get("host_alone_ms"):
             a = r["host_alone_ms"]
             print(f"{'':14} host kernel alone, ms a step: main thread {a['main']}, after an embedding lookup "

@@ -92,7 +92,7 @@ def test_bench_run_names_each_benchmark_script_and_device_run_calls_only_those()
     run_mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_mod)  # the table alone: no benchmark is imported
     listing = run_mod.listing()
-    assert {f.stem for f in BENCH.glob("*.py")} - {"run", "kv_pools"} == set(run_mod.BENCHMARKS)  # helpers aside
+    assert {f.stem for f in BENCH.glob("*.py")} - {"run", "kv_pools", "step_calls"} == set(run_mod.BENCHMARKS)  # helpers aside
     for name in run_mod.BENCHMARKS:
         src = (BENCH / f"{name}.py").read_text()
         assert "\ndef main(" in src and 'if __name__ == "__main__":' in src and name in listing
@@ -100,3 +100,20 @@ def test_bench_run_names_each_benchmark_script_and_device_run_calls_only_those()
     script = [ln for ln in (BENCH / "device_run.sh").read_text().splitlines() if not ln.lstrip().startswith("#")]
     stages = set(re.findall(r"python3 -m bench\.(\w+)", "\n".join(script)))
     assert stages and stages <= set(run_mod.BENCHMARKS)
+
+
+def test_step_calls_times_the_engines_calls_and_puts_them_back(tiny):
+    """`bench.budget --calls`: a split step's calls counted and timed within, the methods as they
+    were after."""
+    from bench.step_calls import per_step, timed_calls
+    from offload.runner import Runner
+
+    before = Runner.__dict__["_part"]
+    e = hetero.load(tiny("llama")[0], device="cpu", weights="f32", tokenizer=False, block_size=4, gpu_kv_tokens=4,
+                    kv_dtype="f32")
+    with timed_calls() as found:
+        out = [c.token for c in e.generate([3, 17, 42, 99, 5, 150, 7, 8], max_new_tokens=4, temperature=0.0)]
+    rows = per_step(found, 3)
+    assert len(out) == 4 and Runner.__dict__["_part"] is before
+    assert rows["Runner.decode"]["calls_a_step"] == 1.0 and rows["Runner._part"]["calls_a_step"] >= 1
+    assert all(r["ms_a_step"] >= 0 and r["us_a_call"] >= 0 for r in rows.values())
