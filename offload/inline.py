@@ -30,11 +30,11 @@ pre segment while the CPU attends for B, and the other way round:
     for each layer i:   CPU(A, i) → post(A, i), pre(A, i+1)    (the device meanwhile: B's segments)
                         CPU(B, i) → post(B, i), pre(B, i+1)    (the device meanwhile: A's)
 
-Each sub-batch has its own captured set and buffers; with streamed host KV each waits for a
-layer's blocks before its attention, and the last to read them frees the slot and queues layer
-i+2's. A sub-batch's `up` buffer is written for layer
-i+1 only after its `ready` for i+1 fired, which its post(i) precedes on the stream; its `down` is
-written by pre(i+1), queued after the CPU has read it for layer i.
+Each sub-batch has its own captured set and buffers. A sub-batch's `up` buffer is written for
+layer i+1 only after its `ready` for i+1 fired, which its post(i) precedes on the stream; its
+`down` is written by pre(i+1), queued after the CPU has read it for layer i. With streamed host
+KV each sub-batch waits for a layer's blocks before its attention, and the last to read them
+frees the slot and queues layer i+2's.
 """
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ class Runner(Prefill):
         """sub_batches: 1 or 2 (None: 2 when there is a host tier to overlap with and the batch allows);
         max_batch: the batch the CUDA-graph decoder is built for (it grows if a larger one comes);
         stream_tokens: how many of each sequence's host-tier first tokens the device attends over
-        after copying them up each step (one sub-batch of up to max_batch sequences a row each; see
+        after copying them up each step (up to max_batch sequences a row each, in one sub-batch or two; see
         offload/stream.py); weights: the plan's streamed and CPU-computed weight groups
         (offload/placement.py; None: all on the model's device);
         driver_loop: run a step of one or two captured sub-batches through offload/inline.py's lean loop.

@@ -2,18 +2,17 @@
 up over PCIe each step, a layer ahead, while the CPU attends over the rest.
 
 In a decode step with one sub-batch nothing else overlaps the CPU's attention (the next layer
-needs its output; with two, the other sub-batch's device work does), so the host tier's read rate
-is the CPU kernel's alone, ~40–70 GB/s on the
-GPU host; PCIe adds ~55 GB/s of its own, limited together by DRAM (~85–115 GB/s). The plan's
-`stream_tokens` says how many of each sequence's host-tier first tokens take the PCIe road;
-they stay stored on the host.
+needs its output; with two, only the other sub-batch's device work does), so the host tier's read
+rate is the CPU kernel's alone, ~40–70 GB/s on the GPU host; PCIe adds ~55 GB/s of its own,
+limited together by DRAM (~85–115 GB/s). The plan's `stream_tokens` says how many of each
+sequence's host-tier first tokens take the PCIe road; they stay stored on the host.
 
 The blocks go up as they are stored (bf16, int8 or int4: one block format for both tiers,
 `cpu_attention.layout.part_shapes`) into a two-layer device pool of the host's format, row r's
 blocks at r · max_blocks onwards (the second of two sub-batches' rows from row `half` on: each
-sub-batch's captured attention reads fixed rows), and the device's paged attention reads those bytes directly
-(`gpu_ops.attention`: int8 and int4 dequantized in registers), so an int4 block crosses PCIe
-and is read at its own size.
+sub-batch's captured attention reads fixed rows), and the device's paged attention reads those
+bytes directly (`gpu_ops.attention`: int8 and int4 dequantized in registers), so an int4 block
+crosses PCIe and is read at its own size.
 
 Per layer i, two staging slots (i % 2) on the device:
     copy stream:    wait slot free → the layer's blocks up (a run of consecutive blocks per
