@@ -211,8 +211,7 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
                 except UserError as e:
                     err = err or e
                     continue
-                # streaming: in one sub-batch, or two where --sub-batches says so (the automatic choice
-                # has not been measured to gain from two)
+                # streaming in one sub-batch, or two where --sub-batches says so (not measured to gain yet)
                 for n in subs if not stream or ov.sub_batches else [1]:
                     mean = statistics.fmean(decode_step(cfg, hw, pl, kv, wl.batch, c, threads, n).seconds
                                             for c in wl.decode_contexts())
@@ -363,9 +362,10 @@ def _explain(cfg, best: _Candidate, ov: Overrides, wl: Workload, run) -> list[Ch
         vs = f"; {other:.1f} tok/s without" if other else ""
         out.append(Choice("streamed host KV", f"{best.kv.stream_tokens} tokens a sequence a step",
                           f"{best.stream_reason}: predicts {me:.1f} tok/s{vs}"))
-    if wl.batch >= 2 and ov.sub_batches is None:
-        other = alt(sub_batches=3 - best.sub_batches)
-        vs = f" vs {other:.1f} tok/s with {3 - best.sub_batches}" if other else ""
+    if wl.batch >= 2 and ov.sub_batches is None:  # the search streams in one sub-batch only
+        n, kw = 3 - best.sub_batches, dict(stream_tokens=0) if best.sub_batches == 1 and ov.stream_tokens is None else {}
+        other = alt(sub_batches=n, **kw)
+        vs = f" vs {other:.1f} tok/s with {n}{' (not streamed)' if kw and best.kv.stream_tokens else ''}" if other else ""
         out.append(Choice("sub-batches", str(best.sub_batches), f"predicts {me:.1f} tok/s{vs}"))
     if ov.kv_dtype is None and best.kv.host_dtype is KVDtype.BF16 and best.kv.host_tokens:
         terms = best.cost.terms
