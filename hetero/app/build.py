@@ -240,8 +240,6 @@ def _draft_checkpoint(draft_model, cfg) -> Checkpoint:
     return ck
 
 
-
-
 def _kv_dtype(value: str, flag: str, cfg) -> KVDtype:
     try:
         kv = KVDtype(value)
