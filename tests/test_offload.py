@@ -141,6 +141,27 @@ def test_streamer_attends_like_the_cpu_kernel(kv, BS):
             sv.begin([[4, 5]])
 
 
+def test_two_sub_batches_stream_into_fixed_staging_rows():
+    """Two sub-batches' rows go to staging rows 0.. and half.. (the rows each one's captured
+    attention reads), every row's length set, padding rows empty; sizes that do not fit stream
+    nothing; each sub-batch's host tables lose exactly the streamed blocks."""
+    host = HostKVPool(1, 40, 2, 4, 32, KVDtype.INT8)
+    sv = KVStreamer(host, 8, torch.device("cpu"), max_rows=5)  # up to 2 blocks a row
+    assert sv.half == 3 and sv.first_rows([2, 2]) == [0, 3] and sv.first_rows([3, 2]) == [0, 3]
+    assert sv.first_rows([4, 1]) is None and sv.first_rows([3, 3]) is None and sv.first_rows([5]) == [0]
+    a = [[0, 1, 2, 3], [4]]  # row 0: three full blocks before its last; row 1: only its last
+    b = [[5, 6], [7, 8, 9]]
+    tables = [(torch.tensor([[0, 1, 2, 3], [4, 0, 0, 0]], dtype=torch.int32), torch.tensor([15, 2])),
+              (torch.tensor([[5, 6, 0], [7, 8, 9]], dtype=torch.int32), torch.tensor([5, 10]))]
+    got = sv.take([(a, tables[0]), (b, tables[1])], [0, 3])
+    assert sv.lens.tolist() == [8, 0, 0, 4, 8]  # 2 blocks; none; padding; 1; 2 (4 tokens a block)
+    assert sv.blocks == [0, 1, 5, 7, 8]
+    (bt0, n0), (bt1, n1) = got
+    assert n0.tolist() == [7, 2] and bt0[0, :2].tolist() == [2, 3] and bt0[1, 0] == 4
+    assert n1.tolist() == [1, 2] and bt1[0, 0] == 6 and bt1[1, 0] == 9
+    assert sv.take([None, (b, tables[1])], [0, 3])[0] is None and sv.lens.tolist() == [0, 0, 0, 4, 8]
+
+
 @pytest.mark.parametrize("kv", [KVDtype.BF16, KVDtype.INT8, KVDtype.INT4])
 def test_swap_in_copies_what_the_host_tier_reads(kv):
     """Blocks swapped in from a quantized host tier hold what the host's own readers dequantize
