@@ -199,17 +199,17 @@ def decode_step(
     if T_s:
         a_d = batch * T_c * kvb_h / (max(hw.dram_read_gbps, 1e-9) * GB)
     reads_g, reads_c = kv_reads(cfg, batch, run_rows)
+    # a layer's loop overhead, by the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
+    loop_s = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else sub_batches * GENERAL_LOOP_OVERHEAD_S if not lean \
+        else hw.layer_overhead_s if sub_batches == 1 else sub_batches * LEAN_PAIR_PART_S
     total = 0.0
     for layer, (g_lin, c_w, p, x_w, g_e, c_e, x_e) in per_layer:  # layers, then the head
         g_att = c_att = x_att = s_up = d = over = 0.0  # the head: no attention, no layer overhead
         if layer >= 0:
-            g_att, c_att, x_att, s_up, d = a_att, a_c, a_x, a_s, a_d
+            g_att, c_att, x_att, s_up, d, over = a_att, a_c, a_x, a_s, a_d, loop_s
             nbytes["gpu attention"] += reads_g * (T_g * kvb_g + T_s * kvb_h)
             nbytes["cpu attention"] += reads_c * T_cpu * kvb_h
             nbytes["pcie kv"] += batch * T_s * kvb_h
-            # the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
-            over = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else sub_batches * (
-                (hw.layer_overhead_s if sub_batches == 1 else LEAN_PAIR_PART_S) if lean else GENERAL_LOOP_OVERHEAD_S)
             if cfg.moe_layers[layer]:
                 over += MOE_LAYER_OVERHEAD_S
                 if T_cpu and c_e:
