@@ -168,11 +168,10 @@ class SegmentGraphs:
             # One memory pool per set: a set's graphs replay in capture order (pre0, post0, pre1, …) so
             # they may share one, but two sub-batches' sets interleave, and a shared pool would let one
             # set's intermediates overwrite the other's live outputs.
-            # the streamer serves sub-batches of sequences a row each: the first from its staging row
-            # 0, the second of two from row `half` (`KVStreamer.first_rows`)
+            # the streamer serves sub-batches of sequences a row each, each from its own staging row
             sv = self.streamer
-            row0 = None if sv is None or run_rows != 1 else 0 if slot == 0 and B <= sv.max_rows else \
-                sv.half if slot == 1 and sv.half + B <= sv.max_rows else None
+            row0 = sv.row0(slot) if sv is not None else 0
+            streams = sv is not None and run_rows == 1 and row0 + B <= sv.max_rows
             self._sets[key] = Captured(self.model, self.cache, B, torch.cuda.graph_pool_handle(),
-                                       sv if row0 is not None else None, run_rows, row0 or 0)
+                                       sv if streams else None, run_rows, row0)
         return self._sets[key]

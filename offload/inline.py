@@ -69,10 +69,10 @@ class InlineLayers:
 
     @staticmethod
     def usable(runner: Runner, parts: list[Part]) -> bool:
-        """One or two captured sub-batches, no weights moving or computed by the CPU, a CUDA driver
-        to call; their CPU share then runs in this thread."""
+        """One or two captured sub-batches (none where the CPU computes weights), no weights moving,
+        a CUDA driver to call; their CPU share then runs in this thread."""
         return (len(parts) in (1, 2) and all(p.cap is not None for p in parts) and runner.weights is None
-                and runner.host_compute is None and RAW_GRAPHS and driver() is not None)
+                and RAW_GRAPHS and driver() is not None)
 
     def front(self, runner: Runner, p: Part, i: int, h: int) -> None:
         """Queue layer i's pre segment, the `ready` record the CPU waits for, and the device's attention."""

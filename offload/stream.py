@@ -163,15 +163,17 @@ class KVStreamer:
         self._pieces, self._longest = P, max((c[4] for c in cols), default=0)
         self._layer_bytes = sum(c[4] for c in cols) * WORD
 
+    def row0(self, slot: int) -> int:
+        """The staging row sub-batch `slot`'s rows start from: 0, or `half` for the second of two (a
+        fixed row: its captured attention reads from there)."""
+        return (0, self.half)[slot]
+
     def first_rows(self, sizes: list[int]) -> list[int] | None:
-        """The staging row each sub-batch's rows start from, for sub-batches of `sizes` rows: row 0
-        for one; for two, rows 0 and `half` (a fixed row: the second one's captured attention reads
-        from there); None where they do not fit."""
-        if len(sizes) == 1 and sizes[0] <= self.max_rows:
-            return [0]
-        if len(sizes) == 2 and sizes[0] <= self.half and self.half + sizes[1] <= self.max_rows:
-            return [0, self.half]
-        return None
+        """Each sub-batch's first staging row (`row0`) for sub-batches of `sizes` rows (one or two),
+        or None where they do not fit before the next one's or the staging's end."""
+        starts = [self.row0(k) for k in range(min(len(sizes), 2))]
+        ends = starts[1:] + [self.max_rows]
+        return starts if len(sizes) == len(starts) and all(a + n <= e for a, n, e in zip(starts, sizes, ends)) else None
 
     def take(self, parts: list[tuple[list[list[int]], tuple] | None], first: list[int]) -> list[tuple | None] | None:
         """Stream each row's first full host blocks (all but the last, which takes this step's token;
