@@ -78,7 +78,7 @@ class GpuDecoder:
         self.run_codes = torch.ones(max_batch, dtype=i32, device=dev)  # RunRows.codes: 1, each row its own
         # an embedding table in host memory: the step's rows are gathered there and copied up into
         # x_in through pinned staging before the replay (a row a token: microseconds)
-        self.host_embed = model.embed_w.device != dev
+        self.host_embed = model.embed_w.device.type == "cpu" and dev.type != "cpu"
         self.x_in = self._x_host = self._x_copied = None
         if self.host_embed:
             self.x_in = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.act_dtype, device=dev)
@@ -127,8 +127,10 @@ class GpuDecoder:
         if self.host_embed:
             if self._x_copied is not None:
                 self._x_copied.synchronize()  # the last step's rows have left the staging buffer
-            rows = self.model.embed_w[token_ids.cpu()]  # [B, H]
-            self._x_host[:B].copy_(rows)
+            if self.model.embed_w.dtype == self._x_host.dtype:
+                self.model.host_rows(token_ids, out=self._x_host[:B])
+            else:
+                self._x_host[:B].copy_(self.model.host_rows(token_ids))
             self.x_in[:B].copy_(self._x_host[:B], non_blocking=True)
             if self._x_copied is not None:
                 self._x_copied.record()

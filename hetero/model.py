@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -210,7 +211,23 @@ class Model:
         return True
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_w[ids.to(self.embed_w.device)].to(self.device, self.act_dtype)  # [N, H]
+        """The rows of token ids [N] → [N, H] on the model's device, in act_dtype."""
+        w = self.embed_w
+        rows = self.host_rows(ids) if w.device.type == "cpu" else w[ids.to(w.device)]
+        return rows.to(self.device, self.act_dtype)
+
+    def host_rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ids [N] of an embedding table in host memory, into out [N, H] (the table's dtype) or a
+        new tensor. Gathered by numpy, not torch: torch's CPU indexing opens an OpenMP region even for
+        one row, after which its threads spin for milliseconds on the cores that the engine's own
+        threads (the host experts' pool) are computing on: Mixtral's host experts ran at about half
+        their speed beside them, once a step (bench/RESULTS.md)."""
+        w = self.embed_w
+        idx = ids.cpu().numpy().astype(np.int64, copy=False)
+        if out is None:
+            out = torch.empty(len(idx), w.shape[1], dtype=w.dtype)
+        np.take(w.view(torch.uint8).numpy(), idx, axis=0, out=out.view(torch.uint8).numpy())
+        return out
 
     def pre_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, kv_out: tuple | None = None):
         """x [N, H], pos [N] → q [N, Hq, D], k, v [N, Hkv, D].

@@ -467,6 +467,20 @@ def test_gpu_graph_decode_same_tokens_as_eager(tmp_path):
 
 @gpu
 @pytest.mark.gpu
+def test_gpu_graph_decode_with_the_table_in_host_memory(tmp_path):
+    """The embedding table in host memory (the planner's choice when the GPU is tight): each step's
+    rows gathered there into pinned staging and copied up before the replay, in the graph and in
+    the eager loop: the tokens of the table on the GPU."""
+    folder = _tiny_separated(tmp_path)
+    model = load_model(open_checkpoint(folder), WeightFormat.BF16, torch.device("cuda"))
+    want = _greedy(model, 24, graphs=True, batch=3)
+    model.embed_w = model.embed_w.cpu()
+    assert _greedy(model, 24, graphs=True, batch=3) == want
+    assert _greedy(model, 24, graphs=False, batch=3) == _greedy(model, 24, graphs=True, batch=3)
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_bf16_greedy_matches_cpu_float32(tmp_path):
     folder = _tiny_separated(tmp_path)
     model = load_model(open_checkpoint(folder), WeightFormat.BF16, torch.device("cuda"))

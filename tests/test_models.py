@@ -62,3 +62,19 @@ def test_sharded_checkpoint_reads_like_a_single_file(tiny, tmp_path):
     a = hetero.load(tmp_path, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False).logits(PROMPT)
     b = hetero.load(folder, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False).logits(PROMPT)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_embedding_rows_are_the_tables(tiny, dtype):
+    """A host-memory table's rows gathered by numpy (`Model.host_rows`, into a new tensor or a
+    slice of a staging buffer) are torch indexing's, in any dtype, repeated ids included."""
+    folder, _ = tiny("llama")
+    model = hetero.load(folder, device="cpu", weights="f32", kv_dtype="f32", tokenizer=False).runner.model
+    model.embed_w = model.embed_w.to(dtype)
+    ids = torch.tensor([5, 0, 5, model.embed_w.shape[0] - 1])
+    want = model.embed_w[ids]
+    assert torch.equal(model.host_rows(ids), want)
+    staging = torch.zeros(8, model.embed_w.shape[1], dtype=dtype)
+    model.host_rows(ids, out=staging[:4])
+    assert torch.equal(staging[:4], want) and not staging[4:].any()
+    assert torch.equal(model.embed(ids), want.to(model.act_dtype))
