@@ -20,7 +20,8 @@ cache, its all-thread rate with the KV in cache, and a plain read of the same K/
 the kernel's order (the access pattern's own bound); and each kernel's error against its
 float64 twin (this host's vector code may be one the tests never ran). `--int8-sweep` also
 times int8 at other tile and prefetch settings; `--runs 1,4,8` a speculative step's run of rows of
-one sequence (the KV before the run read once for all of them), against one row and row by row. Imports only torch, numpy, numba, cpu_attention
+one sequence (the KV before the run read once for all of them), against one row and row by row;
+`--tiles on|off` takes int8's AMX tile products at any head count or never. Imports only torch, numpy, numba, cpu_attention
 and `bench.kv_pools`. Reports; asserts nothing.
 """
 from __future__ import annotations
@@ -222,7 +223,13 @@ def main() -> None:
                     "verification, e.g. 1,4,8) over the first shape's tokens, each dtype")
     ap.add_argument("--int8-sweep", default="", help="also time int8 at these TILE:AHEAD pairs, comma-separated: tile "
                     "tokens and blocks prefetched ahead (the engine's: decode_int8.INT8_TILE, PREFETCH_BLOCKS)")
+    ap.add_argument("--tiles", choices=("auto", "on", "off"), default="auto", help="int8 through AMX tile products: "
+                    "the engine's choice (decode_int8.TILE_MIN_HEADS), at any head count, or never")
     args = ap.parse_args()
+    if args.tiles == "on" and not int8_mod.TILES:
+        ap.error("--tiles on: this CPU has no AMX tiles (or Linux did not grant them)")
+    if args.tiles != "auto":
+        int8_mod.TILE_MIN_HEADS = 1 if args.tiles == "on" else None
     dtypes = [KVDtype(d) for d in args.dtypes.split(",")]
     hs = Heads(*map(int, args.heads.split(",")), block=args.block_size)
     shapes = [tuple(map(int, x.split("x"))) for x in args.shapes]
@@ -231,6 +238,8 @@ def main() -> None:
     log(f"cpu_attention bench: {os.cpu_count()} logical cpus, {physical_cores()} physical, threads {threads}, "
         f"numba {numba.__version__}, torch {torch.__version__}; {hs}, load average {os.getloadavg()[0]:.2f}")
     log(f"numba CPU features: {numba.config.CPU_FEATURES or 'host default'}")
+    log(f"int8 tile products (AMX): {'usable' if int8_mod.TILES else 'not on this CPU'}; from "
+        f"{int8_mod.TILE_MIN_HEADS} query rows a kv head (--tiles {args.tiles})")
     first, second = jit_times() if not args.no_jit else ({}, {})
     log(f"JIT first process (cold cache): {first}")
     log(f"JIT second process (from cache): {second}")

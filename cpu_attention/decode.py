@@ -207,7 +207,8 @@ class DecodeWork:
         elif pool.dtype is KVDtype.INT8 and D % int8_mod.W == 0 and pool.block_size % int8_mod.W == 0:
             int8_mod.decode_int8(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], q, sc,
                                  *rotation.numba_args(D), bt, items, order, pair_start, on, ln, int8_mod.INT8_TILE,
-                                 int8_mod.PREFETCH_BLOCKS, rest_heads(G), self.threads)
+                                 int8_mod.PREFETCH_BLOCKS, rest_heads(G), self.threads,
+                                 int8_mod.use_tiles(G, D, pool.block_size))
         else:  # the any-shape fallbacks: q scaled (and rotated) before, the output rotated back after
             qn = np.multiply(q, sc, out=scaled)
             if pool.dtype is KVDtype.BF16:

@@ -8,7 +8,9 @@ scales rounded to one unsigned byte per head against the tile's largest (`_softm
 key token scales multiply the scores, W tokens a vector, inside the score kernel. K and V are
 stored rotated (`layout.py`): `decode_int8` rotates each (sequence, kv head)'s q rows once, as
 its threads start, and the pair's output as it merges it, inside its one parallel region; for
-`decode_int8_any` `DecodeWork.run` does both, before the kernel and after it.
+`decode_int8_any` `DecodeWork.run` does both, before the kernel and after it. Where the CPU has
+AMX, from `TILE_MIN_HEADS` query rows a kv head on (a speculative run's), the scores and value
+sums are tile products instead (`_amx`, `_tiles_step`), the rest the same.
 """
 from __future__ import annotations
 
@@ -16,15 +18,16 @@ import numba
 import numpy as np
 from numba import prange
 
+from cpu_attention._amx import ROWS, TILES, release, scores_tiles, values_tiles
 from cpu_attention._numba import (
-    JIT, arrive, bits_to_f32, claim, exp_neg, f32_to_bits, load_acquire, prefetch,
+    JIT, arrive, bits_to_f32, claim, exp_neg, f32_to_bits, load_acquire, prefetch, prefetch_l2,
 )
 from cpu_attention._hadamard import hadamard_rows
 from cpu_attention._simd_vnni import W_LANES, make_scores, make_values
 from cpu_attention.decode_items import (
     NEG_INF, _claim_item, _empty_pairs, _finish_item, _keep_partial, _work_queue, merge_items,
 )
-from cpu_attention.decode_tiles import TILE, _next_tile, _raise_max, _softmax_tile
+from cpu_attention.decode_tiles import TILE, _key, _next_tile, _raise_max, _raise_to, _softmax_tile, _unkey
 
 _SC1, _SC2, _SC3, _SC4 = (make_scores(ng) for ng in (1, 2, 3, 4))
 _VA1, _VA2, _VA3, _VA4 = (make_values(ng) for ng in (1, 2, 3, 4))
@@ -36,6 +39,17 @@ PREFETCH_BLOCKS = 4
 Q16 = np.float32(32000.0)  # levels of a quantized query's largest element: hi = (x + 128) >> 8 stays in int8
 W8 = np.float32(255.0)  # levels of a tile's largest weight (one unsigned byte)
 TINY = np.float32(1e-30)  # below this a row's 16-bit scale (max / levels) would leave float32's normal range
+# query rows a kv head from which `decode_int8` takes AMX tile products (`_amx`) where the CPU has them
+# (None: never): at 32 (a run of 8 rows of 4 heads) they were 4-11% faster on the GPU host, at 16 even,
+# at 4 twice as slow (bench/RESULTS.md)
+TILE_MIN_HEADS = 32 if TILES else None
+
+
+def use_tiles(G: int, D: int, BS: int) -> bool:
+    """Whether `decode_int8` attends G query rows a kv head with tile products (`TILE_MIN_HEADS`;
+    the tiles' shapes: D % 64 == 0, BS % 16 == 0, BS <= 64; score chunks of 16 tokens)."""
+    return (TILE_MIN_HEADS is not None and G >= TILE_MIN_HEADS and W == 16 and D % 64 == 0 and BS % 16 == 0
+            and BS <= 64)
 
 
 @numba.njit(inline="always", **JIT)
@@ -71,28 +85,48 @@ def _softmax_split(s, vsc, n, npad, m, l, acc, wp, wsc):
     largest: wp[g, j] = round(p[g, j] vsc[j] / wsc[g]) (uint8; zeros for n <= j < npad), wsc[g] =
     max_j p[g, j] vsc[j] / 255. A weight's rounding is at most 1/510 of its tile's largest, and
     random over the tile's tokens: the output moved by ~1e-3 of its norm against the float64
-    twin (weights in 16 bits as two bytes: ~5e-6, and 4–9% slower, bench/RESULTS.md). The
-    products p·vsc go into s in place, then a second pass rounds them."""
+    twin (weights in 16 bits as two bytes: ~5e-6, and 4–9% slower, bench/RESULTS.md). (A bound
+    of the largest known before the weights, e^(largest score - max) · the largest value scale,
+    would round in the same pass; it measured no faster and coarser on peaked tiles.)"""
     for g in range(acc.shape[0]):
-        sg = s[g]
-        mg = _raise_max(sg, n, g, m, l, acc)
-        tot = np.float32(0.0)
-        wmax = np.uint32(0)
+        _split_row(s[g], vsc, n, npad, _raise_max(s[g], n, g, m, l, acc), g, l, wp, wsc)
+
+
+@numba.njit(inline="always", **JIT)
+def _split_row(sg, vsc, n, npad, mg, g, l, wp, wsc):
+    """`_softmax_split` for head g whose running max is already mg: the products p·vsc go into sg
+    in place, then a second pass rounds them into wp[g]; l[g] and wsc[g] updated."""
+    tot = np.float32(0.0)
+    wmax = np.uint32(0)
+    for j in range(n):
+        p = exp_neg(sg[j] - mg)
+        tot += p
+        x = p * vsc[j]
+        sg[j] = x
+        wmax = max(wmax, f32_to_bits(x))  # x >= 0: its bits order as it does
+    mx = bits_to_f32(wmax)
+    sc = mx / W8 if mx > TINY else np.float32(1.0)
+    inv = np.float32(1.0) / sc
+    for j in range(n):
+        wp[g, j] = np.uint8(np.int32(np.rint(sg[j] * inv)))
+    for j in range(n, npad):
+        wp[g, j] = 0
+    l[g] += tot
+    wsc[g] = sc
+
+
+@numba.njit(inline="always", **JIT)
+def _fold_split(ci, ksc, qsc, s, vsc, n, npad, m, l, acc, wp, wsc):
+    """`_softmax_split` over the tile products' integer pieces ci [2, G, :n]: each head's scores
+    (256 hi + lo) · ksc[j] · qsc[g] and their max in one pass, then its weights (`_split_row`)."""
+    for g in range(acc.shape[0]):
+        sg, q = s[g], qsc[g]
+        mk = np.int32(-(2**31))
         for j in range(n):
-            p = exp_neg(sg[j] - mg)
-            tot += p
-            x = p * vsc[j]
+            x = (np.float32(ci[0, g, j]) * np.float32(256.0) + np.float32(ci[1, g, j])) * (ksc[j] * q)
             sg[j] = x
-            wmax = max(wmax, f32_to_bits(x))  # x >= 0: its bits order as it does
-        mx = bits_to_f32(wmax)
-        sc = mx / W8 if mx > TINY else np.float32(1.0)
-        inv = np.float32(1.0) / sc
-        for j in range(n):
-            wp[g, j] = np.uint8(np.int32(np.rint(sg[j] * inv)))
-        for j in range(n, npad):
-            wp[g, j] = 0
-        l[g] += tot
-        wsc[g] = sc
+            mk = max(mk, _key(x))
+        _split_row(sg, vsc, n, npad, _raise_to(_unkey(mk), g, m, l, acc), g, l, wp, wsc)
 
 
 @numba.njit(inline="always", **JIT)
@@ -135,6 +169,41 @@ def _buffers(G, TL):
     return (np.empty((G, TL), np.float32), np.empty((G, TL), np.uint8), np.empty(G, np.float32),
             np.empty(TL, np.float32), np.empty(TL // W, np.int64), np.empty(TL // W, np.int64),
             np.empty(TL // W, np.int64), np.empty(TL // 4, np.int64))
+
+
+@numba.njit(inline="always", **JIT)
+def _tile_rows(G):
+    """Query rows a tile product takes: G split into equal groups of at most ROWS (the last group
+    starts at G - rows, overlapping the one before where rows does not divide G)."""
+    groups = (G + ROWS - 1) // ROWS
+    return (G + groups - 1) // groups
+
+
+@numba.njit(inline="always", **JIT)
+def _tiles_step(qp, qsc, k, v, kbase, ks, ksbase, pf, nch, gbase, BS, n, s, vsc, ksc, m, l, acc, wp, wsc, ci, vi):
+    """One tile of n tokens (whole blocks, `_tile_addresses`) by tile products (`_amx`): the
+    scores' two integer pieces into ci, `_tile_rows` heads and two groups of W = 16 tokens at a
+    time; the scores, the online softmax and the weights in one byte (`_fold_split`, zeros to the
+    last block's end); the value sums into vi, added to acc times each head's weight scale. The
+    K and V of the block `ahead` blocks on are prefetched into L2 first (`make_scores` does it
+    between its loads)."""
+    G, D = acc.shape
+    for c in range(nch):
+        for x in range(0, W * D, 64):
+            prefetch_l2(k, pf[c] + x)
+            prefetch_l2(v, pf[c] + x)
+    rows = _tile_rows(G)
+    scores_tiles(qp, k, kbase, nch, BS, ci, rows)
+    ksf = ks.reshape(-1)
+    for c in range(nch):
+        for t in range(W):
+            ksc[c * W + t] = ksf[ksbase[c] + t]
+    nb = (n + BS - 1) // BS
+    _fold_split(ci, ksc, qsc, s, vsc, n, nb * BS, m, l, acc, wp, wsc)
+    values_tiles(wp, v, gbase, nb, BS, vi, rows)
+    for g in range(G):
+        for d in range(D):
+            acc[g, d] += np.float32(vi[g, d]) * wsc[g]
 
 
 @numba.njit(**JIT)  # not inlined: once a thread and call
@@ -212,7 +281,7 @@ def _prefetch_first(k, v, ks, vs, bt, b, h, t0, t1, ahead):
 
 @numba.njit(parallel=True, **JIT)
 def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_start, out, lse, tile, ahead, rest,
-                threads):
+                threads, tiles):
     """k [NB, Hkv, D/4, BS, 4], v [NB, Hkv, BS/4, D, 4] int8 (the VNNI order, `layout.py`), both
     stored rotated; ks, vs [NB, Hkv, BS] f32; q [B, Hq, D] f32 as it comes: each (sequence, kv
     head)'s rows are taken times scale, rotated (signs, P, rc: `rotation.numba_args`) and split
@@ -222,7 +291,8 @@ def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_sta
     tokens, `INT8_TILE`) at a time: its scores W tokens a vector (`make_scores`; meanwhile the K
     and V of the block `ahead` blocks on are prefetched, `PREFETCH_BLOCKS`, and an item's first
     `ahead` blocks as it is claimed, `_prefetch_first`), the online softmax with the weights in
-    one byte (`_softmax_split`), the value sums (`make_values`).
+    one byte (`_softmax_split`), the value sums (`make_values`); with `tiles` (`use_tiles`) the
+    scores and value sums are tile products instead (`_tiles_step`).
     BS % W == 0 and D % W == 0 (else `decode_int8_any`); items start at block boundaries."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
@@ -244,6 +314,8 @@ def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_sta
         l = np.empty(G, np.float32)
         acc = np.empty((G, D), np.float32)
         tr = np.empty((D, G), np.float32)  # the rotations' scratch (`hadamard_rows`)
+        TT = TL if tiles else 0  # the tile path's integer sums and key token scales
+        ci, vi, ksc = np.empty((2, G, TT), np.int32), np.empty((G, D if tiles else 0), np.int32), np.empty(TT, np.float32)
         _prepare_queries(q, scale, signs, P, rc, prep, ready, qp_all, qc_all, qsc_all, np.empty((G, D), np.float32), tr)
         while True:
             it, b, h, t0, t1 = _claim_item(queue, order, items, m, l, acc)
@@ -258,12 +330,18 @@ def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_sta
             while t < t1:
                 n = min(TL, t1 - t)
                 nch, ngr = _tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gbase, vsc)
-                _scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
-                _softmax_split(s, vsc, n, 4 * ngr, m, l, acc, wp, wsc)
-                _values_heads(wp, wsc, v, gbase, ngr, acc, R)
+                if tiles:
+                    _tiles_step(qp, qsc, k, v, kbase, ks, ksbase, pf, nch, gbase, BS, n, s, vsc, ksc, m, l, acc, wp,
+                                wsc, ci, vi)
+                else:
+                    _scores_heads(qp, qc, qsc, k, v, kbase, ks, ksbase, pf, nch, BS, s, R)
+                    _softmax_split(s, vsc, n, 4 * ngr, m, l, acc, wp, wsc)
+                    _values_heads(wp, wsc, v, gbase, ngr, acc, R)
                 t += n
             _keep_partial(it, acc, m, l, part_o, part_m, part_l)
             _finish_item(b, h, pair_start, done, part_o, part_m, part_l, out, lse, signs, P, rc, tr)
+        if tiles:  # the thread's tile state, loaded by each tile product call
+            release()
 
 
 @numba.njit(parallel=True, **JIT)

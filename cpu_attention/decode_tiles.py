@@ -100,20 +100,37 @@ def _scores_group(q, g, ng, kt, n, s, pk, pv, pn):
 @numba.njit(inline="always", **JIT)
 def _row_max(x, n):
     """max(x[:n]) (-inf if n == 0) for finite or -inf float32 x, as a max over int32 keys that order as
-    the floats do (negative floats' magnitude bits flipped): an integer max vectorizes, while a
-    float one without fastmath's no-NaN flag stays a scalar chain of one compare per element."""
+    the floats do (`_key`): an integer max vectorizes, while a float one without fastmath's no-NaN
+    flag stays a scalar chain of one compare per element."""
     mx = np.int32(-(2**31))
     for j in range(n):
-        b = np.int32(f32_to_bits(x[j]))
-        mx = max(mx, b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
-    return bits_to_f32(mx ^ ((mx >> np.int32(31)) & np.int32(0x7FFFFFFF))) if n > 0 else NEG_INF
+        mx = max(mx, _key(x[j]))
+    return _unkey(mx) if n > 0 else NEG_INF
+
+
+@numba.njit(inline="always", **JIT)
+def _key(x):
+    """An int32 that orders as the float32 x does (negative floats' magnitude bits flipped)."""
+    b = np.int32(f32_to_bits(x))
+    return b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+
+
+@numba.njit(inline="always", **JIT)
+def _unkey(k):
+    """The float32 whose `_key` is k."""
+    return bits_to_f32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF)))
 
 
 @numba.njit(inline="always", **JIT)
 def _raise_max(sg, n, g, m, l, acc):
-    """Head g's running max m[g] raised to the max of its tile's n scores sg, its sum l[g] and
-    accumulator acc[g] rescaled to match (once per tile, not per token); → the new m[g]."""
-    mx = _row_max(sg, n)
+    """Head g's running max m[g] raised to the max of its tile's n scores sg (`_raise_to`)."""
+    return _raise_to(_row_max(sg, n), g, m, l, acc)
+
+
+@numba.njit(inline="always", **JIT)
+def _raise_to(mx, g, m, l, acc):
+    """Head g's running max m[g] raised to mx, its sum l[g] and accumulator acc[g] rescaled to
+    match (once per tile, not per token); → the new m[g]."""
     if mx > m[g]:
         corr = exp_neg(m[g] - mx)  # 0 while m is -inf
         l[g] *= corr

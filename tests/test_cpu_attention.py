@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -24,7 +25,8 @@ from cpu_attention import (
     prefill_attention,
     prefill_attention_ref,
 )
-from cpu_attention import int4, rotation, warm
+from cpu_attention import _amx, int4, rotation, warm
+from cpu_attention import decode_int8 as int8_mod
 from cpu_attention.layout import int8_rows, quantize
 
 LENS = [1, 17, 1000, 4097]
@@ -151,6 +153,60 @@ def test_int4_decode_after_token_by_token_appends(D, BS):
     quantized when its last token comes, the last stays in its bf16 tail; the kernel (tiles
     over quantized blocks and a tail) matches the reference and the accuracy bound holds."""
     _check_kernel(KVDtype.INT4, D, LENS, *make(KVDtype.INT4, D, BS, LENS, seed=D + BS + 1, by_token=True))
+
+
+@pytest.mark.parametrize("D,BS,g", [(64, 16, 8), (128, 32, 32), (128, 64, 20), (64, 48, 4), (128, 16, 33)])
+def test_int8_tile_products(D, BS, g, monkeypatch):
+    """int8 decode through tile products (`_amx`: the AMX tiles where the CPU has them, else their
+    plain twins): heads in one tile, two full tiles, groups that overlap (20: 10 + 10; 33: three
+    of 11), block sizes 16 to 64, both head dims a tile takes. Within the kernel bound of the reference, and of the vector kernels' output."""
+    lens = [1, 17, 1000]
+    case = make(KVDtype.INT8, D, BS, lens, seed=g, g=g)
+    pool, bt, sl, q, _ = case
+    vector = decode_attention(pool, 0, q, bt, sl, 1 / math.sqrt(D), threads=2)
+    monkeypatch.setattr(int8_mod, "TILE_MIN_HEADS", 1)
+    assert int8_mod.use_tiles(g, D, BS)
+    _check_kernel(KVDtype.INT8, D, lens, *case)
+    tiled = decode_attention(pool, 0, q, bt, sl, 1 / math.sqrt(D), threads=2)
+    assert rel(tiled[0], vector[0]) < KERNEL_TOL[KVDtype.INT8]
+    assert (tiled[1] - vector[1]).abs().max() < 1e-5
+
+
+@numba.njit
+def _tiles_as_called(qp, k, kbase, ngroups, nb, BS, ci, wp, v, gbase, vi, rows):
+    _amx.scores_tiles(qp, k, kbase, ngroups, BS, ci, rows)
+    _amx.values_tiles(wp, v, gbase, nb, BS, vi, rows)
+    _amx.release()
+
+
+@pytest.mark.skipif(not _amx.TILES, reason="the CPU has no AMX tiles (or Linux did not grant them)")
+@pytest.mark.parametrize("BS,G,rows", [(16, 16, 16), (32, 20, 10), (64, 33, 11), (16, 5, 5)])
+def test_amx_tiles_equal_their_twins(BS, G, rows):
+    """The tile intrinsics give the plain twins' integer sums to the bit (scattered blocks, an odd
+    number of token groups, row groups that overlap)."""
+    rng = np.random.default_rng(BS + G)
+    D, NB, nb = 128, 12, 5
+    k = rng.integers(-127, 128, (NB, 2, D // 4, BS, 4), dtype=np.int8)
+    v = rng.integers(-127, 128, (NB, 2, BS // 4, D, 4), dtype=np.int8)
+    qp = rng.integers(-128, 128, (2, G, D), dtype=np.int8)
+    wp = rng.integers(0, 256, (G, nb * BS), dtype=np.uint8)
+    blocks = rng.permutation(NB)[:nb] * 2 + 1  # (block, head 1)
+    per = BS // 16  # token groups a block
+    kbase = (np.repeat(blocks * D * BS, per) + np.tile(np.arange(per) * 64, nb)).astype(np.int64)
+    gbase = (np.repeat(blocks * D * BS, BS // 4) + np.tile(np.arange(BS // 4) * 4 * D, nb)).astype(np.int64)
+    ngroups = nb * per - (1 if nb * per > 1 else 0)  # an odd count where it can be
+    outs = []
+    for twin in (False, True):
+        ci, vi = np.zeros((2, G, nb * BS), np.int32), np.zeros((G, D), np.int32)
+        if twin:
+            _amx.scores_twin(qp, k, kbase, ngroups, BS, ci, rows)
+            _amx.values_twin(wp, v, gbase, nb, BS, vi, rows)
+        else:
+            _tiles_as_called(qp, k, kbase, ngroups, nb, BS, ci, wp, v, gbase, vi, rows)
+        outs.append((ci, vi))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+    assert (outs[1][0][:, :, :16 * ngroups] != 0).mean() > 0.99  # every score written
+    assert not outs[1][0][:, :, 16 * ngroups:].any()
 
 
 @pytest.mark.parametrize("dtype", [KVDtype.BF16, KVDtype.INT8])
