@@ -87,7 +87,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         """logits [V] float32, on any device → the next token id. Only what the choice needs comes
         to the host: the argmax when greedy; with top-k on (and no repetition penalty), the k
-        candidates, drawn from as `distribution` weighs them; otherwise the whole row."""
+        candidates, drawn from as `distribution` weighs them; otherwise the token drawn. The
+        vocabulary-sized work stays on the logits' device: on the host, each of torch's ops over a
+        row that long opens an OpenMP region, whose spinning workers then take the cores the host's
+        own kernels (experts, attention) run on between steps."""
         if self.greedy:  # the argmax itself, no distribution built (nor a copy, without a penalty)
             return int(torch.argmax(self._penalized(logits, history) if self.penalizes(history) else logits))
         if self.p.top_k > 0 and not self.penalizes(history):
@@ -108,25 +111,28 @@ class Sampler:
         return self.p.temperature == 0
 
     def _penalized(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """A float32 copy on the host of logits with the repetition penalty applied to the tokens in history."""
+        """A float32 copy of logits, on their device, with the repetition penalty applied to the
+        tokens in history."""
         p = self.p
-        logits = logits.float().cpu().clone()
+        logits = logits.float().clone()
         if self.penalizes(history):
-            ids = torch.tensor(sorted(set(history)), dtype=torch.long)
+            ids = torch.tensor(sorted(set(history)), dtype=torch.long).to(logits.device)
             v = logits[ids]
             logits[ids] = torch.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
         return logits
 
     def distribution(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """logits [V] → the probabilities the next token is drawn from [V] float32 on the host (after
-        the repetition penalty, temperature, top-k, min-p and top-p; one-hot at the argmax when greedy)."""
+        """logits [V] → the probabilities the next token is drawn from [V] float32 on the logits'
+        device (after the repetition penalty, temperature, top-k, min-p and top-p; one-hot at the
+        argmax when greedy)."""
         p = self.p
         logits = self._penalized(logits, history)
         if p.temperature == 0:
             return torch.nn.functional.one_hot(torch.argmax(logits), logits.numel()).float()
         if p.top_k > 0:
             probs, ids = self._candidates(*torch.topk(logits, min(p.top_k, logits.numel())))
-            return torch.zeros(logits.numel()).index_copy_(0, ids, probs)
+            dev = logits.device
+            return torch.zeros(logits.numel(), device=dev).index_copy_(0, ids.to(dev), probs.to(dev))
         return self._cut(torch.softmax(logits / p.temperature, dim=-1), ranked=False)
 
     def _candidates(self, vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,13 +159,15 @@ class Sampler:
         return probs / probs.sum()
 
     def draw(self, probs: torch.Tensor) -> int:
-        """A token from probabilities [V] (the argmax when greedy: no random number is used): the
-        first whose cumulative probability exceeds one uniform draw (V exponential draws, as
-        torch.multinomial takes them, cost 1-2 ms a token at a 128k vocabulary)."""
+        """A token from probabilities [V] on any device (the argmax when greedy: no random number is
+        used): the first whose cumulative probability exceeds one uniform draw from this sampler's
+        generator (V exponential draws, as torch.multinomial takes them, cost 1-2 ms a token at a
+        128k vocabulary)."""
         if self.greedy:
             return int(torch.argmax(probs))
         c = probs.cumsum(0)
-        i = int(torch.searchsorted(c, torch.rand(1, generator=self.gen) * c[-1], right=True))
+        u = torch.rand(1, generator=self.gen).to(c.device)
+        i = int(torch.searchsorted(c, u * c[-1], right=True))
         return i if i < len(c) and probs[i] > 0 else int(torch.nonzero(probs)[-1])  # rounding at the very end
 
     def uniform(self) -> float:

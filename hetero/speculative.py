@@ -140,7 +140,7 @@ def accept(sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: l
                 return out
     for i, d in enumerate(drafts):
         p = sampler.distribution(logits[i], history + out)
-        q = None if draft_probs is None else draft_probs[i]
+        q = None if draft_probs is None else draft_probs[i].to(p.device)
         qd = 1.0 if q is None else float(q[d])
         pd = float(p[d])
         if pd >= qd or (pd > 0 and sampler.uniform() < pd / qd):

@@ -96,3 +96,18 @@ def test_a_batch_draws_what_each_row_would_alone():
         rows = [Sampler(p.update(seed=seed)) for p in params]
         alone = [Sampler(p.update(seed=seed))(logits[i], histories[i]) for i, p in enumerate(params)]
         assert sample_rows(rows, logits, histories) == alone
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", CASES[:4] + [SamplingParams(temperature=0)], ids=["chat", "top_p", "min_p", "both", "greedy"])
+def test_penalized_rows_sample_on_the_logits_device(p):
+    """With a repetition penalty the row is sampled on its own device (no vocabulary-sized op on the
+    host): on the GPU the same distribution as on the host, and the same tokens from the same seed."""
+    logits = torch.randn(50000, generator=torch.Generator().manual_seed(4)) * 4
+    history = torch.topk(logits, 30).indices[::3].tolist() + [0, 17]
+    p = p.update(repeat_penalty=1.3, seed=11)
+    host, gpu = Sampler(p), Sampler(p)
+    want = host.distribution(logits, history)
+    got = gpu.distribution(logits.cuda(), history)
+    assert got.is_cuda and torch.allclose(got.cpu(), want, atol=1e-6)
+    assert [host(logits, history) for _ in range(50)] == [gpu(logits.cuda(), history) for _ in range(50)]
