@@ -124,30 +124,20 @@ class InlineLayers:
             st.d2h_bytes += layers * (self.q.nbytes + (kv_row * len(slots) if slots is not None else 0))
             st.h2d_bytes += layers * (self.o.nbytes + self.lse.nbytes)
 
-    def run(self, runner: Runner, p: Part, st: StepTimes) -> None:
-        """All layers of one step for sub-batch p (its inputs loaded into the captured set)."""
-        h = torch.cuda.current_stream(runner.dev).cuda_stream
-        slots, rows = self.host_rows(p)
-        L = runner.cfg.num_layers
-        for i in range(L):
-            self.front(runner, p, i, h)
-            self.host(runner, p, i, slots, rows, st)
-            self.back(runner, i, h)
-        self.count(p, slots, st, L)
 
-
-def run_pair(runner: Runner, parts: list[Part], loops: list[InlineLayers], st: StepTimes) -> None:
-    """All layers of one step for two sub-batches, skewed (the module's docstring)."""
+def run_layers(runner: Runner, parts: list[Part], loops: list[InlineLayers], st: StepTimes) -> None:
+    """All layers of one step for one sub-batch, or two skewed (the module's docstring): each part's
+    layer i + 1 is queued as soon as its layer i's CPU share and post segment are."""
     h = torch.cuda.current_stream(runner.dev).cuda_stream
     L = runner.cfg.num_layers
-    both = list(zip(loops, parts, [lp.host_rows(p) for lp, p in zip(loops, parts)]))
-    for lp, p, _ in both:
+    each = list(zip(loops, parts, [lp.host_rows(p) for lp, p in zip(loops, parts)]))
+    for lp, p, _ in each:
         lp.front(runner, p, 0, h)
     for i in range(L):
-        for lp, p, (slots, rows) in both:
+        for lp, p, (slots, rows) in each:
             lp.host(runner, p, i, slots, rows, st)
             lp.back(runner, i, h)
             if i + 1 < L:
                 lp.front(runner, p, i + 1, h)
-    for lp, p, (slots, _) in both:
+    for lp, p, (slots, _) in each:
         lp.count(p, slots, st, L)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from offload import rows
-from offload.inline import InlineLayers, run_pair
+from offload.inline import InlineLayers, run_layers
 from offload.timers import StepTimes
 
 if TYPE_CHECKING:
@@ -69,10 +69,7 @@ class LeanStep:
         for p in parts:
             if p.cap not in self.loops:
                 self.loops[p.cap] = InlineLayers(p.cap, torch.cuda.current_stream(r.dev))
-        if len(parts) == 1:
-            self.loops[parts[0].cap].run(r, parts[0], st)
-        else:
-            run_pair(r, parts, [self.loops[p.cap] for p in parts], st)
+        run_layers(r, parts, [self.loops[p.cap] for p in parts], st)
 
 
 class PipelinedStep:
