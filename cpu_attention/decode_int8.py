@@ -40,8 +40,8 @@ Q16 = np.float32(32000.0)  # levels of a quantized query's largest element: hi =
 W8 = np.float32(255.0)  # levels of a tile's largest weight (one unsigned byte)
 TINY = np.float32(1e-30)  # below this a row's 16-bit scale (max / levels) would leave float32's normal range
 # query rows a kv head from which `decode_int8` takes AMX tile products (`_amx`) where the CPU has them
-# (None: never): at 32 (a run of 8 rows of 4 heads) they were 4-11% faster on the GPU host, at 16 even,
-# at 4 twice as slow (bench/RESULTS.md)
+# (None: never): at 32 (a run of 8 rows of 4 heads) 0-10% faster on the GPU host, at 16 up to 18% slower,
+# at 4 17-44% slower (bench/RESULTS.md)
 TILE_MIN_HEADS = 32 if TILES else None
 
 
