@@ -208,7 +208,7 @@ class DecodeWork:
             int8_mod.decode_int8(a["k"][layer], a["v"][layer], a["k_scale"][layer], a["v_scale"][layer], q, sc,
                                  *rotation.numba_args(D), bt, items, order, pair_start, on, ln, int8_mod.INT8_TILE,
                                  int8_mod.PREFETCH_BLOCKS, rest_heads(G), self.threads,
-                                 int8_mod.use_tiles(G, D, pool.block_size))
+                                 True if int8_mod.use_tiles(G, D, pool.block_size) else None)
         else:  # the any-shape fallbacks: q scaled (and rotated) before, the output rotated back after
             qn = np.multiply(q, sc, out=scaled)
             if pool.dtype is KVDtype.BF16:

@@ -291,8 +291,10 @@ def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_sta
     tokens, `INT8_TILE`) at a time: its scores W tokens a vector (`make_scores`; meanwhile the K
     and V of the block `ahead` blocks on are prefetched, `PREFETCH_BLOCKS`, and an item's first
     `ahead` blocks as it is claimed, `_prefetch_first`), the online softmax with the weights in
-    one byte (`_softmax_split`), the value sums (`make_values`); with `tiles` (`use_tiles`) the
-    scores and value sums are tile products instead (`_tiles_step`).
+    one byte (`_softmax_split`), the value sums (`make_values`); with `tiles` True (`use_tiles`)
+    the scores and value sums are tile products instead (`_tiles_step`). `tiles` None: Numba
+    prunes the tile path, so the kernel compiles without it (the tile path adds ~10 s to the
+    first compile on two cores).
     BS % W == 0 and D % W == 0 (else `decode_int8_any`); items start at block boundaries."""
     R = len(rest)  # G % 4, a compile-time constant
     NI = items.shape[0]
@@ -314,8 +316,8 @@ def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_sta
         l = np.empty(G, np.float32)
         acc = np.empty((G, D), np.float32)
         tr = np.empty((D, G), np.float32)  # the rotations' scratch (`hadamard_rows`)
-        TT = TL if tiles else 0  # the tile path's integer sums and key token scales
-        ci, vi, ksc = np.empty((2, G, TT), np.int32), np.empty((G, D if tiles else 0), np.int32), np.empty(TT, np.float32)
+        TT = 0 if tiles is None else TL  # the tile path's integer sums and key token scales
+        ci, vi, ksc = np.empty((2, G, TT), np.int32), np.empty((G, TT and D), np.int32), np.empty(TT, np.float32)
         _prepare_queries(q, scale, signs, P, rc, prep, ready, qp_all, qc_all, qsc_all, np.empty((G, D), np.float32), tr)
         while True:
             it, b, h, t0, t1 = _claim_item(queue, order, items, m, l, acc)
@@ -330,7 +332,7 @@ def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_sta
             while t < t1:
                 n = min(TL, t1 - t)
                 nch, ngr = _tile_addresses(ks, vs, bt, b, h, t, n, t1, ahead, D, kbase, ksbase, pf, gbase, vsc)
-                if tiles:
+                if tiles is not None:
                     _tiles_step(qp, qsc, k, v, kbase, ks, ksbase, pf, nch, gbase, BS, n, s, vsc, ksc, m, l, acc, wp,
                                 wsc, ci, vi)
                 else:
@@ -340,7 +342,7 @@ def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_sta
                 t += n
             _keep_partial(it, acc, m, l, part_o, part_m, part_l)
             _finish_item(b, h, pair_start, done, part_o, part_m, part_l, out, lse, signs, P, rc, tr)
-        if tiles:  # the thread's tile state, loaded by each tile product call
+        if tiles is not None:  # the thread's tile state, loaded by each tile product call
             release()
 
 
