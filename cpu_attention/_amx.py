@@ -56,7 +56,8 @@ def _permit() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+        args = (ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM), ctypes.c_long(XFEATURE_XTILEDATA))
+        return libc.syscall(*args) == 0  # longs: a variadic call's registers are read whole
     except (OSError, AttributeError):
         return False
 
