@@ -85,9 +85,7 @@ def _softmax_split(s, vsc, n, npad, m, l, acc, wp, wsc):
     largest: wp[g, j] = round(p[g, j] vsc[j] / wsc[g]) (uint8; zeros for n <= j < npad), wsc[g] =
     max_j p[g, j] vsc[j] / 255. A weight's rounding is at most 1/510 of its tile's largest, and
     random over the tile's tokens: the output moved by ~1e-3 of its norm against the float64
-    twin (weights in 16 bits as two bytes: ~5e-6, and 4–9% slower, bench/RESULTS.md). (A bound
-    of the largest known before the weights, e^(largest score - max) · the largest value scale,
-    would round in the same pass; it measured no faster and coarser on peaked tiles.)"""
+    twin (weights in 16 bits as two bytes: ~5e-6, and 4–9% slower, bench/RESULTS.md)."""
     for g in range(acc.shape[0]):
         _split_row(s[g], vsc, n, npad, _raise_max(s[g], n, g, m, l, acc), g, l, wp, wsc)
 
@@ -317,7 +315,7 @@ def decode_int8(k, v, ks, vs, q, scale, signs, P, rc, bt, items, order, pair_sta
         acc = np.empty((G, D), np.float32)
         tr = np.empty((D, G), np.float32)  # the rotations' scratch (`hadamard_rows`)
         TT = 0 if tiles is None else TL  # the tile path's integer sums and key token scales
-        ci, vi, ksc = np.empty((2, G, TT), np.int32), np.empty((G, TT and D), np.int32), np.empty(TT, np.float32)
+        ci, vi, ksc = np.empty((2, G, TT), np.int32), np.empty((G, D if TT else 0), np.int32), np.empty(TT, np.float32)
         _prepare_queries(q, scale, signs, P, rc, prep, ready, qp_all, qc_all, qsc_all, np.empty((G, D), np.float32), tr)
         while True:
             it, b, h, t0, t1 = _claim_item(queue, order, items, m, l, acc)
