@@ -1,12 +1,13 @@
 """Each layer's GPU segments of a split decode step, captured as CUDA graphs.
 
     pre(i):  x → pre_attention → q, k, v; the new k/v into the device tier; q, k, v (float32)
-             down into pinned staging (`down`)
+             down into pinned staging (`down`), one copy (gpu_ops/split_io.py)
     attn(i): the device's attention shares → partial (o, lse) each: over its own tier, and over
              the streamed host blocks (offload/stream.py; the runner waits for their copy first)
              (only when there is a device tier or a streamer)
     post(i): (o_c, lse_c) up from pinned staging (`up`; with a streamer, read by a kernel,
-             gpu_ops/host_read.py), merged with the device's partials → post_attention → x
+             gpu_ops/host_read.py), merged with the device's partials by one kernel
+             (gpu_ops/split_io.py) → post_attention → x
 
 Between pre and post, outside any graph, the CPU attends: it waits for pre's event, reads q and
 the new k/v from `down`, appends and attends, and writes (o, lse) into `up`. A step then costs
@@ -21,12 +22,12 @@ import logging
 
 import torch
 
-from cpu_attention.merge import merge_attention
 from gpu_ops.attention import decode_attention
 from gpu_ops.decode_step import collector_paused, no_sync_view
 from gpu_ops.host_read import read_pinned
 from gpu_ops.nf4 import MMA_AUTO_ROWS
 from gpu_ops.runs import RunRows, run_bucket, run_codes
+from gpu_ops.split_io import merge_into, pack_rows
 from hetero.model import Model
 from offload.kv_cache import TieredKVCache
 from offload.stream import KVStreamer
@@ -51,14 +52,20 @@ class Captured:
         pin = lambda *s: torch.zeros(*s, dtype=torch.float32, pin_memory=True)  # noqa: E731
         self.x = z(B, c.hidden_size)
         self.pos = z(B, dtype=torch.int64)
-        self.down = dict(q=pin(B, c.num_heads, c.head_dim), k=pin(B, c.num_kv_heads, c.head_dim),
-                         v=pin(B, c.num_kv_heads, c.head_dim))
+        nq, nk = B * c.num_heads * c.head_dim, B * c.num_kv_heads * c.head_dim
+        self.down_dev = z(nq + 2 * nk, dtype=torch.float32)  # q, k, v as `pack_rows` lays them out
+        self.down_all = pin(nq + 2 * nk)  # the same, on the host: one copy a layer
+        self.down = dict(q=self.down_all[:nq].view(B, c.num_heads, c.head_dim),
+                         k=self.down_all[nq:nq + nk].view(B, c.num_kv_heads, c.head_dim),
+                         v=self.down_all[nq + nk:].view(B, c.num_kv_heads, c.head_dim))
         self.up = dict(o=pin(B, c.num_heads, c.head_dim), lse=pin(B, c.num_heads))
         self.o_c = z(B, c.num_heads, c.head_dim, dtype=torch.float32)
         self.lse_c = z(B, c.num_heads, dtype=torch.float32)
+        self.o_x = z(B, c.num_heads, c.head_dim)  # the tiers' merged output, in the activations' dtype
         if self.gpu is not None:
             width = max(1, -(-cache.gpu_tokens_per_seq // cache.block_size))
             self.slots = torch.full((B,), self.gpu.scratch_block * cache.block_size, dtype=torch.int64, device=dev)
+            self.dst = torch.empty_like(self.slots)  # flat slots the new k, v go to (`write_target`), set by pre(0)
             self.tables = torch.full((B, width), self.gpu.scratch_block, dtype=torch.int32, device=dev)
             self.lens = z(B, dtype=torch.int32)
         self.pre: list[torch.cuda.CUDAGraph] = []
@@ -71,9 +78,13 @@ class Captured:
     def _pre(self, i: int):
         q, k, v = self.model.pre_attention(i, self.x, self.pos)
         if self.gpu is not None:
-            self.gpu.write(i, self.slots, k, v)  # host-bound rows land in the scratch block
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            self.down[name].copy_(t, non_blocking=True)  # into pinned memory: a captured async copy
+            if i == 0:  # where the new k, v go: the same for every layer, so its index arithmetic once a step
+                kp, vp, dst = self.gpu.write_target(self.slots)
+                self.dst.copy_(dst)
+                self.target = (kp, vp, self.dst)
+            self.gpu.write(i, self.slots, k, v, target=self.target)  # host-bound rows: into the scratch block
+        pack_rows(q, k, v, self.down_dev)
+        self.down_all.copy_(self.down_dev, non_blocking=True)  # into pinned memory: a captured async copy
         return q, k, v
 
     def _attn(self, i: int, q) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -91,10 +102,8 @@ class Captured:
         else:
             self.o_c.copy_(self.up["o"], non_blocking=True)
             self.lse_c.copy_(self.up["lse"], non_blocking=True)
-        o, lse = self.o_c, self.lse_c
-        for o_d, lse_d in parts:
-            o, lse = merge_attention(o_d, lse_d, o, lse)
-        self.x.copy_(self.model.post_attention(i, self.x, o.to(self.x.dtype)))
+        merge_into(self.o_x, [(self.o_c, self.lse_c), *parts])
+        self.x.copy_(self.model.post_attention(i, self.x, self.o_x))
 
     def _capture(self, i: int, mempool) -> None:
         side = torch.cuda.Stream()

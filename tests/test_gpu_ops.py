@@ -135,6 +135,39 @@ def test_split_tiers_merge_to_the_whole():
     assert rel_err(o, whole[0]) < 1e-6 and rel_err(lse, whole[1]) < 1e-6
 
 
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_tier_merge_and_down_pack_match_their_twins(device, n):
+    """`split_io`: the one-kernel merge of n partials (empty rows among them) equals the pairwise
+    torch merge, and q, k, v views of one projection pack into the staging layout."""
+    from gpu_ops.split_io import merge_into, pack_rows
+
+    torch.manual_seed(n)
+    B, Hq, D = 5, 6, 96  # a head dim not a power of two: masked columns
+    parts = [(torch.randn(B, Hq, D, device=device), 3 * torch.randn(B, Hq, device=device)) for _ in range(n)]
+    for _, lse in parts:
+        lse[0, 1] = float("-inf")  # a row every tier leaves empty
+    parts[-1][1][2] = float("-inf")  # a sequence one tier has no token of
+    o, lse = parts[0]
+    for o_p, lse_p in parts[1:]:
+        o, lse = merge_attention(o_p, lse_p, o, lse)
+    out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device=device)
+    merge_into(out, parts)
+    assert rel_err(out.float(), o.bfloat16().float()) < 1e-2
+    assert n == 1 or torch.all(out[0, 1] == 0)  # no weight where every partial is empty (one: taken as is)
+    out32 = torch.empty(B, Hq, D, device=device)
+    merge_into(out32, parts)
+    assert rel_err(out32, o) < 1e-6
+
+    Hkv = 2
+    qkv = torch.randn(B, Hq + 2 * Hkv, D, device=device).bfloat16()
+    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=1)
+    dst = torch.empty(B * (Hq + 2 * Hkv) * D, device=device)
+    pack_rows(q, k, v, dst)
+    assert torch.equal(dst, torch.cat([t.float().flatten() for t in (q, k, v)]))
+
+
 # ---------------------------------------------------------------------------------- the decode step
 def _tiny_separated(tmp_path, **overrides):
     """A tiny random llama whose greedy choices are far apart: lm_head rows are a permutation of
