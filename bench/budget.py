@@ -33,6 +33,7 @@ from typing import Callable
 import torch  # noqa: E402
 
 from hetero.config import LLAMA3_8B  # noqa: E402
+from planner.hardware import kernels_version  # noqa: E402
 from planner.profile import HardwareProfile, cache_path, measure  # noqa: E402
 from offload.build import on_own_thread  # noqa: E402
 from offload.timers import StepTimes  # noqa: E402
@@ -295,6 +296,20 @@ def forced_options(args: argparse.Namespace) -> tuple[dict, list[str]]:
     return {k: int(v) if v.isdigit() else v for k, v in forced.items()}, [a for kv in args.set for a in ("--set", kv)]
 
 
+def given_profile(path: Path) -> HardwareProfile:
+    """The profile at path, stamped with the installed CPU kernels' digest: `hetero.load` measures
+    the machine again where a cached profile's digest differs, so a profile saved before a kernel
+    change would otherwise be replaced by each row's own measurement (and the rows' plans vary
+    with the machine) while the bench reports the given one."""
+    prof = HardwareProfile.from_json(path.read_text())
+    now = kernels_version()
+    if prof.versions.get("kernels") != now:
+        print(f"{path}: measured with other CPU kernels than the installed ones; planning with its figures as they are",
+              flush=True)
+        prof = dataclasses.replace(prof, versions={**prof.versions, "kernels": now})
+    return prof
+
+
 def run_rows(module: str, args: argparse.Namespace, table: list[tuple], run_one: Callable[..., dict],
              extra: list[str] = ()) -> tuple[HardwareProfile, list[dict]] | None:
     """As a row's process (--one NAME): run_one(profile, *NAME's entry of `table`), printed as its ROW
@@ -307,7 +322,7 @@ def run_rows(module: str, args: argparse.Namespace, table: list[tuple], run_one:
         print("ROW " + json.dumps(run_one(prof, *next(r for r in table if r[0] == args.one))), flush=True)
         return None
     names = [r[0] for r in table]
-    prof = HardwareProfile.from_json(args.profile.read_text()) if args.profile else measure(quick=args.quick)
+    prof = given_profile(args.profile) if args.profile else measure(quick=args.quick)
     prof_path = args.out / "profile.json"
     prof_path.write_text(prof.to_json())
     cache_path().parent.mkdir(parents=True, exist_ok=True)
