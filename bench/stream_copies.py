@@ -10,9 +10,13 @@ one run of blocks for each of the int8 tier's four tensors (keys and values 852 
     batched         one cuMemcpyBatchAsync for the layer's pieces (`Driver.memcpy_up_all`)
     kernel          one kernel reading the pinned pieces itself (zero-copy), one launch a layer: the
                     engine's (`gpu_ops.host_read.gather_pinned`)
+    kernel, graph   the same kernel captured once a layer, each graph launched through the driver
+                    (the main thread's cost without Triton's launch path)
     one copy        the same bytes as one contiguous copy: the bound
 
-alone, then beside a 15-thread torch.sum over 2 GiB (the CPU's attention reading DRAM meanwhile).
+alone, then beside a 15-thread torch.sum over 2 GiB (the CPU's attention reading DRAM meanwhile);
+each way also with the main thread's µs to issue a layer's copies (in a decode step that time is
+on the step's serial path: the main thread issues them between the CPU's attention calls).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.stream_copies needs a CUDA device")
     from gpu_ops.host_read import WORD, HostPointer, gather_pinned
-    from offload.driver import driver
+    from offload.driver import RAW_GRAPHS, driver, graph_handle
 
     dev, R, L = torch.device("cuda"), args.rows, args.layers
     host = [torch.ones(L * R * 3 * s // 8, dtype=torch.int64, pin_memory=True) for s in SIZES]  # rows 3 runs apart
@@ -60,10 +64,20 @@ def main() -> None:
         with torch.cuda.stream(st):
             gather_pinned(HostPointer.words(sb), HostPointer.words(db), table, layer, 0, 4 * R, max(SIZES) // WORD)
 
+    graphs = []
+    if RAW_GRAPHS:
+        kernel(0)  # compiled outside the capture
+        st.synchronize()
+        for layer in range(L):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=st):
+                gather_pinned(HostPointer.words(sb), HostPointer.words(db), table, layer, 0, 4 * R, max(SIZES) // WORD)
+            graphs.append((g, graph_handle(g)))
     ways = {
         "one call each": lambda layer: [drv.memcpy_up(*c, hs) for c in pieces(layer)],
         "batched": lambda layer: drv.memcpy_up_all(pieces(layer), hs),
         "kernel": kernel,
+        **({"kernel, graph": lambda layer: drv.launch(graphs[layer][1], hs)} if graphs else {}),
         "one copy": lambda layer: drv.memcpy_up(whole_dst.data_ptr(), whole_src.data_ptr(), total, hs),
     }
     for d in stage:
@@ -72,16 +86,18 @@ def main() -> None:
     st.synchronize()
     assert all(bool((d == 1).all()) for d in stage), "the kernel's pieces differ from the host's"
 
-    def seconds(fn) -> float:
-        best = float("inf")
+    def seconds(fn) -> tuple[float, float]:
+        """(seconds a layer's copies take, seconds the main thread takes to issue them), best of 3."""
+        best = issue = float("inf")
         for _ in range(3):
             torch.cuda.synchronize()
             t = time.perf_counter()
             for layer in range(L):
                 fn(layer)
+            issue = min(issue, (time.perf_counter() - t) / L)
             st.synchronize()
             best = min(best, (time.perf_counter() - t) / L)
-        return best
+        return best, issue
 
     def cpu_load(stop: threading.Event) -> None:
         a = torch.ones(2**29, dtype=torch.float32)
@@ -99,8 +115,9 @@ def main() -> None:
         for name, fn in ways.items():
             fn(0)
             st.synchronize()
-            t = seconds(fn)
-            print(f"{'beside torch.sum' if loaded else 'alone':16} {name:14} {t * 1e3:7.3f} ms a layer  {total / t / 1e9:6.1f} GB/s")
+            t, issue = seconds(fn)
+            print(f"{'beside torch.sum' if loaded else 'alone':16} {name:14} {t * 1e3:7.3f} ms a layer  "
+                  f"{total / t / 1e9:6.1f} GB/s  issued in {issue * 1e6:6.1f} µs")
         if th is not None:
             stop.set()
             th.join()
