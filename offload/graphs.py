@@ -66,6 +66,7 @@ class Captured:
             width = max(1, -(-cache.gpu_tokens_per_seq // cache.block_size))
             self.slots = torch.full((B,), self.gpu.scratch_block * cache.block_size, dtype=torch.int64, device=dev)
             self.dst = torch.empty_like(self.slots)  # flat slots the new k, v go to (`write_target`), set by pre(0)
+            self.target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (k pool, v pool, dst)
             self.tables = torch.full((B, width), self.gpu.scratch_block, dtype=torch.int32, device=dev)
             self.lens = z(B, dtype=torch.int32)
         self.pre: list[torch.cuda.CUDAGraph] = []
