@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cpu_attention import HostKVPool, KVDtype
@@ -265,12 +266,11 @@ class TieredKVCache:
         row each; slots: the rows' reservations, whose tokens after a row in its run it does not see."""
         ts = [getattr(self.seqs[s], tier) for s in seqs]
         width = max(1, max(len(t.blocks) for t in ts))
-        bt = torch.zeros(len(ts), width, dtype=torch.int32)
+        bt = np.zeros((len(ts), width), dtype=np.int32)  # numpy: a torch row assignment costs ~8 µs more
         for i, t in enumerate(ts):
-            if t.blocks:
-                bt[i, : len(t.blocks)] = torch.tensor(t.blocks, dtype=torch.int32)
+            bt[i, : len(t.blocks)] = t.blocks
         hidden = [0] * len(ts) if slots is None else [getattr(sl, "later_" + tier) for sl in slots]
-        return bt, torch.tensor([t.num_tokens - h for t, h in zip(ts, hidden)], dtype=torch.int32)
+        return torch.from_numpy(bt), torch.tensor([t.num_tokens - h for t, h in zip(ts, hidden)], dtype=torch.int32)
 
     # ------------------------------------------------------------------ swapping
     def _make_gpu_room(self, blocks: int, keep: frozenset[int]) -> None:

@@ -23,6 +23,10 @@ Per layer i, two staging slots (i % 2) on the device:
 The kernel rather than the copies: a layer's 64 runs of blocks at 16 rows, in one batched driver
 call, cost the main thread ~175 µs a layer to issue, the kernel one launch; it moved 50 GB/s
 where the batched copies moved 54 (47.6 against 42.5 beside the CPU reading DRAM; H200 host).
+Through Triton's launcher that one launch still costs the main thread 35 µs, so each layer's is
+captured once as a CUDA graph over a table of fixed width (columns a step does not use move 0
+words) and launched through the driver in 3 µs (`bench.stream_copies`); a step whose pieces
+outgrow the table captures them again, wider.
 Layer i + 2's copy is queued right after layer i's attention, so each copy has a whole layer
 of time to land. On a CPU stand-in device the same code runs without streams. Streamed blocks
 are complete, so an int4 block is always in its codes, never in a bf16 tail (`begin` checks the
@@ -36,7 +40,7 @@ from cpu_attention import HostKVPool, KVDtype, rotation
 from gpu_ops import attention as gpu_attention
 from gpu_ops.host_read import WORD, HostPointer, gather_pinned
 from gpu_ops.kv_pool import GpuKVPool
-from offload.driver import driver, event_handle
+from offload.driver import RAW_GRAPHS, driver, event_handle, graph_handle
 
 # Copies go up in pieces of at most this. Small pieces cost the main thread ~20 µs of launch each
 # (2 MB pieces: 244 µs a layer at 8k), and a small upload waits ~40 µs behind
@@ -106,6 +110,9 @@ class KVStreamer:
         self._gather = self._gather_plan() if self._drv is not None else None
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's pieces: pinned, device
         self._pieces = self._longest = self._layer_bytes = 0
+        # per layer, the kernel captured over the whole table (driver handles; where torch hands them out)
+        self._graphs: list[torch.cuda.CUDAGraph] = []
+        self._launch: list[int] = []
 
     def _gather_plan(self) -> tuple[int, int, list[tuple[int, ...]]] | None:
         """`gather_pinned`'s bases (the lowest host and staging addresses) and, per tensor, (host
@@ -154,14 +161,38 @@ class KVStreamer:
                 for s0, layer, block, d0, slot in self._gather[2] for first, at, n in self._runs]
         P = len(cols)
         if self._table is None or self._table[0].shape[1] < P:
-            self._table = (torch.empty(5, P, dtype=torch.int64, pin_memory=True),
-                           torch.empty(5, P, dtype=torch.int64, device=self.device))
+            width = max(P, 2 * self._table[0].shape[1] if self._table is not None else len(self._gather[2]) * self.max_rows)
+            self._table = (torch.zeros(5, width, dtype=torch.int64, pin_memory=True),
+                           torch.zeros(5, width, dtype=torch.int64, device=self.device))
+            self._graphs, self._launch = [], []
         host, dev = self._table
         host[:, :P] = torch.tensor(cols, dtype=torch.int64).T
+        host[4, P:] = 0  # columns this step does not use move nothing
         with torch.cuda.stream(self.stream):
-            dev[:, :P].copy_(host[:, :P], non_blocking=True)
+            dev.copy_(host, non_blocking=True)
         self._pieces, self._longest = P, max((c[4] for c in cols), default=0)
         self._layer_bytes = sum(c[4] for c in cols) * WORD
+        if RAW_GRAPHS and not self._graphs and P:
+            self._capture()
+
+    def _gather_layer(self, layer: int, pieces: int, longest: int) -> None:
+        with torch.cuda.stream(self.stream):
+            gather_pinned(HostPointer.words(self._gather[0]), HostPointer.words(self._gather[1]),
+                          self._table[1], layer, layer % 2, pieces, longest)
+
+    def _capture(self) -> None:
+        """Each layer's gather as a graph over the whole table: as many pieces as it has columns, each
+        as long as a row's whole staging (what no step outgrows)."""
+        width = self._table[1].shape[1]
+        longest = self.max_blocks * max(block for _, _, block, _, _ in self._gather[2])
+        torch.cuda.synchronize(self.device)  # nothing reads slot 0 now: the warm-up's copy there is harmless
+        self._gather_layer(0, width, longest)  # compiled outside the capture
+        for layer in range(self.host.num_layers):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=self.stream):
+                self._gather_layer(layer, width, longest)
+            self._graphs.append(g)
+            self._launch.append(graph_handle(g))
 
     def row0(self, slot: int) -> int:
         """The staging row sub-batch `slot`'s rows start from: 0, or `half` for the second of two (a
@@ -204,9 +235,11 @@ class KVStreamer:
         if len(n) == 1:
             bt = bt[:, n[0]:]
         else:
-            bt, rows = bt.clone(), bt
+            rows = bt.numpy()
+            out = rows.copy()
             for r, k in enumerate(n):
-                bt[r, : bt.shape[1] - k] = rows[r, k:]
+                out[r, : out.shape[1] - k] = rows[r, k:]
+            bt = torch.from_numpy(out)
         return bt, lens - torch.tensor(n, dtype=lens.dtype) * self.host.block_size
 
     def idle(self) -> None:
@@ -235,10 +268,10 @@ class KVStreamer:
         drv.wait(h, self.free_h[slot])  # the slot's last reader is done
         span = self.timer.begin(h) if self.timer is not None else None
         if self._gather is not None:
-            if self._pieces:
-                with torch.cuda.stream(st):
-                    gather_pinned(HostPointer.words(self._gather[0]), HostPointer.words(self._gather[1]),
-                                  self._table[1], layer, slot, self._pieces, self._longest)
+            if self._launch:
+                drv.launch(self._launch[layer], h)
+            elif self._pieces:
+                self._gather_layer(layer, self._pieces, self._longest)
             self.bytes_up += self._layer_bytes
         else:
             self._driver_copy(layer, slot)
