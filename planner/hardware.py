@@ -17,7 +17,7 @@ from planner.plan import Budget, Choice
 from planner.tensors import WDtype
 from planner.units import format_size as fs
 
-FORMAT = 11  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
+FORMAT = 12  # bump when fields change meaning or the stated constants change; an older cache is then re-measured
 GIB = 1024**3
 KV_BLOCK = 32  # tokens a KV block: the engine's default, and what the attention rates are measured at
 
@@ -25,11 +25,12 @@ KV_BLOCK = 32  # tokens a KV block: the engine's default, and what the attention
 # Per layer of a step the runtime runs in its lean loop (offload/inline.py: one sub-batch, driver
 # calls), what a step costs beyond the GEMVs and the attention bytes: the GPU's small kernels
 # (norms, RoPE, merge, the q/k/v and (o, lse) hops), the host's launch of the post segment after
-# the CPU's kernel (~45 µs to its start on the device), the event wait. Fitted on the H100 host,
-# 2026-11-23 (bench/offload_decode.py runs of 07:00–07:15 UTC, plans held fixed: 100 µs fits the
-# bf16 rows, int8's CPU calls cost more than `CPU_ATTENTION_CALL_S` says). The general loop's is
-# `planner.cost.GENERAL_LOOP_OVERHEAD_S`.
-LAYER_OVERHEAD_S = 150e-6
+# the CPU's kernel (~45 µs to its start on the device), the event wait. Fitted on the H200 host,
+# 2026-11-30: six runs of the batch rows 16 × 8k and 32 × 2k (bench/budget.py, three machines):
+# the step less its weight GEMVs, the CPU's clock and the hops left 86–131 µs a layer, 115 on
+# average (150 before the tiers' merge and the q, k, v copies down became a kernel each, fitted on
+# the H100 host's batch-1 rows). The general loop's is `planner.cost.GENERAL_LOOP_OVERHEAD_S`.
+LAYER_OVERHEAD_S = 120e-6
 POOL_BYTES = 512 * 2**20  # per KV dtype in the CPU attention timing: past the host's last-level cache (300 MiB on the H100 host)
 # Per CPU attention call (one layer, one sub-batch), whatever its size: the append, the Python
 # around the kernel, waking the Numba threads.
