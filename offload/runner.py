@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 
 import cpu_attention
-from cpu_attention.merge import merge_attention
 from gpu_ops import attention as gpu_attention
 from gpu_ops.runs import RunRows, run_codes
+from gpu_ops.split_io import merge_into
 from hetero.model import Model
 from offload import rows
 from offload.graphs import Captured, SegmentGraphs
@@ -299,10 +299,12 @@ class Runner(Prefill):
             p.job = None
             self.spans.end(span)
             return
-        for o_g, lse_g in (x for x in (p.gpu_out, p.stream_out) if x is not None):
-            o, lse = (o_g, lse_g) if o is None else merge_attention(o_g, lse_g, o.to(o_g.device), lse.to(o_g.device))
+        found = [x for x in (None if o is None else (o, lse), p.gpu_out, p.stream_out) if x is not None]
+        parts = [(a.to(self.dev), b.to(self.dev)) for a, b in found]
         p.job = p.gpu_out = p.stream_out = None
-        p.x = self.model.post_attention(i, p.x, o.to(self.dev, p.x.dtype))
+        merged = torch.empty(parts[0][0].shape, dtype=p.x.dtype, device=self.dev)
+        merge_into(merged, parts)  # the tiers' partials by one kernel, as the post graph merges them
+        p.x = self.model.post_attention(i, p.x, merged)
         self.spans.end(span)
 
     def _send_down(self, p: Part, q, k, v, st: StepTimes) -> Down:
