@@ -412,6 +412,41 @@ def test_planned_staging_covers_the_streamers_peak(kv, block_size):
     assert planned <= 1.5 * peak + 4 * 2**20, (peak, planned)  # and does not set aside far more
 
 
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_streamer_graphs_gather_scattered_blocks(kv):
+    """The streamer's gather, captured as a graph a layer over a table of fixed width, brings a
+    row's blocks up wherever they lie in the pinned pool: one run of blocks, then three runs (more
+    pieces than the table had columns: captured again, wider), and the device attends over them
+    as the float64 twin does over the host's blocks."""
+    import math
+
+    from cpu_attention import HostKVPool, decode_attention_ref
+    from offload import pinned
+    from offload.stream import KVStreamer
+
+    gen = torch.Generator().manual_seed(8)
+    L, H, BS, D = 2, 2, 16, 64  # shapes the quantized paged kernels take
+    host = HostKVPool(L, 8, H, BS, D, KVDtype(kv), allocate=pinned.zeros)
+    n = 7 * BS  # blocks 0..6, complete
+    slots = torch.arange(n)
+    for layer in range(L):
+        k = torch.randn(n, H, D, generator=gen) + 3 * torch.randn(D, generator=gen)  # channel offsets
+        host.write(layer, slots, k, torch.randn(n, H, D, generator=gen))
+    sv = KVStreamer(host, 4 * BS, torch.device("cuda"))
+    q = torch.randn(1, 3 * H, D, generator=gen).bfloat16().float()  # the activations' dtype, as a step's q
+    widths = []
+    for blocks in ([0, 1, 2], [5, 1, 3, 4]):
+        sv.begin([blocks])
+        widths.append(sv._table[1].shape[1])
+        for layer in range(L):
+            sv.prefetch(layer)
+            o, lse = sv.attend(layer, q.cuda().bfloat16(), 1 / math.sqrt(D))
+            ro, rl = decode_attention_ref(host, layer, q, torch.tensor([blocks], dtype=torch.int32),
+                                          torch.tensor([len(blocks) * BS]), 1 / math.sqrt(D))
+            assert rel_err(o.cpu(), ro) < 1e-2 and (lse.cpu() - rl).abs().max() < 5e-2
+    assert len(sv._launch) == L and widths[1] > widths[0]  # graphs, captured again for the wider table
+
+
 REPEATS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8], PROMPT]
 
 
