@@ -38,6 +38,7 @@ import torch
 
 from cpu_attention import HostKVPool, KVDtype, rotation
 from gpu_ops import attention as gpu_attention
+from gpu_ops.decode_step import collector_paused
 from gpu_ops.host_read import WORD, HostPointer, gather_pinned
 from gpu_ops.kv_pool import GpuKVPool
 from offload.driver import RAW_GRAPHS, driver, event_handle, graph_handle
@@ -161,7 +162,8 @@ class KVStreamer:
                 for s0, layer, block, d0, slot in self._gather[2] for first, at, n in self._runs]
         P = len(cols)
         if self._table is None or self._table[0].shape[1] < P:
-            width = max(P, 2 * self._table[0].shape[1] if self._table is not None else len(self._gather[2]) * self.max_rows)
+            first = len(self._gather[2]) * self.max_rows  # one run of blocks a row and tensor
+            width = max(P, first if self._table is None else 2 * self._table[0].shape[1])
             self._table = (torch.zeros(5, width, dtype=torch.int64, pin_memory=True),
                            torch.zeros(5, width, dtype=torch.int64, device=self.device))
             self._graphs, self._launch = [], []
@@ -189,7 +191,7 @@ class KVStreamer:
         self._gather_layer(0, width, longest)  # compiled outside the capture
         for layer in range(self.host.num_layers):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=self.stream):
+            with torch.cuda.graph(g, stream=self.stream), collector_paused():
                 self._gather_layer(layer, width, longest)
             self._graphs.append(g)
             self._launch.append(graph_handle(g))

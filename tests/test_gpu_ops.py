@@ -135,7 +135,6 @@ def test_split_tiers_merge_to_the_whole():
     assert rel_err(o, whole[0]) < 1e-6 and rel_err(lse, whole[1]) < 1e-6
 
 
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_tier_merge_and_down_pack_match_their_twins(device, n):
