@@ -1,6 +1,9 @@
 """NF4 W4A16 tensor-core matmul (gpu_ops.nf4_mma) at decode-batch shapes: check, sweep, time.
 
-    python3 -m bench.nf4_mma --out DIR [--rows 4,8,16,32,64] [--budget-s 170] [--workers 12]
+    python3 -m bench.nf4_mma --out DIR [--rows 4,8,16,32,64] [--budget-s 170] [--workers 12] [--codes q4]
+
+--codes q4: the linear q4 format (`gpu_ops.q4`, nf4_mma's LINEAR decoder) instead of NF4; its
+reference is dequantize_q4, and neither bitsandbytes nor nf4_gemv takes it (not timed).
 
 1. HBM read bandwidth (a streaming Triton read and torch's sum; the best is the bounds' divisor),
    and the copy rate the other benches report.
@@ -39,7 +42,9 @@ import triton
 import triton.language as tl
 
 from gpu_ops.nf4 import NF4Linear, Nf4Kernel, dequantize_nf4, quantize_nf4
+from gpu_ops.nf4_gemv import Decode
 from gpu_ops.nf4_mma import MmaConfig, Scale, mma_config, nf4_mma, row_bucket
+from gpu_ops.q4 import dequantize_q4, quantize_q4
 
 log = logging.getLogger("bench")
 DEV = torch.device("cuda")
@@ -116,38 +121,56 @@ def _variant(cfg: MmaConfig, bm: int, split: bool) -> str:
     return f"{kernel_tag(cfg)}/m{bm}/{'split' if split else 'one'}"
 
 
-def _compile_one(task: tuple[dict, int, bool]) -> dict:
+def quantize(w: torch.Tensor, codes: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_q4(w) if codes == "q4" else quantize_nf4(w)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], codes: str) -> torch.Tensor:
+    """float32 W [N, K]."""
+    return dequantize_q4(packed, scales) if codes == "q4" else dequantize_nf4(packed, scales, shape)
+
+
+def decode_of(codes: str) -> Decode:
+    return Decode.LINEAR if codes == "q4" else Decode.PRMT
+
+
+def _compile_one(task: tuple[dict, int, bool, str]) -> dict:
     """In a worker: compile one variant by running it once on a small odd shape (N, K multiples of
     16 as the bench's are, so this process finds the binary in Triton's cache), and check it."""
-    fields, bm, split = task
+    fields, bm, split, codes = task
     cfg = MmaConfig(**{**fields, "scale": Scale(fields["scale"]), "split": 2 if split else 1})
     key = _variant(cfg, bm, split)
     try:
         N, K, rows = 320, 1024, bm // 2 + 1  # rows: a BLOCK_M of bm in either orientation
         torch.manual_seed(0)
-        packed, absmax = quantize_nf4(torch.randn(N, K, device=DEV) * 0.02)
+        packed, absmax = quantize(torch.randn(N, K, device=DEV) * 0.02, codes)
         x = torch.randn(rows, K, device=DEV, dtype=torch.bfloat16)
         t0 = time.perf_counter()
-        y = nf4_mma(x, packed, absmax, (N, K), cfg)
+        y = nf4_mma(x, packed, absmax, (N, K), cfg, decode=decode_of(codes))
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
-        ref = x.float() @ dequantize_nf4(packed, absmax, (N, K)).T
+        ref = x.float() @ dequantize(packed, absmax, (N, K), codes).T
         err = float((y.float() - ref).norm() / ref.norm())
         return {"variant": key, "ok": err < OK_ERR, "rel_err": err, "first_call_s": secs}
     except Exception as e:  # noqa: BLE001
         return {"variant": key, "ok": False, "error": repr(e)[-3000:]}
 
 
-def precompile(rows_list: list[int], workers: int, timeout_s: float) -> dict[str, dict]:
-    tasks = [(dict(dataclasses.asdict(k), scale=int(k.scale)), bm, split)
-             for k in KERNELS for bm in sorted({k.block_m(r) for r in rows_list}) for split in (False, True)]
+def kernels(codes: str) -> list[MmaConfig]:
+    """The grid for the codes: q4's decoder always scales the weights (nf4_mma runs Scale.SUM as WEIGHT)."""
+    return [k for k in KERNELS if codes != "q4" or k.scale is Scale.WEIGHT]
+
+
+def precompile(rows_list: list[int], workers: int, timeout_s: float, codes: str) -> dict[str, dict]:
+    tasks = [(dict(dataclasses.asdict(k), scale=int(k.scale)), bm, split, codes)
+             for k in kernels(codes) for bm in sorted({k.block_m(r) for r in rows_list}) for split in (False, True)]
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
     ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
     futs = {ex.submit(_compile_one, t): t for t in tasks}
     try:
         for f in cf.as_completed(futs, timeout=timeout_s):
-            fields, bm, split = futs[f]
+            fields, bm, split, _ = futs[f]
             key = _variant(MmaConfig(**{**fields, "scale": Scale(fields["scale"])}), bm, split)
             try:
                 results[key] = r = f.result()
@@ -188,38 +211,43 @@ def graph_us(call, n_copies: int, reps: int = 7) -> float:
     return 1e3 * ms / calls
 
 
-def _reference(packed: torch.Tensor, absmax: torch.Tensor, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
+def _reference(packed: torch.Tensor, absmax: torch.Tensor, n: int, k: int, x: torch.Tensor, codes: str) -> torch.Tensor:
     """x · W_deqᵀ in float32, W dequantized 8192 rows at a time (lm_head's float32 copy would be 2 GiB)."""
     out = []
     for n0 in range(0, n, 8192):
         n1 = min(n, n0 + 8192)
-        w = dequantize_nf4(packed[n0 * k // 2: n1 * k // 2], absmax[n0 * k // 64: n1 * k // 64], (n1 - n0, k))
+        if codes == "q4":  # [N, K/8] words, [N, K/64] group words
+            w = dequantize_q4(packed[n0:n1], absmax[n0:n1])
+        else:
+            w = dequantize_nf4(packed[n0 * k // 2: n1 * k // 2], absmax[n0 * k // 64: n1 * k // 64], (n1 - n0, k))
         out.append(x.float() @ w.T)
     return torch.cat(out, 1)
 
 
-def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadline: float, sms: int) -> list[dict]:
+def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadline: float, sms: int,
+                codes: str) -> list[dict]:
     n, k = SHAPES[name]
     torch.manual_seed(n)
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-    packed, absmax = quantize_nf4(w)
+    packed, absmax = quantize(w, codes)
     del w
-    nf4_bytes = packed.numel() + 4 * absmax.numel()
+    nf4_bytes = packed.numel() * packed.element_size() + 4 * absmax.numel()
     n_copies = max(1, min(32, math.ceil(L2_ROTATION_BYTES / nf4_bytes)))
     copies = [(packed, absmax)] + [(packed.clone(), absmax.clone()) for _ in range(n_copies - 1)]
-    lins = [NF4Linear(p, a, (n, k), kernel=Nf4Kernel.BNB) for p, a in copies]
+    lins = [NF4Linear(p, a, (n, k), kernel=Nf4Kernel.BNB) for p, a in copies] if codes == "nf4" else []
+    decode = decode_of(codes)
     splits = SPLITS if n < WIDE_N else (1,)
     out = []
     for rows in rows_list:
         x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
-        ref = _reference(packed, absmax, n, k, x)
+        ref = _reference(packed, absmax, n, k, x, codes)
         nbytes = nf4_bytes + 2 * rows * (k + n)
         row = {"shape": name, "N": n, "K": k, "rows": rows, "bucket": row_bucket(rows), "bytes": nbytes,
                "copies": n_copies, "configs": {}, "failed": {}}
         default = mma_config(n, k, rows, sms)
         cands = [default]
         if time.perf_counter() < deadline:
-            cands += [dataclasses.replace(c, split=s) for c in KERNELS for s in splits]
+            cands += [dataclasses.replace(c, split=s) for c in kernels(codes) for s in splits]
         else:
             row["truncated"] = True
         seen = set()
@@ -231,9 +259,9 @@ def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadlin
             if _variant(cfg, cfg.block_m(rows), cfg.split > 1) in bad_variants:  # failed in a worker: not here
                 continue
             try:
-                y = nf4_mma(x, packed, absmax, (n, k), cfg)
+                y = nf4_mma(x, packed, absmax, (n, k), cfg, decode=decode)
                 err = float((y.float() - ref).norm() / ref.norm())
-                us = graph_us(lambda i: nf4_mma(x, *copies[i], (n, k), cfg), n_copies)
+                us = graph_us(lambda i: nf4_mma(x, *copies[i], (n, k), cfg, decode=decode), n_copies)
                 row["configs"][cfg.tag] = {"config": dataclasses.asdict(cfg) | {"scale": cfg.scale.name},
                                            "us": us, "gbps": nbytes / us / 1e3, "rel_err": err, "ok": err < OK_ERR}
                 if cfg == default:
@@ -248,6 +276,10 @@ def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadlin
         bad = [t for t, c in row["configs"].items() if not c["ok"]]
         if bad:
             log.warning("%s rows %d: wrong results (rel err ≥ %g) from %s", name, rows, OK_ERR, bad)
+        if codes != "nf4":
+            log.info("linear %s", json.dumps({kk: v for kk, v in row.items() if kk != "configs"}))
+            out.append(row)
+            continue
         try:
             row["bnb_us"] = graph_us(lambda i: lins[i](x), n_copies)
         except Exception as e:  # noqa: BLE001
@@ -313,14 +345,15 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--budget-s", type=float, default=170, help="sweep the grid until then; the default config after")
     ap.add_argument("--workers", type=int, default=12, help="compile processes (0: compile in this one, lazily)")
+    ap.add_argument("--codes", choices=("nf4", "q4"), default="nf4", help="the 4-bit format: NF4 or the linear q4")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         handlers=[logging.FileHandler(args.out / "nf4_mma.log"), logging.StreamHandler()])
     t0 = time.perf_counter()
     rows_list = [int(r) for r in args.rows.split(",")]
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "kernels": [kernel_tag(k) for k in KERNELS]}
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "codes": args.codes,
+                 "kernels": [kernel_tag(k) for k in kernels(args.codes)]}
     import triton
 
     res["triton"] = triton.__version__
@@ -331,14 +364,14 @@ def main() -> None:
     log.info("HBM %s", json.dumps(res["hbm_gbps"]))
     bad_variants: set[str] = set()  # variants not compiled in workers (timeout, --workers 0) run here
     if args.workers:
-        res["compile"] = precompile(rows_list, args.workers, timeout_s=150)
+        res["compile"] = precompile(rows_list, args.workers, timeout_s=150, codes=args.codes)
         bad_variants = {k for k, r in res["compile"].items() if not r["ok"]}
     save()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     deadline = t0 + args.budget_s
     res["linears"] = []
     for name in args.shapes.split(","):
-        res["linears"] += sweep_shape(name, rows_list, bad_variants, deadline, sms)
+        res["linears"] += sweep_shape(name, rows_list, bad_variants, deadline, sms, args.codes)
         torch.cuda.empty_cache()  # this shape's weight copies
         save()
     res["step"] = step_table(res["linears"], bw)
@@ -348,7 +381,7 @@ def main() -> None:
     save()
 
     h = res["hbm_gbps"]
-    print(f"\n{res['device']}, triton {res['triton']}: HBM read {bw:.0f} GB/s (copy {h['copy']:.0f}); "
+    print(f"\n{res['device']}, triton {res['triton']}, {args.codes} codes: HBM read {bw:.0f} GB/s (copy {h['copy']:.0f}); "
           f"{res['wall_s']:.0f} s")
     if "compile" in res:
         bad: dict[str, list[str]] = {}  # error → variants: one line per distinct error

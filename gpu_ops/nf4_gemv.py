@@ -41,6 +41,7 @@ class Decode(enum.IntEnum):
     PRMT = 0  # the code book in registers, inline PTX (the GPU path)
     GATHER = 1  # plain tl.load gathers from the code book: for Triton's CPU interpreter (no inline PTX)
     LINEAR = 2  # not NF4: the linear 4-bit format of gpu_ops.q4 (nf4_mma only; nf4_tc.q4_tc_gemv for the GEMV)
+    LINEAR_F32 = 3  # LINEAR decoded in float32 arithmetic, no inline PTX: for Triton's CPU interpreter
 
 
 PRMT_ASM = tl.constexpr(prmt_asm())

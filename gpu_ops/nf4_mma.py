@@ -55,16 +55,18 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from gpu_ops import pdl
 from gpu_ops.nf4_code import BLOCK
 from gpu_ops.nf4_gemv import Decode, _book, _decode_gather, _load_f32, _sms
-from gpu_ops.nf4_ptx import prmt_bf16_asm
+from gpu_ops.nf4_ptx import prmt_bf16_asm, q4_bf16_asm
 from gpu_ops.q4_triton import codes_f32, scale_zero
 
 MAX_ROWS = 64
 MAX_TILES = 1 << 14  # output tiles a split launch may have: the size of the counter buffer
 PRMT_BF16 = tl.constexpr(prmt_bf16_asm(scaled=False))
 PRMT_BF16_SCALED = tl.constexpr(prmt_bf16_asm(scaled=True))
+Q4_BF16 = tl.constexpr(q4_bf16_asm())
 # inline-asm operands: 8 bf16 (16-bit registers) out; the word and the 8 tables in (+ the absmax bits)
 _OUT8_IN9 = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r")
 _OUT8_IN10 = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r,r")
+_OUT8_IN2 = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r")
 
 
 class Scale(enum.IntEnum):
@@ -184,7 +186,11 @@ def _linear_value(q, SHIFT: tl.constexpr, sc, z):
 def _decode_tile(q, s, t0, t1, t2, t3, t4, t5, t6, t7, book_ptr, DECODE: tl.constexpr, SCALED: tl.constexpr):
     """q [BN, W] int32 words → [BN, 8W] bf16 codes, times s [BN, W] (each word's absmax) if SCALED.
     LINEAR (`gpu_ops.q4`): s holds each word's group word (scale and zero), always applied."""
-    if DECODE == 2:  # element 2i in nibble i, 2i + 1 in nibble i + 4; bf16((c − z) · s) as dequantize_q4
+    if DECODE == 2:  # bf16((c − z) · s) as dequantize_q4, by bf16x2 arithmetic in PTX
+        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+            Q4_BF16, _OUT8_IN2, [q, s.to(tl.int32, bitcast=True)], dtype=(tl.int16,) * 8, is_pure=True, pack=1)
+        return _join8(e0, e1, e2, e3, e4, e5, e6, e7).to(tl.bfloat16, bitcast=True)
+    if DECODE == 3:  # the same in float32 (the interpreter's): element 2i in nibble i, 2i + 1 in nibble i + 4
         sc, z = scale_zero(s)  # s: the int32 group words, plainly loaded
         f0, f1 = _linear_value(q, 0, sc, z), _linear_value(q, 16, sc, z)
         f2, f3 = _linear_value(q, 4, sc, z), _linear_value(q, 20, sc, z)
@@ -211,7 +217,7 @@ def _load_scales(a_rows, k, words, SCALE: tl.constexpr, DECODE: tl.constexpr):
     """absmax for the step at code k: per word [BN, W] (WEIGHT) or the step's one group [BN, 1] (SUM)."""
     if SCALE == 1:
         s = tl.load(a_rows + k // 64)
-    elif DECODE == 0:
+    elif DECODE == 0 or DECODE == 2:  # (2: the group words' bits, as float32)
         s = _load_f32(a_rows + (k // 64 + words // 8)[None, :])  # takes q's layout: no shuffle before the decoder
     else:
         s = tl.load(a_rows + (k // 64 + words // 8)[None, :])
@@ -351,7 +357,7 @@ def nf4_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: 
     if K % BLOCK or not 1 <= M <= MAX_ROWS:
         raise ValueError(f"nf4_mma takes 1..{MAX_ROWS} rows and K divisible by {BLOCK}, got x {tuple(x.shape)}, W {shape}")
     cfg = (config or mma_config(N, K, M, _sms(x.device))).fit(K)
-    if decode is Decode.LINEAR and cfg.scale is Scale.SUM:  # the linear format's zero points need the weights scaled
+    if decode in (Decode.LINEAR, Decode.LINEAR_F32) and cfg.scale is Scale.SUM:  # the linear format's zero points need the weights scaled
         cfg = dataclasses.replace(cfg, scale=Scale.WEIGHT)
     BM = cfg.block_m(M)
     x = x.to(torch.bfloat16)

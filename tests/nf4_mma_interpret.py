@@ -99,7 +99,7 @@ def _linear_dequantize() -> int:
 
 
 def _linear_format(shapes, configs) -> int:
-    """decode=LINEAR: gpu_ops.q4's weights, whose decoded bf16 values are dequantize_q4's exactly, so
+    """decode=LINEAR_F32 (LINEAR without PTX): gpu_ops.q4's weights, whose decoded bf16 values are dequantize_q4's exactly, so
     only the output's rounding is left (Scale.SUM configs run as WEIGHT)."""
     from gpu_ops.q4 import dequantize_q4, quantize_q4
 
@@ -108,7 +108,7 @@ def _linear_format(shapes, configs) -> int:
         packed, sz = quantize_q4(torch.randn(n, k) * 0.02)
         x = torch.randn(rows, k).bfloat16()
         ref = x.double() @ dequantize_q4(packed, sz, torch.float64).T
-        y = nf4_mma(x, packed, sz, (n, k), cfg, decode=Decode.LINEAR, dot_f32=True)
+        y = nf4_mma(x, packed, sz, (n, k), cfg, decode=Decode.LINEAR_F32, dot_f32=True)
         err = float((y.double() - ref).norm() / ref.norm())
         ok = y.shape == (rows, n) and err < TOL and bool(torch.isfinite(y).all())
         fails += not ok

@@ -373,20 +373,29 @@ def _mma_configs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [3, 17, 32, 64])
 @pytest.mark.parametrize("case", range(7))
-def test_gpu_nf4_mma_matches_dequantized_reference(rows, case):
+@pytest.mark.parametrize("codes", ["nf4", "q4"])
+def test_gpu_nf4_mma_matches_dequantized_reference(rows, case, codes):
     """N not a multiple of the tile, K a multiple of 64 only, split-K and not, both scale placements
-    and both orientations (x·Wᵀ, W·xᵀ)."""
+    and both orientations (x·Wᵀ, W·xᵀ); NF4 and the linear q4 (its decoder in PTX, Scale.SUM run as
+    WEIGHT)."""
+    from gpu_ops.nf4_gemv import Decode
     from gpu_ops.nf4_mma import nf4_mma
+    from gpu_ops.q4 import dequantize_q4, quantize_q4
 
     shape, config = _mma_configs()[case]
     torch.manual_seed(rows + shape[0])
     w = torch.randn(shape, device="cuda") * 0.02
-    packed, absmax = quantize_nf4(w)
+    if codes == "q4":
+        packed, scales = quantize_q4(w)
+        decode, w_ref = Decode.LINEAR, dequantize_q4(packed, scales, torch.float64)
+    else:
+        packed, scales = quantize_nf4(w)
+        decode, w_ref = Decode.PRMT, dequantize_nf4(packed, scales, shape).double()
     x = torch.randn(rows, shape[1], device="cuda").bfloat16()
-    y = nf4_mma(x, packed, absmax, shape, config)
+    y = nf4_mma(x, packed, scales, shape, config, decode=decode)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, shape[0]) and torch.isfinite(y).all()
-    assert rel_err(y, x.double() @ dequantize_nf4(packed, absmax, shape).double().T) < MMA_ERR
-    assert torch.equal(nf4_mma(x, packed, absmax, shape, config), y)  # split-K sums in a fixed order
+    assert rel_err(y, x.double() @ w_ref.T) < MMA_ERR
+    assert torch.equal(nf4_mma(x, packed, scales, shape, config, decode=decode), y)  # split-K sums in a fixed order
 
 
 @gpu
@@ -725,6 +734,30 @@ def test_prmt_decoder_gives_bf16_code_book_for_every_byte():
     for word in _decoder_words():
         out = run(asm, {8: word, **{9 + i: t for i, t in enumerate(tables)}})
         assert [out[e] for e in range(8)] == [bits[c] << 16 for c in _expected_codes(word)], hex(word)
+
+
+@pytest.mark.parametrize("scale", [0.0173, 3.1e-5, 1.0])
+def test_q4_decoder_gives_dequantize_q4_for_every_code_and_zero(scale):
+    """nf4_mma's linear decoder (`q4_bf16_asm`): the 8 bf16 of a word are dequantize_q4's bits,
+    for every zero point 0..15 and the words of every repeated byte."""
+    from gpu_ops.nf4_ptx import q4_bf16_asm
+    from gpu_ops.q4 import dequantize_q4
+    from ptx_emu import run
+
+    s_bits = int(torch.tensor(scale).bfloat16().view(torch.int16)) & 0xFFFF
+    words = _decoder_words()
+    packed = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+    asm = q4_bf16_asm()
+    for z in range(16):
+        sz_word = (s_bits << 16) | (int(torch.tensor(128.0 + z).bfloat16().view(torch.int16)) & 0xFFFF)
+        # each word as the first of a group of 64 codes (8 words) whose group word is sz_word
+        groups = torch.zeros(len(words), 8, dtype=torch.int32)
+        groups[:, 0] = packed
+        sz = torch.full((len(words), 1), sz_word - (1 << 32) if sz_word >= 1 << 31 else sz_word, dtype=torch.int32)
+        ref = dequantize_q4(groups, sz, torch.bfloat16)[:, :8].contiguous().view(torch.int16)
+        for i, word in enumerate(words):
+            out = run(asm, {8: word, 9: sz_word})
+            assert [out[e] for e in range(8)] == [int(v) & 0xFFFF for v in ref[i]], (hex(word), z)
 
 
 @pytest.mark.parametrize("absmax", [None, 1.0, 0.0173, 3.1e-5])
