@@ -113,14 +113,20 @@ def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, g
     """Block b's int4 data from tail slot (int4.quantize_keys / quantize_rows): keys per channel
     over the BS rows (stored in the VNNI order, int4.pack_keys), values per row and group (stored
     in quads of 4 tokens, int4.quads)."""
-    H, BS, D = tk.shape[1], tk.shape[2], tk.shape[3]
+    _quantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group, 0, tk.shape[1])
+
+
+@numba.njit(**WJIT)
+def _quantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group, h0, h1):
+    """`_quantize_block` for kv heads h0 .. h1 (each head's data is its own)."""
+    BS, D = tk.shape[2], tk.shape[3]
     lo, hi = np.empty(D, np.float32), np.empty(D, np.float32)
     s, z = np.empty(D, np.float32), np.empty(D, np.float32)
     y = np.empty(D, np.float32)
     codes, best = np.empty(max(D, group), np.uint8), np.empty(group, np.uint8)
     e2 = np.empty(group, np.float32)
     row = np.empty(D // 2, np.uint8)
-    for h in range(H):
+    for h in range(h0, h1):
         for d in range(D):
             lo[d] = hi[d] = bf16_to_f32(tk[slot, h, 0, d])
         for o in range(1, BS):
@@ -149,9 +155,15 @@ def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, g
 @numba.njit(**WJIT)
 def _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group):
     """Block b's int4 data back into tail slot, rounded to bf16 (int4.write, step 1)."""
-    H, BS, D = tk.shape[1], tk.shape[2], tk.shape[3]
+    _dequantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group, 0, tk.shape[1])
+
+
+@numba.njit(**WJIT)
+def _dequantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group, h0, h1):
+    """`_dequantize_block` for kv heads h0 .. h1."""
+    BS, D = tk.shape[2], tk.shape[3]
     half = group // 2
-    for h in range(H):
+    for h in range(h0, h1):
         for o in range(BS):
             for r in range(D // 8):
                 for j in range(4):
@@ -277,6 +289,89 @@ def write_kv_int4(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, 
                signs, P, inv_sqrt_p, group)
 
 
+@numba.njit(**WJIT)
+def int4_groups(tail_slot, slots, block_size):
+    """The tokens of flat slots [T] by block (tail_slot [NB] int32: the layer's) → (order: the
+    tokens sorted by block, stably; start [G + 1]: group g is order[start[g]:start[g + 1]]; flags
+    [G] int8: bit 0 the group starts its block, bit 1 ends it, bit 2 its block has no tail yet)."""
+    blocks = slots // block_size
+    order = np.argsort(blocks, kind="mergesort")
+    T = slots.shape[0]
+    start = np.empty(T + 1, np.int64)
+    flags = np.zeros(T, np.int8)
+    g, r = 0, 0
+    while r < T:
+        b = blocks[order[r]]
+        start[g] = r
+        if tail_slot[b] < 0:
+            flags[g] |= 4
+        while r < T and blocks[order[r]] == b:
+            o = slots[order[r]] % block_size
+            if o == 0:
+                flags[g] |= 1
+            if o == block_size - 1:
+                flags[g] |= 2
+            r += 1
+        g += 1
+    start[g] = T
+    return order, start[: g + 1], flags[:g]
+
+
+def int4_parallel(flags: np.ndarray) -> bool:
+    """Whether `write_kv_int4_parallel` takes a call (flags: `int4_groups`'): where a block
+    completes or comes back into a tail (the work worth threads), and none is both started and
+    completed by it (a prefill's whole blocks: the serial writer reuses one tail for them, where
+    the parallel one would hold a tail for each at once)."""
+    return bool(((flags & 2) != 0).any() or ((flags & 5) == 4).any()) and not bool(((flags & 3) == 3).any())
+
+
+@numba.njit(parallel=True, **WJIT)
+def write_kv_int4_parallel(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, slots, xk, xv,
+                           clips, min_scale, signs, P, inv_sqrt_p, group, order, start, flags):
+    """`write_kv_int4` with its blocks' work spread over the calling thread's Numba threads, an item
+    a (block, kv head): the values rotated and the tails taken first (serially, the tails in block
+    order), then each item's rows written, its head dequantized where the block comes back into a
+    tail and quantized where it completes (`_quantize_heads`: the same bits), then the completed
+    blocks' tails freed. A decode step completes a block every block_size steps a sequence, and its
+    quantization (a clip search a value row, ~260 µs a block of 8 kv heads on one of 2 cores) took
+    ~4 ms of a layer on one thread where 32 sequences completed theirs at once; `order, start,
+    flags` from `int4_groups`, none starting and completing its block (`int4_parallel`)."""
+    T, H, D = xk.shape
+    BS = vs.shape[3]
+    G = flags.shape[0]
+    kd, kss, kzz, vd, vss, vzz, ts = k[layer], ks[layer], kz[layer], v[layer], vs[layer], vz[layer], tail_slot[layer]
+    yv = xv.reshape(T * H, D).copy()  # the values rotated all at once, as `write_int4`
+    rotate_rows(yv, signs, P, inv_sqrt_p)
+    gslot = np.empty(G, np.int64)
+    for g in range(G):  # 1. tails, in block order (as the serial writer takes them)
+        b = slots[order[start[g]]] // BS
+        s = ts[b]
+        if s < 0:
+            n_free[0] -= 1
+            s = free[n_free[0]]
+            ts[b] = s
+        gslot[g] = s
+    for item in prange(G * H):  # 2. a (block, kv head) each
+        g, h = item // H, item % H
+        s, b = gslot[g], slots[order[start[g]]] // BS
+        if (flags[g] & 5) == 4:  # a block written before comes back into its tail
+            _dequantize_heads(kd, kss, kzz, vd, vss, vzz, tk, tv, s, b, group, h, h + 1)
+        for r in range(start[g], start[g + 1]):
+            t = order[r]
+            o = slots[t] % BS
+            rk, rv, xr, yr = tk[s, h, o], tv[s, h, o], xk[t, h], yv[t * H + h]
+            for d in range(D):
+                rk[d] = f32_to_bf16(xr[d])
+                rv[d] = f32_to_bf16(yr[d])
+        if flags[g] & 2:
+            _quantize_heads(kd, kss, kzz, vd, vss, vzz, tk, tv, s, b, clips, min_scale, group, h, h + 1)
+    for g in range(G):  # 3. completed blocks give their tails back
+        if flags[g] & 2:
+            free[n_free[0]] = gslot[g]
+            n_free[0] += 1
+            ts[slots[order[start[g]]] // BS] = -1
+
+
 def write_numba(pool: HostKVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """HostKVPool.write's body for bf16/int8/int4: torch tensors in, pool updated in place.
 
@@ -298,13 +393,22 @@ def write_arrays(pool: HostKVPool, layer: int, sl: np.ndarray, xk: np.ndarray, x
         write = write_kv_int8_parallel if xk.shape[0] * xk.shape[1] > 2 * PIECE else write_kv_int8
         write(a["k"], a["v"], a["k_scale"], a["v_scale"], layer, sl, pool.block_size, xk, xv,
               *rotation.numba_args(pool.head_dim))
-    else:
+    else:  # int4: where a block completes (and none starts and completes here), in parallel
         tails = pool.tails
-        tails.reserve(tail_slots_needed(tails.arrays["slot"][layer], sl, pool.block_size))
+        groups = int4_groups(tails.arrays["slot"][layer], sl, pool.block_size)
+        parallel = int4_parallel(groups[2])
+        # the parallel writer holds a tail for every block without one; the serial one frees a
+        # completed block's tail before the next block's
+        tails.reserve(int(((groups[2] & 4) != 0).sum()) if parallel
+                      else tail_slots_needed(tails.arrays["slot"][layer], sl, pool.block_size))
         t = tails.arrays
-        write_kv_int4(a["k"], a["v"], a["k_scale"], a["k_zero"], a["v_scale"], a["v_zero"], t["k"], t["v"],
-                      t["slot"], t["free"], t["n_free"], layer, sl, xk, xv, _INT4_CLIPS,
-                      np.float32(int4.MIN_SCALE), *rotation.numba_args(pool.head_dim), int4.GROUP)
+        args = (a["k"], a["v"], a["k_scale"], a["k_zero"], a["v_scale"], a["v_zero"], t["k"], t["v"], t["slot"],
+                t["free"], t["n_free"], layer, sl, xk, xv, _INT4_CLIPS, np.float32(int4.MIN_SCALE),
+                *rotation.numba_args(pool.head_dim), int4.GROUP)
+        if parallel:
+            write_kv_int4_parallel(*args, *groups)
+        else:
+            write_kv_int4(*args)
 
 
 def _f32(x: torch.Tensor) -> np.ndarray:

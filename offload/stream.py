@@ -139,9 +139,11 @@ class KVStreamer:
         if len(rows) > self.max_rows or max(map(len, rows), default=0) > self.max_blocks:
             raise ValueError(f"{len(rows)} rows of up to {max(map(len, rows))} blocks to stream, "
                              f"staging holds {self.max_rows} of {self.max_blocks}")
-        for blocks in rows:
-            if blocks and self.host.dtype is KVDtype.INT4 and bool((self.host.tails.slot[:, blocks[-1]] >= 0).any()):
-                raise ValueError(f"host block {blocks[-1]} is still being filled (int4 tail): "
+        last = [blocks[-1] for blocks in rows if blocks]
+        if last and self.host.dtype is KVDtype.INT4:  # one numpy read for all rows (a torch op a row: ~10 µs each)
+            filling = (self.host.tails.slot.numpy()[:, last] >= 0).any(axis=0)
+            if filling.any():
+                raise ValueError(f"host block {last[int(filling.argmax())]} is still being filled (int4 tail): "
                                  "stream complete blocks only")
         self.blocks = [b for blocks in rows for b in blocks]
         self._runs = [(first, r * self.max_blocks + at, n) for r, blocks in enumerate(rows)

@@ -462,6 +462,42 @@ def test_int4_appends_like_the_twin():
     assert torch.equal(k[:, 32:36], ref[:, 32:36])  # block 4: tokens 40..43 in its tail
 
 
+def test_int4_batch_appends_in_parallel_like_the_twin(monkeypatch):
+    """A batch's decode steps, one token a sequence a call, staggered so that a call completes some
+    blocks while it starts others, and a complete block written again mid-block (back into a tail):
+    the parallel writer (`write_kv_int4_parallel`, where a block completes) stores the twin's
+    bits; its tails may sit in other slots (it takes them all before freeing any), so they are
+    compared block by block, up to the block's furthest token (a reused tail keeps stale rows past it)."""
+    from cpu_attention import append
+
+    taken = []
+    parallel = append.write_kv_int4_parallel
+    monkeypatch.setattr(append, "write_kv_int4_parallel", lambda *a: taken.append(1) or parallel(*a))
+    gen = torch.Generator().manual_seed(13)
+    BS, D, H, seqs = 8, 64, 3, 5
+    pool, twin = HostKVPool(1, 4 * seqs, H, BS, D, KVDtype.INT4), HostKVPool(1, 4 * seqs, H, BS, D, KVDtype.INT4)
+    start = [0, 3, 5, 7, 7]  # offsets in a sequence's first block at the first call
+    furthest: dict[int, int] = {}
+    for step in range(2 * BS + 2):
+        pos = torch.tensor([p + step for p in start])
+        slots = torch.arange(seqs) * 4 * BS + pos  # sequence s: blocks 4s .. 4s + 3
+        if step == BS + 1:
+            slots[1] = 4 * BS + 2  # sequence 1 writes into its first block again (complete by now)
+        x = torch.randn(seqs, H, D, generator=gen) * 2
+        pool.write(0, slots, x, -x)
+        int4.write(twin, 0, slots // BS, slots % BS, x, -x)
+        for sl in slots.tolist():
+            furthest[sl // BS] = max(furthest.get(sl // BS, 0), sl % BS)
+        for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
+            assert torch.equal(getattr(pool, name), getattr(twin, name)), (step, name)
+        ta, tb = pool.tails, twin.tails
+        assert torch.equal(ta.slot >= 0, tb.slot >= 0) and int(ta.n_free[0]) == int(tb.n_free[0])
+        for b in torch.nonzero(ta.slot[0] >= 0).flatten().tolist():
+            sa, sb, n = int(ta.slot[0, b]), int(tb.slot[0, b]), furthest[b] + 1
+            assert torch.equal(ta.k[sa, :, :n], tb.k[sb, :, :n]) and torch.equal(ta.v[sa, :, :n], tb.v[sb, :, :n]), (step, b)
+    assert len(taken) >= 3  # the calls that completed a block or reopened one
+
+
 def test_int4_tail_slots_reserved_at_peak_and_released():
     """Whole blocks written in one call (a swap out, a prefill) borrow one tail slot at a time;
     blocks left incomplete keep one each until completed or released."""
