@@ -2,8 +2,7 @@
 
     python3 -m bench.nf4_mma --out DIR [--rows 4,8,16,32,64] [--budget-s 170] [--workers 12] [--codes q4]
 
---codes q4: the linear q4 format (`gpu_ops.q4`, nf4_mma's LINEAR decoder) instead of NF4; its
-reference is dequantize_q4, and neither bitsandbytes nor nf4_gemv takes it (not timed).
+--codes q4: the linear q4 format (`gpu_ops.q4`) instead of NF4 (bitsandbytes and nf4_gemv not timed).
 
 1. HBM read bandwidth (a streaming Triton read and torch's sum; the best is the bounds' divisor),
    and the copy rate the other benches report.
@@ -67,6 +66,9 @@ KERNELS = [MmaConfig(128, 128, 8, 3), MmaConfig(128, 128, 8, 2), MmaConfig(128, 
            MmaConfig(128, 128, 4, 3, swap=True), MmaConfig(64, 128, 4, 3, swap=True),
            MmaConfig(256, 128, 8, 2, swap=True), MmaConfig(128, 256, 8, 3, swap=True),
            MmaConfig(128, 64, 4, 3, scale=Scale.SUM, swap=True)]
+# q4's decoder always scales the weights (nf4_mma runs Scale.SUM as WEIGHT)
+GRID = {"nf4": KERNELS, "q4": [k for k in KERNELS if k.scale is Scale.WEIGHT]}
+FORMATS = {"nf4": (quantize_nf4, Decode.PRMT), "q4": (quantize_q4, Decode.LINEAR)}  # codes → (quantize, decode)
 
 
 def kernel_tag(c: MmaConfig) -> str:
@@ -121,17 +123,8 @@ def _variant(cfg: MmaConfig, bm: int, split: bool) -> str:
     return f"{kernel_tag(cfg)}/m{bm}/{'split' if split else 'one'}"
 
 
-def quantize(w: torch.Tensor, codes: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_q4(w) if codes == "q4" else quantize_nf4(w)
-
-
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], codes: str) -> torch.Tensor:
-    """float32 W [N, K]."""
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], codes: str) -> torch.Tensor:  # float32
     return dequantize_q4(packed, scales) if codes == "q4" else dequantize_nf4(packed, scales, shape)
-
-
-def decode_of(codes: str) -> Decode:
-    return Decode.LINEAR if codes == "q4" else Decode.PRMT
 
 
 def _compile_one(task: tuple[dict, int, bool, str]) -> dict:
@@ -143,10 +136,10 @@ def _compile_one(task: tuple[dict, int, bool, str]) -> dict:
     try:
         N, K, rows = 320, 1024, bm // 2 + 1  # rows: a BLOCK_M of bm in either orientation
         torch.manual_seed(0)
-        packed, absmax = quantize(torch.randn(N, K, device=DEV) * 0.02, codes)
+        packed, absmax = FORMATS[codes][0](torch.randn(N, K, device=DEV) * 0.02)
         x = torch.randn(rows, K, device=DEV, dtype=torch.bfloat16)
         t0 = time.perf_counter()
-        y = nf4_mma(x, packed, absmax, (N, K), cfg, decode=decode_of(codes))
+        y = nf4_mma(x, packed, absmax, (N, K), cfg, decode=FORMATS[codes][1])
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
         ref = x.float() @ dequantize(packed, absmax, (N, K), codes).T
@@ -156,14 +149,9 @@ def _compile_one(task: tuple[dict, int, bool, str]) -> dict:
         return {"variant": key, "ok": False, "error": repr(e)[-3000:]}
 
 
-def kernels(codes: str) -> list[MmaConfig]:
-    """The grid for the codes: q4's decoder always scales the weights (nf4_mma runs Scale.SUM as WEIGHT)."""
-    return [k for k in KERNELS if codes != "q4" or k.scale is Scale.WEIGHT]
-
-
 def precompile(rows_list: list[int], workers: int, timeout_s: float, codes: str) -> dict[str, dict]:
     tasks = [(dict(dataclasses.asdict(k), scale=int(k.scale)), bm, split, codes)
-             for k in kernels(codes) for bm in sorted({k.block_m(r) for r in rows_list}) for split in (False, True)]
+             for k in GRID[codes] for bm in sorted({k.block_m(r) for r in rows_list}) for split in (False, True)]
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
     ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
@@ -216,11 +204,9 @@ def _reference(packed: torch.Tensor, absmax: torch.Tensor, n: int, k: int, x: to
     out = []
     for n0 in range(0, n, 8192):
         n1 = min(n, n0 + 8192)
-        if codes == "q4":  # [N, K/8] words, [N, K/64] group words
-            w = dequantize_q4(packed[n0:n1], absmax[n0:n1])
-        else:
-            w = dequantize_nf4(packed[n0 * k // 2: n1 * k // 2], absmax[n0 * k // 64: n1 * k // 64], (n1 - n0, k))
-        out.append(x.float() @ w.T)
+        p, a = ((slice(n0, n1),) * 2 if codes == "q4"  # q4: [N, K/8] words, [N, K/64] group words
+                else (slice(n0 * k // 2, n1 * k // 2), slice(n0 * k // 64, n1 * k // 64)))
+        out.append(x.float() @ dequantize(packed[p], absmax[a], (n1 - n0, k), codes).T)
     return torch.cat(out, 1)
 
 
@@ -229,13 +215,13 @@ def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadlin
     n, k = SHAPES[name]
     torch.manual_seed(n)
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-    packed, absmax = quantize(w, codes)
+    quantize, decode = FORMATS[codes]
+    packed, absmax = quantize(w)
     del w
     nf4_bytes = packed.numel() * packed.element_size() + 4 * absmax.numel()
     n_copies = max(1, min(32, math.ceil(L2_ROTATION_BYTES / nf4_bytes)))
     copies = [(packed, absmax)] + [(packed.clone(), absmax.clone()) for _ in range(n_copies - 1)]
     lins = [NF4Linear(p, a, (n, k), kernel=Nf4Kernel.BNB) for p, a in copies] if codes == "nf4" else []
-    decode = decode_of(codes)
     splits = SPLITS if n < WIDE_N else (1,)
     out = []
     for rows in rows_list:
@@ -247,7 +233,7 @@ def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadlin
         default = mma_config(n, k, rows, sms)
         cands = [default]
         if time.perf_counter() < deadline:
-            cands += [dataclasses.replace(c, split=s) for c in kernels(codes) for s in splits]
+            cands += [dataclasses.replace(c, split=s) for c in GRID[codes] for s in splits]
         else:
             row["truncated"] = True
         seen = set()
@@ -276,15 +262,12 @@ def sweep_shape(name: str, rows_list: list[int], bad_variants: set[str], deadlin
         bad = [t for t, c in row["configs"].items() if not c["ok"]]
         if bad:
             log.warning("%s rows %d: wrong results (rel err ≥ %g) from %s", name, rows, OK_ERR, bad)
-        if codes != "nf4":
-            log.info("linear %s", json.dumps({kk: v for kk, v in row.items() if kk != "configs"}))
-            out.append(row)
-            continue
         try:
-            row["bnb_us"] = graph_us(lambda i: lins[i](x), n_copies)
+            if lins:
+                row["bnb_us"] = graph_us(lambda i: lins[i](x), n_copies)
         except Exception as e:  # noqa: BLE001
             log.warning("bitsandbytes %s rows %d failed: %r", name, rows, e)
-        if rows <= 8:
+        if rows <= 8 and lins:
             try:
                 from gpu_ops.nf4_gemv import nf4_gemv
 
@@ -352,11 +335,8 @@ def main() -> None:
                         handlers=[logging.FileHandler(args.out / "nf4_mma.log"), logging.StreamHandler()])
     t0 = time.perf_counter()
     rows_list = [int(r) for r in args.rows.split(",")]
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "codes": args.codes,
-                 "kernels": [kernel_tag(k) for k in kernels(args.codes)]}
-    import triton
-
-    res["triton"] = triton.__version__
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                 "codes": args.codes, "kernels": [kernel_tag(k) for k in GRID[args.codes]]}
     save = lambda: (args.out / "nf4_mma.json").write_text(json.dumps(res, indent=1))  # noqa: E731
     res["hbm_gbps"] = hbm()
     torch.cuda.empty_cache()

@@ -5,7 +5,8 @@ A decode step appends one token per sequence in each of 32 layers; the torch ver
 overhead, this one a few. Same bits as the torch twins (`layout.quantize`; int4:
 `int4.write`, whose docstring states the rule): round half to even, the same float32
 formulas in the same order, the same rotation butterflies (int8 keys and values, int4
-values) and clip search, without fastmath so every operation rounds as torch's does.
+values) and clip search, without fastmath so every operation rounds as torch's does. int4's
+writers (its tails, the block quantization) are in `append_int4.py`.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import numpy as np
 import torch
 from numba import prange
 
-from cpu_attention import int4, rotation
+from cpu_attention import rotation
 from cpu_attention._hadamard import rotate_rows
-from cpu_attention._numba import bf16_to_f32, f32_to_bf16
+from cpu_attention._numba import f32_to_bf16
+from cpu_attention.append_int4 import write_int4_arrays
 from cpu_attention.layout import KVDtype
 
 if TYPE_CHECKING:
@@ -26,7 +28,6 @@ if TYPE_CHECKING:
 
 WJIT = dict(nogil=True, cache=True)
 PIECE = 16  # rows (token, kv head) a thread of `write_kv_int8_parallel` takes at a time: still a vector across rows
-_INT4_CLIPS = np.array(int4.CLIPS, np.float32)
 
 
 @numba.njit(**WJIT)
@@ -75,155 +76,6 @@ def _int8_rows(dst, sc, blocks, offs, x, r0, r1, signs, P, inv_sqrt_p, values):
 
 
 @numba.njit(**WJIT)
-def _quantize_row(y, dst, sc, zr, clips, min_scale, group, codes, best, e2):
-    """One rotated value row y [D] float32 → dst [D/2] uint8, sc, zr [D/group] uint16 (bf16
-    bits): per group, of the CLIPS ranges the one of least squared error (int4.quantize_rows).
-    codes, best [group] uint8 and e2 [group] float32 are scratch. The codes and squared errors
-    are one loop (elementwise, so it vectorizes), their sum a second (in order, as before):
-    one loop with the running sum stayed scalar, ~3x slower."""
-    half = group // 2
-    for gr in range(y.shape[0] // group):
-        yg = y[gr * group:(gr + 1) * group]
-        lo, hi = yg.min(), yg.max()
-        best_err = np.float32(np.inf)
-        bs16 = bz16 = np.uint16(0)
-        for f in clips:
-            c = (hi + lo) / np.float32(2.0)
-            s16 = f32_to_bf16(max((hi - lo) * f / np.float32(15.0), min_scale))
-            z16 = f32_to_bf16(c - (hi - lo) * f / np.float32(2.0))
-            s, z = bf16_to_f32(s16), bf16_to_f32(z16)
-            for i in range(group):
-                q = min(max(np.rint((yg[i] - z) / s), np.float32(0.0)), np.float32(15.0))
-                codes[i] = np.uint8(q)
-                e = q * s + z - yg[i]
-                e2[i] = e * e
-            err = np.float32(0.0)
-            for i in range(group):
-                err += e2[i]
-            if err < best_err:
-                best_err, bs16, bz16 = err, s16, z16
-                best[:] = codes[:group]
-        sc[gr], zr[gr] = bs16, bz16
-        for i in range(half):
-            dst[gr * half + i] = best[i] | (best[half + i] << np.uint8(4))
-
-
-@numba.njit(**WJIT)
-def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group):
-    """Block b's int4 data from tail slot (int4.quantize_keys / quantize_rows): keys per channel
-    over the BS rows (stored in the VNNI order, int4.pack_keys), values per row and group (stored
-    in quads of 4 tokens, int4.quads)."""
-    _quantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group, 0, tk.shape[1])
-
-
-@numba.njit(**WJIT)
-def _quantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group, h0, h1):
-    """`_quantize_block` for kv heads h0 .. h1 (each head's data is its own)."""
-    BS, D = tk.shape[2], tk.shape[3]
-    lo, hi = np.empty(D, np.float32), np.empty(D, np.float32)
-    s, z = np.empty(D, np.float32), np.empty(D, np.float32)
-    y = np.empty(D, np.float32)
-    codes, best = np.empty(max(D, group), np.uint8), np.empty(group, np.uint8)
-    e2 = np.empty(group, np.float32)
-    row = np.empty(D // 2, np.uint8)
-    for h in range(h0, h1):
-        for d in range(D):
-            lo[d] = hi[d] = bf16_to_f32(tk[slot, h, 0, d])
-        for o in range(1, BS):
-            for d in range(D):
-                x = bf16_to_f32(tk[slot, h, o, d])
-                lo[d], hi[d] = min(lo[d], x), max(hi[d], x)
-        for d in range(D):
-            s16 = f32_to_bf16(max((hi[d] - lo[d]) / np.float32(15.0), min_scale))
-            z16 = f32_to_bf16(lo[d])
-            ks[b, h, d], kz[b, h, d] = s16, z16
-            s[d], z[d] = bf16_to_f32(s16), bf16_to_f32(z16)
-        for o in range(BS):
-            for d in range(D):
-                x = bf16_to_f32(tk[slot, h, o, d])
-                codes[d] = np.uint8(min(max(np.rint((x - z[d]) / s[d]), np.float32(0.0)), np.float32(15.0)))
-            for r in range(D // 8):  # byte (r, o, j): channels 8r + j (low nibble), 8r + 4 + j (high)
-                for j in range(4):
-                    kd[b, h, r, o, j] = codes[8 * r + j] | (codes[8 * r + 4 + j] << np.uint8(4))
-            for d in range(D):
-                y[d] = bf16_to_f32(tv[slot, h, o, d])
-            _quantize_row(y, row, vs[b, h, o], vz[b, h, o], clips, min_scale, group, codes, best, e2)
-            for c in range(D // 2):  # into its quad (int4.quads)
-                vd[b, h, o >> 2, c, o & 3] = row[c]
-
-
-@numba.njit(**WJIT)
-def _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group):
-    """Block b's int4 data back into tail slot, rounded to bf16 (int4.write, step 1)."""
-    _dequantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group, 0, tk.shape[1])
-
-
-@numba.njit(**WJIT)
-def _dequantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group, h0, h1):
-    """`_dequantize_block` for kv heads h0 .. h1."""
-    BS, D = tk.shape[2], tk.shape[3]
-    half = group // 2
-    for h in range(h0, h1):
-        for o in range(BS):
-            for r in range(D // 8):
-                for j in range(4):
-                    byte = kd[b, h, r, o, j]
-                    for e, c in ((8 * r + j, byte & np.uint8(15)), (8 * r + 4 + j, byte >> np.uint8(4))):
-                        tk[slot, h, o, e] = f32_to_bf16(np.float32(c) * bf16_to_f32(ks[b, h, e]) + bf16_to_f32(kz[b, h, e]))
-            for gr in range(D // group):
-                a, z = bf16_to_f32(vs[b, h, o, gr]), bf16_to_f32(vz[b, h, o, gr])
-                for i in range(half):
-                    byte = vd[b, h, o >> 2, gr * half + i, o & 3]
-                    tv[slot, h, o, gr * group + i] = f32_to_bf16(np.float32(byte & np.uint8(15)) * a + z)
-                    tv[slot, h, o, gr * group + half + i] = f32_to_bf16(np.float32(byte >> np.uint8(4)) * a + z)
-
-
-@numba.njit(**WJIT)
-def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, order, blocks, offs, xk, xv,
-               clips, min_scale, signs, P, inv_sqrt_p, group):
-    """One layer of an int4 pool: kd [NB, Hkv, D/8, BS, 4] (int4.py's VNNI key order), vd [NB, Hkv,
-    BS4/4, D/2, 4] uint8 (its value quads); ks, kz [NB, Hkv, D] and vs, vz
-    [NB, Hkv, BS, D/group] uint16 (bf16 bits); tails tk, tv [S, Hkv, BS, D] uint16 (bf16 bits),
-    tail_slot [NB] int32, free slots free[:n_free[0]] (enough of them: Tails.reserve); order:
-    the tokens sorted by block (stably); xk, xv [T, Hkv, D] float32; signs, P, inv_sqrt_p: the
-    rotation. The rule, step by step, is int4.write's."""
-    T, H, D = xk.shape
-    BS = vs.shape[2]
-    yv = xv.reshape(T * H, D).copy()  # the values rotated all at once (`rotate_rows`: the same bits)
-    rotate_rows(yv, signs, P, inv_sqrt_p)
-    r0 = 0
-    while r0 < T:
-        b = blocks[order[r0]]
-        r1 = r0
-        starts = ends = False
-        while r1 < T and blocks[order[r1]] == b:
-            starts = starts or offs[order[r1]] == 0
-            ends = ends or offs[order[r1]] == BS - 1
-            r1 += 1
-        s = tail_slot[b]
-        if s < 0:  # 1. take a tail; a block written before comes back into it
-            n_free[0] -= 1
-            s = free[n_free[0]]
-            tail_slot[b] = s
-            if not starts:
-                _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, s, b, group)
-        for r in range(r0, r1):  # 2. the tokens, in call order
-            t = order[r]
-            o = offs[t]
-            for h in range(H):
-                rk, rv, xr, yr = tk[s, h, o], tv[s, h, o], xk[t, h], yv[t * H + h]
-                for d in range(D):
-                    rk[d] = f32_to_bf16(xr[d])
-                    rv[d] = f32_to_bf16(yr[d])
-        if ends:  # 3. complete: quantize, free the tail
-            _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, s, b, clips, min_scale, group)
-            free[n_free[0]] = s
-            n_free[0] += 1
-            tail_slot[b] = -1
-        r0 = r1
-
-
-@numba.njit(**WJIT)
 def write_kv_bf16(k, v, layer, slots, block_size, xk, xv):
     """k, v [L, NB, Hkv, BS, D] uint16; slots [T] flat; xk, xv [T, Hkv, D] float32."""
     blocks, offs = slots // block_size, slots % block_size
@@ -258,120 +110,6 @@ def write_kv_int8_parallel(k, v, ks, vs, layer, slots, block_size, xk, xv, signs
             _int8_rows(v[layer], vs[layer], blocks, offs, xv, r0, r1, signs, P, inv_sqrt_p, True)
 
 
-@numba.njit(**WJIT)
-def tail_slots_needed(tail_slot, slots, block_size):
-    """`int4.slots_needed` for flat slots [T]; tail_slot [NB] int32 of the layer."""
-    blocks = slots // block_size
-    ub = np.unique(blocks)
-    ends = np.zeros(ub.shape[0], np.bool_)
-    for t in range(slots.shape[0]):
-        if slots[t] % block_size == block_size - 1:
-            ends[np.searchsorted(ub, blocks[t])] = True
-    n, completed = 0, 0
-    for i in range(ub.shape[0]):
-        if tail_slot[ub[i]] < 0:
-            if ends[i]:
-                completed = 1
-            else:
-                n += 1
-    return n + completed
-
-
-@numba.njit(**WJIT)
-def write_kv_int4(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, slots, xk, xv,
-                  clips, min_scale, signs, P, inv_sqrt_p, group):
-    """As write_kv_bf16 for an int4 pool (`write_int4`'s arguments, all layers; tail_slot
-    [L, NB]): blocks, offsets and the tokens' stable order by block are computed here."""
-    BS = vs.shape[3]
-    blocks, offs = slots // BS, slots % BS
-    write_int4(k[layer], ks[layer], kz[layer], v[layer], vs[layer], vz[layer], tk, tv, tail_slot[layer],
-               free, n_free, np.argsort(blocks, kind="mergesort"), blocks, offs, xk, xv, clips, min_scale,
-               signs, P, inv_sqrt_p, group)
-
-
-@numba.njit(**WJIT)
-def int4_groups(tail_slot, slots, block_size):
-    """The tokens of flat slots [T] by block (tail_slot [NB] int32: the layer's) → (order: the
-    tokens sorted by block, stably; start [G + 1]: group g is order[start[g]:start[g + 1]]; flags
-    [G] int8: bit 0 the group starts its block, bit 1 ends it, bit 2 its block has no tail yet)."""
-    blocks = slots // block_size
-    order = np.argsort(blocks, kind="mergesort")
-    T = slots.shape[0]
-    start = np.empty(T + 1, np.int64)
-    flags = np.zeros(T, np.int8)
-    g, r = 0, 0
-    while r < T:
-        b = blocks[order[r]]
-        start[g] = r
-        if tail_slot[b] < 0:
-            flags[g] |= 4
-        while r < T and blocks[order[r]] == b:
-            o = slots[order[r]] % block_size
-            if o == 0:
-                flags[g] |= 1
-            if o == block_size - 1:
-                flags[g] |= 2
-            r += 1
-        g += 1
-    start[g] = T
-    return order, start[: g + 1], flags[:g]
-
-
-def int4_parallel(flags: np.ndarray) -> bool:
-    """Whether `write_kv_int4_parallel` takes a call (flags: `int4_groups`'): where a block
-    completes or comes back into a tail (the work worth threads), and none is both started and
-    completed by it (a prefill's whole blocks: the serial writer reuses one tail for them, where
-    the parallel one would hold a tail for each at once)."""
-    return bool(((flags & 2) != 0).any() or ((flags & 5) == 4).any()) and not bool(((flags & 3) == 3).any())
-
-
-@numba.njit(parallel=True, **WJIT)
-def write_kv_int4_parallel(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, slots, xk, xv,
-                           clips, min_scale, signs, P, inv_sqrt_p, group, order, start, flags):
-    """`write_kv_int4` with its blocks' work spread over the calling thread's Numba threads, an item
-    a (block, kv head): the values rotated and the tails taken first (serially, the tails in block
-    order), then each item's rows written, its head dequantized where the block comes back into a
-    tail and quantized where it completes (`_quantize_heads`: the same bits), then the completed
-    blocks' tails freed. A decode step completes a block every block_size steps a sequence, and its
-    quantization (a clip search a value row, ~260 µs a block of 8 kv heads on one of 2 cores) took
-    ~4 ms of a layer on one thread where 32 sequences completed theirs at once; `order, start,
-    flags` from `int4_groups`, none starting and completing its block (`int4_parallel`)."""
-    T, H, D = xk.shape
-    BS = vs.shape[3]
-    G = flags.shape[0]
-    kd, kss, kzz, vd, vss, vzz, ts = k[layer], ks[layer], kz[layer], v[layer], vs[layer], vz[layer], tail_slot[layer]
-    yv = xv.reshape(T * H, D).copy()  # the values rotated all at once, as `write_int4`
-    rotate_rows(yv, signs, P, inv_sqrt_p)
-    gslot = np.empty(G, np.int64)
-    for g in range(G):  # 1. tails, in block order (as the serial writer takes them)
-        b = slots[order[start[g]]] // BS
-        s = ts[b]
-        if s < 0:
-            n_free[0] -= 1
-            s = free[n_free[0]]
-            ts[b] = s
-        gslot[g] = s
-    for item in prange(G * H):  # 2. a (block, kv head) each
-        g, h = item // H, item % H
-        s, b = gslot[g], slots[order[start[g]]] // BS
-        if (flags[g] & 5) == 4:  # a block written before comes back into its tail
-            _dequantize_heads(kd, kss, kzz, vd, vss, vzz, tk, tv, s, b, group, h, h + 1)
-        for r in range(start[g], start[g + 1]):
-            t = order[r]
-            o = slots[t] % BS
-            rk, rv, xr, yr = tk[s, h, o], tv[s, h, o], xk[t, h], yv[t * H + h]
-            for d in range(D):
-                rk[d] = f32_to_bf16(xr[d])
-                rv[d] = f32_to_bf16(yr[d])
-        if flags[g] & 2:
-            _quantize_heads(kd, kss, kzz, vd, vss, vzz, tk, tv, s, b, clips, min_scale, group, h, h + 1)
-    for g in range(G):  # 3. completed blocks give their tails back
-        if flags[g] & 2:
-            free[n_free[0]] = gslot[g]
-            n_free[0] += 1
-            ts[slots[order[start[g]]] // BS] = -1
-
-
 def write_numba(pool: HostKVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """HostKVPool.write's body for bf16/int8/int4: torch tensors in, pool updated in place.
 
@@ -393,22 +131,8 @@ def write_arrays(pool: HostKVPool, layer: int, sl: np.ndarray, xk: np.ndarray, x
         write = write_kv_int8_parallel if xk.shape[0] * xk.shape[1] > 2 * PIECE else write_kv_int8
         write(a["k"], a["v"], a["k_scale"], a["v_scale"], layer, sl, pool.block_size, xk, xv,
               *rotation.numba_args(pool.head_dim))
-    else:  # int4: where a block completes (and none starts and completes here), in parallel
-        tails = pool.tails
-        groups = int4_groups(tails.arrays["slot"][layer], sl, pool.block_size)
-        parallel = int4_parallel(groups[2])
-        # the parallel writer holds a tail for every block without one; the serial one frees a
-        # completed block's tail before the next block's
-        tails.reserve(int(((groups[2] & 4) != 0).sum()) if parallel
-                      else tail_slots_needed(tails.arrays["slot"][layer], sl, pool.block_size))
-        t = tails.arrays
-        args = (a["k"], a["v"], a["k_scale"], a["k_zero"], a["v_scale"], a["v_zero"], t["k"], t["v"], t["slot"],
-                t["free"], t["n_free"], layer, sl, xk, xv, _INT4_CLIPS, np.float32(int4.MIN_SCALE),
-                *rotation.numba_args(pool.head_dim), int4.GROUP)
-        if parallel:
-            write_kv_int4_parallel(*args, *groups)
-        else:
-            write_kv_int4(*args)
+    else:
+        write_int4_arrays(pool, layer, sl, xk, xv)
 
 
 def _f32(x: torch.Tensor) -> np.ndarray:

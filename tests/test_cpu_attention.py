@@ -468,11 +468,11 @@ def test_int4_batch_appends_in_parallel_like_the_twin(monkeypatch):
     the parallel writer (`write_kv_int4_parallel`, where a block completes) stores the twin's
     bits; its tails may sit in other slots (it takes them all before freeing any), so they are
     compared block by block, up to the block's furthest token (a reused tail keeps stale rows past it)."""
-    from cpu_attention import append
+    from cpu_attention import append_int4
 
     taken = []
-    parallel = append.write_kv_int4_parallel
-    monkeypatch.setattr(append, "write_kv_int4_parallel", lambda *a: taken.append(1) or parallel(*a))
+    parallel = append_int4.write_kv_int4_parallel
+    monkeypatch.setattr(append_int4, "write_kv_int4_parallel", lambda *a: taken.append(1) or parallel(*a))
     gen = torch.Generator().manual_seed(13)
     BS, D, H, seqs = 8, 64, 3, 5
     pool, twin = HostKVPool(1, 4 * seqs, H, BS, D, KVDtype.INT4), HostKVPool(1, 4 * seqs, H, BS, D, KVDtype.INT4)
