@@ -192,14 +192,22 @@ def tail_slots_needed(tail_slot, slots, block_size):
 
 @numba.njit(**WJIT)
 def write_kv_int4(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, slots, xk, xv,
-                  clips, min_scale, signs, P, inv_sqrt_p, group):
+                  clips, min_scale, signs, P, inv_sqrt_p, group, only_filling=False):
     """As write_kv_bf16 for an int4 pool (`write_int4`'s arguments, all layers; tail_slot
-    [L, NB]): blocks, offsets and the tokens' stable order by block are computed here."""
+    [L, NB]): blocks, offsets and the tokens' stable order by block are computed here.
+    only_filling: write only if no token completes its block or writes into a block that has no
+    tail at an offset past 0 (a block coming back), and say whether it wrote: the other calls
+    are `write_kv_int4_parallel`'s to take."""
     BS = vs.shape[3]
     blocks, offs = slots // BS, slots % BS
+    if only_filling:
+        for t in range(slots.shape[0]):
+            if offs[t] == BS - 1 or (offs[t] != 0 and tail_slot[layer, blocks[t]] < 0):
+                return False
     write_int4(k[layer], ks[layer], kz[layer], v[layer], vs[layer], vz[layer], tk, tv, tail_slot[layer],
                free, n_free, np.argsort(blocks, kind="mergesort"), blocks, offs, xk, xv, clips, min_scale,
                signs, P, inv_sqrt_p, group)
+    return True
 
 
 @numba.njit(**WJIT)
@@ -287,21 +295,26 @@ def write_kv_int4_parallel(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free
 
 
 def write_int4_arrays(pool: HostKVPool, layer: int, sl: np.ndarray, xk: np.ndarray, xv: np.ndarray) -> None:
-    """`append.write_arrays` for an int4 pool: in parallel where a block completes or comes back into
-    a tail and none starts and completes here (`int4_parallel`), else serially. The tails first get
-    a free slot for every block the writer may hold at once."""
-    tails = pool.tails
-    groups = int4_groups(tails.arrays["slot"][layer], sl, pool.block_size)
-    parallel = int4_parallel(groups[2])
-    # the parallel writer holds a tail for every block without one; the serial one frees a
-    # completed block's tail before the next block's
-    tails.reserve(int(((groups[2] & 4) != 0).sum()) if parallel
-                  else tail_slots_needed(tails.arrays["slot"][layer], sl, pool.block_size))
-    a, t = pool.arrays, tails.arrays
-    args = (a["k"], a["v"], a["k_scale"], a["k_zero"], a["v_scale"], a["v_zero"], t["k"], t["v"], t["slot"],
+    """`append.write_arrays` for an int4 pool. A call that only fills tails (most of a decode's)
+    goes to the serial writer, as one Numba call; where a block completes or comes back into a
+    tail, in parallel if none starts and completes here (`int4_parallel`), else serially. The
+    tails first get a free slot for every block the writer may hold at once: the serial one frees a
+    completed block's tail before the next block's, the parallel one holds a tail for each."""
+    tails, BS = pool.tails, pool.block_size
+    tails.reserve(tail_slots_needed(tails.arrays["slot"][layer], sl, BS))
+    if write_kv_int4(*_int4_args(pool, layer, sl, xk, xv), True):
+        return
+    groups = int4_groups(tails.arrays["slot"][layer], sl, BS)
+    if int4_parallel(groups[2]):
+        tails.reserve(int(((groups[2] & 4) != 0).sum()))
+        write_kv_int4_parallel(*_int4_args(pool, layer, sl, xk, xv), *groups)
+    else:
+        write_kv_int4(*_int4_args(pool, layer, sl, xk, xv))
+
+
+def _int4_args(pool: HostKVPool, layer: int, sl: np.ndarray, xk: np.ndarray, xv: np.ndarray) -> tuple:
+    """The writers' arguments (the tails' arrays as they are now: `Tails.reserve` may grow them)."""
+    a, t = pool.arrays, pool.tails.arrays
+    return (a["k"], a["v"], a["k_scale"], a["k_zero"], a["v_scale"], a["v_zero"], t["k"], t["v"], t["slot"],
             t["free"], t["n_free"], layer, sl, xk, xv, _CLIPS, np.float32(int4.MIN_SCALE),
             *rotation.numba_args(pool.head_dim), int4.GROUP)
-    if parallel:
-        write_kv_int4_parallel(*args, *groups)
-    else:
-        write_kv_int4(*args)
