@@ -350,14 +350,15 @@ def nf4_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: 
     words [N, K/64]).
 
     config: default `mma_config` (the measured table, else a heuristic); block_k and split are
-    lowered to fit K. decode=GATHER and dot_f32 are for Triton's CPU interpreter (no inline PTX,
-    no bf16 dots)."""
+    lowered to fit K. decode=GATHER (NF4), LINEAR_F32 (q4) and dot_f32 are for Triton's CPU
+    interpreter (no inline PTX, no bf16 dots)."""
     N, K = shape
     M = x.shape[0]
     if K % BLOCK or not 1 <= M <= MAX_ROWS:
         raise ValueError(f"nf4_mma takes 1..{MAX_ROWS} rows and K divisible by {BLOCK}, got x {tuple(x.shape)}, W {shape}")
     cfg = (config or mma_config(N, K, M, _sms(x.device))).fit(K)
-    if decode in (Decode.LINEAR, Decode.LINEAR_F32) and cfg.scale is Scale.SUM:  # the linear format's zero points need the weights scaled
+    if decode in (Decode.LINEAR, Decode.LINEAR_F32) and cfg.scale is Scale.SUM:
+        # the linear format's zero points need the weights scaled
         cfg = dataclasses.replace(cfg, scale=Scale.WEIGHT)
     BM = cfg.block_m(M)
     x = x.to(torch.bfloat16)

@@ -75,7 +75,8 @@ def q4_bf16_asm() -> str:
     A word's nibbles i and i + 4 are elements 2i and 2i + 1, so a shift, a mask and an or (one
     `lop3` after ptxas) make the pair's bf16x2 {128 + c_2i, 128 + c_2i+1} exactly; one bf16x2 fma
     less 128 + z leaves c − z exactly, another times s rounds once (as `nf4_tc`'s decode_q4, and
-    the reference `q4.dequantize_q4`): 15 ops a word, against 21 for NF4's lookup and its scale.
+    the reference `q4.dequantize_q4`). Integer work a word: 3 shifts, 4 lop3 and the group word's
+    two prmt and xor (NF4's lookup: 21); the 8 fmas go to the float pipe.
     """
     body = [".reg .b32 s2, nz2, one, z, t, p0, p1, p2, p3;",
             "prmt.b32 s2, $9, 0, 0x3232;",  # s, s

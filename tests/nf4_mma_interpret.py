@@ -99,8 +99,8 @@ def _linear_dequantize() -> int:
 
 
 def _linear_format(shapes, configs) -> int:
-    """decode=LINEAR_F32 (LINEAR without PTX): gpu_ops.q4's weights, whose decoded bf16 values are dequantize_q4's exactly, so
-    only the output's rounding is left (Scale.SUM configs run as WEIGHT)."""
+    """decode=LINEAR_F32 (LINEAR without PTX): gpu_ops.q4's weights, whose decoded bf16 values are
+    dequantize_q4's exactly, so only the output's rounding is left (Scale.SUM configs run as WEIGHT)."""
     from gpu_ops.q4 import dequantize_q4, quantize_q4
 
     fails = 0

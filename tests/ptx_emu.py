@@ -70,7 +70,8 @@ def run(asm: str, inputs: dict[int, int], memory: dict[int, int] | None = None) 
             continue
         d, *src = (t.strip() for t in rest.split(","))
         x = [val(t) for t in src]
-        r = {"and.b32": lambda: x[0] & x[1], "or.b32": lambda: x[0] | x[1], "xor.b32": lambda: x[0] ^ x[1], "shr.u32": lambda: (x[0] & M32) >> x[1],
+        r = {"and.b32": lambda: x[0] & x[1], "or.b32": lambda: x[0] | x[1], "xor.b32": lambda: x[0] ^ x[1],
+             "shr.u32": lambda: (x[0] & M32) >> x[1],
              "shl.b32": lambda: x[0] << x[1], "prmt.b32": lambda: prmt(*x), "mov.b32": lambda: x[0],
              "fma.rn.bf16x2": lambda: fma_bf16x2(*x),
              "cvt.rn.bf16x2.f32": lambda: _pair(*(struct.unpack("<f", struct.pack("<I", v & M32))[0] for v in x[::-1]))}[op]()
