@@ -254,9 +254,9 @@ def write_kv_int4_parallel(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free
     order), then each item's rows written, its head dequantized where the block comes back into a
     tail and quantized where it completes (`_quantize_heads`: the same bits), then the completed
     blocks' tails freed. A decode step completes a block every block_size steps a sequence, and its
-    quantization (a clip search a value row, ~260 µs a block of 8 kv heads on one of 2 cores) took
-    ~4 ms of a layer on one thread where 32 sequences completed theirs at once; `order, start,
-    flags` from `int4_groups`, none starting and completing its block (`int4_parallel`)."""
+    quantization (a clip search a value row) took ~260 µs a block of 8 kv heads on one core of the
+    2-core machine, ~1 ms a layer on the GPU host where 32 sequences completed theirs at once;
+    `order, start, flags` from `int4_groups`, none starting and completing its block (`int4_parallel`)."""
     T, H, D = xk.shape
     BS = vs.shape[3]
     G = flags.shape[0]
@@ -291,7 +291,6 @@ def write_kv_int4_parallel(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free
             free[n_free[0]] = gslot[g]
             n_free[0] += 1
             ts[slots[order[start[g]]] // BS] = -1
-
 
 
 def write_int4_arrays(pool: HostKVPool, layer: int, sl: np.ndarray, xk: np.ndarray, xv: np.ndarray) -> None:
