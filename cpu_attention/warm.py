@@ -30,8 +30,9 @@ def compile_decode(dtype: str) -> None:
     compiles, or loads from Numba's cache, the kernel the engine's calls use for every head dim
     that is a multiple of the vector width and head group of 4, 8, ... (kernels are compiled per
     argument type, G % 4 included, not per shape). Before it, the appends a step makes: one
-    token, and a batch's 17 × 2 rows (int8 spreads those over its threads: another kernel, 3–4 s
-    to compile on 2 cores)."""
+    token, a batch's 17 × 2 rows (int8 spreads those over its threads: another kernel, 3–4 s
+    to compile on 2 cores), and a call that completes a block it did not start (int4 quantizes
+    it over its threads: another kernel too)."""
     import torch
 
     from cpu_attention import _numba
@@ -42,8 +43,8 @@ def compile_decode(dtype: str) -> None:
     _numba.configure()  # the engine's settings: the cached kernel is the one it loads
     BS, D = 16, 128
     pool = HostKVPool(1, 2, 2, BS, D, dtype=KVDtype(dtype))
-    for n in (1, BS + 1):
-        pool.write(0, torch.arange(n), torch.zeros(n, 2, D), torch.zeros(n, 2, D))
+    for a, b in ((0, 1), (0, BS + 1), (BS + 1, 2 * BS)):  # the last completes block 1
+        pool.write(0, torch.arange(a, b), torch.zeros(b - a, 2, D), torch.zeros(b - a, 2, D))
     tables = torch.arange(2, dtype=torch.int32).reshape(1, 2)
     decode_attention(pool, 0, torch.zeros(1, 8, D), tables, torch.tensor([2 * BS - 1]), D**-0.5, threads=1)
 
