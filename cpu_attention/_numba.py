@@ -93,6 +93,8 @@ def _prefer_512_bit_vectors() -> None:
 # so only the reassociation/contraction flags are enabled (no 'nnan'/'ninf').
 FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 JIT = dict(nogil=True, cache=True, fastmath=FASTMATH)
+# The quantizing appends' flags: no fastmath, so every operation rounds as their torch twins' do.
+WJIT = dict(nogil=True, cache=True)
 
 
 def release_pool() -> bool:

@@ -19,14 +19,13 @@ from numba import prange
 
 from cpu_attention import rotation
 from cpu_attention._hadamard import rotate_rows
-from cpu_attention._numba import f32_to_bf16
+from cpu_attention._numba import WJIT, f32_to_bf16
 from cpu_attention.append_int4 import write_int4_arrays
 from cpu_attention.layout import KVDtype
 
 if TYPE_CHECKING:
     from cpu_attention.pool import HostKVPool
 
-WJIT = dict(nogil=True, cache=True)
 PIECE = 16  # rows (token, kv head) a thread of `write_kv_int8_parallel` takes at a time: still a vector across rows
 
 

@@ -13,12 +13,11 @@ from numba import prange
 
 from cpu_attention import int4, rotation
 from cpu_attention._hadamard import rotate_rows
-from cpu_attention._numba import bf16_to_f32, f32_to_bf16
+from cpu_attention._numba import WJIT, bf16_to_f32, f32_to_bf16
 
 if TYPE_CHECKING:
     from cpu_attention.pool import HostKVPool
 
-WJIT = dict(nogil=True, cache=True)
 _CLIPS = np.array(int4.CLIPS, np.float32)
 
 

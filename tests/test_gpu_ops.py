@@ -746,14 +746,14 @@ def test_q4_decoder_gives_dequantize_q4_for_every_code_and_zero(scale):
 
     s_bits = int(torch.tensor(scale).bfloat16().view(torch.int16)) & 0xFFFF
     words = _decoder_words()
-    packed = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+    packed = torch.tensor(words, dtype=torch.int64).to(torch.int32)  # the words' bits as int32
     asm = q4_bf16_asm()
     for z in range(16):
         sz_word = (s_bits << 16) | (int(torch.tensor(128.0 + z).bfloat16().view(torch.int16)) & 0xFFFF)
         # each word as the first of a group of 64 codes (8 words) whose group word is sz_word
         groups = torch.zeros(len(words), 8, dtype=torch.int32)
         groups[:, 0] = packed
-        sz = torch.full((len(words), 1), sz_word - (1 << 32) if sz_word >= 1 << 31 else sz_word, dtype=torch.int32)
+        sz = torch.full((len(words), 1), sz_word, dtype=torch.int64).to(torch.int32)
         ref = dequantize_q4(groups, sz, torch.bfloat16)[:, :8].contiguous().view(torch.int16)
         for i, word in enumerate(words):
             out = run(asm, {8: word, 9: sz_word})
