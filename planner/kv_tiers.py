@@ -78,15 +78,24 @@ def stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int, 
                             f"{fs(max(0, left))} is left: lower it or raise --gpu-mem")
         return [(ov.stream_tokens, need if ov.stream_tokens else 0, "set by the user")]
     out = [(0, 0, "the CPU attends over the whole host tier")]
-    host = min(wl.decode_context - kv.gpu_tokens, kv.host_tokens)
-    if not hw.has_gpu or host < 2 * kv.block_size:
+    if not hw.has_gpu:
         return out
-    for share in STREAM_SHARES:
-        n = int(host * share) // kv.block_size * kv.block_size
+    # shares of the host tier at the answer's mean context and at its latest one the mean weighs (a
+    # sequence streams at most what it holds: a larger share costs nothing until its host tier grows),
+    # and as many as the staging room takes
+    per_tok = stream_staging_bytes(cfg, kv.host_dtype, 1, kv.block_size, wl.batch)
+    fit = int(left // per_tok) // kv.block_size * kv.block_size if per_tok else 0
+    tokens = set()
+    for ctx in (wl.decode_context, max(wl.decode_contexts())):
+        host = min(ctx - kv.gpu_tokens, kv.host_tokens)
+        if host >= 2 * kv.block_size:
+            tokens.update(int(host * share) // kv.block_size * kv.block_size for share in STREAM_SHARES)
+            tokens.add(min(fit, host // kv.block_size * kv.block_size))
+    for n in sorted(tokens):
         need = stream_staging_bytes(cfg, kv.host_dtype, n, kv.block_size, wl.batch)
         if n and need <= left:
-            out.append((n, need, f"the GPU attends over {share:.0%} of the host tier, copied up over PCIe "
-                                  "while the CPU attends over the rest"))
+            out.append((n, need, f"the GPU attends over the first {n} host-tier tokens of each sequence, copied "
+                                  "up over PCIe while the CPU attends over the rest"))
     return out
 
 

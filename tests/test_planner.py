@@ -165,6 +165,24 @@ def test_streamed_host_kv_within_the_budget_and_one_sub_batch():
         plan(LLAMA3_8B, hw, Budget(6 * GIB, 150 * GIB), wl, Overrides(gpu_kv_tokens=0, stream_tokens=10**7))
 
 
+def test_stream_options_reach_the_answers_later_steps():
+    """A conversation's later steps hold more host-tier tokens than its mean step: the streamed
+    counts tried go past the mean step's host tier (a sequence streams at most what it holds), up
+    to what the staging room takes, and never past it."""
+    from planner.kv_tiers import kv_plan, stream_options, stream_staging_bytes
+
+    wl = Workload.conversation(2048, 32)
+    kv = kv_plan(LLAMA3_8B, wl, 32, 1056, KVDtype.INT4, KVDtype.INT4)
+    left = 62 * 2**20
+    opts = stream_options(LLAMA3_8B, HOSTS[8], wl, Overrides(), kv, left)
+    tokens = [n for n, _, _ in opts]
+    assert max(tokens) > wl.decode_context - kv.gpu_tokens
+    assert all(need <= left and n % kv.block_size == 0 for n, need, _ in opts)
+    a_block = stream_staging_bytes(LLAMA3_8B, KVDtype.INT4, kv.block_size, kv.block_size, wl.batch)
+    assert left - max(need for _, need, _ in opts) < a_block  # the room filled to a block
+    assert stream_options(LLAMA3_8B, HOSTS[None], wl, Overrides(), kv, left) == [(0, 0, opts[0][2])]
+
+
 def test_no_fit_says_by_how_much_where_and_which_option():
     with pytest.raises(UserError) as e:
         plan(LLAMA3_8B, HOSTS[None], Budget(0, 12 * GIB), Workload(131072))  # the KV cache does not fit
