@@ -29,7 +29,7 @@ def read_pinned(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 WORD = 4  # bytes: `gather_pinned` moves 32-bit words
-CHUNK = 1024  # words a program of `gather_pinned` moves
+CHUNK = 1024  # words a program of `gather_pinned` moves at a time
 
 
 def gather_pinned(src: HostPointer, dst: HostPointer, table: torch.Tensor, a: int, b: int, pieces: int,
@@ -38,8 +38,20 @@ def gather_pinned(src: HostPointer, dst: HostPointer, table: torch.Tensor, a: in
     copy engine's work, for a main thread that would otherwise issue a copy a piece): for p <
     pieces, the words [table[0, p] + a · table[1, p], + table[4, p]) from src to [table[2, p] +
     b · table[3, p], + table[4, p]) of dst. table: int64 [5, ≥ pieces] on the device, in 32-bit
-    words from src's and dst's addresses (`HostPointer.words`); longest: the most words of a piece."""
-    _gather()[(pieces, -(-longest // CHUNK))](src, dst, table, table.stride(0), a, b, CHUNK=CHUNK, num_warps=4)
+    words from src's and dst's addresses (`HostPointer.words`); longest: the most words of a piece.
+
+    One program an SM, each looping over the CHUNKs: a layer's stream is thousands of chunks, and
+    as a program a chunk they queued at the block scheduler ahead of the compute stream's kernels,
+    so the post segment launched beside them waited until the last was dispatched (its read of the
+    CPU's (o, lse) took 80–110 µs instead of ~3 on the GPU host). An SM's program keeps 4 KiB in
+    flight, a hundred of them far more than PCIe's bandwidth-latency product."""
+    chunks = -(-longest // CHUNK)
+    _gather()[(_programs(),)](src, dst, table, table.stride(0), a, b, chunks, pieces * chunks, CHUNK=CHUNK,
+                              num_warps=4)
+
+
+def _programs() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 class HostPointer:
@@ -89,16 +101,18 @@ def _gather():
         import triton
         import triton.language as tl
 
-        @triton.jit(do_not_specialize=["a", "b"])  # one compile for every layer and slot
-        def gather_from_host(src, dst, table, stride, a, b, CHUNK: tl.constexpr):
-            p, c = tl.program_id(0), tl.program_id(1)
-            n = tl.load(table + 4 * stride + p)
-            if c * CHUNK < n:
-                offs = c * CHUNK + tl.arange(0, CHUNK)
-                m = offs < n
-                s = tl.load(table + p) + a * tl.load(table + stride + p)
-                d = tl.load(table + 2 * stride + p) + b * tl.load(table + 3 * stride + p)
-                tl.store(dst + d + offs, tl.load(src + s + offs, mask=m, cache_modifier=".cv"), mask=m)
+        @triton.jit(do_not_specialize=["a", "b", "chunks", "total"])  # one compile for every layer and slot
+        def gather_from_host(src, dst, table, stride, a, b, chunks, total, CHUNK: tl.constexpr):
+            for i in range(tl.program_id(0), total, tl.num_programs(0)):  # chunk c of piece p, piece-major
+                p = i // chunks
+                c = i - p * chunks
+                n = tl.load(table + 4 * stride + p)
+                if c * CHUNK < n:
+                    offs = c * CHUNK + tl.arange(0, CHUNK)
+                    m = offs < n
+                    s = tl.load(table + p) + a * tl.load(table + stride + p)
+                    d = tl.load(table + 2 * stride + p) + b * tl.load(table + 3 * stride + p)
+                    tl.store(dst + d + offs, tl.load(src + s + offs, mask=m, cache_modifier=".cv"), mask=m)
 
         _GATHER = gather_from_host
     return _GATHER
