@@ -23,6 +23,12 @@ GB = 1e9
 # (H100 host, 2026-11-22: 753 MB a step in 26 ms at 8k), but planning with 0.5 chose less streaming
 # and measured slower (8k bf16 30.5 vs 38.2 tok/s, 32k bf16 13.1 vs 16.2), so plans use the full rate.
 STREAM_PCIE_SHARE = 1.0
+# At one sub-batch the stream and a layer's serial chain (the GPU's linears, the CPU's attention) do
+# not overlap whole: a layer's copy starts when the layer two before frees its staging slot, after
+# that layer's attention, and the post segment that runs beside it waits for the PCIe reads ahead of
+# its own. Fitted on the H200 host (2026-11-30, the batch rows streaming 672 and 1600 tokens a
+# sequence: 1008–1030 and 421–438 tok/s): this share of the shorter of the two adds to the step.
+STREAM_SERIAL = 0.25
 # Streamed KV is read from DRAM by the copy engine while the CPU attends, so the CPU's kernels
 # get what DRAM has left: measured 53 GB/s in-run against 68 alone, with PCIe streaming at ~50 and
 # DRAM at 109 (H100 host, 2026-11-23 04:12 UTC, 32k bf16). The CPU keeps at least this share.
@@ -155,7 +161,7 @@ def decode_step(
       p = streamed W / PCIe + B · T_s · kvb / PCIe  (copy streams, prefetched a layer or two ahead)
       d = B · T_c · kvb / DRAM read                 (host KV leaves DRAM once, to the CPU or to PCIe)
       x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
-      n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + c_w + x_w
+      n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + STREAM_SERIAL · min(that chain, streamed KV's p) + c_w + x_w
              (attention overlaps across devices; CPU-mode weights stall the GPU)
       n = 2: t = max(g, c + x, p, d)   (sub-batch A's GPU work hides B's CPU work, NEO-style)
       t += per-layer overhead (one sub-batch: the lean loop's; else n · the general loop's, or in
@@ -216,7 +222,8 @@ def decode_step(
                     over += HOST_TIER_BESIDE_EXPERTS_S + (batch - 1) * HOST_TIER_BESIDE_EXPERTS_ROW_S
         e = max(g_e, c_e + x_e)
         if sub_batches == 1:
-            t = max(g_lin + max(g_att, c_att + x_att) + e, p + s_up, d) + c_w + x_w + over
+            chain = g_lin + max(g_att, c_att + x_att) + e
+            t = max(chain, p + s_up, d) + STREAM_SERIAL * min(chain, s_up) + c_w + x_w + over
         else:  # the lean loop's own work is the CPU's thread's
             c_all = c_att + c_w + c_e + x_att + x_w + x_e
             t = max(g_lin + g_att + g_e, c_all + over, p + s_up, d) if lean else \
