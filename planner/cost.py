@@ -163,7 +163,8 @@ def decode_step(
       p = streamed W / PCIe + B · T_s · kvb / PCIe  (copy streams, prefetched a layer or two ahead)
       d = B · T_c · kvb / DRAM read                 (host KV leaves DRAM once, to the CPU or to PCIe)
       x = n · (q down + o, lse up) hops, + hidden-state hops around CPU-mode groups
-      n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + STREAM_SERIAL · min(that chain, streamed KV's p) + c_w + x_w
+      n = 1: t = max(g_lin + max(g_att, c_att + x_att), p, d) + c_w + x_w
+             + STREAM_SERIAL · min(that chain, the streamed KV's share of p)
              (attention overlaps across devices; CPU-mode weights stall the GPU)
       n = 2: t = max(g, c + x, p, d)   (sub-batch A's GPU work hides B's CPU work, NEO-style)
       t += per-layer overhead (one sub-batch: the lean loop's; else n · the general loop's, or in
