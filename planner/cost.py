@@ -23,22 +23,18 @@ GB = 1e9
 # (H100 host, 2026-11-22: 753 MB a step in 26 ms at 8k), but planning with 0.5 chose less streaming
 # and measured slower (8k bf16 30.5 vs 38.2 tok/s, 32k bf16 13.1 vs 16.2), so plans use the full rate.
 STREAM_PCIE_SHARE = 1.0
-# At one sub-batch the stream and a layer's serial chain (the GPU's linears, the CPU's attention) do
-# not overlap whole: a layer's copy starts when the layer two before frees its staging slot, after
-# that layer's attention, and the post segment that runs beside it waits for the PCIe reads ahead of
-# its own. This share of the shorter of the two adds to the step. Fitted on the H200 host
-# (2026-11-30, the batch rows streaming 672 and 1600 tokens a sequence, 1008–1030 and 421–438
-# tok/s): 0.25 fit best but moved 16 x 8k to 1824 streamed, which measured lower on its one run;
-# 0.12 keeps the measured plans and predicts them +14% and +4%.
+# One sub-batch: a layer's copy starts when the layer two before frees its staging slot, and the post
+# segment beside it waits behind its PCIe reads, so this share of the shorter of the stream and the
+# serial chain adds to the step. H200 host, 2026-11-30 (batch rows at 672 / 1600 streamed): 0.25 fit
+# best but chose 1824 at 16 x 8k, slower on its one run; 0.12 keeps the measured plans (+14%, +4%).
 STREAM_SERIAL = 0.12
 # Streamed KV is read from DRAM by the copy engine while the CPU attends, so the CPU's kernels
 # get what DRAM has left: measured 53 GB/s in-run against 68 alone, with PCIe streaming at ~50 and
 # DRAM at 109 (H100 host, 2026-11-23 04:12 UTC, 32k bf16). The CPU keeps at least this share.
 MIN_CPU_DRAM_SHARE = 0.25
-# Per layer per sub-batch where a decode step runs the runtime's general loop through torch (two
-# sub-batches, or weights streamed or computed by the CPU): graph replays, events, the worker
-# hand-off, ~15 torch calls. Fitted on the H100 host, 2026-11-22 (the lean loop's is the profile's
-# `layer_overhead_s`).
+# Per layer per sub-batch where a decode step runs the runtime's general loop through torch (weights
+# streamed or computed by the CPU): graph replays, events, the worker hand-off, ~15 torch calls.
+# Fitted on the H100 host, 2026-11-22 (the lean loop's is the profile's `layer_overhead_s`).
 GENERAL_LOOP_OVERHEAD_S = 200e-6
 # Per layer and sub-batch of a two-sub-batch step in the lean loop (offload/inline.py), on the CPU's
 # path: the main thread's launches and waits (~55 µs, timed) and the pipeline's bubbles; fitted to
@@ -49,17 +45,14 @@ LEAN_PAIR_PART_S = 110e-6
 # beyond the GEMVs' and the attention's bytes. Stated; bench/budget.py prints it beside the measurement.
 GRAPH_LAYER_OVERHEAD_S = 12e-6
 # Many rows (a prefill chunk, a step whose host experts go up) run a MoE layer's experts in grouped
-# 4-bit GEMMs (gpu_ops.moe_prefill), timed by the decode of the routed experts' weights: GB/s of
-# expert bytes for the device's NF4 (524 µs for 128 Qwen3-30B-A3B experts of ~32 rows, 2.65 MB each)
-# and a host int4 expert after its copy up (229 µs for 24); bench/moe_grouped.py, H100, 2026-11-28.
+# 4-bit GEMMs (gpu_ops.moe_prefill): GB/s of expert bytes, the device's NF4 (524 µs for 128 Qwen3
+# experts of ~32 rows) and a host int4 expert after its copy up (229 µs for 24; H100, 2026-11-28).
 PREFILL_EXPERT_GBPS = 650.0
 PREFILL_HOST_EXPERT_GBPS = 280.0
-# Per MoE layer whose experts are split between the devices: the call's hand-off (the side stream
-# sets a flag in memory, a thread of the experts' pool polls it, the pool of spinning threads joins:
-# cpu_attention.experts_pool; the stream waits for the flag set back). And the CPU's experts in a
-# step run at a share of the rate the profile measures them alone: in-step clocks of 55–71 GB/s
-# against 69–102 alone at 8 GiB, 67 against 72 at 14 GiB. Fitted on the H200 host, 2026-11-29
-# (bench/moe.py, the Qwen3-30B-A3B shape at 8 and 14 GiB, four calls).
+# Per MoE layer whose experts are split between the devices: the call's hand-off (a flag the side
+# stream sets and a pool thread polls: cpu_attention.experts_pool). And the CPU's experts run in a
+# step at a share of their rate alone: 55–71 GB/s against 69–102 at 8 GiB, 67 against 72 at 14 GiB
+# (bench/moe.py, the Qwen3-30B-A3B shape, H200 host, 2026-11-29, four calls).
 HOST_EXPERTS_CALL_S = 5e-6
 HOST_EXPERTS_STEP_SHARE = 0.85
 # Per MoE layer in the GPU's step: routing (the router GEMV, then one kernel: gpu_ops.moe_route)
@@ -67,13 +60,10 @@ HOST_EXPERTS_STEP_SHARE = 0.85
 # same shape (2.99–3.11 ms a step, H200 host, 2026-11-29).
 MOE_LAYER_OVERHEAD_S = 27e-6
 # Per MoE layer whose host experts share the CPU with the host KV tier's attention: OpenMP's threads
-# spin after each attention region while the experts' own pool of spinning threads wants the same
-# cores, and the flag-polling thread that starts a layer's experts waits for a core. Measured with
-# a host tier of 256 tokens a sequence forced beside 73–84 host experts a layer (Qwen3-30B-A3B at
-# 8 GiB, H200 host, 2026-11-29, `bench.moe --set gpu_kv_tokens=3840`): 194 ms a step at one row
-# against 25 predicted without this term, 396–433 ms at 8 rows against 108: ~3.5 ms a layer and
-# ~0.4 ms more a row. Far above any of the step's bytes: the planner takes such a plan only where
-# nothing else fits.
+# spin after each attention region while the experts' own spinning pool and its flag-polling thread
+# want the same cores. A host tier of 256 tokens forced beside 73–84 host experts a layer (Qwen3 at
+# 8 GiB, H200 host, 2026-11-29): 194 ms a step at one row against 25 predicted without this term,
+# 396–433 at 8 rows against 108. The planner takes such a plan only where nothing else fits.
 HOST_TIER_BESIDE_EXPERTS_S = 3.5e-3
 HOST_TIER_BESIDE_EXPERTS_ROW_S = 0.4e-3
 

@@ -386,7 +386,7 @@ def test_a_host_tier_beside_host_experts_is_priced_and_avoided():
     budget = Budget(8 * 2**30, 100 * 2**30)
     own = plan(QWEN3_30B_A3B, H200, budget, Workload(131072))
     assert (own.kv.gpu_tokens, own.kv.host_tokens) == (131072, 0)
-    forced = plan(QWEN3_30B_A3B, H200, budget, Workload(4096), Overrides(gpu_kv_dtype=KVDtype.INT8, gpu_kv_tokens=3840))
+    forced = plan(QWEN3_30B_A3B, H200, budget, Workload(4096), Overrides(gpu_kv_dtype=KVDtype.INT8, gpu_kv_tokens=3840, stream_tokens=0))
     tier, whole = (decode_step(QWEN3_30B_A3B, H200, forced.placements, kv, 1, 4088, forced.threads, 1)
                    for kv in (forced.kv, dataclasses.replace(forced.kv, gpu_tokens=4096, host_tokens=0)))
     assert tier.terms["cpu experts"] > 0 and "contending for the CPU's cores" in forced.prediction.bottleneck
