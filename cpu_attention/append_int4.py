@@ -56,16 +56,10 @@ def _quantize_row(y, dst, sc, zr, clips, min_scale, group, codes, best, e2):
 
 
 @numba.njit(**WJIT)
-def _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group):
-    """Block b's int4 data from tail slot (int4.quantize_keys / quantize_rows): keys per channel
-    over the BS rows (stored in the VNNI order, int4.pack_keys), values per row and group (stored
-    in quads of 4 tokens, int4.quads)."""
-    _quantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group, 0, tk.shape[1])
-
-
-@numba.njit(**WJIT)
 def _quantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, group, h0, h1):
-    """`_quantize_block` for kv heads h0 .. h1 (each head's data is its own)."""
+    """Block b's int4 data of kv heads h0 .. h1 (each head's data is its own) from tail slot
+    (int4.quantize_keys / quantize_rows): keys per channel over the BS rows (stored in the VNNI
+    order, int4.pack_keys), values per row and group (stored in quads of 4 tokens, int4.quads)."""
     BS, D = tk.shape[2], tk.shape[3]
     lo, hi = np.empty(D, np.float32), np.empty(D, np.float32)
     s, z = np.empty(D, np.float32), np.empty(D, np.float32)
@@ -100,14 +94,9 @@ def _quantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, clips, min_scale, g
 
 
 @numba.njit(**WJIT)
-def _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group):
-    """Block b's int4 data back into tail slot, rounded to bf16 (int4.write, step 1)."""
-    _dequantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group, 0, tk.shape[1])
-
-
-@numba.njit(**WJIT)
 def _dequantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group, h0, h1):
-    """`_dequantize_block` for kv heads h0 .. h1."""
+    """Block b's int4 data of kv heads h0 .. h1 back into tail slot, rounded to bf16 (int4.write,
+    step 1)."""
     BS, D = tk.shape[2], tk.shape[3]
     half = group // 2
     for h in range(h0, h1):
@@ -126,48 +115,40 @@ def _dequantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, slot, b, group, h0, h1):
 
 
 @numba.njit(**WJIT)
-def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, order, blocks, offs, xk, xv,
+def write_int4(kd, ks, kz, vd, vs, vz, tk, tv, tail_slot, free, n_free, slots, order, start, flags, xk, xv,
                clips, min_scale, signs, P, inv_sqrt_p, group):
     """One layer of an int4 pool: kd [NB, Hkv, D/8, BS, 4] (int4.py's VNNI key order), vd [NB, Hkv,
     BS4/4, D/2, 4] uint8 (its value quads); ks, kz [NB, Hkv, D] and vs, vz
     [NB, Hkv, BS, D/group] uint16 (bf16 bits); tails tk, tv [S, Hkv, BS, D] uint16 (bf16 bits),
-    tail_slot [NB] int32, free slots free[:n_free[0]] (enough of them: Tails.reserve); order:
-    the tokens sorted by block (stably); xk, xv [T, Hkv, D] float32; signs, P, inv_sqrt_p: the
-    rotation. The rule, step by step, is int4.write's."""
+    tail_slot [NB] int32, free slots free[:n_free[0]] (enough of them: Tails.reserve); slots [T]
+    flat, their groups by block `order, start, flags` (`int4_groups`); xk, xv [T, Hkv, D] float32;
+    signs, P, inv_sqrt_p: the rotation. The rule, step by step, is int4.write's."""
     T, H, D = xk.shape
     BS = vs.shape[2]
     yv = xv.reshape(T * H, D).copy()  # the values rotated all at once (`rotate_rows`: the same bits)
     rotate_rows(yv, signs, P, inv_sqrt_p)
-    r0 = 0
-    while r0 < T:
-        b = blocks[order[r0]]
-        r1 = r0
-        starts = ends = False
-        while r1 < T and blocks[order[r1]] == b:
-            starts = starts or offs[order[r1]] == 0
-            ends = ends or offs[order[r1]] == BS - 1
-            r1 += 1
+    for g in range(flags.shape[0]):
+        b = slots[order[start[g]]] // BS
         s = tail_slot[b]
         if s < 0:  # 1. take a tail; a block written before comes back into it
             n_free[0] -= 1
             s = free[n_free[0]]
             tail_slot[b] = s
-            if not starts:
-                _dequantize_block(kd, ks, kz, vd, vs, vz, tk, tv, s, b, group)
-        for r in range(r0, r1):  # 2. the tokens, in call order
+            if not flags[g] & 1:
+                _dequantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, s, b, group, 0, H)
+        for r in range(start[g], start[g + 1]):  # 2. the tokens, in call order
             t = order[r]
-            o = offs[t]
+            o = slots[t] % BS
             for h in range(H):
                 rk, rv, xr, yr = tk[s, h, o], tv[s, h, o], xk[t, h], yv[t * H + h]
                 for d in range(D):
                     rk[d] = f32_to_bf16(xr[d])
                     rv[d] = f32_to_bf16(yr[d])
-        if ends:  # 3. complete: quantize, free the tail
-            _quantize_block(kd, ks, kz, vd, vs, vz, tk, tv, s, b, clips, min_scale, group)
+        if flags[g] & 2:  # 3. complete: quantize, free the tail
+            _quantize_heads(kd, ks, kz, vd, vs, vz, tk, tv, s, b, clips, min_scale, group, 0, H)
             free[n_free[0]] = s
             n_free[0] += 1
             tail_slot[b] = -1
-        r0 = r1
 
 
 @numba.njit(**WJIT)
@@ -193,19 +174,19 @@ def tail_slots_needed(tail_slot, slots, block_size):
 def write_kv_int4(k, v, ks, kz, vs, vz, tk, tv, tail_slot, free, n_free, layer, slots, xk, xv,
                   clips, min_scale, signs, P, inv_sqrt_p, group, only_filling=False):
     """As write_kv_bf16 for an int4 pool (`write_int4`'s arguments, all layers; tail_slot
-    [L, NB]): blocks, offsets and the tokens' stable order by block are computed here.
+    [L, NB]): the tokens' groups by block are made here (`int4_groups`).
     only_filling: write only if no token completes its block or writes into a block that has no
     tail at an offset past 0 (a block coming back), and say whether it wrote: the other calls
     are `write_kv_int4_parallel`'s to take."""
     BS = vs.shape[3]
-    blocks, offs = slots // BS, slots % BS
     if only_filling:
         for t in range(slots.shape[0]):
-            if offs[t] == BS - 1 or (offs[t] != 0 and tail_slot[layer, blocks[t]] < 0):
+            o = slots[t] % BS
+            if o == BS - 1 or (o != 0 and tail_slot[layer, slots[t] // BS] < 0):
                 return False
+    order, start, flags = int4_groups(tail_slot[layer], slots, BS)
     write_int4(k[layer], ks[layer], kz[layer], v[layer], vs[layer], vz[layer], tk, tv, tail_slot[layer],
-               free, n_free, np.argsort(blocks, kind="mergesort"), blocks, offs, xk, xv, clips, min_scale,
-               signs, P, inv_sqrt_p, group)
+               free, n_free, slots, order, start, flags, xk, xv, clips, min_scale, signs, P, inv_sqrt_p, group)
     return True
 
 
