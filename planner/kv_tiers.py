@@ -84,7 +84,7 @@ def stream_options(cfg, hw, wl, ov, kv: KVPlan, left: float) -> list[tuple[int, 
     # sequence streams at most what it holds: a larger share costs nothing until its host tier grows),
     # and as many as the staging room takes
     per_tok = stream_staging_bytes(cfg, kv.host_dtype, 1, kv.block_size, wl.batch)
-    fit = int(left // per_tok) // kv.block_size * kv.block_size if per_tok else 0
+    fit = int(left // per_tok) // kv.block_size * kv.block_size
     tokens = set()
     for ctx in (wl.decode_context, max(wl.decode_contexts())):
         host = min(ctx - kv.gpu_tokens, kv.host_tokens)
