@@ -17,6 +17,9 @@ one run of blocks for each of the int8 tier's four tensors (keys and values 852 
 alone, then beside a 15-thread torch.sum over 2 GiB (the CPU's attention reading DRAM meanwhile);
 each way also with the main thread's µs to issue a layer's copies (in a decode step that time is
 on the step's serial path: the main thread issues them between the CPU's attention calls).
+Last, what each way does to the compute stream's kernels meanwhile: a Llama-3-8B layer's o,
+gate_up and down linears (4-bit, a row a sequence) queued just after a layer's copies start, µs
+until they end, against the same linears alone (a kernel that holds the SMs delays them).
 """
 from __future__ import annotations
 
@@ -121,6 +124,33 @@ def main() -> None:
         if th is not None:
             stop.set()
             th.join()
+    beside(ways, R, st)
+
+
+def beside(ways: dict, rows: int, st: torch.cuda.Stream) -> None:
+    """µs from a layer's copies' start (on st) to the end of a layer's linears queued just after on
+    the compute stream, for each way of copying, and with no copy."""
+    from gpu_ops.nf4 import nf4_linear
+
+    dev = torch.device("cuda")
+    shapes = ((4096, 4096), (28672, 4096), (4096, 14336))  # o, gate_up, down
+    lins = [(nf4_linear(torch.randn(n, k, device=dev) * 0.02, None, dev),
+             torch.randn(rows, k, device=dev, dtype=torch.bfloat16)) for n, k in shapes]
+    comp = torch.cuda.current_stream()
+    for name, fn in {"no copy": lambda layer: None, **ways}.items():
+        best = float("inf")
+        for _ in range(3):
+            [lin(x) for lin, x in lins]
+            torch.cuda.synchronize()
+            a, b = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            a.record(st)
+            fn(0)
+            comp.wait_event(a)
+            [lin(x) for lin, x in lins]
+            b.record(comp)
+            torch.cuda.synchronize()
+            best = min(best, a.elapsed_time(b) * 1e3)
+        print(f"{'linears beside':16} {name:14} {best:7.1f} µs until a layer's o, gate_up, down at {rows} rows end")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ def read_pinned(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 WORD = 4  # bytes: `gather_pinned` moves 32-bit words
-CHUNK = 1024  # words a program of `gather_pinned` moves at a time
+CHUNK = 4096  # words a program of `gather_pinned` moves at a time: 16 KiB in flight
+PROGRAMS = 16  # `gather_pinned`'s programs at most (`_programs`)
 
 
 def gather_pinned(src: HostPointer, dst: HostPointer, table: torch.Tensor, a: int, b: int, pieces: int,
@@ -40,20 +41,26 @@ def gather_pinned(src: HostPointer, dst: HostPointer, table: torch.Tensor, a: in
     b · table[3, p], + table[4, p]) of dst. table: int64 [5, ≥ pieces] on the device, in 32-bit
     words from src's and dst's addresses (`HostPointer.words`); longest: the most words of a piece.
 
-    One program an SM, each looping over the CHUNKs: a layer's stream is thousands of chunks, and
-    as a program a chunk they queued at the block scheduler ahead of the compute stream's kernels,
-    so the post segment launched beside them waited until the last was dispatched (its read of the
-    CPU's (o, lse) took 80–110 µs beside the gather, ~30 now, on the GPU host). An SM's program keeps
-    4 KiB in flight, a hundred of them far more than PCIe's bandwidth-latency product: the gather
-    alone moves what it did."""
+    A few programs, each looping over the CHUNKs, on a few SMs; the compute stream's kernels have
+    the others. Measured on the GPU host, in a 16 × 8k step (33 MB a layer):
+    - a program a chunk (thousands a layer) queued at the block scheduler ahead of the compute
+      stream's kernels: the post segment's read of the CPU's (o, lse) took 80–110 µs, not ~3;
+    - a program an SM, 4 KiB chunks: in the step's trace the post segment's first linear started
+      ~590 µs late, as the gather ended (a kernel's loads on an SM wait behind the gather's PCIe
+      reads there), so a layer's copy and its compute ran in series: 1055 µs a layer, 37.7 ms a step;
+    - 16 programs, 16 KiB chunks: 256 KiB in flight, more than PCIe's bandwidth-latency product
+      (~55 GB/s × ~2 µs), the same GB/s alone (41 against 43 on that machine), and the step 27.9
+      ms. A layer's three MLP linears (157 µs alone) ended 554 µs into such a gather, 888 into a
+      gather of a program an SM with 16 KiB chunks (`bench.stream_copies`)."""
     chunks = -(-longest // CHUNK)
     _gather()[(_programs(),)](src, dst, table, table.stride(0), a, b, chunks, pieces * chunks, CHUNK=CHUNK,
                               num_warps=4)
 
 
 def _programs() -> int:
-    """`gather_pinned`'s programs: one an SM of the current device."""
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    """`gather_pinned`'s programs: PROGRAMS, or an eighth of a smaller device's SMs."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return max(1, min(PROGRAMS, sms // 8))
 
 
 class HostPointer:
