@@ -26,7 +26,8 @@ where the batched copies moved 54 (47.6 against 42.5 beside the CPU reading DRAM
 Through Triton's launcher that one launch still costs the main thread 35 µs, so each layer's is
 captured once as a CUDA graph over a table of fixed width (columns a step does not use move 0
 words) and launched through the driver in 3 µs (`bench.stream_copies`); a step whose pieces
-outgrow the table captures them again, wider.
+outgrow the table captures them again, wider. The kernel keeps to a few SMs (`gather_pinned`):
+the compute stream's kernels have the rest while a layer's blocks come up.
 Layer i + 2's copy is queued right after layer i's attention, so each copy has a whole layer
 of time to land. On a CPU stand-in device the same code runs without streams. Streamed blocks
 are complete, so an int4 block is always in its codes, never in a bf16 tail (`begin` checks the

@@ -23,10 +23,10 @@ GB = 1e9
 # (H100 host, 2026-11-22: 753 MB a step in 26 ms at 8k), but planning with 0.5 chose less streaming
 # and measured slower (8k bf16 30.5 vs 38.2 tok/s, 32k bf16 13.1 vs 16.2), so plans use the full rate.
 STREAM_PCIE_SHARE = 1.0
-# One sub-batch: a layer's copy starts when the layer two before frees its staging slot, and the post
-# segment beside it waits behind its PCIe reads, so this share of the shorter of the stream and the
-# serial chain adds to the step. H200 host, 2026-11-30 (batch rows at 672 / 1600 streamed): 0.25 fit
-# best but chose 1824 at 16 x 8k, slower on its one run; 0.12 keeps the measured plans (+14%, +4%).
+# One sub-batch: a layer's copy starts when the layer two before frees its staging slot, so this
+# share of the shorter of the stream and the serial chain adds to the step. Fitted (H200 host,
+# 2026-11-30) while the gather still held every SM; with 16 programs the batch rows predict −15% and
+# +13% on their machine's profile (−8%, +24% at 0), so it stays.
 STREAM_SERIAL = 0.12
 # Streamed KV is read from DRAM by the copy engine while the CPU attends, so the CPU's kernels
 # get what DRAM has left: measured 53 GB/s in-run against 68 alone, with PCIe streaming at ~50 and
