@@ -23,14 +23,13 @@ GB = 1e9
 # (H100 host, 2026-11-22: 753 MB a step in 26 ms at 8k), but planning with 0.5 chose less streaming
 # and measured slower (8k bf16 30.5 vs 38.2 tok/s, 32k bf16 13.1 vs 16.2), so plans use the full rate.
 STREAM_PCIE_SHARE = 1.0
-# One sub-batch: a layer's copy starts when the layer two before frees its staging slot, so this
-# share of the shorter of the stream and the serial chain adds to the step. Fitted (H200 host,
-# 2026-11-30) while the gather still held every SM; with 16 programs the batch rows predict −15% and
-# +13% on their machine's profile (−8%, +24% at 0), so it stays.
+# One sub-batch: a layer's copy starts when the layer two before frees its staging slot, so this share of the
+# shorter of the stream and the serial chain adds (batch rows −15%, +13%; −8%, +24% at 0: H200, 2026-11-30).
 STREAM_SERIAL = 0.12
-# Streamed KV is read from DRAM by the copy engine while the CPU attends, so the CPU's kernels
-# get what DRAM has left: measured 53 GB/s in-run against 68 alone, with PCIe streaming at ~50 and
-# DRAM at 109 (H100 host, 2026-11-23 04:12 UTC, 32k bf16). The CPU keeps at least this share.
+# Streamed KV is read from DRAM while the CPU attends, so the CPU's kernels get what DRAM has left
+# (53 GB/s in-run against 68 alone, PCIe ~50, DRAM 109: H100 host, 2026-11-23, 32k bf16), or, where
+# the CPU's phase outlasts the stream, that spread over it (1 × 128k int4 read 54 GB/s beside a
+# ~41 GB/s stream, DRAM 96: H200 host, 2026-11-30; 40.6 under the whole rate). At least this share.
 MIN_CPU_DRAM_SHARE = 0.25
 # Per layer per sub-batch where a decode step runs the runtime's general loop through torch (weights
 # streamed or computed by the CPU): graph replays, events, the worker hand-off, ~15 torch calls.
@@ -174,8 +173,9 @@ def decode_step(
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
     run_cost = hw.cpu_run_cost(kv.host_dtype, threads, run_rows)  # a run's rows: arithmetic grows with them
-    if T_s and hw.dram_read_gbps:  # DRAM shared with the copy engine streaming T_s tokens up
-        attn_rate = min(attn_rate, max(hw.dram_read_gbps - STREAM_PCIE_SHARE * hw.pcie_h2d_gbps,
+    if T_s and hw.dram_read_gbps:  # DRAM shared with the stream: its seconds over the CPU's where those are more
+        duty = min(1.0, batch * T_s * attn_rate / max(kv_reads(cfg, batch, run_rows)[1] * (T_c - T_s) * hw.pcie_h2d_gbps, 1e-9))
+        attn_rate = min(attn_rate, max(hw.dram_read_gbps - duty * STREAM_PCIE_SHARE * hw.pcie_h2d_gbps,
                                        MIN_CPU_DRAM_SHARE * hw.dram_read_gbps))
     terms = dict.fromkeys(("gpu weights", "gpu attention", "cpu attention", "cpu weights", "cpu experts",
                            "pcie weights", "pcie kv", "transfers", "overhead"), 0.0)
