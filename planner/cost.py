@@ -26,10 +26,9 @@ STREAM_PCIE_SHARE = 1.0
 # One sub-batch: a layer's copy starts when the layer two before frees its staging slot, so this share of the
 # shorter of the stream and the serial chain adds (batch rows −15%, +13%; −8%, +24% at 0: H200, 2026-11-30).
 STREAM_SERIAL = 0.12
-# Streamed KV is read from DRAM while the CPU attends, so the CPU's kernels get what DRAM has left
-# (53 GB/s in-run against 68 alone, PCIe ~50, DRAM 109: H100 host, 2026-11-23, 32k bf16), or, where
-# the CPU's phase outlasts the stream, that spread over it (1 × 128k int4 read 54 GB/s beside a
-# ~41 GB/s stream, DRAM 96: H200 host, 2026-11-30; 40.6 under the whole rate). At least this share.
+# Streamed KV is read from DRAM while the CPU attends: the CPU gets what DRAM has left, the PCIe rate spread
+# over the CPU's phase where that is longer (53 GB/s against 68 alone: H100, 2026-11-23, 32k bf16; 1 × 128k
+# int4 54 GB/s beside a ~41 GB/s stream, DRAM 96, 40.6 under the whole rate: H200, 2026-11-30). At least:
 MIN_CPU_DRAM_SHARE = 0.25
 # Per layer per sub-batch where a decode step runs the runtime's general loop through torch (weights
 # streamed or computed by the CPU): graph replays, events, the worker hand-off, ~15 torch calls.
@@ -146,7 +145,7 @@ def decode_step(
     Per layer, with n sub-batches of B/n sequences:
       g = Σ_sub (GPU GEMVs of resident and streamed groups) + GPU attention over T_g (+ T_s)
       c = Σ_sub (CPU GEMVs of CPU-mode groups) + CPU attention over T_c − T_s (+ a fixed cost per call),
-          at min(kernel rate, DRAM − PCIe) when T_s > 0 (the copies read DRAM meanwhile); a run
+          at min(kernel rate, DRAM − PCIe · min(1, stream / CPU time)) when T_s > 0; a run
           of rows at the profile's measured multiple of one row (`HardwareProfile.cpu_run_cost`),
           and each sequence past one at its measured cost a kv head (`cpu_items_seconds`)
       p = streamed W / PCIe + B · T_s · kvb / PCIe  (copy streams, prefetched a layer or two ahead)
@@ -173,7 +172,8 @@ def decode_step(
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
     run_cost = hw.cpu_run_cost(kv.host_dtype, threads, run_rows)  # a run's rows: arithmetic grows with them
-    if T_s and hw.dram_read_gbps:  # DRAM shared with the stream: its seconds over the CPU's where those are more
+    if T_s and hw.dram_read_gbps:  # DRAM shared with the stream (MIN_CPU_DRAM_SHARE)
+        # the stream's share of the CPU's phase: (B · T_s · kvb / PCIe) / (reads · T_cpu · kvb / CPU rate)
         duty = min(1.0, batch * T_s * attn_rate / max(kv_reads(cfg, batch, run_rows)[1] * (T_c - T_s) * hw.pcie_h2d_gbps, 1e-9))
         attn_rate = min(attn_rate, max(hw.dram_read_gbps - duty * STREAM_PCIE_SHARE * hw.pcie_h2d_gbps,
                                        MIN_CPU_DRAM_SHARE * hw.dram_read_gbps))
