@@ -170,8 +170,8 @@ def _search(cfg, hw, budget, wl, ov, device, weights, threads, block, groups, gp
     subs = [ov.sub_batches] if ov.sub_batches else ([1, 2] if wl.batch >= 2 else [1])
     orders = [("mlp first", _PRIORITY)] + ([("attention first", _ATTN_FIRST)] if cfg.is_moe else [])
     work = workspace_bytes(cfg, wl)
-    # Prefill reads host-tier KV back a layer at a time, double-buffered: reserve that first
-    # whenever the whole batch's KV cannot sit on the GPU beside every weight.
+    # Prefill reads a layer's earlier KV into one bf16 buffer pair (offload/prefill.py); reserve twice that (its
+    # peak beside SDPA's at long context is not measured) first, whenever the KV cannot sit beside every weight.
     readback = int(2 * wl.ctx_size * kv_bytes_per_token_layer(cfg, KVDtype.BF16, block))
     all_weights = sum(g.nbytes(g.dtype_for(weights)) for g in groups if g.kind is not Kind.EMBED)  # the table may stay on the host
     # the device tier's bytes at a token count a sequence, a quantized tier's bf16 tails included

@@ -258,12 +258,15 @@ def test_tier_table_moves_whole_blocks():
     assert t.slots(5, 1) == [9 * 4 + 1]
 
 
-def test_prefill_in_pieces_matches_one_pass(folder, single, monkeypatch):
-    """A long prompt is prefilled piece by piece, each attending to the tiers' earlier tokens."""
+@pytest.mark.parametrize("gpu_tokens, prior_piece", [(5, 4096), (13, 4)])
+def test_prefill_in_pieces_matches_one_pass(folder, single, monkeypatch, gpu_tokens, prior_piece):
+    """A long prompt is prefilled piece by piece, each attending to the tiers' earlier tokens (the
+    device tier's gathered a block at a time where prior_piece is one block)."""
     import offload.prefill
 
     monkeypatch.setattr(offload.prefill, "PREFILL_PIECE", 7)
-    e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=5)
+    monkeypatch.setattr(offload.prefill, "PRIOR_PIECE", prior_piece)
+    e = _engine(folder, kv_dtype="f32", gpu_kv_tokens=gpu_tokens)
     assert rel_err(e.logits(PROMPT), single[1]) <= 1e-5
     assert _greedy(e) == single[0]
 
