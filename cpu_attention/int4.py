@@ -279,15 +279,18 @@ def write(pool, layer: int, blocks: torch.Tensor, offs: torch.Tensor, k: torch.T
             t.slot[L, b] = -1
 
 
-def gather(pool, layer: int | slice, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather(pool, layer: int | slice, block_table: torch.Tensor,
+           device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of whole blocks [nb, Hkv, BS, D] float32 (values rotated back), a block being
-    filled read from its tail; layer a slice: [layers, nb, Hkv, BS, D]."""
+    filled read from its tail; layer a slice: [layers, nb, Hkv, BS, D]. On `device` (default the
+    pool's): the codes, scales and tails go there as stored and are dequantized there."""
     L = layer
-    k = dequantize_keys(pool.k[L, block_table], pool.k_scale[L, block_table], pool.k_zero[L, block_table])
-    y = block_rows(pool.v[L, block_table], pool.v_scale[L, block_table], pool.v_zero[L, block_table])
+    up = lambda t: t.to(device or t.device)  # noqa: E731
+    k = dequantize_keys(*(up(t[L, block_table]) for t in (pool.k, pool.k_scale, pool.k_zero)))
+    y = block_rows(*(up(t[L, block_table]) for t in (pool.v, pool.v_scale, pool.v_zero)))
     slot = pool.tails.slot[L, block_table].long()
     tail = slot >= 0
     if bool(tail.any()):
-        k[tail] = pool.tails.k[slot[tail]].float()
-        y[tail] = pool.tails.v[slot[tail]].float()
+        k[up(tail)] = up(pool.tails.k[slot[tail]]).float()
+        y[up(tail)] = up(pool.tails.v[slot[tail]]).float()
     return k, rotation.unrotate(y)

@@ -91,15 +91,17 @@ class HostKVPool:
             if zero is not None:
                 getattr(self, f"{name}_zero")[layer, blocks, :, offs] = zero
 
-    def gather(self, layer: int, block_table: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, block_table: torch.Tensor, n_tokens: int,
+               device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of one sequence's first n_tokens: [Hkv, n_tokens, D] float32 (int4:
         values rotated back, blocks being filled read from their tails, so both are what was
-        written up to quantization)."""
+        written up to quantization), on `device` (default the host): the blocks go there as
+        stored and are dequantized there, so a GPU's read-back moves the stored bytes, not floats."""
         if self.dtype is KVDtype.INT4:
-            kv = int4.gather(self, layer, block_table)  # [nb, Hkv, BS, D] each
+            kv = int4.gather(self, layer, block_table, device)  # [nb, Hkv, BS, D] each
         else:
-            parts = {n: t[layer, block_table] for n, t in self.parts().items()}  # [nb, Hkv, BS, ...]
-            kv = dequantize_blocks(self.dtype, parts)
+            parts = {n: t[layer, block_table].to(device or t.device) for n, t in self.parts().items()}
+            kv = dequantize_blocks(self.dtype, parts)  # [nb, Hkv, BS, D] each
         return tuple(x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :n_tokens] for x in kv)
 
     def blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

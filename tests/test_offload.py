@@ -258,10 +258,10 @@ def test_tier_table_moves_whole_blocks():
     assert t.slots(5, 1) == [9 * 4 + 1]
 
 
-@pytest.mark.parametrize("gpu_tokens, prior_piece", [(5, 4096), (13, 4)])
+@pytest.mark.parametrize("gpu_tokens, prior_piece", [(5, 4096), (5, 4), (13, 4)])
 def test_prefill_in_pieces_matches_one_pass(folder, single, monkeypatch, gpu_tokens, prior_piece):
-    """A long prompt is prefilled piece by piece, each attending to the tiers' earlier tokens (the
-    device tier's gathered a block at a time where prior_piece is one block)."""
+    """A long prompt is prefilled piece by piece, each attending to the tiers' earlier tokens (each
+    tier's read back a block at a time where prior_piece is one block)."""
     import offload.prefill
 
     monkeypatch.setattr(offload.prefill, "PREFILL_PIECE", 7)
