@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from offload.worker import MAIN
+from planner.workspace import PREFILL_PIECE
 
 PREFILL_CHUNK = 2048  # tokens per projection/MLP pass and per attention query block in prefill
-PREFILL_PIECE = 8192  # tokens of a prompt prefilled layer by layer before the next piece starts
 PRIOR_PIECE = 4096  # tokens of the device tier gathered at once for a prefill's prior KV
 
 

@@ -11,6 +11,7 @@ from planner.cost import (GB, PREFILL_EXPERT_GBPS, PREFILL_HOST_EXPERT_GBPS, lay
 from planner.hardware import HardwareProfile
 from planner.plan import KVPlan, Mode, Placement
 from planner.tensors import Group, Kind, expert_bytes, kv_bytes_per_token_layer
+from planner.workspace import PREFILL_PIECE
 
 PREFILL_MFU = 0.6  # share of the measured bf16 matmul rate a 4-bit prefill GEMM reaches (stated, not measured)
 # Per MoE layer and prefill chunk, what the GEMMs' bytes and FLOPs leave out: the launches of the
@@ -35,7 +36,8 @@ def prefill_seconds(
       chunk is computed by the CPU, like a decode step: priced here as the copy too)
       gpu   += bytes of the experts the chunk routes to / PREFILL_EXPERT_GBPS (_HOST_EXPERT_GBPS: host)
       moe    = MoE layers · PREFILL_MOE_LAYER_S                                  (not overlapped)
-      h2d    = streamed W + host-tier KV written before s (read back for attention) / PCIe
+      h2d    = streamed W + host-tier KV written before each piece start in [s, s+u) (read back
+               for attention once a piece, `PREFILL_PIECE`, as stored) / PCIe
       d2h    = host-tier KV of the chunk / PCIe
       t      = max(gpu, h2d, d2h) + cpu + moe + L · overhead                     (copies double-buffered)
     Without a GPU: t = all flops / CPU flop rate.
@@ -43,6 +45,7 @@ def prefill_seconds(
     pairs = layer_groups(cfg, placements)
     L = cfg.num_layers
     kv_bf16 = kv_bytes_per_token_layer(cfg, KVDtype.BF16, kv.block_size)
+    kv_host = kv_bytes_per_token_layer(cfg, kv.host_dtype, kv.block_size)
     active_gpu = active_cpu = streamed = cpu_bytes = host_experts = 0.0
     host_parts: list[tuple[Group, Placement]] = []
     moe_parts: list[tuple[Group, Placement]] = []
@@ -80,9 +83,10 @@ def prefill_seconds(
                        for g, pl in moe_parts)
             cpu = min(2.0 * u * active_cpu / (hw.cpu_gflops * GB), cpu_bytes / (hw.pcie_h2d_gbps * GB))
             up = sum(read_bytes(g, pl, u) for g, pl in host_parts)
-            host_before = max(0, s - kv.gpu_tokens)
+            read_back = sum(max(0, p - kv.gpu_tokens) for p in range(-(-s // PREFILL_PIECE) * PREFILL_PIECE, s + u,
+                                                                     PREFILL_PIECE))
             host_chunk = max(0, s + u - max(s, kv.gpu_tokens))
-            h2d = (streamed + up + L * host_before * kv_bf16) / (hw.pcie_h2d_gbps * GB)
+            h2d = (streamed + up + L * read_back * kv_host) / (hw.pcie_h2d_gbps * GB)
             d2h = L * host_chunk * kv_bf16 / (hw.pcie_d2h_gbps * GB)
             moe = moe_layers * PREFILL_MOE_LAYER_S
             total += max(gpu, h2d, d2h) + cpu + moe + L * hw.layer_overhead_s

@@ -9,6 +9,9 @@ from planner.plan import Workload
 
 
 MOE_HOST_PIECE_BYTES = 64 * 2**20  # host experts a prefill chunk copies up at once (two in flight: offload/moe.py)
+# Tokens of a prompt the runtime prefills layer by layer before the next piece starts (offload/prefill.py):
+# each piece reads a layer's earlier KV back once (planner/prefill_cost.py prices it so).
+PREFILL_PIECE = 8192
 
 
 def moe_host_piece_bytes(cfg: ModelConfig) -> int:
