@@ -92,7 +92,7 @@ class Prefill:
                 buf[:, j * BS:j * BS + n].copy_(t[0, :, :n])
         for j in range(0, len(host_blocks), per):
             n = min(n_host - j * BS, per * BS)
-            for buf, t in zip(bufs, c.host.gather(i, host_blocks[j:j + per], n, device=bufs[0].device)):
+            for buf, t in zip(bufs, c.host.gather(i, host_blocks[j:j + per], n, device=self.dev)):
                 buf[:, n_gpu + j * BS:n_gpu + j * BS + n].copy_(t)
 
     @staticmethod

@@ -172,9 +172,10 @@ def decode_step(
     sub = [batch // sub_batches + (1 if i < batch % sub_batches else 0) for i in range(sub_batches)]
     attn_rate = hw.cpu_attention_rate(kv.host_dtype, threads)
     run_cost = hw.cpu_run_cost(kv.host_dtype, threads, run_rows)  # a run's rows: arithmetic grows with them
+    reads_g, reads_c = kv_reads(cfg, batch, run_rows)
     if T_s and hw.dram_read_gbps:  # DRAM shared with the stream (MIN_CPU_DRAM_SHARE)
         # the stream's share of the CPU's phase: (B · T_s · kvb / PCIe) / (reads · T_cpu · kvb / CPU rate)
-        duty = min(1.0, batch * T_s * attn_rate / max(kv_reads(cfg, batch, run_rows)[1] * (T_c - T_s) * hw.pcie_h2d_gbps, 1e-9))
+        duty = min(1.0, batch * T_s * attn_rate / max(reads_c * (T_c - T_s) * hw.pcie_h2d_gbps, 1e-9))
         attn_rate = min(attn_rate, max(hw.dram_read_gbps - duty * STREAM_PCIE_SHARE * hw.pcie_h2d_gbps,
                                        MIN_CPU_DRAM_SHARE * hw.dram_read_gbps))
     terms = dict.fromkeys(("gpu weights", "gpu attention", "cpu attention", "cpu weights", "cpu experts",
@@ -197,7 +198,6 @@ def decode_step(
     a_s = batch * T_s * kvb_h / (STREAM_PCIE_SHARE * max(hw.pcie_h2d_gbps, 1e-9) * GB)
     if T_s:
         a_d = batch * T_c * kvb_h / (max(hw.dram_read_gbps, 1e-9) * GB)
-    reads_g, reads_c = kv_reads(cfg, batch, run_rows)
     # a layer's loop overhead, by the runtime's decode strategy: the whole-step graph, the lean loop, the general loop
     loop_s = GRAPH_LAYER_OVERHEAD_S if lean and not T_c else sub_batches * GENERAL_LOOP_OVERHEAD_S if not lean \
         else hw.layer_overhead_s if sub_batches == 1 else sub_batches * LEAN_PAIR_PART_S
